@@ -1,0 +1,258 @@
+"""The telemetry contract: every span, attribute and metric name tokentrace emits or reads.
+
+OpenTelemetry GenAI semantic-convention names are used wherever the conventions define one;
+everything else lives under ``tokentrace.``. This is the only module that spells these strings:
+the agent, the processors and the collector import them from here. ``docs/telemetry.md`` is
+generated from this module (``python -m tokentrace.agent.semconv``) and a test keeps it current.
+
+Units: timestamps and durations on spans are integer nanoseconds (as in OTLP) unless the name
+says otherwise; metrics are in seconds, as the GenAI conventions require.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --- span names -------------------------------------------------------------------------------
+SPAN_REQUEST: Final = "llm.request"
+"""The whole server-side life of one generation request: engine arrival to response complete."""
+SPAN_QUEUE: Final = "llm.queue"
+"""Engine arrival to first scheduled."""
+SPAN_PREFILL: Final = "llm.prefill"
+"""First scheduled to first output token; with chunked prefill, one child per chunk."""
+SPAN_PREFILL_CHUNK: Final = "llm.prefill.chunk"
+"""One chunk of a chunked prefill (child of ``llm.prefill``)."""
+SPAN_DECODE: Final = "llm.decode"
+"""First to last output token; carries the per-token emission offsets."""
+SPAN_PREEMPTED: Final = "llm.preempted"
+"""One interval during which the request was evicted and waited to resume."""
+SPAN_POSTPROCESS: Final = "llm.postprocess"
+"""Last output token to response complete."""
+SPAN_ENGINE_STEP: Final = "llm.engine.step"
+"""One scheduler iteration of the engine."""
+SPAN_COLD_START: Final = "llm.cold_start"
+"""One per server process: process start to ready to serve."""
+SPAN_COLD_START_IMPORT: Final = "llm.cold_start.import"
+SPAN_COLD_START_WEIGHT_LOAD: Final = "llm.cold_start.weight_load"
+SPAN_COLD_START_KV_CACHE: Final = "llm.cold_start.kv_cache"
+SPAN_COLD_START_WARMUP: Final = "llm.cold_start.warmup"
+SPAN_CLIENT_REQUEST: Final = "llm.client.request"
+"""A load generator's or instrumented client's span around one request."""
+
+# Other dialects the collector reads.
+VLLM_SPAN_REQUEST: Final = "llm_request"
+"""vLLM's built-in per-request span (``--otlp-traces-endpoint``, scope ``vllm.tracing.otel``)."""
+VLLM_TRACING_SCOPE: Final = "vllm.tracing.otel"
+
+# --- OpenTelemetry resource / general attributes ------------------------------------------------
+SERVICE_NAME: Final = "service.name"
+PROCESS_PID: Final = "process.pid"
+HOST_NAME: Final = "host.name"
+K8S_NODE_NAME: Final = "k8s.node.name"
+K8S_POD_NAME: Final = "k8s.pod.name"
+K8S_NAMESPACE_NAME: Final = "k8s.namespace.name"
+HTTP_REQUEST_METHOD: Final = "http.request.method"
+HTTP_RESPONSE_STATUS_CODE: Final = "http.response.status_code"
+URL_PATH: Final = "url.path"
+ERROR_TYPE: Final = "error.type"
+
+# --- GenAI semantic conventions -----------------------------------------------------------------
+GEN_AI_OPERATION_NAME: Final = "gen_ai.operation.name"
+GEN_AI_PROVIDER_NAME: Final = "gen_ai.provider.name"
+GEN_AI_SYSTEM: Final = "gen_ai.system"
+"""Deprecated predecessor of ``gen_ai.provider.name``; still read."""
+GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"
+GEN_AI_RESPONSE_MODEL: Final = "gen_ai.response.model"
+GEN_AI_RESPONSE_ID: Final = "gen_ai.response.id"
+GEN_AI_REQUEST_MAX_TOKENS: Final = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE: Final = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P: Final = "gen_ai.request.top_p"
+GEN_AI_USAGE_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: Final = "gen_ai.usage.cache_read.input_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"
+
+# Operation names (values of gen_ai.operation.name).
+OPERATION_CHAT: Final = "chat"
+OPERATION_TEXT_COMPLETION: Final = "text_completion"
+OPERATION_GENERATE_CONTENT: Final = "generate_content"
+
+# vLLM's built-in tracing (older GenAI names, all latencies in seconds).
+VLLM_LATENCY_TTFT: Final = "gen_ai.latency.time_to_first_token"
+VLLM_LATENCY_E2E: Final = "gen_ai.latency.e2e"
+VLLM_LATENCY_QUEUE: Final = "gen_ai.latency.time_in_queue"
+VLLM_LATENCY_PREFILL: Final = "gen_ai.latency.time_in_model_prefill"
+VLLM_LATENCY_DECODE: Final = "gen_ai.latency.time_in_model_decode"
+VLLM_LATENCY_INFERENCE: Final = "gen_ai.latency.time_in_model_inference"
+VLLM_USAGE_PROMPT_TOKENS: Final = "gen_ai.usage.prompt_tokens"
+VLLM_USAGE_COMPLETION_TOKENS: Final = "gen_ai.usage.completion_tokens"
+VLLM_REQUEST_ID: Final = "gen_ai.request.id"
+VLLM_REQUEST_N: Final = "gen_ai.request.n"
+
+# --- tokentrace attributes set by the agent -------------------------------------------------------
+REQUEST_ID: Final = "tokentrace.request.id"
+"""The serving engine's own id for the request."""
+COLD_START_READY_TIME: Final = "tokentrace.cold_start.ready_time"
+"""Unix ns at which the server became ready; set on requests that arrived before it."""
+QUEUE_REQUESTS_AHEAD: Final = "tokentrace.queue.requests_ahead"
+"""Requests waiting ahead of this one when it arrived."""
+QUEUE_RUNNING_AT_ARRIVAL: Final = "tokentrace.queue.running"
+"""Requests running when this one arrived."""
+QUEUE_MAX_RUNNING: Final = "tokentrace.queue.max_running"
+"""The engine's admission limit (e.g. vLLM ``max_num_seqs``): the batch is full at this count."""
+PROMPT_PREFIX_HASH: Final = "tokentrace.prompt.prefix_hash"
+"""A hash of the prompt's first tokens (never the text): repeated prefixes are detectable."""
+PREFILL_CHUNK_TOKENS: Final = "tokentrace.prefill.tokens"
+"""Prompt tokens computed in a prefill span or chunk."""
+DECODE_TOKEN_OFFSETS: Final = "tokentrace.decode.token_offsets_us"
+"""Integer array: each output token's emission time in µs after the first output token."""
+DECODE_TOKEN_OFFSETS_DROPPED: Final = "tokentrace.decode.token_offsets_dropped"
+"""How many token offsets the cap left out (absent or 0 when all were recorded)."""
+DECODE_OUTLIER_STEPS_WITH_PREFILL: Final = "tokentrace.decode.outlier_steps_with_prefill"
+"""Inter-token outliers whose engine step also scheduled a prefill of another request."""
+CLIENT_FIRST_TOKEN_TIME: Final = "tokentrace.client.first_token_time"
+"""Unix ns at which the client received the first output token."""
+ENGINE_STEP_BATCH_SIZE: Final = "tokentrace.step.batch_size"
+ENGINE_STEP_PREFILL_REQUESTS: Final = "tokentrace.step.prefill_requests"
+ENGINE_STEP_DECODE_REQUESTS: Final = "tokentrace.step.decode_requests"
+ENGINE_STEP_PREFILL_TOKENS: Final = "tokentrace.step.prefill_tokens"
+ENGINE_STEP_DECODE_TOKENS: Final = "tokentrace.step.decode_tokens"
+ENGINE_STEP_KV_CACHE_USAGE: Final = "tokentrace.step.kv_cache_usage"
+ENGINE_STEP_WAITING: Final = "tokentrace.step.waiting"
+ENGINE_STEP_RUNNING: Final = "tokentrace.step.running"
+ENGINE_STEP_REQUEST_IDS: Final = "tokentrace.step.request_ids"
+
+# GPU aggregates over a span's window (set by the node agent).
+GPU_UTILIZATION_MEAN: Final = "tokentrace.gpu.utilization.mean"
+GPU_UTILIZATION_MAX: Final = "tokentrace.gpu.utilization.max"
+GPU_MEMORY_BANDWIDTH_GBPS: Final = "tokentrace.gpu.memory_bandwidth.gbps"
+GPU_MEMORY_BANDWIDTH_PEAK_RATIO: Final = "tokentrace.gpu.memory_bandwidth.peak_ratio"
+"""Mean memory bandwidth over the window as a fraction of the GPU's peak (0..1)."""
+GPU_MEMORY_USED_BYTES: Final = "tokentrace.gpu.memory.used_bytes"
+GPU_POWER_WATTS: Final = "tokentrace.gpu.power.watts"
+
+# --- tokentrace attributes added by the collector (enrichment) ------------------------------------
+BUDGET_PREFIX: Final = "tokentrace.budget."
+"""``tokentrace.budget.<segment>_ns``: the request's E2E budget, integer ns per segment."""
+TTFT_BUDGET_PREFIX: Final = "tokentrace.ttft_budget."
+"""``tokentrace.ttft_budget.<segment>_ns``: the budget of the time to first token."""
+TTFT_NS: Final = "tokentrace.ttft_ns"
+TPOT_NS: Final = "tokentrace.tpot_ns"
+E2E_NS: Final = "tokentrace.e2e_ns"
+PROMPT_BUCKET: Final = "tokentrace.prompt.bucket"
+DIAGNOSIS_SEGMENT: Final = "tokentrace.diagnosis.segment"
+DIAGNOSIS_CAUSE: Final = "tokentrace.diagnosis.cause"
+DIAGNOSIS_VERDICT: Final = "tokentrace.diagnosis.verdict"
+DIAGNOSIS_ADVICE: Final = "tokentrace.diagnosis.advice"
+SLO_MET: Final = "tokentrace.slo.met"
+"""String array: names of the targets this request met."""
+SLO_BREACHED: Final = "tokentrace.slo.breached"
+"""String array: names of the targets this request breached."""
+
+# --- budget segments (one partition of E2E, in time order) ---------------------------------------
+SEGMENT_NETWORK: Final = "network"
+SEGMENT_HTTP: Final = "http"
+SEGMENT_COLD_START: Final = "cold_start"
+SEGMENT_QUEUE: Final = "queue"
+SEGMENT_PREFILL: Final = "prefill"
+SEGMENT_PREEMPTED: Final = "preempted"
+SEGMENT_DECODE: Final = "decode"
+SEGMENT_POSTPROCESS: Final = "postprocess"
+SEGMENT_UNATTRIBUTED: Final = "unattributed"
+"""Time a client observed that no server span explains (a client-only trace)."""
+SEGMENTS: Final = (
+    SEGMENT_NETWORK,
+    SEGMENT_HTTP,
+    SEGMENT_COLD_START,
+    SEGMENT_QUEUE,
+    SEGMENT_PREFILL,
+    SEGMENT_PREEMPTED,
+    SEGMENT_DECODE,
+    SEGMENT_POSTPROCESS,
+    SEGMENT_UNATTRIBUTED,
+)
+
+
+def budget_attribute(segment: str) -> str:
+    """The enrichment attribute carrying one E2E budget segment in ns."""
+    return f"{BUDGET_PREFIX}{segment}_ns"
+
+
+def ttft_budget_attribute(segment: str) -> str:
+    """The enrichment attribute carrying one TTFT budget segment in ns."""
+    return f"{TTFT_BUDGET_PREFIX}{segment}_ns"
+
+
+# --- latency metrics (per request, what the sketches and SLOs are over) ---------------------------
+METRIC_TTFT: Final = "ttft"
+METRIC_TPOT: Final = "tpot"
+METRIC_ITL: Final = "itl"
+METRIC_E2E: Final = "e2e"
+METRIC_QUEUE: Final = "queue"
+METRIC_PREFILL: Final = "prefill"
+METRIC_DECODE: Final = "decode"
+METRIC_NETWORK: Final = "network"
+LATENCY_METRICS: Final = (
+    METRIC_TTFT,
+    METRIC_TPOT,
+    METRIC_ITL,
+    METRIC_E2E,
+    METRIC_QUEUE,
+    METRIC_PREFILL,
+    METRIC_DECODE,
+    METRIC_NETWORK,
+)
+
+# OTLP metric names (exponential histograms, unit seconds). GenAI names where they exist.
+OTLP_METRIC_NAMES: Final = {
+    METRIC_TTFT: "gen_ai.server.time_to_first_token",
+    METRIC_TPOT: "gen_ai.server.time_per_output_token",
+    METRIC_E2E: "gen_ai.server.request.duration",
+    METRIC_ITL: "tokentrace.server.inter_token_latency",
+    METRIC_QUEUE: "tokentrace.server.queue.duration",
+    METRIC_PREFILL: "tokentrace.server.prefill.duration",
+    METRIC_DECODE: "tokentrace.server.decode.duration",
+    METRIC_NETWORK: "tokentrace.network.duration",
+}
+METRIC_UNIT_SECONDS: Final = "s"
+
+# Metric data-point attributes (the percentile key).
+METRIC_ATTR_SERVICE: Final = SERVICE_NAME
+METRIC_ATTR_MODEL: Final = GEN_AI_REQUEST_MODEL
+METRIC_ATTR_OPERATION: Final = GEN_AI_OPERATION_NAME
+METRIC_ATTR_PROMPT_BUCKET: Final = PROMPT_BUCKET
+
+# Instrumentation scope of what the collector itself emits.
+COLLECTOR_SCOPE: Final = "tokentrace.collector"
+
+
+def _contract_table() -> str:
+    """The docs table: every public constant of this module with its value and description."""
+    import ast
+    import inspect
+    import sys
+
+    source = inspect.getsource(sys.modules[__name__])
+    docs: dict[str, str] = {}
+    body = ast.parse(source).body
+    for node, following in zip(body, [*body[1:], None], strict=True):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    rows = ["| constant | value | meaning |", "|---|---|---|"]
+    module = sys.modules[__name__]
+    for name in sorted(vars(module)):
+        value = getattr(module, name)
+        if name.startswith("_") or not name.isupper() or not isinstance(value, str):
+            continue
+        rows.append(f"| `{name}` | `{value}` | {docs.get(name, '')} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(_contract_table(), end="")

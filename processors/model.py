@@ -1,0 +1,163 @@
+"""The data the processors exchange: received spans in, one record per request out.
+
+Spans stay OTLP protobuf messages end to end (parsed once by a receiver, re-serialised once by
+an exporter): building Python objects per span is the collector's dominant cost, so processors
+read only the attributes they need, straight from the protobuf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+
+@dataclass(slots=True)
+class SpanRef:
+    """One received span with the resource and scope it arrived under (shared references)."""
+
+    span: Span
+    resource: Resource
+    scope: InstrumentationScope
+    service: str
+    """``service.name`` of the resource, read once per resource by the receiver."""
+
+
+@dataclass(slots=True)
+class AssembledTrace:
+    """All spans of one trace that arrived before assembly finished it."""
+
+    trace_id: bytes
+    spans: list[SpanRef]
+
+
+@dataclass(slots=True)
+class RequestTimeline:
+    """One request on one time axis, whatever dialect its spans came in.
+
+    All times are absolute Unix nanoseconds. ``None`` means the dialect did not say. Server-side
+    times (``server_*`` through ``end``) share one clock domain (one host); client times may come
+    from another host's clock and are only compared with each other.
+    """
+
+    trace_id: bytes
+    span_id: bytes
+    """The span that represents the request (``llm.request``, vLLM's ``llm_request``, or a
+    GenAI client span for a client-only trace); enrichment attributes go on it."""
+    dialect: str
+    """``tokentrace`` | ``vllm`` | ``genai_client``."""
+    service: str
+    model: str
+    operation: str
+
+    # Client view (optional): the client span around the request.
+    client_start: int | None = None
+    client_end: int | None = None
+    client_first_token: int | None = None
+
+    # Server view. server_start/server_end come from the incoming HTTP server span when there is
+    # one, else they equal arrival/end.
+    server_start: int | None = None
+    server_end: int | None = None
+    arrival: int | None = None
+    """Engine arrival: start of ``llm.request``."""
+    ready: int | None = None
+    """When the server became ready, for requests that arrived during its cold start."""
+    first_scheduled: int | None = None
+    first_token: int | None = None
+    last_token: int | None = None
+    end: int | None = None
+    """Response complete: end of ``llm.request``."""
+
+    preempted: list[tuple[int, int]] = field(default_factory=list)
+    prefill_chunks: list[tuple[int, int, int]] = field(default_factory=list)
+    """(start, end, tokens) per prefill chunk; one entry for an unchunked prefill."""
+    token_offsets_us: list[int] = field(default_factory=list)
+    """Each output token's time in µs after the first output token (first entry 0)."""
+    token_offsets_dropped: int = 0
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    request_id: str | None = None
+    status_error: str | None = None
+    """Error description when the request span ended with an error status."""
+
+    # Context for the diagnosis, when the agent recorded it.
+    requests_ahead: int | None = None
+    running_at_arrival: int | None = None
+    max_running: int | None = None
+    prefix_hash: str | None = None
+    outlier_steps_with_prefill: int | None = None
+    decode_bandwidth_peak_ratio: float | None = None
+    """Mean GPU memory bandwidth during decode as a fraction of peak (node agent)."""
+
+
+@dataclass(slots=True)
+class Budget:
+    """Segments that partition a request's E2E exactly (integer ns, in time order)."""
+
+    e2e_ns: int
+    segments: dict[str, int]
+    """segment name (``semconv.SEGMENTS``) -> ns; values are >= 0 and sum to ``e2e_ns``."""
+    ttft_ns: int | None
+    """Server-side TTFT, None when the request produced no token."""
+    ttft_segments: dict[str, int]
+    """The same partition over the time before the first token; sums to ``ttft_ns`` (or is
+    empty when ``ttft_ns`` is None)."""
+    skew_clamped: bool = False
+    """True when out-of-order timestamps (clock skew between processes or hosts) were clamped."""
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """The latency values of one request, in ns, as the sketches and SLOs see them."""
+
+    ttft: int | None
+    tpot: int | None
+    e2e: int
+    queue: int | None
+    prefill: int | None
+    decode: int | None
+    network: int | None
+    itl: list[int]
+    """Every gap between consecutive output tokens, in ns."""
+
+    def value(self, metric: str) -> int | None:
+        """The single value of ``metric`` (ITL: the largest gap) or None when undefined."""
+        if metric == "itl":
+            return max(self.itl) if self.itl else None
+        value: int | None = getattr(self, metric)
+        return value
+
+
+@dataclass(slots=True)
+class Verdict:
+    """The dominant cost of a request or a window, with a cause and advice."""
+
+    segment: str
+    """The dominant budget segment."""
+    cause: str
+    """A stable identifier, e.g. ``queueing`` (see ``diagnosis.CAUSES``)."""
+    sentence: str
+    """One line for people, citing the numbers, e.g.
+    ``82% of TTFT was queue wait (410 ms): 37 requests ahead, batch full (256/256)``."""
+    advice: str
+    numbers: dict[str, float | int | str]
+    """The values the verdict used, for scripts and the UI."""
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """Everything the collector derived for one request."""
+
+    timeline: RequestTimeline
+    budget: Budget
+    metrics: RequestMetrics
+    prompt_bucket: str
+    verdict: Verdict | None = None
+    slo: dict[str, bool] = field(default_factory=dict)
+    """target name -> met."""
