@@ -226,8 +226,8 @@ METRIC_ATTR_PROMPT_BUCKET: Final = PROMPT_BUCKET
 COLLECTOR_SCOPE: Final = "tokentrace.collector"
 
 
-def _contract_table() -> str:
-    """The docs table: every public constant of this module with its value and description."""
+def contract_markdown() -> str:
+    """``docs/telemetry.md``: every public constant of this module with its value and meaning."""
     import ast
     import inspect
     import sys
@@ -244,7 +244,16 @@ def _contract_table() -> str:
             and isinstance(following.value.value, str)
         ):
             docs[node.target.id] = " ".join(following.value.value.split())
-    rows = ["| constant | value | meaning |", "|---|---|---|"]
+    rows = [
+        "# The tokentrace telemetry contract",
+        "",
+        "Generated from `agent/semconv.py` by `make docs`; a test keeps it current.",
+        "GenAI semantic-convention names are used where they exist; everything else is under",
+        "`tokentrace.`. Span times and durations are integer nanoseconds; metrics are seconds.",
+        "",
+        "| constant | value | meaning |",
+        "|---|---|---|",
+    ]
     module = sys.modules[__name__]
     for name in sorted(vars(module)):
         value = getattr(module, name)
@@ -255,4 +264,4 @@ def _contract_table() -> str:
 
 
 if __name__ == "__main__":
-    print(_contract_table(), end="")
+    print(contract_markdown(), end="")

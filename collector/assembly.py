@@ -1,0 +1,164 @@
+"""Trace assembly: group spans by trace id until the trace is complete, in bounded memory.
+
+A trace is finished when its root span (no parent) arrived ``root_grace_s`` ago, or when no span
+of it arrived for ``quiet_period_s``. Limits, each with a counter:
+
+- ``max_traces``: the oldest pending trace is finished early (processed with what it has) rather
+  than dropped: a partial trace still yields a request when its request span arrived.
+- ``max_spans_per_trace``: further spans of that trace are dropped.
+- ``max_pending_spans``: ``add`` raises ``Overloaded`` so receivers ask senders to retry later,
+  which turns a burst into back-pressure instead of data loss.
+
+Spans that arrive for a trace finished recently are assembled as a new fragment and counted as
+``late_spans``. The receivers call ``add`` from their threads; the pipeline thread calls
+``pop_finished``; both take one short lock, and no processing happens under it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokentrace.collector.consumer import Overloaded
+from tokentrace.processors.model import AssembledTrace, SpanRef
+
+_RECENTLY_FINISHED_CAP = 100_000
+
+
+@dataclass(slots=True)
+class _PendingTrace:
+    spans: list[SpanRef]
+    last_update: float
+    root_seen_at: float | None = None
+
+
+@dataclass(slots=True)
+class AssemblyStats:
+    traces_finished: int = 0
+    traces_finished_early: int = 0
+    """Finished before complete because max_traces was reached."""
+    spans_dropped: int = 0
+    """Dropped because their trace already held max_spans_per_trace spans."""
+    late_spans: int = 0
+    """Arrived after their trace was finished (assembled as a new fragment)."""
+    refused_batches: int = 0
+    """Batches refused with Overloaded because max_pending_spans was reached."""
+
+
+class TraceAssembler:
+    def __init__(
+        self,
+        *,
+        quiet_period_s: float,
+        root_grace_s: float,
+        max_traces: int,
+        max_spans_per_trace: int,
+        max_pending_spans: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._quiet_period_s = quiet_period_s
+        self._root_grace_s = root_grace_s
+        self._max_traces = max_traces
+        self._max_spans_per_trace = max_spans_per_trace
+        self._max_pending_spans = max_pending_spans
+        self._clock = clock
+        self._lock = threading.Lock()
+        # Ordered by last update: the front holds the traces quiet the longest.
+        self._pending: OrderedDict[bytes, _PendingTrace] = OrderedDict()
+        self._root_done: OrderedDict[bytes, float] = OrderedDict()
+        self._early: list[AssembledTrace] = []
+        self._recently_finished: OrderedDict[bytes, None] = OrderedDict()
+        self._pending_spans = 0
+        self.stats = AssemblyStats()
+
+    @property
+    def pending_spans(self) -> int:
+        return self._pending_spans
+
+    @property
+    def pending_traces(self) -> int:
+        return len(self._pending)
+
+    def add(self, spans_by_trace: dict[bytes, list[SpanRef]], span_count: int) -> None:
+        """Add one received batch, already grouped by trace id. Raises ``Overloaded``."""
+        now = self._clock()
+        with self._lock:
+            if self._pending_spans + span_count > self._max_pending_spans:
+                self.stats.refused_batches += 1
+                raise Overloaded(
+                    f"{self._pending_spans} spans are waiting for assembly "
+                    f"(max_pending_spans={self._max_pending_spans})",
+                    retry_after_s=max(1.0, self._root_grace_s),
+                )
+            for trace_id, refs in spans_by_trace.items():
+                pending = self._pending.get(trace_id)
+                if pending is None:
+                    if trace_id in self._recently_finished:
+                        self.stats.late_spans += len(refs)
+                    if len(self._pending) >= self._max_traces:
+                        self._finish_oldest_early()
+                    pending = _PendingTrace(spans=[], last_update=now)
+                    self._pending[trace_id] = pending
+                else:
+                    pending.last_update = now
+                    self._pending.move_to_end(trace_id)
+                room = self._max_spans_per_trace - len(pending.spans)
+                if room < len(refs):
+                    self.stats.spans_dropped += len(refs) - max(room, 0)
+                    refs = refs[: max(room, 0)]
+                pending.spans.extend(refs)
+                self._pending_spans += len(refs)
+                if pending.root_seen_at is None:
+                    for ref in refs:
+                        if not ref.span.parent_span_id:
+                            pending.root_seen_at = now
+                            self._root_done[trace_id] = now
+                            break
+
+    def _finish_oldest_early(self) -> None:
+        trace_id, pending = self._pending.popitem(last=False)
+        self._root_done.pop(trace_id, None)
+        self._pending_spans -= len(pending.spans)
+        self._early.append(AssembledTrace(trace_id=trace_id, spans=pending.spans))
+        self._remember_finished(trace_id)
+        self.stats.traces_finished_early += 1
+
+    def _remember_finished(self, trace_id: bytes) -> None:
+        self._recently_finished[trace_id] = None
+        if len(self._recently_finished) > _RECENTLY_FINISHED_CAP:
+            self._recently_finished.popitem(last=False)
+
+    def pop_finished(self, *, flush_all: bool = False) -> list[AssembledTrace]:
+        """Traces that are complete now (all pending ones with ``flush_all``, at shutdown)."""
+        now = self._clock()
+        finished: list[AssembledTrace] = []
+        with self._lock:
+            finished.extend(self._early)
+            self._early.clear()
+            if flush_all:
+                ready = list(self._pending)
+            else:
+                ready = []
+                quiet_before = now - self._quiet_period_s
+                for trace_id, pending in self._pending.items():
+                    if pending.last_update > quiet_before:
+                        break
+                    ready.append(trace_id)
+                root_before = now - self._root_grace_s
+                for trace_id, seen_at in self._root_done.items():
+                    if seen_at > root_before:
+                        break
+                    ready.append(trace_id)
+            for trace_id in ready:
+                pending_or_none = self._pending.pop(trace_id, None)
+                self._root_done.pop(trace_id, None)
+                if pending_or_none is None:
+                    continue  # listed twice: quiet and root-finished
+                self._pending_spans -= len(pending_or_none.spans)
+                finished.append(AssembledTrace(trace_id=trace_id, spans=pending_or_none.spans))
+                self._remember_finished(trace_id)
+            self.stats.traces_finished += len(finished)
+        return finished

@@ -1,0 +1,90 @@
+"""The request store as a pipeline sink: request rows, trace spans, live percentile slices."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from tokentrace.collector.config import StoreConfig
+from tokentrace.collector.store.sqlite import RequestStore
+from tokentrace.processors.slo import SloTarget
+
+if TYPE_CHECKING:
+    from tokentrace.collector.pipeline import Pipeline, ProcessedTrace
+
+_log = logging.getLogger(__name__)
+
+_DEFAULT_PRUNE_INTERVAL_S = 60.0
+META_SLO_TARGETS = "slo_targets"
+META_COLLECTOR_STATS = "collector_stats"
+META_STARTED_NS = "collector_started_ns"
+
+
+def targets_to_json(targets: Sequence[SloTarget]) -> str:
+    return json.dumps(
+        [
+            {
+                "name": target.name,
+                "metric": target.metric,
+                "percentile": target.percentile,
+                "threshold": f"{target.threshold_ns}ns",
+                "selector": dict(target.selector),
+            }
+            for target in targets
+        ]
+    )
+
+
+class StoreSink:
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        slo_targets: Sequence[SloTarget] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = RequestStore(
+            config.path, retention_s=config.retention_s, max_requests=config.max_requests
+        )
+        self._clock = clock
+        self._next_prune = clock() + _DEFAULT_PRUNE_INTERVAL_S
+        self._written_requests = 0
+        self._failed_batches = 0
+        self._store.set_meta(META_SLO_TARGETS, targets_to_json(slo_targets))
+        self._store.set_meta(META_STARTED_NS, str(time.time_ns()))
+
+    @property
+    def store(self) -> RequestStore:
+        return self._store
+
+    def export_traces(self, batch: Sequence[ProcessedTrace]) -> None:
+        try:
+            self._store.write([(item.trace, item.records) for item in batch])
+        except Exception:
+            self._failed_batches += 1
+            raise
+        self._written_requests += sum(len(item.records) for item in batch)
+
+    def housekeeping(self, pipeline: Pipeline, *, final: bool = False) -> None:
+        if pipeline.percentiles is not None:
+            # The open slice too, so `tokentrace top` is live: it is rewritten until it closes.
+            percentiles = pipeline.percentiles
+            slices = percentiles.drain_closed_slices() + percentiles.open_slice()
+            if slices:
+                self._store.write_sketch_slices(slices)
+        self._store.set_meta(META_COLLECTOR_STATS, json.dumps(pipeline.stats_snapshot()))
+        if self._clock() >= self._next_prune:
+            self._store.prune()
+            self._next_prune = self._clock() + _DEFAULT_PRUNE_INTERVAL_S
+
+    def shutdown(self, timeout_s: float) -> None:
+        self._store.close()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "written_requests": self._written_requests,
+            "failed_batches": self._failed_batches,
+        }

@@ -1,0 +1,319 @@
+"""The traces pipeline: receivers -> assembly -> processors -> exporters.
+
+Receivers call ``consume_traces`` on their own threads; it only groups span references by trace
+id and hands them to the assembler (one short lock). One worker thread pops finished traces,
+derives one ``RequestRecord`` per request (normalise -> budget -> the configured processors),
+writes the derived attributes onto the request spans and hands the batch to the exporters. The
+exporters never block that thread for long: the OTLP ones enqueue pre-serialised bytes, the store
+writes one transaction per batch.
+
+Every processor is a function ``(record) -> None`` wrapped by ``_guarded``: a processor that raises
+for one request is counted under ``processor_errors`` and the request goes on without that
+processor's result, so one bad span never stalls the pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+
+from tokentrace.agent import semconv
+from tokentrace.collector.assembly import TraceAssembler
+from tokentrace.collector.config import CollectorConfig
+from tokentrace.collector.consumer import Unavailable
+from tokentrace.processors.budget import compute_budget, compute_metrics, prompt_bucket
+from tokentrace.processors.diagnosis import DiagnosisConfig, diagnose_request
+from tokentrace.processors.enrich import enrich_span
+from tokentrace.processors.model import AssembledTrace, RequestRecord, SpanRef
+from tokentrace.processors.percentiles import PercentileStore
+from tokentrace.processors.sketches import SketchKey
+from tokentrace.processors.slo import SloTarget, mark_request
+from tokentrace.processors.timeline import normalize
+
+_log = logging.getLogger(__name__)
+
+_DEFAULT_TICK_S = 0.05
+_DEFAULT_HOUSEKEEPING_S = 1.0
+_DEFAULT_PRUNE_EVERY_S = 60.0
+_SEEN_PREFIXES_CAP = 50_000
+_UNKNOWN_SERVICE = "unknown_service"
+
+RequestProcessor = Callable[[RequestRecord], None]
+
+
+class TraceSink(Protocol):
+    """What the pipeline hands finished traces to (the store, an OTLP exporter)."""
+
+    def export_traces(self, batch: Sequence[ProcessedTrace]) -> None: ...
+
+    def housekeeping(self, pipeline: Pipeline, *, final: bool = False) -> None:
+        """Periodic work on the pipeline thread (about once a second); ``final`` at shutdown."""
+
+    def shutdown(self, timeout_s: float) -> None: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+
+@dataclass(slots=True)
+class ProcessedTrace:
+    trace: AssembledTrace
+    records: list[RequestRecord]
+
+
+@dataclass(slots=True)
+class PipelineStats:
+    received_spans: int = 0
+    traces: int = 0
+    requests: int = 0
+    processor_errors: dict[str, int] = field(default_factory=dict)
+    exporter_errors: dict[str, int] = field(default_factory=dict)
+
+
+def _service_name(resource: Resource) -> str:
+    for attribute in resource.attributes:
+        if attribute.key == semconv.SERVICE_NAME:
+            return attribute.value.string_value or _UNKNOWN_SERVICE
+    return _UNKNOWN_SERVICE
+
+
+def group_by_trace(request: ExportTraceServiceRequest) -> tuple[dict[bytes, list[SpanRef]], int]:
+    """Span references of one OTLP request grouped by trace id, and the span count."""
+    groups: dict[bytes, list[SpanRef]] = {}
+    count = 0
+    for resource_spans in request.resource_spans:
+        resource = resource_spans.resource
+        service = _service_name(resource)
+        for scope_spans in resource_spans.scope_spans:
+            scope = scope_spans.scope
+            for span in scope_spans.spans:
+                ref = SpanRef(span, resource, scope, service)
+                trace_refs = groups.get(span.trace_id)
+                if trace_refs is None:
+                    groups[span.trace_id] = [ref]
+                else:
+                    trace_refs.append(ref)
+                count += 1
+    return groups, count
+
+
+def _diagnosis_processor(config: DiagnosisConfig) -> RequestProcessor:
+    # Prefix hashes seen recently, so a recomputed shared prefix can be recognised.
+    seen: OrderedDict[str, None] = OrderedDict()
+
+    def diagnose(record: RequestRecord) -> None:
+        record.verdict = diagnose_request(record, config, seen_prefixes=seen)
+        prefix = record.timeline.prefix_hash
+        if prefix:
+            seen[prefix] = None
+            seen.move_to_end(prefix)
+            if len(seen) > _SEEN_PREFIXES_CAP:
+                seen.popitem(last=False)
+
+    return diagnose
+
+
+def _slo_processor(targets: list[SloTarget]) -> RequestProcessor:
+    def mark(record: RequestRecord) -> None:
+        record.slo = mark_request(record, targets)
+
+    return mark
+
+
+def _percentiles_processor(store: PercentileStore) -> RequestProcessor:
+    def record_percentiles(record: RequestRecord) -> None:
+        timeline = record.timeline
+        key = SketchKey(timeline.service, timeline.model, timeline.operation, record.prompt_bucket)
+        store.record(key, record.metrics)
+
+    return record_percentiles
+
+
+class Pipeline:
+    """The one traces pipeline of a collector. Implements ``TraceConsumer``."""
+
+    def __init__(
+        self,
+        config: CollectorConfig,
+        *,
+        sinks: Sequence[TraceSink] = (),
+        percentile_store: PercentileStore | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+        tick_s: float = _DEFAULT_TICK_S,
+    ) -> None:
+        self.config = config
+        self._sinks = list(sinks)
+        self._monotonic = monotonic
+        self._tick_s = tick_s
+        assembly = config.assembly
+        self.assembler = TraceAssembler(
+            quiet_period_s=assembly.quiet_period_s,
+            root_grace_s=assembly.root_grace_s,
+            max_traces=assembly.max_traces,
+            max_spans_per_trace=assembly.max_spans_per_trace,
+            max_pending_spans=assembly.max_pending_spans,
+            clock=monotonic,
+        )
+        self.percentiles = percentile_store
+        if self.percentiles is None and config.percentiles is not None:
+            self.percentiles = PercentileStore(config=config.percentiles)
+        self.slo_targets = list(config.slo_targets)
+        self._processors: list[tuple[str, RequestProcessor]] = []
+        if config.diagnosis is not None:
+            self._processors.append(("diagnosis", _diagnosis_processor(config.diagnosis)))
+        if self.slo_targets:
+            self._processors.append(("slo", _slo_processor(self.slo_targets)))
+        if self.percentiles is not None:
+            self._processors.append(("percentiles", _percentiles_processor(self.percentiles)))
+        self.stats = PipelineStats()
+        self._stop = threading.Event()
+        self._accepting = True
+        self._worker: threading.Thread | None = None
+        self._worker_error: BaseException | None = None
+
+    # --- TraceConsumer -------------------------------------------------------------------------
+    def consume_traces(self, request: ExportTraceServiceRequest) -> None:
+        if not self._accepting:
+            raise Unavailable("the collector is shutting down")
+        groups, count = group_by_trace(request)
+        if count:
+            self.assembler.add(groups, count)
+            self.stats.received_spans += count
+
+    # --- processing ------------------------------------------------------------------------------
+    def process_trace(self, trace: AssembledTrace) -> ProcessedTrace:
+        """Derive the request records of one trace and enrich its request spans."""
+        records: list[RequestRecord] = []
+        try:
+            timelines = normalize(trace)
+        except Exception:  # a dialect bug must not lose the trace: pass it through unenriched
+            self._count_error(self.stats.processor_errors, "normalize")
+            _log.exception("normalising trace %s failed", trace.trace_id.hex())
+            return ProcessedTrace(trace, records)
+        for timeline in timelines:
+            try:
+                budget = compute_budget(timeline)
+                metrics = compute_metrics(timeline, budget)
+                record = RequestRecord(
+                    timeline=timeline,
+                    budget=budget,
+                    metrics=metrics,
+                    prompt_bucket=prompt_bucket(timeline.input_tokens),
+                )
+            except Exception:
+                self._count_error(self.stats.processor_errors, "budget")
+                _log.exception("budget of trace %s failed", trace.trace_id.hex())
+                continue
+            for name, processor in self._processors:
+                self._guarded(name, processor, record)
+            records.append(record)
+        if records:
+            by_span_id = {record.timeline.span_id: record for record in records}
+            for ref in trace.spans:
+                record_or_none = by_span_id.get(ref.span.span_id)
+                if record_or_none is not None:
+                    try:
+                        enrich_span(ref.span, record_or_none)
+                    except Exception:
+                        self._count_error(self.stats.processor_errors, "enrich")
+        return ProcessedTrace(trace, records)
+
+    def _guarded(self, name: str, processor: RequestProcessor, record: RequestRecord) -> None:
+        try:
+            processor(record)
+        except Exception:
+            self._count_error(self.stats.processor_errors, name)
+            _log.debug("processor %s failed", name, exc_info=True)
+
+    @staticmethod
+    def _count_error(counters: dict[str, int], name: str) -> None:
+        counters[name] = counters.get(name, 0) + 1
+
+    def process_once(self, *, flush_all: bool = False) -> int:
+        """Process every finished trace and export the batch; returns the number of traces."""
+        traces = self.assembler.pop_finished(flush_all=flush_all)
+        if not traces:
+            return 0
+        batch = [self.process_trace(trace) for trace in traces]
+        self.stats.traces += len(batch)
+        self.stats.requests += sum(len(item.records) for item in batch)
+        for sink in self._sinks:
+            try:
+                sink.export_traces(batch)
+            except Exception:
+                self._count_error(self.stats.exporter_errors, type(sink).__name__)
+                _log.exception("exporter %s failed on a batch of %d traces", sink, len(batch))
+        return len(batch)
+
+    def housekeeping(self, *, final: bool = False) -> None:
+        for sink in self._sinks:
+            try:
+                sink.housekeeping(self, final=final)
+            except Exception:
+                self._count_error(self.stats.exporter_errors, type(sink).__name__)
+                _log.exception("housekeeping of %s failed", sink)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._worker = threading.Thread(target=self._run, name="tokentrace-pipeline", daemon=True)
+        self._worker.start()
+
+    def _run(self) -> None:
+        next_housekeeping = self._monotonic() + _DEFAULT_HOUSEKEEPING_S
+        while not self._stop.is_set():
+            try:
+                processed = self.process_once()
+                if self._monotonic() >= next_housekeeping:
+                    self.housekeeping()
+                    next_housekeeping = self._monotonic() + _DEFAULT_HOUSEKEEPING_S
+            except Exception as error:  # keep serving; the error is visible in the log
+                self._worker_error = error
+                _log.exception("pipeline iteration failed")
+                processed = 0
+            if not processed:
+                self._stop.wait(self._tick_s)
+
+    def stop_accepting(self) -> None:
+        """First step of shutdown: receivers get Unavailable, senders retry elsewhere/later."""
+        self._accepting = False
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Finish every pending trace, flush the sinks, stop the worker (upstream first)."""
+        self._accepting = False
+        self._stop.set()
+        if self._worker is not None:
+            self._worker.join(timeout_s)
+        self.process_once(flush_all=True)
+        self.housekeeping(final=True)
+        deadline = time.monotonic() + timeout_s
+        for sink in self._sinks:
+            sink.shutdown(max(0.1, deadline - time.monotonic()))
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        assembly = self.assembler.stats
+        snapshot: dict[str, Any] = {
+            "received_spans": self.stats.received_spans,
+            "traces": self.stats.traces,
+            "requests": self.stats.requests,
+            "pending_spans": self.assembler.pending_spans,
+            "pending_traces": self.assembler.pending_traces,
+            "traces_finished_early": assembly.traces_finished_early,
+            "spans_dropped_trace_full": assembly.spans_dropped,
+            "late_spans": assembly.late_spans,
+            "refused_batches": assembly.refused_batches,
+            "processor_errors": dict(self.stats.processor_errors),
+            "exporter_errors": dict(self.stats.exporter_errors),
+        }
+        if self.percentiles is not None:
+            snapshot["percentile_keys_evicted"] = self.percentiles.keys_evicted
+        for sink in self._sinks:
+            for key, value in sink.stats().items():
+                snapshot[f"{type(sink).__name__}.{key}"] = value
+        return snapshot

@@ -1,0 +1,187 @@
+"""The collector service: builds the components from a config and runs them.
+
+Start order is downstream first (store and exporters, then the pipeline worker, then the
+receivers), shutdown is upstream first (receivers stop taking data, the pipeline finishes every
+pending trace, the exporters flush), so nothing accepted is lost on a clean stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from tokentrace.collector.config import CollectorConfig, ConfigError, load_config
+from tokentrace.collector.pipeline import Pipeline, TraceSink
+
+_log = logging.getLogger("tokentrace.collector")
+
+_DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class StartError(RuntimeError):
+    """A component could not start (port taken, store unwritable, ...); the message says which."""
+
+
+class Collector:
+    def __init__(
+        self, config: CollectorConfig, *, environ: Mapping[str, str] | None = None
+    ) -> None:
+        self.config = config
+        self._environ = os.environ if environ is None else environ
+        self.sinks: list[TraceSink] = []
+        self.pipeline: Pipeline | None = None
+        self.receivers: list[Any] = []
+        self._started = False
+
+    @property
+    def grpc_port(self) -> int | None:
+        return self._receiver_port("OtlpGrpcReceiver")
+
+    @property
+    def http_port(self) -> int | None:
+        return self._receiver_port("OtlpHttpReceiver")
+
+    def _receiver_port(self, kind: str) -> int | None:
+        for receiver in self.receivers:
+            if type(receiver).__name__ == kind:
+                port: int = receiver.port
+                return port
+        return None
+
+    def start(self) -> None:
+        from tokentrace.collector.exporters.store_sink import StoreSink
+        from tokentrace.collector.exporters.upstream_sink import UpstreamSink
+
+        config = self.config
+        try:
+            if config.store is not None:
+                self.sinks.append(StoreSink(config.store, slo_targets=config.slo_targets))
+            for upstream in config.upstream:
+                self.sinks.append(UpstreamSink(upstream, environ=self._environ))
+            self.pipeline = Pipeline(config, sinks=self.sinks)
+            self.pipeline.start()
+            self._start_receivers(self.pipeline)
+        except Exception:
+            self.shutdown(timeout_s=1.0)
+            raise
+        self._started = True
+
+    def _start_receivers(self, pipeline: Pipeline) -> None:
+        from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
+        from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
+
+        config = self.config
+        if config.grpc is not None:
+            grpc_receiver = OtlpGrpcReceiver(
+                pipeline,
+                endpoint=config.grpc.endpoint,
+                max_recv_msg_size=config.grpc.max_recv_msg_size,
+                auth_token=config.grpc.auth_token,
+                tls_cert_file=config.grpc.tls_cert_file,
+                tls_key_file=config.grpc.tls_key_file,
+            )
+            grpc_receiver.start()
+            self.receivers.append(grpc_receiver)
+        if config.http is not None:
+            http_receiver = OtlpHttpReceiver(
+                pipeline,
+                endpoint=config.http.endpoint,
+                max_request_body_size=config.http.max_request_body_size,
+                auth_token=config.http.auth_token,
+                tls_cert_file=config.http.tls_cert_file,
+                tls_key_file=config.http.tls_key_file,
+            )
+            http_receiver.start()
+            self.receivers.append(http_receiver)
+
+    def flush(self) -> None:
+        """Finish and export every pending trace now (tests, the demo, shutdown)."""
+        if self.pipeline is not None:
+            self.pipeline.process_once(flush_all=True)
+            self.pipeline.housekeeping()
+
+    def shutdown(self, timeout_s: float = _DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+        if self.pipeline is not None:
+            self.pipeline.stop_accepting()
+        for receiver in reversed(self.receivers):
+            try:
+                receiver.shutdown()
+            except Exception:
+                _log.exception("stopping %s failed", type(receiver).__name__)
+        self.receivers.clear()
+        if self.pipeline is not None:
+            self.pipeline.shutdown(timeout_s)
+            self.pipeline = None
+        else:
+            for sink in self.sinks:
+                sink.shutdown(timeout_s)
+        self.sinks.clear()
+
+    def stats(self) -> dict[str, Any]:
+        snapshot: dict[str, Any] = self.pipeline.stats_snapshot() if self.pipeline else {}
+        for receiver in self.receivers:
+            for key, value in receiver.stats().items():
+                snapshot[f"{type(receiver).__name__}.{key}"] = value
+        return snapshot
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``tokentrace collector``: run until SIGINT/SIGTERM."""
+    logging.basicConfig(
+        level=os.environ.get("TOKENTRACE_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = load_config(args.config, store_path=args.store)
+    except ConfigError as error:
+        print(f"tokentrace collector: configuration error: {error}", file=sys.stderr)
+        return 2
+    collector = Collector(config)
+    try:
+        collector.start()
+    except Exception as error:  # port taken, unwritable store, bad TLS files...
+        print(f"tokentrace collector: cannot start: {error}", file=sys.stderr)
+        return 1
+    for line in describe(collector):
+        print(line, flush=True)
+    stop = threading.Event()
+
+    def request_stop(signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    stop.wait()
+    print("tokentrace collector: shutting down (finishing pending traces)", flush=True)
+    collector.shutdown()
+    return 0
+
+
+def describe(collector: Collector) -> list[str]:
+    config = collector.config
+    lines = []
+    if config.grpc is not None:
+        host = config.grpc.endpoint.rpartition(":")[0]
+        lines.append(f"OTLP/gRPC receiver listening on {host}:{collector.grpc_port}")
+    if config.http is not None:
+        host = config.http.endpoint.rpartition(":")[0]
+        lines.append(
+            f"OTLP/HTTP receiver listening on http://{host}:{collector.http_port}/v1/traces"
+        )
+    if config.store is not None:
+        lines.append(f"request store: {os.path.abspath(config.store.path)}")
+    for upstream in config.upstream:
+        target = upstream.settings.get("endpoint") or "(from OTEL_EXPORTER_OTLP_* environment)"
+        lines.append(f"exporting enriched spans and metrics to {target}")
+    if not config.upstream:
+        lines.append("no upstream export (set OTEL_EXPORTER_OTLP_ENDPOINT or an otlp exporter)")
+    if config.slo_targets:
+        names = ", ".join(target.name for target in config.slo_targets)
+        lines.append(f"SLO targets: {names}")
+    return lines

@@ -1,0 +1,595 @@
+"""Normalise every supported span dialect into one ``RequestTimeline`` per request.
+
+Dialects, read straight from the OTLP protobuf spans:
+
+``tokentrace``
+    tokentrace's own ``llm.request`` span with its phase children (``llm.queue``,
+    ``llm.prefill`` and its ``llm.prefill.chunk`` children, ``llm.decode``, ``llm.preempted``,
+    ``llm.postprocess``), matched by ``parent_span_id``.
+``vllm``
+    vLLM's built-in ``llm_request`` span: no children, phase latencies as double seconds. The
+    boundaries are reconstructed from the span start (vLLM's arrival) and clamped into the span.
+    When a trace holds both dialects for the same request (same request id or same parent span),
+    tokentrace's richer spans win and the vLLM span is skipped.
+``genai_client``
+    A GenAI semantic-convention client span (kind CLIENT with ``gen_ai.operation.name``, or
+    tokentrace's ``llm.client.request``) with no server-side request span beneath it: a
+    client-only timeline. When several such spans nest, only the innermost one counts.
+
+For server-side requests, the nearest SERVER-kind ancestor (e.g. the HTTP server span) gives
+``server_start``/``server_end`` (else the request span itself), and the nearest CLIENT-kind
+ancestor gives the client view. Spans of no known dialect produce nothing.
+
+Robustness: nothing here raises on malformed input. Attributes of the wrong type, negative token
+counts, non-finite or negative latencies, zero (unset) timestamps and phase spans that end before
+they start are skipped as if absent; parent cycles are cut by a depth bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Final, TypeAlias
+
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+from tokentrace.agent import semconv
+from tokentrace.processors.model import AssembledTrace, RequestTimeline, SpanRef
+
+DIALECT_TOKENTRACE: Final = "tokentrace"
+DIALECT_VLLM: Final = "vllm"
+DIALECT_GENAI_CLIENT: Final = "genai_client"
+UNKNOWN: Final = "unknown"
+"""Model or operation name when no span says."""
+
+_KIND_SERVER: Final = Span.SPAN_KIND_SERVER
+_KIND_CLIENT: Final = Span.SPAN_KIND_CLIENT
+_STATUS_ERROR: Final = Status.STATUS_CODE_ERROR
+_DEFAULT_ERROR_MESSAGE: Final = "error"
+_NS_PER_SECOND: Final = 1_000_000_000
+
+_PHASE_SPANS: Final = frozenset(
+    {
+        semconv.SPAN_QUEUE,
+        semconv.SPAN_PREFILL,
+        semconv.SPAN_PREFILL_CHUNK,
+        semconv.SPAN_DECODE,
+        semconv.SPAN_PREEMPTED,
+        semconv.SPAN_POSTPROCESS,
+    }
+)
+
+# Attribute keys read from a request span (any dialect), each to a slot of a small list so
+# that one pass over the span's attributes finds all of them without building a dict.
+_REQUEST_KEYS: Final = (
+    semconv.GEN_AI_REQUEST_MODEL,
+    semconv.GEN_AI_RESPONSE_MODEL,
+    semconv.GEN_AI_OPERATION_NAME,
+    semconv.GEN_AI_USAGE_INPUT_TOKENS,
+    semconv.GEN_AI_USAGE_OUTPUT_TOKENS,
+    semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,
+    semconv.GEN_AI_RESPONSE_FINISH_REASONS,
+    semconv.REQUEST_ID,
+    semconv.COLD_START_READY_TIME,
+    semconv.QUEUE_REQUESTS_AHEAD,
+    semconv.QUEUE_RUNNING_AT_ARRIVAL,
+    semconv.QUEUE_MAX_RUNNING,
+    semconv.PROMPT_PREFIX_HASH,
+    semconv.CLIENT_FIRST_TOKEN_TIME,
+    semconv.GEN_AI_RESPONSE_ID,
+    semconv.VLLM_LATENCY_TTFT,
+    semconv.VLLM_LATENCY_QUEUE,
+    semconv.VLLM_LATENCY_PREFILL,
+    semconv.VLLM_LATENCY_DECODE,
+    semconv.VLLM_USAGE_PROMPT_TOKENS,
+    semconv.VLLM_USAGE_COMPLETION_TOKENS,
+    semconv.VLLM_REQUEST_ID,
+)
+_REQUEST_SLOT: Final = {key: slot for slot, key in enumerate(_REQUEST_KEYS)}
+(
+    _MODEL,
+    _RESPONSE_MODEL,
+    _OPERATION,
+    _INPUT_TOKENS,
+    _OUTPUT_TOKENS,
+    _CACHED_TOKENS,
+    _FINISH_REASONS,
+    _REQUEST_ID,
+    _READY_TIME,
+    _REQUESTS_AHEAD,
+    _RUNNING_AT_ARRIVAL,
+    _MAX_RUNNING,
+    _PREFIX_HASH,
+    _CLIENT_FIRST_TOKEN,
+    _RESPONSE_ID,
+    _VLLM_TTFT,
+    _VLLM_QUEUE,
+    _VLLM_PREFILL,
+    _VLLM_DECODE,
+    _VLLM_PROMPT_TOKENS,
+    _VLLM_COMPLETION_TOKENS,
+    _VLLM_REQUEST_ID,
+) = range(len(_REQUEST_KEYS))
+_VLLM_MARKER_SLOTS: Final = (_VLLM_TTFT, _VLLM_QUEUE, _VLLM_PREFILL, _VLLM_DECODE, _VLLM_REQUEST_ID)
+
+_Slots: TypeAlias = "list[AnyValue | None]"
+
+
+# --- typed attribute readers (None for absent or malformed values) -------------------------------
+def _read_request_slots(span: Span) -> _Slots:
+    slots: _Slots = [None] * len(_REQUEST_KEYS)
+    slot_of = _REQUEST_SLOT
+    for kv in span.attributes:
+        slot = slot_of.get(kv.key)
+        if slot is not None:
+            slots[slot] = kv.value
+    return slots
+
+
+def _as_int(value: AnyValue | None) -> int | None:
+    """A non-negative integer attribute."""
+    if value is None or value.WhichOneof("value") != "int_value":
+        return None
+    number = value.int_value
+    return number if number >= 0 else None
+
+
+def _as_timestamp(value: AnyValue | None) -> int | None:
+    """A Unix-ns integer attribute; 0 means unset in OTLP."""
+    number = _as_int(value)
+    return number if number else None
+
+
+def _as_str(value: AnyValue | None) -> str | None:
+    if value is None or value.WhichOneof("value") != "string_value":
+        return None
+    return value.string_value
+
+
+def _as_float(value: AnyValue | None) -> float | None:
+    """A finite non-negative number (doubles, and ints for lenient writers)."""
+    if value is None:
+        return None
+    which = value.WhichOneof("value")
+    if which == "double_value":
+        number = value.double_value
+    elif which == "int_value":
+        number = float(value.int_value)
+    else:
+        return None
+    return number if math.isfinite(number) and number >= 0.0 else None
+
+
+def _as_seconds_ns(value: AnyValue | None) -> int | None:
+    seconds = _as_float(value)
+    return None if seconds is None else round(seconds * _NS_PER_SECOND)
+
+
+def _first_str(value: AnyValue | None) -> str | None:
+    """First element of a string array (a plain string is accepted too)."""
+    if value is None:
+        return None
+    which = value.WhichOneof("value")
+    if which == "string_value":
+        return value.string_value
+    if which != "array_value":
+        return None
+    for element in value.array_value.values:
+        if element.WhichOneof("value") == "string_value":
+            return element.string_value
+        return None
+    return None
+
+
+def _int_array(value: AnyValue | None) -> list[int]:
+    """An integer array; elements of other types are skipped."""
+    if value is None or value.WhichOneof("value") != "array_value":
+        return []
+    elements = value.array_value.values
+    numbers = [element.int_value for element in elements]
+    # A non-int element reads as 0, so only zeros need their type checked. Offsets start with a
+    # genuine 0, which the fast path confirms with a single check.
+    zeros = numbers.count(0)
+    if not zeros or (zeros == 1 and numbers[0] == 0 and elements[0].HasField("int_value")):
+        return numbers
+    return [
+        number
+        for number, element in zip(numbers, elements, strict=True)
+        if number or element.HasField("int_value")
+    ]
+
+
+def _error_of(span: Span) -> str | None:
+    status = span.status
+    if status.code != _STATUS_ERROR:
+        return None
+    return status.message or _DEFAULT_ERROR_MESSAGE
+
+
+def _times(span: Span) -> tuple[int, int] | None:
+    """(start, end) of a span, or None when unset or negative in duration."""
+    start = span.start_time_unix_nano
+    end = span.end_time_unix_nano
+    if not start or not end or end < start:
+        return None
+    return start, end
+
+
+def _model_and_operation(slots: _Slots, client_slots: _Slots | None) -> tuple[str, str]:
+    """Model and operation from the request span, else from its client span's GenAI attributes."""
+    model = _as_str(slots[_MODEL]) or _as_str(slots[_RESPONSE_MODEL])
+    operation = _as_str(slots[_OPERATION])
+    if (model is None or operation is None) and client_slots is not None:
+        model = model or _as_str(client_slots[_MODEL]) or _as_str(client_slots[_RESPONSE_MODEL])
+        operation = operation or _as_str(client_slots[_OPERATION])
+    return model or UNKNOWN, operation or UNKNOWN
+
+
+# --- the trace index -----------------------------------------------------------------------------
+class _TraceIndex:
+    """One pass over a trace: spans by id, request spans by dialect, phase spans by parent."""
+
+    __slots__ = ("by_id", "client_candidates", "phases_by_parent", "tokentrace", "vllm")
+
+    def __init__(self, trace: AssembledTrace) -> None:
+        self.by_id: dict[bytes, SpanRef] = {}
+        self.tokentrace: list[SpanRef] = []
+        self.vllm: list[SpanRef] = []
+        self.client_candidates: list[SpanRef] = []
+        self.phases_by_parent: dict[bytes, list[Span]] = {}
+        phase_names = _PHASE_SPANS
+        for ref in trace.spans:
+            span = ref.span
+            self.by_id[span.span_id] = ref
+            name = span.name
+            if name in phase_names:
+                self.phases_by_parent.setdefault(span.parent_span_id, []).append(span)
+            elif name == semconv.SPAN_REQUEST:
+                self.tokentrace.append(ref)
+            elif name == semconv.VLLM_SPAN_REQUEST:
+                self.vllm.append(ref)
+            elif span.kind == _KIND_CLIENT:
+                self.client_candidates.append(ref)
+
+    def ancestors(self, span: Span) -> list[SpanRef]:
+        """The parent chain within the trace, nearest first (bounded: cycles end the walk)."""
+        chain: list[SpanRef] = []
+        parent_id = span.parent_span_id
+        limit = len(self.by_id)
+        while parent_id and len(chain) < limit:
+            parent = self.by_id.get(parent_id)
+            if parent is None:
+                break
+            chain.append(parent)
+            parent_id = parent.span.parent_span_id
+        return chain
+
+
+class _Context:
+    """Server and client views around one request span, from its ancestors."""
+
+    __slots__ = ("client", "client_slots", "server")
+
+    def __init__(self, chain: list[SpanRef], *, self_is_server: Span | None = None) -> None:
+        self.server: Span | None = self_is_server
+        self.client: Span | None = None
+        self.client_slots: _Slots | None = None
+        for ref in chain:
+            kind = ref.span.kind
+            if kind == _KIND_SERVER and self.server is None:
+                self.server = ref.span
+            elif kind == _KIND_CLIENT:
+                self.client = ref.span
+                break
+
+    def apply(self, timeline: RequestTimeline) -> None:
+        server = self.server
+        if server is not None:
+            times = _times(server)
+            if times is not None:
+                timeline.server_start, timeline.server_end = times
+        if timeline.server_start is None:
+            timeline.server_start = timeline.arrival
+            timeline.server_end = timeline.end
+        client = self.client
+        if client is not None:
+            _apply_client(timeline, client, self.slots_of_client())
+
+    def slots_of_client(self) -> _Slots | None:
+        if self.client is None:
+            return None
+        if self.client_slots is None:
+            self.client_slots = _read_request_slots(self.client)
+        return self.client_slots
+
+
+def _apply_client(timeline: RequestTimeline, client: Span, slots: _Slots | None) -> None:
+    times = _times(client)
+    if times is not None:
+        timeline.client_start, timeline.client_end = times
+    if slots is not None:
+        timeline.client_first_token = _as_timestamp(slots[_CLIENT_FIRST_TOKEN])
+
+
+# --- dialects ------------------------------------------------------------------------------------
+def _tokentrace_timeline(trace_id: bytes, index: _TraceIndex, ref: SpanRef) -> RequestTimeline:
+    span = ref.span
+    slots = _read_request_slots(span)
+    context = _Context(index.ancestors(span))
+    model, operation = _model_and_operation(slots, context.slots_of_client())
+    start = span.start_time_unix_nano or None
+    end = span.end_time_unix_nano or None
+    timeline = RequestTimeline(
+        trace_id=trace_id,
+        span_id=span.span_id,
+        dialect=DIALECT_TOKENTRACE,
+        service=ref.service,
+        model=model,
+        operation=operation,
+        arrival=start,
+        end=end,
+        ready=_as_timestamp(slots[_READY_TIME]),
+        input_tokens=_as_int(slots[_INPUT_TOKENS]),
+        output_tokens=_as_int(slots[_OUTPUT_TOKENS]),
+        cached_tokens=_as_int(slots[_CACHED_TOKENS]),
+        finish_reason=_first_str(slots[_FINISH_REASONS]),
+        request_id=_as_str(slots[_REQUEST_ID]),
+        status_error=_error_of(span),
+        requests_ahead=_as_int(slots[_REQUESTS_AHEAD]),
+        running_at_arrival=_as_int(slots[_RUNNING_AT_ARRIVAL]),
+        max_running=_as_int(slots[_MAX_RUNNING]),
+        prefix_hash=_as_str(slots[_PREFIX_HASH]),
+    )
+    _apply_phases(timeline, index, span.span_id)
+    context.apply(timeline)
+    return timeline
+
+
+def _apply_phases(timeline: RequestTimeline, index: _TraceIndex, request_id: bytes) -> None:
+    """Boundaries, chunks, preemptions and decode details from the request's phase children.
+
+    A phase that appears more than once (e.g. re-queued) counts from its earliest span.
+    """
+    queue: Span | None = None
+    prefill: Span | None = None
+    decode: Span | None = None
+    for child in index.phases_by_parent.get(request_id, ()):
+        start = child.start_time_unix_nano
+        end = child.end_time_unix_nano
+        if not start or end < start:
+            continue  # unset or negative duration: malformed
+        name = child.name
+        if name == semconv.SPAN_QUEUE:
+            if queue is None or start < queue.start_time_unix_nano:
+                queue = child
+        elif name == semconv.SPAN_PREFILL:
+            if prefill is None or start < prefill.start_time_unix_nano:
+                prefill = child
+        elif name == semconv.SPAN_DECODE:
+            if decode is None or start < decode.start_time_unix_nano:
+                decode = child
+        elif name == semconv.SPAN_PREEMPTED:
+            timeline.preempted.append((start, end))
+    if len(timeline.preempted) > 1:
+        timeline.preempted.sort()
+
+    if queue is not None:
+        timeline.first_scheduled = queue.end_time_unix_nano
+    elif prefill is not None:
+        timeline.first_scheduled = prefill.start_time_unix_nano
+    if prefill is not None:
+        timeline.first_token = prefill.end_time_unix_nano
+        _apply_prefill_chunks(timeline, index, prefill)
+    elif decode is not None:
+        timeline.first_token = decode.start_time_unix_nano
+    if decode is not None:
+        timeline.last_token = decode.end_time_unix_nano
+        _apply_decode_attributes(timeline, decode)
+    elif timeline.output_tokens == 1:
+        timeline.last_token = timeline.first_token
+
+
+def _apply_prefill_chunks(timeline: RequestTimeline, index: _TraceIndex, span: Span) -> None:
+    chunks: list[tuple[int, int, int]] = []
+    for child in index.phases_by_parent.get(span.span_id, ()):
+        if child.name != semconv.SPAN_PREFILL_CHUNK:
+            continue
+        times = _times(child)
+        if times is None:
+            continue
+        tokens = _int_attribute(child, semconv.PREFILL_CHUNK_TOKENS)
+        chunks.append((times[0], times[1], tokens or 0))
+    if not chunks:
+        tokens = _int_attribute(span, semconv.PREFILL_CHUNK_TOKENS)
+        if tokens is None and timeline.input_tokens is not None:
+            # Without an explicit count, the prefill computed the prompt minus its cached part.
+            tokens = max(0, timeline.input_tokens - (timeline.cached_tokens or 0))
+        chunks.append((span.start_time_unix_nano, span.end_time_unix_nano, tokens or 0))
+    elif len(chunks) > 1:
+        chunks.sort()
+    timeline.prefill_chunks = chunks
+
+
+def _int_attribute(span: Span, key: str) -> int | None:
+    for kv in span.attributes:
+        if kv.key == key:
+            return _as_int(kv.value)
+    return None
+
+
+def _apply_decode_attributes(timeline: RequestTimeline, decode: Span) -> None:
+    for kv in decode.attributes:
+        key = kv.key
+        if key == semconv.DECODE_TOKEN_OFFSETS:
+            timeline.token_offsets_us = _int_array(kv.value)
+        elif key == semconv.DECODE_TOKEN_OFFSETS_DROPPED:
+            timeline.token_offsets_dropped = _as_int(kv.value) or 0
+        elif key == semconv.GPU_MEMORY_BANDWIDTH_PEAK_RATIO:
+            timeline.decode_bandwidth_peak_ratio = _as_float(kv.value)
+        elif key == semconv.DECODE_OUTLIER_STEPS_WITH_PREFILL:
+            timeline.outlier_steps_with_prefill = _as_int(kv.value)
+
+
+def _is_vllm_span(ref: SpanRef, slots: _Slots) -> bool:
+    """Name match plus vLLM's scope or one of its own attributes (the name alone is generic)."""
+    if ref.scope.name == semconv.VLLM_TRACING_SCOPE:
+        return True
+    return any(slots[slot] is not None for slot in _VLLM_MARKER_SLOTS)
+
+
+def _vllm_timeline(
+    trace_id: bytes, index: _TraceIndex, ref: SpanRef, slots: _Slots
+) -> RequestTimeline:
+    span = ref.span
+    self_server = span if span.kind == _KIND_SERVER else None
+    context = _Context(index.ancestors(span), self_is_server=self_server)
+    model, operation = _model_and_operation(slots, context.slots_of_client())
+    start = span.start_time_unix_nano or None
+    end = span.end_time_unix_nano or None
+    output_tokens = _as_int(slots[_VLLM_COMPLETION_TOKENS])
+    if output_tokens is None:
+        output_tokens = _as_int(slots[_OUTPUT_TOKENS])
+    input_tokens = _as_int(slots[_VLLM_PROMPT_TOKENS])
+    if input_tokens is None:
+        input_tokens = _as_int(slots[_INPUT_TOKENS])
+    timeline = RequestTimeline(
+        trace_id=trace_id,
+        span_id=span.span_id,
+        dialect=DIALECT_VLLM,
+        service=ref.service,
+        model=model,
+        operation=operation,
+        end=end,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        cached_tokens=_as_int(slots[_CACHED_TOKENS]),
+        finish_reason=_first_str(slots[_FINISH_REASONS]),
+        request_id=_as_str(slots[_VLLM_REQUEST_ID]) or _as_str(slots[_REQUEST_ID]),
+        status_error=_error_of(span),
+    )
+    if start is not None and end is not None and end >= start:
+        _reconstruct_vllm(timeline, slots, start, end)
+    context.apply(timeline)
+    return timeline
+
+
+def _reconstruct_vllm(timeline: RequestTimeline, slots: _Slots, start: int, end: int) -> None:
+    """Boundaries from vLLM's second-valued latencies, each clamped into the span."""
+
+    def clamp(value: int) -> int:
+        return min(max(value, start), end)
+
+    timeline.server_start = start
+    timeline.server_end = end
+    ttft = _as_seconds_ns(slots[_VLLM_TTFT])
+    if ttft is None:
+        return  # without TTFT no boundary can be placed; the budget sees only the span itself
+    first_token = clamp(start + ttft)
+    timeline.first_token = first_token
+    prefill = _as_seconds_ns(slots[_VLLM_PREFILL])
+    first_scheduled = None if prefill is None else clamp(first_token - prefill)
+    timeline.first_scheduled = first_scheduled
+    queue = _as_seconds_ns(slots[_VLLM_QUEUE])
+    if first_scheduled is not None and queue is not None:
+        timeline.arrival = clamp(first_scheduled - queue)
+    else:
+        timeline.arrival = start
+    decode = _as_seconds_ns(slots[_VLLM_DECODE])
+    if decode is not None:
+        timeline.last_token = clamp(first_token + decode)
+    elif timeline.output_tokens == 1:
+        timeline.last_token = first_token
+
+
+def _client_timeline(trace_id: bytes, ref: SpanRef, slots: _Slots) -> RequestTimeline:
+    span = ref.span
+    model, operation = _model_and_operation(slots, None)
+    timeline = RequestTimeline(
+        trace_id=trace_id,
+        span_id=span.span_id,
+        dialect=DIALECT_GENAI_CLIENT,
+        service=ref.service,
+        model=model,
+        operation=operation,
+        input_tokens=_as_int(slots[_INPUT_TOKENS]),
+        output_tokens=_as_int(slots[_OUTPUT_TOKENS]),
+        cached_tokens=_as_int(slots[_CACHED_TOKENS]),
+        finish_reason=_first_str(slots[_FINISH_REASONS]),
+        request_id=_as_str(slots[_REQUEST_ID]) or _as_str(slots[_RESPONSE_ID]),
+        status_error=_error_of(span),
+    )
+    _apply_client(timeline, span, slots)
+    return timeline
+
+
+# --- entry point ---------------------------------------------------------------------------------
+def normalize(trace: AssembledTrace) -> list[RequestTimeline]:
+    """One timeline per request found in ``trace`` (usually one; none for unrelated traces).
+
+    Never raises: malformed values are skipped where they are read, and a request whose spans
+    still cannot be read (e.g. a span that is not a protobuf ``Span``) is left out alone.
+    """
+    try:
+        index = _TraceIndex(trace)
+    except Exception:  # defensive: malformed input must not break the pipeline
+        return []
+    trace_id = trace.trace_id
+    timelines: list[RequestTimeline] = []
+    server_request_spans: list[Span] = []
+
+    tokentrace_parents: set[bytes] = set()
+    tokentrace_ids: set[str] = set()
+    for ref in index.tokentrace:
+        server_request_spans.append(ref.span)
+        try:
+            timeline = _tokentrace_timeline(trace_id, index, ref)
+        except Exception:  # defensive, as above
+            continue
+        timelines.append(timeline)
+        if ref.span.parent_span_id:
+            tokentrace_parents.add(ref.span.parent_span_id)
+        if timeline.request_id:
+            tokentrace_ids.add(timeline.request_id)
+
+    for ref in index.vllm:
+        try:
+            slots = _read_request_slots(ref.span)
+            if not _is_vllm_span(ref, slots):
+                continue
+            server_request_spans.append(ref.span)
+            if ref.span.parent_span_id in tokentrace_parents:
+                continue  # the same request, already read from tokentrace's own spans
+            request_id = _as_str(slots[_VLLM_REQUEST_ID])
+            if request_id is not None and request_id in tokentrace_ids:
+                continue
+            timelines.append(_vllm_timeline(trace_id, index, ref, slots))
+        except Exception:  # defensive, as above
+            continue
+
+    if index.client_candidates:
+        with contextlib.suppress(Exception):  # defensive, as above
+            timelines.extend(_client_only_timelines(trace_id, index, server_request_spans))
+    return timelines
+
+
+def _client_only_timelines(
+    trace_id: bytes, index: _TraceIndex, server_request_spans: list[Span]
+) -> list[RequestTimeline]:
+    """GenAI client spans with no server-side request (and no other GenAI client) beneath."""
+    candidates: list[tuple[SpanRef, _Slots]] = []
+    for ref in index.client_candidates:
+        slots = _read_request_slots(ref.span)
+        if ref.span.name == semconv.SPAN_CLIENT_REQUEST or slots[_OPERATION] is not None:
+            candidates.append((ref, slots))
+    if not candidates:
+        return []
+    covered: set[bytes] = set()
+    for span in server_request_spans:
+        covered.update(ref.span.span_id for ref in index.ancestors(span))
+    for ref, _ in candidates:
+        covered.update(ancestor.span.span_id for ancestor in index.ancestors(ref.span))
+    return [
+        _client_timeline(trace_id, ref, slots)
+        for ref, slots in candidates
+        if ref.span.span_id not in covered
+    ]

@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import pytest
+from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from tokentrace.collector.assembly import TraceAssembler
+from tokentrace.collector.consumer import Overloaded
+from tokentrace.processors.model import SpanRef
+
+RESOURCE = Resource()
+SCOPE = InstrumentationScope()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ref(trace: int, span: int, parent: int | None) -> SpanRef:
+    message = Span(
+        trace_id=trace.to_bytes(16, "big"),
+        span_id=span.to_bytes(8, "big"),
+        parent_span_id=b"" if parent is None else parent.to_bytes(8, "big"),
+        start_time_unix_nano=1,
+        end_time_unix_nano=2,
+    )
+    return SpanRef(message, RESOURCE, SCOPE, "svc")
+
+
+def add(assembler: TraceAssembler, *refs: SpanRef) -> None:
+    groups: dict[bytes, list[SpanRef]] = {}
+    for r in refs:
+        groups.setdefault(r.span.trace_id, []).append(r)
+    assembler.add(groups, len(refs))
+
+
+def make(clock: FakeClock, **overrides: int | float) -> TraceAssembler:
+    options = dict(
+        quiet_period_s=2.0,
+        root_grace_s=0.2,
+        max_traces=100,
+        max_spans_per_trace=100,
+        max_pending_spans=1000,
+    )
+    options.update(overrides)
+    return TraceAssembler(clock=clock, **options)  # type: ignore[arg-type]
+
+
+def test_trace_finishes_after_quiet_period_without_root() -> None:
+    clock = FakeClock()
+    assembler = make(clock)
+    add(assembler, ref(1, 2, parent=1))
+    clock.now += 1.0
+    add(assembler, ref(1, 3, parent=1))
+    clock.now += 1.9  # 1.9 s since the last span: still waiting
+    assert assembler.pop_finished() == []
+    clock.now += 0.2
+    (trace,) = assembler.pop_finished()
+    assert trace.trace_id == (1).to_bytes(16, "big")
+    assert [r.span.span_id[-1] for r in trace.spans] == [2, 3]
+    assert assembler.pending_spans == 0
+
+
+def test_root_span_finishes_trace_after_grace_not_quiet_period() -> None:
+    clock = FakeClock()
+    assembler = make(clock)
+    add(assembler, ref(1, 2, parent=1), ref(1, 1, parent=None))
+    add(assembler, ref(5, 9, parent=4))
+    clock.now += 0.1
+    assert assembler.pop_finished() == []
+    add(assembler, ref(1, 3, parent=1))  # a late child within the grace period is included
+    clock.now += 0.15
+    finished = assembler.pop_finished()
+    assert [t.trace_id[-1] for t in finished] == [1]
+    assert len(finished[0].spans) == 3
+    assert assembler.pending_traces == 1
+
+
+def test_max_traces_finishes_oldest_early_and_counts() -> None:
+    clock = FakeClock()
+    assembler = make(clock, max_traces=2)
+    for trace in (1, 2, 3):
+        add(assembler, ref(trace, 1, parent=7))
+        clock.now += 0.01
+    assert assembler.stats.traces_finished_early == 1
+    finished = assembler.pop_finished()
+    assert [t.trace_id[-1] for t in finished] == [1]
+    assert assembler.pending_traces == 2
+
+
+def test_spans_over_per_trace_cap_are_dropped_and_counted() -> None:
+    clock = FakeClock()
+    assembler = make(clock, max_spans_per_trace=3)
+    add(assembler, *[ref(1, s, parent=99) for s in range(1, 6)])
+    add(assembler, ref(1, 6, parent=99))
+    assert assembler.stats.spans_dropped == 3
+    (trace,) = assembler.pop_finished(flush_all=True)
+    assert len(trace.spans) == 3
+
+
+def test_pending_span_limit_refuses_with_retry_hint_and_recovers() -> None:
+    clock = FakeClock()
+    assembler = make(clock, max_pending_spans=4)
+    add(assembler, *[ref(1, s, parent=99) for s in range(1, 4)])
+    with pytest.raises(Overloaded) as refused:
+        add(assembler, ref(2, 1, parent=99), ref(2, 2, parent=99))
+    assert refused.value.retry_after_s > 0
+    assert assembler.stats.refused_batches == 1
+    assert assembler.pending_traces == 1  # the refused batch left no trace behind
+    clock.now += 5
+    assembler.pop_finished()
+    add(assembler, ref(2, 1, parent=99), ref(2, 2, parent=99))
+    assert assembler.pending_spans == 2
+
+
+def test_late_spans_are_counted_and_assembled_as_fragment() -> None:
+    clock = FakeClock()
+    assembler = make(clock)
+    add(assembler, ref(1, 1, parent=None))
+    clock.now += 1
+    assert len(assembler.pop_finished()) == 1
+    add(assembler, ref(1, 2, parent=1))
+    assert assembler.stats.late_spans == 1
+    (fragment,) = assembler.pop_finished(flush_all=True)
+    assert len(fragment.spans) == 1

@@ -1,0 +1,125 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tokentrace.collector.config import ConfigError, load_config, parse_config
+
+
+def parse(raw: object, **environ: str):  # type: ignore[no-untyped-def]
+    return parse_config(raw, environ=environ)
+
+
+def test_no_config_listens_on_standard_loopback_ports_and_stores_locally() -> None:
+    config = load_config(None, environ={})
+    assert config.grpc is not None and config.grpc.endpoint == "127.0.0.1:4317"
+    assert config.http is not None and config.http.endpoint == "127.0.0.1:4318"
+    assert config.store is not None and config.store.path == "./tokentrace.db"
+    assert config.upstream == ()
+    assert config.processors == ("assembly", "diagnosis", "slo", "percentiles")
+
+
+def test_upstream_export_only_when_the_environment_says_where() -> None:
+    config = parse({}, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9999")
+    assert [u.name for u in config.upstream] == ["otlp"]
+
+
+def test_full_config_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "collector.yaml"
+    path.write_text(
+        """
+receivers:
+  otlp:
+    protocols:
+      grpc: {endpoint: "127.0.0.1:0"}
+processors:
+  assembly: {quiet_period: 500ms, max_traces: 10}
+  slo:
+    targets:
+      - {name: chat-ttft, metric: ttft, percentile: 95, threshold: 500ms, selector: {operation: chat}}
+  percentiles: {window: 2m, slices: 12}
+exporters:
+  store: {path: STORE, retention: 1d}
+  otlp/tempo: {endpoint: "http://127.0.0.1:4317", metrics_interval: 5s}
+service:
+  pipelines:
+    traces:
+      receivers: [otlp]
+      processors: [assembly, slo, percentiles]
+      exporters: [store, otlp/tempo]
+""".replace("STORE", str(tmp_path / "x.db")),
+        encoding="utf-8",
+    )
+    config = load_config(path, environ={})
+    assert config.http is None and config.grpc is not None
+    assert config.assembly.quiet_period_s == pytest.approx(0.5)
+    assert config.assembly.max_traces == 10
+    assert config.diagnosis is None
+    assert [t.name for t in config.slo_targets] == ["chat-ttft"]
+    assert config.slo_targets[0].threshold_ns == 500_000_000
+    assert config.percentiles is not None and config.percentiles.window_s == 120
+    assert config.store is not None and config.store.retention_s == 86400
+    (upstream,) = config.upstream
+    assert upstream.name == "otlp/tempo" and upstream.metrics_interval_s == 5
+    assert dict(upstream.settings) == {"endpoint": "http://127.0.0.1:4317"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"receivers": {"kafka": {}}}, "receivers.kafka: unknown component type"),
+        (
+            {"processors": {"assembly": {"quiet_period": "soon"}}},
+            "processors.assembly.quiet_period",
+        ),
+        ({"processors": {"assembly": {"max_traces": 0}}}, "processors.assembly.max_traces"),
+        (
+            {"processors": {"assembly": {"max_trace": 5}}},
+            "processors.assembly.max_trace: unknown key",
+        ),
+        (
+            {"receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "localhost"}}}}},
+            "receivers.otlp.protocols.grpc.endpoint: expected HOST:PORT",
+        ),
+        (
+            {
+                "processors": {
+                    "slo": {
+                        "targets": [
+                            {"name": "a", "metric": "ttft", "percentile": 95, "threshold": "fast"}
+                        ]
+                    }
+                }
+            },
+            "slo.targets[0].threshold",
+        ),
+        (
+            {"service": {"pipelines": {"traces": {"processors": ["slo", "assembly"]}}}},
+            "must run in the order",
+        ),
+        (
+            {"service": {"pipelines": {"traces": {"processors": ["diagnosis"]}}}},
+            "'assembly' is required",
+        ),
+        ({"exporters": {"otlp": {}}}, "exporters.otlp: needs an endpoint"),
+        ({"receivers": []}, "receivers: expected a mapping"),
+        (
+            {"service": {"pipelines": {"traces": {"exporters": ["jaeger"]}}}},
+            "service.pipelines.traces.exporters",
+        ),
+    ],
+)
+def test_bad_config_names_the_key(raw: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=None) as error:
+        parse(raw)
+    assert message in str(error.value)
+
+
+def test_unreadable_and_invalid_yaml_files_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("receivers: [unclosed", encoding="utf-8")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, environ={})

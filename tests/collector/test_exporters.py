@@ -1,0 +1,678 @@
+"""Upstream OTLP exporters against a real OTLP receiver on loopback (see upstream.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
+from opentelemetry.proto.metrics.v1.metrics_pb2 import (
+    ExponentialHistogram,
+    ExponentialHistogramDataPoint,
+    Gauge,
+    Metric,
+    NumberDataPoint,
+)
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from tokentrace.agent import semconv
+from tokentrace.collector.exporters.otlp import (
+    PROTOCOL_GRPC,
+    PROTOCOL_HTTP_PROTOBUF,
+    OtlpExporterConfig,
+    OtlpMetricExporter,
+    OtlpTraceExporter,
+    RetryConfig,
+)
+from tokentrace.processors.model import SpanRef
+
+from .upstream import UpstreamOtlp, iter_spans
+
+PROTOCOLS = [PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF]
+TINY_RETRY = RetryConfig(initial_interval_s=0.01, max_interval_s=0.02, max_elapsed_s=2.0)
+FLUSH_S = 5.0
+
+
+# --- helpers -----------------------------------------------------------------------------------
+@pytest.fixture
+def upstream() -> Iterator[UpstreamOtlp]:
+    with UpstreamOtlp() as server:
+        yield server
+
+
+def endpoint_of(upstream: UpstreamOtlp, protocol: str) -> str:
+    return upstream.grpc_endpoint if protocol == PROTOCOL_GRPC else upstream.http_endpoint
+
+
+def make_config(endpoint: str, protocol: str, **overrides: Any) -> OtlpExporterConfig:
+    options: dict[str, Any] = {
+        "endpoint": endpoint,
+        "protocol": protocol,
+        "timeout_s": 2.0,
+        "retry": TINY_RETRY,
+    }
+    options.update(overrides)
+    return OtlpExporterConfig(**options)
+
+
+class FakeTime:
+    """An injected clock that only moves when the exporter sleeps; records every sleep."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def resource(service: str) -> Resource:
+    return Resource(
+        attributes=[KeyValue(key=semconv.SERVICE_NAME, value=AnyValue(string_value=service))]
+    )
+
+
+def span_refs(
+    count: int,
+    *,
+    resources: list[Resource] | None = None,
+    scopes: list[InstrumentationScope] | None = None,
+) -> list[SpanRef]:
+    """``count`` distinct spans cycling through the shared resources x scopes."""
+    resources = resources or [resource("svc")]
+    scopes = scopes or [InstrumentationScope(name="scope")]
+    refs = []
+    for index in range(count):
+        span = Span(
+            trace_id=index.to_bytes(16, "big"),
+            span_id=(index + 1).to_bytes(8, "big"),
+            name=semconv.SPAN_REQUEST,
+            start_time_unix_nano=1_000 + index,
+            end_time_unix_nano=2_000 + index,
+        )
+        span.attributes.add(key=semconv.GEN_AI_REQUEST_MODEL, value=AnyValue(string_value="m"))
+        span.attributes.add(key=semconv.GEN_AI_USAGE_OUTPUT_TOKENS, value=AnyValue(int_value=index))
+        res = resources[index % len(resources)]
+        scope = scopes[(index // len(resources)) % len(scopes)]
+        refs.append(SpanRef(span=span, resource=res, scope=scope, service="svc"))
+    return refs
+
+
+def gauge(name: str, points: int) -> Metric:
+    return Metric(
+        name=name,
+        unit=semconv.METRIC_UNIT_SECONDS,
+        gauge=Gauge(
+            data_points=[
+                NumberDataPoint(as_double=float(i), time_unix_nano=i) for i in range(points)
+            ]
+        ),
+    )
+
+
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --- delivery ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_spans_arrive_intact_and_grouped_by_resource_and_scope(
+    upstream: UpstreamOtlp, protocol: str
+) -> None:
+    resources = [resource("svc-a"), resource("svc-b")]
+    scopes = [InstrumentationScope(name="s1", version="1"), InstrumentationScope(name="s2")]
+    refs = span_refs(40, resources=resources, scopes=scopes)
+    exporter = OtlpTraceExporter(
+        make_config(
+            endpoint_of(upstream, protocol),
+            protocol,
+            compression="gzip",
+            headers={"Authorization": "Bearer t0ken"},
+        )
+    )
+    exporter.export(refs)
+    assert exporter.force_flush(FLUSH_S)
+    exporter.shutdown(FLUSH_S)
+
+    requests = upstream.trace_requests
+    assert len(requests) == 1
+    request = requests[0]
+    assert len(request.resource_spans) == 2
+    expected = {
+        (id(ref.resource), id(ref.scope), ref.span.span_id): ref for ref in refs
+    }  # where each span was, by construction
+    seen = 0
+    for resource_spans in request.resource_spans:
+        assert len(resource_spans.scope_spans) == 2
+        res = next(r for r in resources if r == resource_spans.resource)
+        for scope_spans in resource_spans.scope_spans:
+            scope = next(s for s in scopes if s == scope_spans.scope)
+            for span in scope_spans.spans:
+                ref = expected[(id(res), id(scope), span.span_id)]
+                assert span == ref.span  # attributes, ids and times intact
+                seen += 1
+    assert seen == 40
+    assert upstream.calls[0].headers["authorization"] == "Bearer t0ken"
+    if protocol == PROTOCOL_HTTP_PROTOBUF:
+        assert upstream.calls[0].headers["content-encoding"] == "gzip"
+        assert upstream.calls[0].headers["content-type"] == "application/x-protobuf"
+    assert exporter.stats() == {
+        "sent_spans": 40,
+        "dropped_spans": 0,
+        "rejected_spans": 0,
+        "retries": 0,
+        "queue_len": 0,
+    }
+
+
+def test_requests_hold_at_most_max_batch_spans(upstream: UpstreamOtlp) -> None:
+    exporter = OtlpTraceExporter(
+        make_config(upstream.http_endpoint, PROTOCOL_HTTP_PROTOBUF, max_batch_spans=10)
+    )
+    refs = span_refs(25)
+    exporter.export(refs)
+    exporter.shutdown(FLUSH_S)
+    sizes = [sum(1 for _ in iter_spans([request])) for request in upstream.trace_requests]
+    assert sizes == [10, 10, 5]
+    received = [span.span_id for _, _, span in iter_spans(upstream.trace_requests)]
+    assert received == [ref.span.span_id for ref in refs]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_metrics_arrive_under_the_collector_scope(upstream: UpstreamOtlp, protocol: str) -> None:
+    histogram = Metric(
+        name=semconv.OTLP_METRIC_NAMES[semconv.METRIC_TTFT],
+        unit=semconv.METRIC_UNIT_SECONDS,
+        exponential_histogram=ExponentialHistogram(
+            data_points=[
+                ExponentialHistogramDataPoint(
+                    count=3, sum=0.6, scale=3, attributes=[KeyValue(key="k", value=AnyValue())]
+                )
+            ]
+        ),
+    )
+    metrics = [histogram, gauge("g", 4), Metric(name="empty")]
+    exporter = OtlpMetricExporter(make_config(endpoint_of(upstream, protocol), protocol))
+    exporter.export(metrics, resource_attributes={semconv.SERVICE_NAME: "tokentrace-collector"})
+    exporter.shutdown(FLUSH_S)
+
+    (request,) = upstream.metric_requests
+    (resource_metrics,) = request.resource_metrics
+    assert list(resource_metrics.resource.attributes) == [
+        KeyValue(key=semconv.SERVICE_NAME, value=AnyValue(string_value="tokentrace-collector"))
+    ]
+    (scope_metrics,) = resource_metrics.scope_metrics
+    assert scope_metrics.scope.name == semconv.COLLECTOR_SCOPE
+    assert list(scope_metrics.metrics) == metrics[:2]  # the metric without data is skipped
+    assert upstream.calls[0].signal == "metrics"
+    stats = exporter.stats()
+    assert stats["sent_data_points"] == 5
+    assert stats["dropped_data_points"] == 0
+
+
+def test_metric_requests_are_split_by_data_points(upstream: UpstreamOtlp) -> None:
+    exporter = OtlpMetricExporter(
+        make_config(upstream.http_endpoint, PROTOCOL_HTTP_PROTOBUF, max_batch_spans=5)
+    )
+    exporter.export(
+        [gauge("a", 3), gauge("b", 2), gauge("c", 4), gauge("big", 7)], resource_attributes={}
+    )
+    exporter.shutdown(FLUSH_S)
+    names = [
+        [metric.name for metric in request.resource_metrics[0].scope_metrics[0].metrics]
+        for request in upstream.metric_requests
+    ]
+    assert names == [["a", "b"], ["c"], ["big"]]
+    assert exporter.stats()["sent_data_points"] == 16
+
+
+# --- retry -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_unavailable_upstream_is_retried_with_backoff(
+    upstream: UpstreamOtlp, protocol: str
+) -> None:
+    fake = FakeTime()
+    upstream.fail_next(2)  # gRPC UNAVAILABLE / HTTP 503
+    retry = RetryConfig(initial_interval_s=0.1, max_interval_s=1.0, max_elapsed_s=10.0)
+    exporter = OtlpTraceExporter(
+        make_config(endpoint_of(upstream, protocol), protocol, retry=retry),
+        clock=fake.clock,
+        sleep=fake.sleep,
+        random_fraction=lambda: 0.5,  # no jitter
+    )
+    exporter.export(span_refs(7))
+    exporter.shutdown(FLUSH_S)
+
+    assert [call.accepted for call in upstream.calls] == [False, False, True]
+    assert upstream.span_count() == 7
+    stats = exporter.stats()
+    assert stats["retries"] == 2
+    assert stats["sent_spans"] == 7
+    assert stats["dropped_spans"] == 0
+    # Exponential: the second wait is longer than the first, both at least the initial interval.
+    assert len(fake.sleeps) == 2
+    assert fake.sleeps[0] == pytest.approx(0.1)
+    assert fake.sleeps[1] > fake.sleeps[0]
+
+
+def test_jitter_spreads_retry_delays_around_the_interval(upstream: UpstreamOtlp) -> None:
+    fake = FakeTime()
+    upstream.fail_next(2)
+    retry = RetryConfig(initial_interval_s=1.0, max_interval_s=1.0, max_elapsed_s=10.0)
+    fractions = iter([0.0, 0.999])
+    exporter = OtlpTraceExporter(
+        make_config(upstream.http_endpoint, PROTOCOL_HTTP_PROTOBUF, retry=retry),
+        clock=fake.clock,
+        sleep=fake.sleep,
+        random_fraction=lambda: next(fractions),
+    )
+    exporter.export(span_refs(1))
+    exporter.shutdown(FLUSH_S)
+    low, high = fake.sleeps
+    assert 0.4 < low < 0.6 < 1.4 < high < 1.6
+    assert exporter.stats()["sent_spans"] == 1
+
+
+@pytest.mark.parametrize(
+    ("protocol", "failure", "expected_sleep"),
+    [
+        (
+            PROTOCOL_GRPC,
+            {"grpc_code": grpc.StatusCode.RESOURCE_EXHAUSTED, "retry_after_s": 0.25},
+            0.25,
+        ),
+        (PROTOCOL_HTTP_PROTOBUF, {"http_status": 429, "retry_after_s": 3}, 3.0),
+        (PROTOCOL_HTTP_PROTOBUF, {"http_status": 502}, 0.1),
+    ],
+)
+def test_server_requested_retry_delay_is_honoured(
+    upstream: UpstreamOtlp, protocol: str, failure: dict[str, Any], expected_sleep: float
+) -> None:
+    fake = FakeTime()
+    upstream.fail_next(1, **failure)
+    retry = RetryConfig(initial_interval_s=0.1, max_interval_s=1.0, max_elapsed_s=10.0)
+    exporter = OtlpTraceExporter(
+        make_config(endpoint_of(upstream, protocol), protocol, retry=retry),
+        clock=fake.clock,
+        sleep=fake.sleep,
+        random_fraction=lambda: 0.5,
+    )
+    exporter.export(span_refs(3))
+    exporter.shutdown(FLUSH_S)
+    assert fake.sleeps == [pytest.approx(expected_sleep)]
+    assert exporter.stats()["sent_spans"] == 3
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_upstream_down_for_good_drops_the_batch_after_max_elapsed(protocol: str) -> None:
+    fake = FakeTime()
+    retry = RetryConfig(initial_interval_s=0.1, max_interval_s=0.3, max_elapsed_s=2.0)
+    exporter = OtlpTraceExporter(
+        make_config(f"http://127.0.0.1:{unused_port()}", protocol, retry=retry),
+        clock=fake.clock,
+        sleep=fake.sleep,
+        random_fraction=lambda: 0.5,
+    )
+    started = time.perf_counter()
+    exporter.export(span_refs(50))
+    export_s = time.perf_counter() - started
+    assert exporter.force_flush(FLUSH_S)  # the worker gave the batch up
+    exporter.shutdown(FLUSH_S)
+
+    stats = exporter.stats()
+    assert stats["sent_spans"] == 0
+    assert stats["dropped_spans"] == 50
+    assert stats["retries"] == len(fake.sleeps) >= 5
+    assert sum(fake.sleeps) <= retry.max_elapsed_s
+    assert max(fake.sleeps) == pytest.approx(retry.max_interval_s)  # the cap was reached
+    assert sorted(fake.sleeps) == fake.sleeps
+    assert export_s < 0.5, "export() must not wait for the network"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_non_retryable_error_drops_without_retrying(upstream: UpstreamOtlp, protocol: str) -> None:
+    upstream.fail_next(1, grpc_code=grpc.StatusCode.INVALID_ARGUMENT, http_status=400)
+    exporter = OtlpTraceExporter(make_config(endpoint_of(upstream, protocol), protocol))
+    exporter.export(span_refs(4))
+    exporter.export(span_refs(6))  # the next batch is unaffected
+    exporter.shutdown(FLUSH_S)
+    stats = exporter.stats()
+    assert (stats["dropped_spans"], stats["sent_spans"], stats["retries"]) == (4, 6, 0)
+    assert len(upstream.calls) == 2
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_partial_success_counts_rejected_spans(upstream: UpstreamOtlp, protocol: str) -> None:
+    upstream.reject_next(3, "3 spans too old")
+    exporter = OtlpTraceExporter(make_config(endpoint_of(upstream, protocol), protocol))
+    exporter.export(span_refs(10))
+    exporter.shutdown(FLUSH_S)
+    stats = exporter.stats()
+    assert (stats["sent_spans"], stats["rejected_spans"], stats["dropped_spans"]) == (7, 3, 0)
+
+
+# --- never blocking, bounded -------------------------------------------------------------------
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_export_returns_at_once_while_upstream_is_stuck(
+    upstream: UpstreamOtlp, protocol: str
+) -> None:
+    upstream.hold()
+    exporter = OtlpTraceExporter(make_config(endpoint_of(upstream, protocol), protocol))
+    refs = span_refs(512)
+    durations = []
+    for _ in range(3):
+        started = time.perf_counter()
+        exporter.export(refs)
+        durations.append(time.perf_counter() - started)
+        upstream.wait_for_started_calls(1)
+    assert upstream.span_count() == 0  # nothing completed: the call is still held upstream
+    assert max(durations) < 0.25
+    upstream.release()
+    assert exporter.force_flush(FLUSH_S)
+    assert upstream.span_count() == 3 * 512
+    exporter.shutdown(FLUSH_S)
+
+
+def test_full_queue_drops_new_batches_and_counts_them_exactly(upstream: UpstreamOtlp) -> None:
+    upstream.hold()
+    exporter = OtlpTraceExporter(
+        make_config(upstream.grpc_endpoint, PROTOCOL_GRPC, queue_size=10, max_batch_spans=5)
+    )
+    exporter.export(span_refs(5))  # taken by the worker, held upstream
+    assert upstream.wait_for_started_calls(1)
+    exporter.export(span_refs(5))
+    exporter.export(span_refs(5))  # queue now holds 10 spans: full
+    assert exporter.stats()["queue_len"] == 10
+    exporter.export(span_refs(3))  # dropped
+    exporter.export(span_refs(7))  # 5 + 2: both requests dropped
+    exporter.export(span_refs(2))  # dropped
+    stats = exporter.stats()
+    assert (stats["dropped_spans"], stats["queue_len"]) == (12, 10)
+
+    upstream.release()
+    assert exporter.force_flush(FLUSH_S)
+    exporter.shutdown(FLUSH_S)
+    stats = exporter.stats()
+    assert (stats["sent_spans"], stats["dropped_spans"], stats["queue_len"]) == (15, 12, 0)
+    assert upstream.span_count() == 15
+
+
+# --- flush and shutdown ------------------------------------------------------------------------
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_shutdown_flushes_everything_queued(upstream: UpstreamOtlp, protocol: str) -> None:
+    upstream.set_delay(0.02)
+    exporter = OtlpTraceExporter(
+        make_config(endpoint_of(upstream, protocol), protocol, max_batch_spans=10)
+    )
+    for _ in range(5):
+        exporter.export(span_refs(10))
+    exporter.shutdown(FLUSH_S)
+    assert upstream.span_count() == 50
+    assert exporter.stats()["sent_spans"] == 50
+
+    exporter.export(span_refs(4))  # after shutdown: counted, never sent
+    assert exporter.stats()["dropped_spans"] == 4
+    assert upstream.span_count() == 50
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_shutdown_timeout_drops_and_counts_the_rest(upstream: UpstreamOtlp, protocol: str) -> None:
+    upstream.hold()
+    exporter = OtlpTraceExporter(
+        make_config(endpoint_of(upstream, protocol), protocol, max_batch_spans=10, timeout_s=30)
+    )
+    for _ in range(3):
+        exporter.export(span_refs(10))
+    assert upstream.wait_for_started_calls(1)
+    started = time.perf_counter()
+    exporter.shutdown(0.2)
+    elapsed = time.perf_counter() - started
+    stats = exporter.stats()
+    assert (stats["sent_spans"], stats["dropped_spans"], stats["queue_len"]) == (0, 30, 0)
+    assert 0.2 <= elapsed < 0.8  # cancelled the held call instead of waiting out its timeout
+
+
+def test_force_flush_reports_timeout_and_success(upstream: UpstreamOtlp) -> None:
+    exporter = OtlpTraceExporter(make_config(upstream.http_endpoint, PROTOCOL_HTTP_PROTOBUF))
+    assert exporter.force_flush(0.1)  # nothing queued
+    upstream.hold()
+    exporter.export(span_refs(2))
+    assert not exporter.force_flush(0.1)
+    upstream.release()
+    assert exporter.force_flush(FLUSH_S)
+    assert exporter.stats()["sent_spans"] == 2
+    exporter.shutdown(FLUSH_S)
+
+
+def test_exporter_without_an_endpoint_for_its_signal_is_disabled(upstream: UpstreamOtlp) -> None:
+    config = OtlpExporterConfig(
+        traces_endpoint=f"{upstream.http_endpoint}/v1/traces", protocol=PROTOCOL_HTTP_PROTOBUF
+    )
+    metrics = OtlpMetricExporter(config)
+    traces = OtlpTraceExporter(config)
+    assert (traces.enabled, metrics.enabled) == (True, False)
+    metrics.export([gauge("g", 2)], resource_attributes={})
+    traces.export(span_refs(2))
+    metrics.shutdown(FLUSH_S)
+    traces.shutdown(FLUSH_S)
+    assert metrics.stats()["sent_data_points"] == metrics.stats()["dropped_data_points"] == 0
+    assert [call.signal for call in upstream.calls] == ["traces"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_gets_a_fresh_queue_and_worker(upstream: UpstreamOtlp) -> None:
+    exporter = OtlpTraceExporter(
+        make_config(upstream.http_endpoint, PROTOCOL_HTTP_PROTOBUF, max_batch_spans=5)
+    )
+    upstream.hold()
+    exporter.export(span_refs(5))  # in flight in the parent
+    assert upstream.wait_for_started_calls(1)
+    exporter.export(span_refs(5))  # queued in the parent
+    pid = os.fork()
+    if pid == 0:  # child: the parent's queue is not ours to send
+        code = 1
+        try:
+            if exporter.stats()["queue_len"] == 0:
+                exporter.export(span_refs(3))
+                if exporter.force_flush(FLUSH_S) and exporter.stats()["sent_spans"] == 3:
+                    code = 0
+        finally:
+            os._exit(code)
+    threading.Timer(0.1, upstream.release).start()
+    deadline = time.monotonic() + 10
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            pytest.fail("forked child did not finish")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert exporter.force_flush(FLUSH_S)
+    exporter.shutdown(FLUSH_S)
+    assert upstream.span_count() == 5 + 5 + 3  # nothing sent twice
+
+
+# --- configuration -----------------------------------------------------------------------------
+ENV = "OTEL_EXPORTER_OTLP_"
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, None),
+        ({f"{ENV}ENDPOINT": "  "}, None),
+        (
+            {f"{ENV}ENDPOINT": "http://h:4318"},
+            {"traces": "http://h:4318/v1/traces", "metrics": "http://h:4318/v1/metrics"},
+        ),
+        (
+            {f"{ENV}ENDPOINT": "https://h:4318/otlp/"},
+            {
+                "traces": "https://h:4318/otlp/v1/traces",
+                "metrics": "https://h:4318/otlp/v1/metrics",
+            },
+        ),
+        (
+            {f"{ENV}TRACES_ENDPOINT": "http://t:4318/custom"},
+            {"traces": "http://t:4318/custom", "metrics": None},
+        ),
+        (
+            {f"{ENV}ENDPOINT": "http://h:4318", f"{ENV}METRICS_ENDPOINT": "http://m:9/x"},
+            {"traces": "http://h:4318/v1/traces", "metrics": "http://m:9/x"},
+        ),
+        (
+            {f"{ENV}ENDPOINT": "http://h:4317", f"{ENV}PROTOCOL": "grpc"},
+            {"traces": "http://h:4317", "metrics": "http://h:4317", "tls": False},
+        ),
+        (
+            {f"{ENV}ENDPOINT": "h:4317", f"{ENV}PROTOCOL": "grpc"},
+            {"traces": "h:4317", "tls": True},
+        ),
+        (
+            {f"{ENV}ENDPOINT": "h:4317", f"{ENV}PROTOCOL": "grpc", f"{ENV}INSECURE": "TRUE"},
+            {"traces": "h:4317", "tls": False},
+        ),
+        (
+            {f"{ENV}ENDPOINT": "https://h", f"{ENV}HEADERS": "api-key=a%20b%2Cc , tenant=t1,"},
+            {"headers": {"api-key": "a b,c", "tenant": "t1"}, "tls": True},
+        ),
+        (
+            {f"{ENV}ENDPOINT": "http://h", f"{ENV}TIMEOUT": "2500", f"{ENV}COMPRESSION": "none"},
+            {"timeout_s": 2.5, "compression": "none"},
+        ),
+        (
+            {f"{ENV}ENDPOINT": "http://h", f"{ENV}COMPRESSION": "GZIP"},
+            {"compression": "gzip"},
+        ),
+    ],
+)
+def test_from_env(environ: dict[str, str], expected: dict[str, Any] | None) -> None:
+    config = OtlpExporterConfig.from_env(environ)
+    if expected is None:
+        assert config is None
+        return
+    assert config is not None
+    for key, value in expected.items():
+        if key in ("traces", "metrics"):
+            assert config.endpoint_for(key) == value
+        elif key == "tls":
+            endpoint = config.endpoint_for("traces")
+            assert endpoint is not None
+            assert config.uses_tls(endpoint) is value
+        else:
+            assert getattr(config, key) == value
+
+
+@pytest.mark.parametrize(
+    ("environ", "variable"),
+    [
+        ({f"{ENV}ENDPOINT": "http://h", f"{ENV}PROTOCOL": "http/json"}, f"{ENV}PROTOCOL"),
+        ({f"{ENV}ENDPOINT": "http://h", f"{ENV}TIMEOUT": "ten"}, f"{ENV}TIMEOUT"),
+        ({f"{ENV}ENDPOINT": "http://h", f"{ENV}TIMEOUT": "-5"}, f"{ENV}TIMEOUT"),
+        ({f"{ENV}ENDPOINT": "http://h", f"{ENV}HEADERS": "novalue"}, f"{ENV}HEADERS"),
+        ({f"{ENV}ENDPOINT": "http://h", f"{ENV}COMPRESSION": "br"}, f"{ENV}COMPRESSION"),
+        (
+            {f"{ENV}ENDPOINT": "h:1", f"{ENV}PROTOCOL": "grpc", f"{ENV}INSECURE": "yes"},
+            f"{ENV}INSECURE",
+        ),
+        ({f"{ENV}ENDPOINT": "ftp://h"}, "endpoint"),
+        ({f"{ENV}TRACES_ENDPOINT": "http://h:port"}, "traces_endpoint"),
+    ],
+)
+def test_from_env_rejects_invalid_values_naming_them(
+    environ: dict[str, str], variable: str
+) -> None:
+    with pytest.raises(ValueError, match=f"^{variable}:"):
+        OtlpExporterConfig.from_env(environ)
+
+
+def test_from_settings_with_an_endpoint_ignores_the_environment() -> None:
+    environ = {f"{ENV}ENDPOINT": "http://env:4318", f"{ENV}HEADERS": "secret=env"}
+    config = OtlpExporterConfig.from_settings(
+        {
+            "endpoint": "http://tempo:4317",
+            "headers": {"x-scope-orgid": "team"},
+            "timeout": "1500ms",
+            "tls": {"insecure": True},
+            "sending_queue": {"queue_size": 2000},
+            "retry_on_failure": {"initial_interval": "100ms", "max_elapsed_time": "30s"},
+        },
+        environ=environ,
+    )
+    assert config.protocol == PROTOCOL_GRPC  # the Collector's `otlp` exporter speaks gRPC
+    assert config.endpoint_for("metrics") == "http://tempo:4317"
+    assert dict(config.headers) == {"x-scope-orgid": "team"}
+    assert config.timeout_s == pytest.approx(1.5)
+    assert config.queue_size == 2000
+    assert config.retry.initial_interval_s == pytest.approx(0.1)
+    assert config.retry.max_elapsed_s == pytest.approx(30.0)
+    assert config.uses_tls("http://tempo:4317") is False
+
+
+def test_from_settings_without_an_endpoint_starts_from_the_environment() -> None:
+    environ = {f"{ENV}ENDPOINT": "http://env:4318", f"{ENV}HEADERS": "k=v"}
+    config = OtlpExporterConfig.from_settings({"compression": "none"}, environ=environ)
+    assert config.endpoint_for("traces") == "http://env:4318/v1/traces"
+    assert dict(config.headers) == {"k": "v"}
+    assert config.compression == "none"
+
+
+@pytest.mark.parametrize(
+    ("settings", "key"),
+    [
+        ({"endpoint": "http://h:1", "bogus": 1}, "bogus"),
+        ({"endpoint": "http://h:1", "timeout": "soon"}, "timeout"),
+        ({"endpoint": "http://h:1", "tls": {"insecure": "yes"}}, "tls.insecure"),
+        ({"endpoint": "http://h:1", "sending_queue": {"size": 1}}, "sending_queue.size"),
+        ({"endpoint": "http://h:1", "retry_on_failure": {"max_interval": -1}}, "retry_on_failure"),
+        ({"endpoint": "http://h:1", "headers": ["a"]}, "headers"),
+        ({"compression": "none"}, "endpoint"),
+    ],
+)
+def test_from_settings_errors_name_the_key(settings: Mapping[str, Any], key: str) -> None:
+    with pytest.raises(ValueError, match=f"^{key}"):
+        OtlpExporterConfig.from_settings(settings, environ={})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"endpoint": ""}, "endpoint"),
+        ({"endpoint": "localhost:4317", "protocol": "http/protobuf"}, "endpoint"),
+        (
+            {"endpoint": "http://h:4317", "protocol": "grpc", "traces_endpoint": "http://h"},
+            "traces_endpoint",
+        ),
+        ({"protocol": "thrift"}, "protocol"),
+        ({"compression": "zstd"}, "compression"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"queue_size": 10, "max_batch_spans": 20}, "queue_size"),
+        ({"max_batch_spans": 0}, "max_batch_spans"),
+        ({"headers": {"k": "a\r\nb"}}, "headers"),
+        ({"insecure": True, "endpoint": "https://h:4318"}, "insecure"),
+        ({"retry": RetryConfig(initial_interval_s=0)}, "retry.initial_interval_s"),
+        ({"retry": RetryConfig(initial_interval_s=2, max_interval_s=1)}, "retry.max_interval_s"),
+        ({"retry": RetryConfig(max_elapsed_s=-1)}, "retry.max_elapsed_s"),
+    ],
+)
+def test_validate_names_the_invalid_field(overrides: dict[str, Any], field: str) -> None:
+    options: dict[str, Any] = {"endpoint": "http://h:4318", "protocol": "http/protobuf"}
+    options.update(overrides)
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        OtlpExporterConfig(**options).validate()
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        OtlpTraceExporter(OtlpExporterConfig(**options))

@@ -1,0 +1,301 @@
+"""SLO targets: validation, per-request marks, window status and configuration parsing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from tokentrace.agent import semconv
+from tokentrace.processors.model import Budget, RequestMetrics, RequestRecord, RequestTimeline
+from tokentrace.processors.sketches import LatencySketch
+from tokentrace.processors.slo import (
+    SELECTOR_KEYS,
+    SloTarget,
+    evaluate_window,
+    mark_request,
+    parse_duration_ns,
+    parse_targets,
+)
+
+MS = 1_000_000
+S = 1_000_000_000
+
+
+def make_record(
+    *,
+    ttft: int | None = 400 * MS,
+    tpot: int | None = 20 * MS,
+    e2e: int = 2 * S,
+    itl: list[int] | None = None,
+    service: str = "vllm-chat",
+    model: str = "llama-3-8b-instruct",
+    operation: str = semconv.OPERATION_CHAT,
+    prompt_bucket: str = "128-511",
+) -> RequestRecord:
+    timeline = RequestTimeline(
+        trace_id=b"\x01" * 16,
+        span_id=b"\x02" * 8,
+        dialect="tokentrace",
+        service=service,
+        model=model,
+        operation=operation,
+    )
+    budget = Budget(e2e_ns=e2e, segments={"decode": e2e}, ttft_ns=ttft, ttft_segments={})
+    metrics = RequestMetrics(
+        ttft=ttft,
+        tpot=tpot,
+        e2e=e2e,
+        queue=None,
+        prefill=None,
+        decode=None,
+        network=None,
+        itl=list(itl or []),
+    )
+    return RequestRecord(
+        timeline=timeline, budget=budget, metrics=metrics, prompt_bucket=prompt_bucket
+    )
+
+
+def target(**overrides: Any) -> SloTarget:
+    fields: dict[str, Any] = {
+        "name": "chat-ttft-p95",
+        "metric": semconv.METRIC_TTFT,
+        "percentile": 95.0,
+        "threshold_ns": 500 * MS,
+    }
+    fields.update(overrides)
+    return SloTarget(**fields)
+
+
+# --- target validation ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"selector": {"region": "eu"}}, "selector: unknown key 'region'"),
+        ({"metric": "latency"}, "metric: unknown metric 'latency'"),
+        ({"percentile": 0}, "percentile"),
+        ({"percentile": 100}, "percentile"),
+        ({"percentile": -5}, "percentile"),
+        ({"percentile": math.nan}, "percentile"),
+        ({"threshold_ns": 0}, "threshold"),
+        ({"threshold_ns": -1}, "threshold"),
+        ({"threshold_ns": 0.5}, "threshold"),
+        ({"name": ""}, "name"),
+        ({"selector": {"model": 3}}, "selector.model"),
+    ],
+)
+def test_invalid_targets_are_rejected(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        target(**overrides)
+
+
+def test_unknown_selector_key_message_lists_allowed_keys() -> None:
+    with pytest.raises(ValueError) as raised:
+        target(selector={"service": "a", "gpu": "h100"})
+    for key in SELECTOR_KEYS:
+        assert key in str(raised.value)
+
+
+def test_target_keeps_its_own_copy_of_the_selector() -> None:
+    selector = {"model": "llama-*"}
+    slo = target(selector=selector)
+    selector["model"] = "mistral-*"
+    assert slo.selector["model"] == "llama-*"
+    assert mark_request(make_record(model="llama-3"), [slo]) == {slo.name: True}
+
+
+def test_targets_are_hashable_and_comparable() -> None:
+    assert target(selector={"model": "a"}) == target(selector={"model": "a"})
+    assert target(selector={"model": "a"}) != target(selector={"model": "b"})
+    assert len({target(), target()}) == 1
+
+
+# --- per request ----------------------------------------------------------------------------------
+def test_met_is_value_at_or_below_threshold() -> None:
+    at = make_record(ttft=500 * MS)
+    above = make_record(ttft=500 * MS + 1)
+    slo = target()
+    assert mark_request(at, [slo]) == {slo.name: True}
+    assert mark_request(above, [slo]) == {slo.name: False}
+
+
+@pytest.mark.parametrize(
+    ("selector", "applies"),
+    [
+        ({}, True),
+        ({"service": "vllm-chat"}, True),
+        ({"service": "vllm-*"}, True),
+        ({"service": "vllm"}, False),
+        ({"model": "llama-3-*", "operation": "chat"}, True),
+        ({"model": "llama-3-*", "operation": "text_completion"}, False),
+        ({"prompt_bucket": "128-511"}, True),
+        ({"prompt_bucket": "512-*"}, False),
+        ({"model": "LLAMA-*"}, False),  # case-sensitive, whatever the platform
+    ],
+)
+def test_selector_decides_whether_a_target_applies(selector: dict[str, str], applies: bool) -> None:
+    slo = target(selector=selector)
+    marks = mark_request(make_record(), [slo])
+    assert (slo.name in marks) is applies
+
+
+def test_targets_without_a_value_are_left_out() -> None:
+    record = make_record(tpot=None, itl=[])
+    tpot = target(name="tpot", metric=semconv.METRIC_TPOT, threshold_ns=50 * MS)
+    itl = target(name="itl", metric=semconv.METRIC_ITL, threshold_ns=50 * MS)
+    e2e = target(name="e2e", metric=semconv.METRIC_E2E, threshold_ns=1 * S)
+    assert mark_request(record, [tpot, itl, e2e]) == {"e2e": False}
+
+
+def test_itl_uses_the_requests_own_gap_at_the_percentile() -> None:
+    # 100 gaps: 98 of 10 ms, then 50 ms and 500 ms. Nearest-rank p99 is the 99th: 50 ms.
+    gaps = [10 * MS] * 98 + [500 * MS, 50 * MS]
+    record = make_record(itl=gaps)
+    p99 = target(name="p99", metric=semconv.METRIC_ITL, percentile=99, threshold_ns=100 * MS)
+    p99_9 = target(name="p99.9", metric=semconv.METRIC_ITL, percentile=99.9, threshold_ns=100 * MS)
+    p50 = target(name="p50", metric=semconv.METRIC_ITL, percentile=50, threshold_ns=9 * MS)
+    # The max gap (500 ms) would breach p99; the request's own p99 gap does not.
+    assert mark_request(record, [p99, p99_9, p50]) == {"p99": True, "p99.9": False, "p50": False}
+
+
+def test_many_targets_mark_independently() -> None:
+    record = make_record(ttft=300 * MS, tpot=60 * MS)
+    targets = [
+        target(name="ttft", threshold_ns=500 * MS),
+        target(name="tpot", metric=semconv.METRIC_TPOT, threshold_ns=50 * MS),
+        target(name="other-model", selector={"model": "mistral*"}),
+    ]
+    assert mark_request(record, targets) == {"ttft": True, "tpot": False}
+
+
+# --- windows --------------------------------------------------------------------------------------
+def _window(values_s: list[float]) -> LatencySketch:
+    sketch = LatencySketch()
+    sketch.add_many(values_s)
+    return sketch
+
+
+def test_window_breaching_its_target() -> None:
+    # 90 requests at 100 ms and 10 at 1 s: p95 is ~1 s, 90% inside 500 ms.
+    sketch = _window([0.1] * 90 + [1.0] * 10)
+    status = evaluate_window(target(percentile=95, threshold_ns=500 * MS), sketch)
+    assert status.target == "chat-ttft-p95"
+    assert status.requests == 100
+    assert status.value_ns == pytest.approx(1 * S, rel=0.01)
+    assert status.met is False
+    assert status.compliance == pytest.approx(0.9)
+    assert status.burn_rate == pytest.approx(0.1 / 0.05)
+
+
+def test_window_inside_its_target() -> None:
+    sketch = _window([0.1] * 90 + [1.0] * 10)
+    status = evaluate_window(target(percentile=50, threshold_ns=500 * MS), sketch)
+    assert status.value_ns == pytest.approx(100 * MS, rel=0.01)
+    assert status.met is True
+    assert status.compliance == pytest.approx(0.9)
+    assert status.burn_rate == pytest.approx(0.1 / 0.5)
+
+
+def test_window_fully_compliant_burns_nothing() -> None:
+    status = evaluate_window(target(), _window([0.05, 0.06, 0.07]))
+    assert status.compliance == pytest.approx(1.0)
+    assert status.burn_rate == pytest.approx(0.0)
+    assert status.met is True
+
+
+def test_empty_window_has_no_verdict() -> None:
+    status = evaluate_window(target(), LatencySketch())
+    assert status.requests == 0
+    assert status.value_ns is None
+    assert status.met is None
+    assert status.compliance is None
+    assert status.burn_rate is None
+
+
+# --- configuration --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("raw", "ns"),
+    [
+        ("500ms", 500 * MS),
+        ("2s", 2 * S),
+        ("1.5m", 90 * S),
+        ("750us", 750_000),
+        ("750µs", 750_000),
+        ("100ns", 100),
+        ("1h", 3600 * S),
+        (" 250 ms ", 250 * MS),
+        ("0.1", 100 * MS),
+        ("3", 3 * S),
+        (0.5, 500 * MS),
+        (0.1, 100 * MS),
+        (2, 2 * S),
+        ("1e-3s", 1 * MS),
+        ("0", 0),
+    ],
+)
+def test_parse_duration(raw: object, ns: int) -> None:
+    assert parse_duration_ns(raw) == ns
+
+
+@pytest.mark.parametrize(
+    "raw", ["fast", "-1s", "", "5 parsecs", "1.2.3s", "ms", None, True, math.nan, math.inf, -0.5]
+)
+def test_parse_duration_rejects(raw: object) -> None:
+    with pytest.raises(ValueError):
+        parse_duration_ns(raw)
+
+
+def test_parse_targets_from_config() -> None:
+    targets = parse_targets(
+        [
+            {
+                "name": "chat-ttft",
+                "metric": "ttft",
+                "percentile": 95,
+                "threshold": "500ms",
+                "selector": {"operation": "chat", "model": "llama-*"},
+            },
+            {"name": "tpot", "metric": "tpot", "percentile": "p99", "threshold": 0.05},
+        ]
+    )
+    assert [t.name for t in targets] == ["chat-ttft", "tpot"]
+    assert targets[0].threshold_ns == 500 * MS
+    assert targets[0].percentile == 95
+    assert dict(targets[0].selector) == {"operation": "chat", "model": "llama-*"}
+    assert targets[1].threshold_ns == 50 * MS
+    assert targets[1].percentile == 99
+    assert dict(targets[1].selector) == {}
+
+
+_GOOD = {"name": "a", "metric": "ttft", "percentile": 95, "threshold": "1s"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ([_GOOD, {**_GOOD, "name": "b", "threshold": "soon"}], r"slo\.targets\[1\]\.threshold: "),
+        ([{**_GOOD, "threshold": "0ms"}], r"slo\.targets\[0\]\.threshold: "),
+        ([{**_GOOD, "percentile": "high"}], r"slo\.targets\[0\]\.percentile: "),
+        ([{**_GOOD, "percentile": 100}], r"slo\.targets\[0\]\.percentile: "),
+        ([{**_GOOD, "metric": "tps"}], r"slo\.targets\[0\]\.metric: "),
+        ([{**_GOOD, "selector": {"zone": "a"}}], r"slo\.targets\[0\]\.selector: unknown key"),
+        ([{**_GOOD, "selector": ["model"]}], r"slo\.targets\[0\]\.selector: "),
+        ([{**_GOOD, "threshhold": "1s"}], r"slo\.targets\[0\]\.threshhold: unknown field"),
+        (
+            [{k: v for k, v in _GOOD.items() if k != "metric"}],
+            r"slo\.targets\[0\]\.metric: missing",
+        ),
+        ([_GOOD, _GOOD], r"slo\.targets\[1\]\.name: duplicate .*slo\.targets\[0\]"),
+        (["ttft<500ms"], r"slo\.targets\[0\]: expected a mapping"),
+        ({"a": _GOOD}, r"slo\.targets: expected a list"),
+    ],
+)
+def test_parse_targets_errors_name_index_and_field(raw: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_targets(raw)
+
+
+def test_parse_targets_accepts_nothing() -> None:
+    assert parse_targets(None) == []
+    assert parse_targets([]) == []

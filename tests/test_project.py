@@ -1,0 +1,90 @@
+"""Project-level invariants: packaging, the telemetry contract's single home, import hygiene."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tokentrace.agent import semconv
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE_FOLDERS = {"agent": "tokentrace/agent", "collector": "tokentrace/collector",
+                "processors": "tokentrace/processors"}
+
+
+@pytest.mark.slow
+def test_every_package_folder_is_in_the_wheel(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("tokentrace-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for folder, installed in CODE_FOLDERS.items():
+        for source in (ROOT / folder).rglob("*.py"):
+            relative = source.relative_to(ROOT / folder).as_posix()
+            assert f"{installed}/{relative}" in names, f"{source} is missing from the wheel"
+    assert not any(name.startswith(("agent/", "collector/", "processors/")) for name in names)
+
+
+def test_telemetry_doc_is_generated_from_the_contract() -> None:
+    documented = (ROOT / "docs" / "telemetry.md").read_text(encoding="utf-8")
+    assert documented == semconv.contract_markdown(), "run `make docs` to regenerate"
+
+
+def _contract_strings() -> set[str]:
+    """Contract values specific enough that seeing one quoted elsewhere means a re-spelling."""
+    values = set()
+    for name in dir(semconv):
+        value = getattr(semconv, name)
+        if name.isupper() and isinstance(value, str) and "." in value and len(value) > 8:
+            values.add(value)
+    for value in semconv.OTLP_METRIC_NAMES.values():
+        values.add(value)
+    return values
+
+
+def test_no_module_but_semconv_spells_a_contract_name() -> None:
+    contract = _contract_strings()
+    offenders = []
+    for folder in CODE_FOLDERS:
+        for source in (ROOT / folder).rglob("*.py"):
+            if source.name == "semconv.py":
+                continue
+            for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Constant) and node.value in contract:
+                    offenders.append(f"{source.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    assert not offenders, "use the semconv constants instead:\n" + "\n".join(offenders)
+
+
+def test_agent_never_imports_the_collector_or_web_stack() -> None:
+    forbidden = ("tokentrace.collector", "fastapi", "uvicorn", "sqlite3")
+    offenders = []
+    for source in (ROOT / "agent").rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [f"{source.name}: {n}" for n in names if n.startswith(forbidden)]
+    assert not offenders
+
+
+def test_tokentrace_help_lists_commands_without_importing_heavy_modules() -> None:
+    code = (
+        "import sys\n"
+        "from tokentrace.agent.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('fastapi', 'grpc', 'sqlite3', 'yaml', 'ddsketch') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "collector" in result.stdout and "explain" in result.stdout
+    assert "HEAVY []" in result.stdout
