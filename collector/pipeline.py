@@ -29,6 +29,7 @@ from tokentrace.agent import semconv
 from tokentrace.collector.assembly import TraceAssembler
 from tokentrace.collector.config import CollectorConfig
 from tokentrace.collector.consumer import Unavailable
+from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.processors.budget import compute_budget, compute_metrics, prompt_bucket
 from tokentrace.processors.diagnosis import DiagnosisConfig, diagnose_request
 from tokentrace.processors.enrich import enrich_span
@@ -66,6 +67,9 @@ class TraceSink(Protocol):
 class ProcessedTrace:
     trace: AssembledTrace
     records: list[RequestRecord]
+    otlp: bytes = b""
+    """The enriched trace as one serialised ExportTraceServiceRequest, encoded once for every
+    exporter (serialised requests concatenate into a valid request)."""
 
 
 @dataclass(slots=True)
@@ -196,7 +200,7 @@ class Pipeline:
         except Exception:  # a dialect bug must not lose the trace: pass it through unenriched
             self._count_error(self.stats.processor_errors, "normalize")
             _log.exception("normalising trace %s failed", trace.trace_id.hex())
-            return ProcessedTrace(trace, records)
+            return ProcessedTrace(trace, records, encode_trace_request(trace.spans))
         for timeline in timelines:
             try:
                 budget = compute_budget(timeline)
@@ -223,7 +227,7 @@ class Pipeline:
                         enrich_span(ref.span, record_or_none)
                     except Exception:
                         self._count_error(self.stats.processor_errors, "enrich")
-        return ProcessedTrace(trace, records)
+        return ProcessedTrace(trace, records, encode_trace_request(trace.spans))
 
     def _guarded(self, name: str, processor: RequestProcessor, record: RequestRecord) -> None:
         try:

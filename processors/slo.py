@@ -208,7 +208,7 @@ _DURATION_PATTERN: Final = re.compile(
     r"""^\s*
     (?P<number>(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)
     \s*
-    (?P<unit>ns|us|µs|μs|ms|s|m|h)?
+    (?P<unit>ns|us|µs|μs|ms|s|m|h|d)?
     \s*$""",
     re.IGNORECASE | re.VERBOSE,
 )
@@ -221,12 +221,13 @@ _NS_PER_UNIT: Final[Mapping[str, int]] = {
     "s": _NS_PER_S,
     "m": 60 * _NS_PER_S,
     "h": 3600 * _NS_PER_S,
+    "d": 86400 * _NS_PER_S,
 }
 
 
 def parse_duration_ns(value: object) -> int:
     """A duration in integer ns from ``"500ms"``, ``"2s"``, ``"1.5m"``, ``"750us"``, ``"100ns"``,
-    ``"1h"``, or a bare number (int, float or numeric string) of seconds.
+    ``"1h"``, ``"7d"``, or a bare number (int, float or numeric string) of seconds.
 
     Raises ``ValueError`` (with the offending value) for anything else, negative or non-finite.
     """
@@ -247,7 +248,7 @@ def parse_duration_ns(value: object) -> int:
     match = _DURATION_PATTERN.match(value)
     if match is None:
         raise ValueError(
-            f"cannot parse duration {value!r} (a number with unit ns, us, ms, s, m or h, "
+            f"cannot parse duration {value!r} (a number with unit ns, us, ms, s, m, h or d, "
             f"or a bare number of seconds)"
         )
     unit = (match.group("unit") or "s").lower()

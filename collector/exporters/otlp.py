@@ -43,14 +43,13 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Span
 from tokentrace.agent import semconv
+from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.processors.model import SpanRef
 from tokentrace.processors.slo import parse_duration_ns
 
@@ -1067,28 +1066,30 @@ class OtlpTraceExporter(_OtlpExporter):
             logger.exception("OTLP traces exporter: could not queue spans")
             self._sender.count_dropped(len(spans) - done, "encoding error")
 
+    def export_encoded(self, traces: Sequence[tuple[bytes, int]]) -> None:
+        """Queue traces already encoded as ``ExportTraceServiceRequest`` bytes, with their span
+        counts. Serialised requests concatenate into one valid request (repeated fields merge),
+        so batching costs a join, not a re-encoding."""
+        if self._sender.endpoint is None:
+            return
+        payload: list[bytes] = []
+        spans = 0
+        for encoded, count in traces:
+            if payload and spans + count > self._max_batch:
+                self._submit_encoded(payload, spans)
+                payload, spans = [], 0
+            payload.append(encoded)
+            spans += count
+        if payload:
+            self._submit_encoded(payload, spans)
 
-def encode_trace_request(spans: Sequence[SpanRef]) -> bytes:
-    """One serialised ExportTraceServiceRequest, grouping spans by their shared Resource and
-    InstrumentationScope objects (identity, not content: the receiver shares them)."""
-    groups: dict[tuple[int, int], tuple[Resource, InstrumentationScope, list[Span]]] = {}
-    for ref in spans:
-        key = (id(ref.resource), id(ref.scope))
-        group = groups.get(key)
-        if group is None:
-            group = groups[key] = (ref.resource, ref.scope, [])
-        group[2].append(ref.span)
-    request = ExportTraceServiceRequest()
-    by_resource: dict[int, ResourceSpans] = {}
-    for resource, scope, group_spans in groups.values():
-        resource_spans = by_resource.get(id(resource))
-        if resource_spans is None:
-            resource_spans = by_resource[id(resource)] = request.resource_spans.add()
-            resource_spans.resource.CopyFrom(resource)
-        scope_spans = resource_spans.scope_spans.add()
-        scope_spans.scope.CopyFrom(scope)
-        scope_spans.spans.extend(group_spans)
-    return request.SerializeToString()
+    def _submit_encoded(self, payload: list[bytes], spans: int) -> None:
+        if self._sender.has_room(spans):
+            self._sender.submit(b"".join(payload), spans)
+        else:
+            self._sender.drop_without_room(spans)
+
+
 
 
 class OtlpMetricExporter(_OtlpExporter):

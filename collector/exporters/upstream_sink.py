@@ -40,7 +40,7 @@ class UpstreamSink:
         self._start_ns = time.time_ns()
 
     def export_traces(self, batch: Sequence[ProcessedTrace]) -> None:
-        self._traces.export([ref for item in batch for ref in item.trace.spans])
+        self._traces.export_encoded([(item.otlp, len(item.trace.spans)) for item in batch])
 
     def housekeeping(self, pipeline: Pipeline, *, final: bool = False) -> None:
         if final or self._clock() >= self._next_metrics:

@@ -1,0 +1,266 @@
+"""Collector throughput on one core, end to end: receive -> assemble -> processors -> store + OTLP out.
+
+The collector runs in this process pinned to one CPU. A helper process pinned to the other CPU
+plays both neighbours: the senders (pre-serialised OTLP/gRPC export requests built from simulated
+request traces) and the upstream OTLP receiver that the collector exports enriched spans to. The
+clock runs from the first request sent until every request is in the store and every span has
+been exported upstream. Then a single-threaded pass over the same data times each stage, to say
+where the time goes.
+
+    python bench/collector_throughput.py            # ~1-2 minutes
+    python bench/collector_throughput.py --requests 2000   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+_SENDER_THREADS = 4
+
+
+def _pin(cpu: int) -> None:
+    if hasattr(os, "sched_setaffinity") and cpu < (os.cpu_count() or 1):
+        os.sched_setaffinity(0, {cpu})
+
+
+def _neighbour(
+    batches: list[bytes], collector_port_queue: Any, ready: Any, results: Any, cpu: int
+) -> None:
+    """Upstream receiver + sender, in one process on the other CPU."""
+    import grpc
+
+    _pin(cpu)
+    received = {"bytes": 0, "calls": 0}
+
+    def export(request: bytes, context: Any) -> bytes:
+        received["bytes"] += len(request)
+        received["calls"] += 1
+        return b""  # an empty ExportTraceServiceResponse / ExportMetricsServiceResponse
+
+    handler = grpc.method_handlers_generic_handler(
+        "opentelemetry.proto.collector.trace.v1.TraceService",
+        {"Export": grpc.unary_unary_rpc_method_handler(export)},
+    )
+    metrics_handler = grpc.method_handlers_generic_handler(
+        "opentelemetry.proto.collector.metrics.v1.MetricsService",
+        {"Export": grpc.unary_unary_rpc_method_handler(export)},
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((handler, metrics_handler))
+    upstream_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    ready.put(upstream_port)
+
+    collector_port = collector_port_queue.get()
+    channel = grpc.insecure_channel(
+        f"127.0.0.1:{collector_port}",
+        options=[("grpc.max_send_message_length", 64 * 1024 * 1024)],
+    )
+    send = channel.unary_unary(_EXPORT_METHOD)  # bytes in, bytes out: no re-serialisation
+    refused = 0
+
+    def send_one(batch: bytes) -> int:
+        retries = 0
+        while True:
+            try:
+                send(batch, timeout=30)
+                return retries
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                retries += 1
+                time.sleep(0.05)
+
+    started = time.perf_counter()
+    with futures.ThreadPoolExecutor(max_workers=_SENDER_THREADS) as pool:
+        refused = sum(pool.map(send_one, batches))
+    results.put({"sent_s": time.perf_counter() - started, "refused": refused, "t0": started})
+    time.sleep(3600)  # keep the upstream receiver up until the parent kills this process
+
+
+def _build_batches(requests: int, seed: int) -> tuple[list[bytes], int, int]:
+    from tokentrace.agent.replay import simulate, to_otlp_requests
+
+    simulated = simulate("mixed", requests=requests, seed=seed)
+    messages = to_otlp_requests(simulated, batch_spans=512)
+    spans = sum(
+        len(scope.spans)
+        for message in messages
+        for resource in message.resource_spans
+        for scope in resource.scope_spans
+    )
+    return [m.SerializeToString() for m in messages], spans, len(simulated)
+
+
+def _collector_config(store_path: Path, upstream_port: int) -> Any:
+    from tokentrace.collector.config import parse_config
+
+    return parse_config(
+        {
+            "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "127.0.0.1:0"}}}},
+            "processors": {
+                "assembly": {"quiet_period": "1s", "root_grace": "20ms"},
+                "slo": {
+                    "targets": [
+                        {"name": "ttft", "metric": "ttft", "percentile": 95, "threshold": "500ms"},
+                        {"name": "tpot", "metric": "tpot", "percentile": 99, "threshold": "50ms"},
+                    ]
+                },
+            },
+            "exporters": {
+                "store": {"path": str(store_path)},
+                "otlp": {
+                    "endpoint": f"http://127.0.0.1:{upstream_port}",
+                    "tls": {"insecure": True},
+                    "sending_queue": {"queue_size": 10_000_000},
+                },
+            },
+        },
+        environ={},
+    )
+
+
+def end_to_end(batches: list[bytes], spans: int, requests: int) -> dict[str, float]:
+    from tokentrace.collector.service import Collector
+
+    _pin(0)
+    context = multiprocessing.get_context("spawn")
+    port_queue, ready, results = context.Queue(), context.Queue(), context.Queue()
+    neighbour = context.Process(
+        target=_neighbour, args=(batches, port_queue, ready, results, 1), daemon=True
+    )
+    neighbour.start()
+    upstream_port = ready.get(timeout=60)
+    with tempfile.TemporaryDirectory(prefix="tokentrace-bench-") as tmp:
+        collector = Collector(_collector_config(Path(tmp) / "bench.db", upstream_port), environ={})
+        collector.start()
+        cpu_before = time.process_time()
+        wall_before = time.perf_counter()
+        port_queue.put(collector.grpc_port)
+        try:
+            done_at = None
+            last_print = 0.0
+            while done_at is None:
+                time.sleep(0.05)
+                stats = collector.stats()
+                exported = stats.get("UpstreamSink.traces.sent_spans", 0)
+                if stats.get("requests", 0) >= requests and exported >= spans:
+                    done_at = time.perf_counter()
+                elif time.perf_counter() - last_print > 5:
+                    last_print = time.perf_counter()
+                    print(
+                        f"  ... {stats.get('received_spans', 0)}/{spans} spans received, "
+                        f"{stats.get('requests', 0)}/{requests} requests stored, "
+                        f"{exported} spans exported",
+                        flush=True,
+                    )
+                if time.perf_counter() - wall_before > 600:
+                    raise SystemExit(f"bench: not done after 600 s: {stats}")
+            cpu_used = time.process_time() - cpu_before
+            sender = results.get(timeout=10)
+            stats = collector.stats()
+        finally:
+            collector.shutdown(timeout_s=5)
+            neighbour.kill()
+    wall = done_at - wall_before
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu_used,
+        "spans_per_s": spans / wall,
+        "spans_per_cpu_s": spans / cpu_used,
+        "send_s": sender["sent_s"],
+        "refused": sender["refused"],
+        "dropped": stats.get("UpstreamSink.traces.dropped_spans", 0),
+    }
+
+
+def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
+    """Each stage alone over the same data, single-threaded: seconds per stage."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from tokentrace.collector.config import parse_config
+    from tokentrace.collector.encoding import encode_trace_request
+    from tokentrace.collector.pipeline import Pipeline, group_by_trace
+    from tokentrace.collector.receivers.validate import sanitize
+    from tokentrace.collector.store.sqlite import RequestStore
+
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = fn()
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+        return result
+
+    config = _collector_config(Path("unused.db"), 1)
+    pipeline = Pipeline(config)
+    messages = timed("parse protobuf", lambda: [ExportTraceServiceRequest.FromString(b) for b in batches])
+    timed("validate", lambda: [sanitize(m) for m in messages])
+    for message in messages:
+        groups, count = timed("group by trace", lambda m=message: group_by_trace(m))
+        timed("assembly add", lambda g=groups, c=count: pipeline.assembler.add(g, c))
+    traces = timed("assembly pop", lambda: pipeline.assembler.pop_finished(flush_all=True))
+    processed = timed(
+        "processors (normalise, budget, diagnosis, SLO, percentiles, enrich)",
+        lambda: [pipeline.process_trace(t) for t in traces],
+    )
+    with tempfile.TemporaryDirectory(prefix="tokentrace-bench-") as tmp:
+        store = RequestStore(Path(tmp) / "profile.db")
+        for start in range(0, len(processed), 256):
+            chunk = processed[start : start + 256]
+            timed("store write (SQLite)", lambda c=chunk: store.write([(p.trace, p.records) for p in c]))
+        store.close()
+    refs = [ref for item in processed for ref in item.trace.spans]
+    for start in range(0, len(refs), 512):
+        timed("OTLP out: group + serialise", lambda s=start: encode_trace_request(refs[s : s + 512]))
+    return [(name, seconds) for name, seconds in timings.items()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--runs", type=int, default=1)
+    args = parser.parse_args()
+
+    print(f"building {args.requests} simulated request traces ...", flush=True)
+    batches, spans, requests = _build_batches(args.requests, args.seed)
+    print(f"{requests} requests, {spans} spans in {len(batches)} OTLP export requests "
+          f"({sum(map(len, batches)) / spans:.0f} B/span)\n", flush=True)
+
+    results = [end_to_end(batches, spans, requests) for _ in range(args.runs)]
+    rate = statistics.median(r["spans_per_s"] for r in results)
+    per_cpu = statistics.median(r["spans_per_cpu_s"] for r in results)
+    print("\nend to end, collector pinned to one CPU:")
+    for r in results:
+        print(f"  {r['spans_per_s']:>9,.0f} spans/s wall ({r['wall_s']:.2f} s), "
+              f"{r['spans_per_cpu_s']:>9,.0f} spans per collector CPU-second, "
+              f"refused batches retried: {r['refused']}, upstream drops: {r['dropped']}")
+    print(f"  median: {rate:,.0f} spans/s ({rate * requests / spans:,.0f} requests/s); "
+          f"goal >= 50,000 spans/s: {'met' if rate >= 50_000 else 'NOT met'}")
+
+    print("\nwhere the time goes (each stage alone, one thread, same data):")
+    profile = stage_profile(batches, spans)
+    total = sum(seconds for _, seconds in profile)
+    for name, seconds in sorted(profile, key=lambda item: -item[1]):
+        print(f"  {name:<70} {seconds / spans * 1e6:6.2f} us/span  {seconds / total:6.1%}")
+    print(f"  {'total':<70} {total / spans * 1e6:6.2f} us/span "
+          f"(= {spans / total:,.0f} spans/s without threads, gRPC and queues)")
+    print(f"\nreproduce: python bench/collector_throughput.py --requests {args.requests} "
+          f"--seed {args.seed} --runs {args.runs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

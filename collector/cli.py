@@ -1,0 +1,270 @@
+"""``tokentrace collector``, ``tokentrace explain`` and ``tokentrace top``.
+
+Registered under the ``tokentrace.commands`` entry-point group. Only argparse and the standard
+library are imported here at module level: ``tokentrace --help`` stays fast and works where only
+``tokentrace[agent]`` is installed. Everything else is imported inside ``run()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Any, Final, TextIO
+
+_DEFAULT_STORE: Final = "./tokentrace.db"
+_DEFAULT_WINDOW_S: Final = 60.0
+_DEFAULT_INTERVAL_S: Final = 2.0
+_DEFAULT_TERMINAL: Final = (100, 24)
+_EXIT_OK: Final = 0
+_EXIT_USAGE: Final = 2
+_CLEAR_SCREEN: Final = "\x1b[H\x1b[2J"
+_EXPLAIN_METRICS: Final = ("e2e", "ttft", "tpot")
+_DURATION_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """``500ms``, ``60s``, ``5m``, ``1h``, ``7d`` or plain seconds -> seconds (> 0)."""
+    cleaned = text.strip().lower()
+    number, factor = cleaned, 1.0
+    # Longest unit first so "ms"/"min" are not read as "s"/"m".
+    for unit in sorted(_DURATION_UNITS, key=len, reverse=True):
+        if cleaned.endswith(unit):
+            number, factor = cleaned[: -len(unit)], _DURATION_UNITS[unit]
+            break
+    try:
+        seconds = float(number) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration (e.g. 500ms, 60s, 5m, 1h)"
+        ) from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be positive")
+    return seconds
+
+
+def _add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store",
+        metavar="PATH",
+        default=_DEFAULT_STORE,
+        help=f"the collector's request store (default: {_DEFAULT_STORE})",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _emit(text: str) -> bool:
+    """Write to stdout; False when the reader went away (``| head``), without a traceback."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return False
+    return True
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"tokentrace {command}: {message}", file=sys.stderr)
+    return _EXIT_USAGE
+
+
+def _terminal(stream: TextIO) -> tuple[int, bool, Any]:
+    """(width, colour, glyphs) for writing to ``stream``."""
+    from tokentrace.collector.render import glyphs_for
+
+    width = shutil.get_terminal_size(_DEFAULT_TERMINAL).columns
+    is_tty = bool(getattr(stream, "isatty", lambda: False)())
+    color = is_tty and "NO_COLOR" not in os.environ
+    return width, color, glyphs_for(getattr(stream, "encoding", None))
+
+
+class CollectorCommand:
+    name = "collector"
+    help = "run the tokentrace collector (OTLP receivers, processors, exporters, request store)"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--config", metavar="FILE", help="collector configuration (YAML)")
+        parser.add_argument(
+            "--store",
+            metavar="PATH",
+            default=None,
+            help=f"request store path (overrides the config; default: {_DEFAULT_STORE})",
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        from tokentrace.collector.service import run_from_args
+
+        result: int = run_from_args(args)
+        return result
+
+
+class ExplainCommand:
+    name = "explain"
+    help = "explain one request: waterfall, latency budget and the verdict on what made it slow"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "trace_id",
+            nargs="?",
+            metavar="TRACE_ID",
+            help="trace id in hex (a prefix of at least 8 digits is enough)",
+        )
+        parser.add_argument("--span", metavar="SPAN_ID", help="pick one request of the trace")
+        parser.add_argument(
+            "--slowest", action="store_true", help="explain the slowest stored request instead"
+        )
+        parser.add_argument(
+            "--metric",
+            choices=_EXPLAIN_METRICS,
+            default="e2e",
+            help="what --slowest orders by (default: e2e)",
+        )
+        parser.add_argument(
+            "--since",
+            metavar="DURATION",
+            type=parse_duration,
+            help="with --slowest: only requests that started within this long (e.g. 15m)",
+        )
+        parser.add_argument(
+            "--limit",
+            metavar="N",
+            type=int,
+            default=1,
+            help="with --slowest: list the N slowest instead of explaining the slowest one",
+        )
+        _add_store_arguments(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from tokentrace.collector.store import RequestStore, StoreError
+
+        if args.slowest == (args.trace_id is not None):
+            return _fail(self.name, "give a TRACE_ID or --slowest (not both)")
+        if args.limit < 1:
+            return _fail(self.name, "--limit must be at least 1")
+        try:
+            store = RequestStore.open_readonly(args.store)
+            if args.slowest:
+                since_ns = None
+                if args.since is not None:
+                    since_ns = int((time.time() - args.since) * 1e9)
+                docs = store.slowest(metric=args.metric, since_ns=since_ns, limit=args.limit)
+                if not docs:
+                    window = " in that window" if args.since is not None else ""
+                    return _fail(
+                        self.name, f"no requests with {args.metric} in {args.store}{window}"
+                    )
+                if args.limit > 1:
+                    return self._print_list(docs, args)
+                doc = docs[0]
+            else:
+                found = store.get(args.trace_id, span_id=args.span)
+                if found is None:
+                    return _fail(
+                        self.name, f"no request with trace id {args.trace_id} in {args.store}"
+                    )
+                doc = found
+        except (StoreError, ValueError) as error:
+            return _fail(self.name, str(error))
+        if args.json:
+            _emit(json.dumps(doc, indent=2) + "\n")
+            return _EXIT_OK
+        from tokentrace.collector.render import render_explain
+
+        width, color, glyphs = _terminal(sys.stdout)
+        _emit(render_explain(doc, width=width, color=color, glyphs=glyphs))
+        return _EXIT_OK
+
+    @staticmethod
+    def _print_list(docs: list[dict[str, Any]], args: argparse.Namespace) -> int:
+        if args.json:
+            _emit(json.dumps(docs, indent=2) + "\n")
+        else:
+            from tokentrace.collector.render import render_slowest_list
+
+            _emit(render_slowest_list(docs, metric=args.metric))
+        return _EXIT_OK
+
+
+class TopCommand:
+    name = "top"
+    help = "live TTFT/TPOT/ITL/E2E percentiles per model, operation and prompt size, with SLOs"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--window",
+            metavar="DURATION",
+            type=parse_duration,
+            default=_DEFAULT_WINDOW_S,
+            help="how far back the percentiles reach (default: 60s)",
+        )
+        parser.add_argument(
+            "--interval",
+            metavar="DURATION",
+            type=parse_duration,
+            default=_DEFAULT_INTERVAL_S,
+            help="refresh period in live mode (default: 2s)",
+        )
+        parser.add_argument("--once", action="store_true", help="print once and exit")
+        _add_store_arguments(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from tokentrace.collector.render import render_top
+        from tokentrace.collector.store import RequestStore, StoreError
+
+        try:
+            store = RequestStore.open_readonly(args.store)
+            report = self._report(store, args.window)
+        except (StoreError, ValueError) as error:
+            return _fail(self.name, str(error))
+        if args.json:
+            _emit(json.dumps(report, indent=2) + "\n")
+            return _EXIT_OK
+        width, color, glyphs = _terminal(sys.stdout)
+        del width  # the table is as wide as its columns
+        if args.once:
+            _emit(render_top(report, color=color, glyphs=glyphs, title=args.store))
+            return _EXIT_OK
+        clear = sys.stdout.isatty()
+        try:
+            while True:
+                text = render_top(report, color=color, glyphs=glyphs, title=args.store)
+                if not _emit((_CLEAR_SCREEN if clear else "") + text + ("" if clear else "\n")):
+                    return _EXIT_OK
+                time.sleep(args.interval)
+                try:
+                    report = self._report(store, args.window)
+                except (StoreError, ValueError) as error:
+                    return _fail(self.name, str(error))
+        except KeyboardInterrupt:
+            return _EXIT_OK
+
+    @staticmethod
+    def _report(store: Any, window_s: float) -> dict[str, Any]:
+        from tokentrace.collector.store import META_SLO_TARGETS, window_report
+
+        now_s = time.time()
+        slices = store.sketches_since(now_s - window_s)
+        targets: list[dict[str, Any]] = []
+        raw_targets = store.meta(META_SLO_TARGETS)
+        if raw_targets:
+            try:
+                loaded = json.loads(raw_targets)
+            except json.JSONDecodeError:
+                loaded = None
+            if isinstance(loaded, list):
+                targets = [t for t in loaded if isinstance(t, dict)]
+            else:
+                print(
+                    "tokentrace top: ignoring unreadable SLO targets in the store", file=sys.stderr
+                )
+        report: dict[str, Any] = window_report(
+            slices, window_s=window_s, now_s=now_s, slo_targets=targets
+        )
+        return report

@@ -1,0 +1,143 @@
+"""OTLP trace receivers (gRPC and HTTP) and what they share.
+
+The receivers themselves live in :mod:`.otlp_grpc` and :mod:`.otlp_http`; this module stays light
+(no grpc import) so that either can be used alone.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from tokentrace.collector.consumer import Overloaded, TraceConsumer, Unavailable
+from tokentrace.collector.receivers.validate import sanitize
+
+__all__ = [
+    "ConsumerFailed",
+    "ReceiverCounters",
+    "ReceiverStartError",
+    "bearer_token_matches",
+    "deliver",
+    "split_endpoint",
+]
+
+_log = logging.getLogger(__name__)
+
+
+class ReceiverStartError(RuntimeError):
+    """A receiver could not bind its endpoint (port taken, bad address, unreadable TLS files)."""
+
+
+class ConsumerFailed(Exception):
+    """The consumer raised something other than Overloaded/Unavailable (already logged)."""
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6addr]:port"`` -> (host, port); raises ReceiverStartError."""
+    host, sep, port_text = endpoint.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ReceiverStartError(f"invalid receiver endpoint {endpoint!r}: expected HOST:PORT")
+    port = int(port_text)
+    if port > 65535:
+        raise ReceiverStartError(f"invalid receiver endpoint {endpoint!r}: port out of range")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port
+
+
+def bearer_token_matches(authorization: str | None, expected_token: str) -> bool:
+    """Constant-time check of an ``Authorization: Bearer <token>`` value (scheme is case-free)."""
+    if not authorization:
+        return False
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(token.strip().encode(), expected_token.encode())
+
+
+class ReceiverCounters:
+    """Thread-safe counters every receiver exposes through ``stats()``.
+
+    - accepted_spans: spans handed to the consumer and taken by it.
+    - rejected_spans: invalid spans dropped by validation (reported back as partial success).
+    - refused_requests: requests the consumer refused (Overloaded/Unavailable); sender retries.
+    - failed_requests: requests the consumer failed on unexpectedly (INTERNAL / HTTP 500).
+    - malformed_requests: undecodable or over-limit requests (HTTP 4xx); gRPC answers undecodable
+      messages itself, before the receiver sees them, so those are not counted here.
+    - unauthenticated_requests: missing or wrong bearer token.
+    - refused_connections: HTTP connections closed at once because max_connections was reached.
+    """
+
+    __slots__ = (
+        "_lock",
+        "accepted_spans",
+        "failed_requests",
+        "malformed_requests",
+        "refused_connections",
+        "refused_requests",
+        "rejected_spans",
+        "unauthenticated_requests",
+    )
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.accepted_spans = 0
+        self.rejected_spans = 0
+        self.refused_requests = 0
+        self.failed_requests = 0
+        self.malformed_requests = 0
+        self.unauthenticated_requests = 0
+        self.refused_connections = 0
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + amount)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {name: getattr(self, name) for name in self.__slots__ if name != "_lock"}
+
+
+def _count_spans(request: ExportTraceServiceRequest) -> int:
+    # Per scope, not per span: len() of a repeated field does not touch the spans.
+    return sum(
+        len(scope_spans.spans)
+        for resource_spans in request.resource_spans
+        for scope_spans in resource_spans.scope_spans
+    )
+
+
+def deliver(
+    consumer: TraceConsumer,
+    request: ExportTraceServiceRequest,
+    counters: ReceiverCounters,
+) -> ExportTraceServiceResponse:
+    """Validate ``request``, hand it to ``consumer`` and build the OTLP response.
+
+    Raises Overloaded / Unavailable from the consumer unchanged (counted as refused) and
+    ConsumerFailed for anything else the consumer raised (logged and counted here).
+    """
+    rejected_spans, error_message = sanitize(request)
+    accepted_spans = _count_spans(request)
+    if accepted_spans:
+        try:
+            consumer.consume_traces(request)
+        except (Overloaded, Unavailable):
+            counters.add("refused_requests")
+            raise
+        except Exception as error:
+            counters.add("failed_requests")
+            _log.error("trace consumer failed on a %d-span export", accepted_spans, exc_info=True)
+            raise ConsumerFailed(f"consumer error: {type(error).__name__}") from error
+        counters.add("accepted_spans", accepted_spans)
+    response = ExportTraceServiceResponse()
+    if rejected_spans:
+        counters.add("rejected_spans", rejected_spans)
+        response.partial_success.rejected_spans = rejected_spans
+        response.partial_success.error_message = error_message
+    return response

@@ -1,0 +1,222 @@
+"""OTLP/gRPC trace receiver (``opentelemetry.proto.collector.trace.v1.TraceService/Export``).
+
+Status mapping (OTLP 1.x): invalid spans -> OK with ``partial_success``; consumer Overloaded ->
+RESOURCE_EXHAUSTED with a ``google.rpc.RetryInfo`` (retryable only with it, per the spec);
+Unavailable -> UNAVAILABLE; any other consumer error -> INTERNAL; bad bearer token ->
+UNAUTHENTICATED. Oversized and undecodable messages are answered by grpc itself
+(RESOURCE_EXHAUSTED / INTERNAL) before the servicer runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from google.protobuf.any_pb2 import Any as AnyMessage
+from google.protobuf.duration_pb2 import Duration
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import (
+    TraceServiceServicer,
+    add_TraceServiceServicer_to_server,
+)
+from tokentrace.collector.consumer import Overloaded, TraceConsumer, Unavailable
+from tokentrace.collector.receivers import (
+    ConsumerFailed,
+    ReceiverCounters,
+    ReceiverStartError,
+    bearer_token_matches,
+    deliver,
+    split_endpoint,
+)
+
+__all__ = ["OtlpGrpcReceiver", "ReceiverStartError"]
+
+_log = logging.getLogger(__name__)
+
+_DEFAULT_ENDPOINT = "127.0.0.1:4317"
+_DEFAULT_MAX_RECV_MSG_SIZE = 4 * 1024 * 1024
+_DEFAULT_MAX_WORKERS = 4
+# RPCs queued or running at once; grpc answers RESOURCE_EXHAUSTED beyond it (bounded memory).
+_DEFAULT_MAX_CONCURRENT_RPCS = 64
+_DEFAULT_SHUTDOWN_GRACE_S = 5.0
+
+# The standard place for error details (read by the Go/Java/.NET exporters) ...
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+# ... and the key the Python OTLP exporter reads RetryInfo from.
+_RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
+
+
+def _retry_info_trailers(
+    message: str, retry_after_s: float
+) -> tuple[tuple[str, bytes], tuple[str, bytes]]:
+    delay = Duration()
+    seconds = max(0.0, retry_after_s) if math.isfinite(retry_after_s) else 1.0
+    delay.FromNanoseconds(int(seconds * 1e9))
+    retry_info = error_details_pb2.RetryInfo(retry_delay=delay)
+    detail = AnyMessage()
+    detail.Pack(retry_info)
+    status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message, details=[detail])
+    return (
+        (_STATUS_DETAILS_KEY, status.SerializeToString()),
+        (_RETRY_INFO_KEY, retry_info.SerializeToString()),
+    )
+
+
+class _TraceServicer(TraceServiceServicer):
+    def __init__(
+        self, consumer: TraceConsumer, counters: ReceiverCounters, auth_token: str | None
+    ) -> None:
+        self._consumer = consumer
+        self._counters = counters
+        self._auth_token = auth_token
+
+    def Export(
+        self, request: ExportTraceServiceRequest, context: grpc.ServicerContext
+    ) -> ExportTraceServiceResponse:
+        if self._auth_token is not None and not self._authorized(context):
+            self._counters.add("unauthenticated_requests")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+        try:
+            return deliver(self._consumer, request, self._counters)
+        except Overloaded as refusal:
+            message = str(refusal) or "collector overloaded"
+            context.set_trailing_metadata(_retry_info_trailers(message, refusal.retry_after_s))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        except Unavailable as refusal:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(refusal) or "collector unavailable")
+        except ConsumerFailed as failure:
+            context.abort(grpc.StatusCode.INTERNAL, str(failure))
+        except Exception:
+            # Not the consumer: a receiver bug. Still answer, never take the server down.
+            self._counters.add("failed_requests")
+            _log.error("OTLP gRPC export failed inside the receiver", exc_info=True)
+            context.abort(grpc.StatusCode.INTERNAL, "receiver error")
+
+    def _authorized(self, context: grpc.ServicerContext) -> bool:
+        assert self._auth_token is not None
+        for key, value in context.invocation_metadata():
+            if key == "authorization" and isinstance(value, str):
+                return bearer_token_matches(value, self._auth_token)
+        return False
+
+
+class OtlpGrpcReceiver:
+    """Serves OTLP/gRPC trace exports and hands valid spans to ``consumer``.
+
+    Binds loopback by default; TLS (both files) and a bearer token are opt-in. ``port`` is the
+    bound port after ``start()`` (endpoint port 0 picks a free one). At most
+    ``max_concurrent_rpcs`` exports are queued or running; grpc refuses more with
+    RESOURCE_EXHAUSTED (not counted in ``stats()``, like oversized or undecodable messages).
+    """
+
+    def __init__(
+        self,
+        consumer: TraceConsumer,
+        *,
+        endpoint: str = _DEFAULT_ENDPOINT,
+        max_recv_msg_size: int = _DEFAULT_MAX_RECV_MSG_SIZE,
+        max_workers: int = _DEFAULT_MAX_WORKERS,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        auth_token: str | None = None,
+        max_concurrent_rpcs: int = _DEFAULT_MAX_CONCURRENT_RPCS,
+    ) -> None:
+        if (tls_cert_file is None) != (tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file must be given together")
+        if max_recv_msg_size <= 0 or max_workers <= 0 or max_concurrent_rpcs < max_workers:
+            raise ValueError(
+                "max_recv_msg_size and max_workers must be positive, "
+                "max_concurrent_rpcs at least max_workers"
+            )
+        if auth_token is not None and not auth_token:
+            raise ValueError("auth_token must not be empty (use None to disable auth)")
+        self._consumer = consumer
+        self._endpoint = endpoint
+        self._max_recv_msg_size = max_recv_msg_size
+        self._max_workers = max_workers
+        self._max_concurrent_rpcs = max_concurrent_rpcs
+        self._tls_cert_file = tls_cert_file
+        self._tls_key_file = tls_key_file
+        self._auth_token = auth_token
+        self._counters = ReceiverCounters()
+        self._server: grpc.Server | None = None
+        self._port: int | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("receiver not started")
+        return self._port
+
+    def stats(self) -> dict[str, int]:
+        return self._counters.snapshot()
+
+    def start(self) -> None:
+        """Bind and serve in grpc's threads; raises ReceiverStartError if binding fails."""
+        if self._server is not None:
+            raise RuntimeError("receiver already started")
+        split_endpoint(self._endpoint)  # reject malformed endpoints with a clear message
+        credentials = self._server_credentials()
+        server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=self._max_workers, thread_name_prefix="otlp-grpc"
+            ),
+            options=[
+                ("grpc.max_receive_message_length", self._max_recv_msg_size),
+                # grpc sets SO_REUSEPORT by default, which would let a second receiver
+                # "bind" a port that is already serving and silently split its traffic.
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=self._max_concurrent_rpcs,
+        )
+        add_TraceServiceServicer_to_server(
+            _TraceServicer(self._consumer, self._counters, self._auth_token), server
+        )
+        try:
+            if credentials is None:
+                port = server.add_insecure_port(self._endpoint)
+            else:
+                port = server.add_secure_port(self._endpoint, credentials)
+        except RuntimeError as error:  # grpc >= 1.5x raises on bind failure
+            server.stop(None)
+            raise ReceiverStartError(
+                f"OTLP gRPC receiver cannot bind {self._endpoint}: {error}"
+            ) from error
+        if port == 0:  # older grpc signals a bind failure this way
+            server.stop(None)
+            raise ReceiverStartError(
+                f"OTLP gRPC receiver cannot bind {self._endpoint} (address in use or invalid)"
+            )
+        server.start()
+        self._server = server
+        self._port = port
+        _log.info("OTLP gRPC receiver listening on %s (port %d)", self._endpoint, port)
+
+    def shutdown(self, grace_s: float = _DEFAULT_SHUTDOWN_GRACE_S) -> None:
+        """Stop accepting, let in-flight exports finish for up to ``grace_s``. Idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop(grace_s).wait()
+
+    def _server_credentials(self) -> grpc.ServerCredentials | None:
+        if self._tls_cert_file is None or self._tls_key_file is None:
+            return None
+        try:
+            certificate_chain = Path(self._tls_cert_file).read_bytes()
+            private_key = Path(self._tls_key_file).read_bytes()
+        except OSError as error:
+            raise ReceiverStartError(
+                f"OTLP gRPC receiver on {self._endpoint}: cannot read TLS files: {error}"
+            ) from error
+        return grpc.ssl_server_credentials([(private_key, certificate_chain)])

@@ -1,0 +1,510 @@
+"""Terminal rendering of request documents and window reports: pure functions, dicts in, text out.
+
+The inputs are the store's documents (``store.codec.record_to_dict``) and ``top`` reports
+(``store.codec.window_report``), so the CLI, an API and a web UI show the same verdict text and
+the same phases. Nothing here does I/O or imports the store.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from tokentrace.agent import semconv
+
+_LABEL_WIDTH: Final = 16
+_DURATION_WIDTH: Final = 12
+_MIN_BAR_WIDTH: Final = 10
+_DEFAULT_WIDTH: Final = 100
+_MAX_NAME_WIDTH: Final = 28
+_SECONDS_PER_MINUTE: Final = 60
+
+_ANSI_RESET: Final = "\x1b[0m"
+_ANSI_BOLD: Final = "\x1b[1m"
+_ANSI_RED: Final = "\x1b[31m"
+_ANSI_GREEN: Final = "\x1b[32m"
+_ANSI_YELLOW: Final = "\x1b[33m"
+_ANSI_DIM: Final = "\x1b[2m"
+
+
+@dataclass(frozen=True, slots=True)
+class Glyphs:
+    bar: str
+    tick: str
+    line: str
+    met: str
+    breached: str
+    ellipsis: str
+    separator: str
+
+
+UNICODE_GLYPHS: Final = Glyphs(
+    bar="█", tick="│", line="─", met="✓", breached="✗", ellipsis="…", separator=" · "
+)
+ASCII_GLYPHS: Final = Glyphs(
+    bar="#", tick="|", line="-", met="ok", breached="X", ellipsis="~", separator=" | "
+)
+
+
+def glyphs_for(encoding: str | None) -> Glyphs:
+    """Unicode glyphs when ``encoding`` can write them, else plain ASCII."""
+    if not encoding:
+        return ASCII_GLYPHS
+    try:
+        "".join(_all_glyphs(UNICODE_GLYPHS)).encode(encoding)
+    except (UnicodeEncodeError, LookupError):
+        return ASCII_GLYPHS
+    return UNICODE_GLYPHS
+
+
+def _all_glyphs(glyphs: Glyphs) -> list[str]:
+    return [
+        glyphs.bar,
+        glyphs.tick,
+        glyphs.line,
+        glyphs.met,
+        glyphs.breached,
+        glyphs.ellipsis,
+        glyphs.separator,
+    ]
+
+
+def _paint(text: str, code: str, color: bool) -> str:
+    return f"{code}{text}{_ANSI_RESET}" if color and text else text
+
+
+def format_ms(value_ms: float | None, *, unit: bool = True) -> str:
+    """A duration in ms with as many decimals as are useful (µs below 10 ms); ``-`` for None."""
+    if value_ms is None or not math.isfinite(value_ms):
+        return "-"
+    magnitude = abs(value_ms)
+    if magnitude < 10:
+        text = f"{value_ms:.3f}"
+    elif magnitude < 100:
+        text = f"{value_ms:.2f}"
+    elif magnitude < 1000:
+        text = f"{value_ms:.1f}"
+    else:
+        text = f"{value_ms:.0f}"
+    return f"{text} ms" if unit else text
+
+
+def format_percent(fraction: float | None) -> str:
+    if fraction is None or not math.isfinite(fraction):
+        return "-"
+    return f"{fraction * 100:.1f}%"
+
+
+def _shorten(text: str, width: int, glyphs: Glyphs) -> str:
+    return (
+        text
+        if len(text) <= width
+        else text[: max(0, width - len(glyphs.ellipsis))] + (glyphs.ellipsis)
+    )
+
+
+# --- one request ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WaterfallRow:
+    """One phase of a request on the document's time axis (ms after the timeline origin)."""
+
+    label: str
+    segment: str
+    """The budget segment this phase counts towards (for highlighting the verdict's)."""
+    intervals_ms: tuple[tuple[float, float], ...]
+    ticks_ms: tuple[float, ...] = ()
+    """Token emission times (decode) drawn as ticks on the row."""
+
+    @property
+    def duration_ms(self) -> float:
+        return sum(end - start for start, end in self.intervals_ms)
+
+
+def waterfall_rows(doc: Mapping[str, Any]) -> list[WaterfallRow]:
+    """The phases of one request document, in time order, leaving out phases it did not have."""
+    timeline = doc.get("timeline") or {}
+    at: Mapping[str, float] = timeline.get("boundaries_ms") or {}
+    rows: list[WaterfallRow] = []
+
+    def add(
+        label: str,
+        segment: str,
+        intervals: Sequence[tuple[float | None, float | None]],
+        ticks: Sequence[float] = (),
+    ) -> None:
+        kept = tuple(
+            (float(start), float(end))
+            for start, end in intervals
+            if start is not None and end is not None and end > start
+        )
+        if kept:
+            rows.append(WaterfallRow(label, segment, kept, tuple(ticks)))
+
+    arrival = at.get("arrival")
+    server_start = at.get("server_start", arrival)
+    end = at.get("end")
+    server_end = at.get("server_end", end)
+    client_start = at.get("client_start")
+    client_end = at.get("client_end")
+
+    if arrival is None and client_start is not None:
+        # A client-only trace: the client saw the whole request, no server span explains it.
+        add("client", semconv.SEGMENT_UNATTRIBUTED, [(client_start, client_end)])
+        return rows
+
+    add(
+        "network",
+        semconv.SEGMENT_NETWORK,
+        [(client_start, server_start), (server_end, client_end)],
+    )
+    add("http", semconv.SEGMENT_HTTP, [(server_start, arrival), (end, server_end)])
+    ready = at.get("ready")
+    add("cold start", semconv.SEGMENT_COLD_START, [(arrival, ready)])
+    queue_start = max(arrival, ready) if arrival is not None and ready is not None else arrival
+    first_scheduled = at.get("first_scheduled")
+    first_token = at.get("first_token")
+    add("queue", semconv.SEGMENT_QUEUE, [(queue_start, first_scheduled)])
+
+    chunks = timeline.get("prefill_chunks") or []
+    if len(chunks) > 1:
+        for index, chunk in enumerate(chunks, start=1):
+            label = f"prefill {index}/{len(chunks)}"
+            add(label, semconv.SEGMENT_PREFILL, [(chunk["start_ms"], chunk["end_ms"])])
+    elif chunks:
+        add("prefill", semconv.SEGMENT_PREFILL, [(chunks[0]["start_ms"], chunks[0]["end_ms"])])
+    else:
+        add("prefill", semconv.SEGMENT_PREFILL, [(first_scheduled, first_token)])
+
+    preemptions = timeline.get("preemptions_ms") or []
+    add("preempted", semconv.SEGMENT_PREEMPTED, [(start, stop) for start, stop in preemptions])
+
+    last_token = at.get("last_token")
+    ticks: list[float] = []
+    if first_token is not None:
+        ticks = [first_token + offset_us / 1000 for offset_us in doc.get("token_offsets_us", ())]
+    add("decode", semconv.SEGMENT_DECODE, [(first_token, last_token)], ticks)
+    add("postprocess", semconv.SEGMENT_POSTPROCESS, [(last_token, end)])
+    return rows
+
+
+def _axis_end_ms(doc: Mapping[str, Any], rows: Sequence[WaterfallRow]) -> float:
+    timeline = doc.get("timeline") or {}
+    ends = [float(v) for v in (timeline.get("boundaries_ms") or {}).values()]
+    ends += [end for row in rows for _, end in row.intervals_ms]
+    return max(ends, default=0.0)
+
+
+def _cell(time_ms: float, axis_end_ms: float, bar_width: int) -> float:
+    return time_ms / axis_end_ms * bar_width if axis_end_ms > 0 else 0.0
+
+
+def draw_bar(
+    row: WaterfallRow, *, axis_end_ms: float, bar_width: int, glyphs: Glyphs = UNICODE_GLYPHS
+) -> str:
+    """The row's bar on a ``bar_width``-cell axis from 0 to ``axis_end_ms``; every phase gets at
+    least one cell so short ones stay visible. Decode draws a tick per cell with a token."""
+    cells = [" "] * bar_width
+    fill = glyphs.line if row.ticks_ms else glyphs.bar
+    for start, end in row.intervals_ms:
+        first = min(bar_width - 1, max(0, math.floor(_cell(start, axis_end_ms, bar_width))))
+        last = min(bar_width, max(first + 1, math.ceil(_cell(end, axis_end_ms, bar_width))))
+        for index in range(first, last):
+            cells[index] = fill
+    for tick in row.ticks_ms:
+        index = min(bar_width - 1, max(0, math.floor(_cell(tick, axis_end_ms, bar_width))))
+        cells[index] = glyphs.tick
+    return "".join(cells)
+
+
+def render_waterfall(
+    doc: Mapping[str, Any],
+    *,
+    width: int = _DEFAULT_WIDTH,
+    color: bool = False,
+    glyphs: Glyphs = UNICODE_GLYPHS,
+) -> list[str]:
+    """One line per phase (label, duration, bar on a shared axis) plus the axis line."""
+    rows = waterfall_rows(doc)
+    if not rows:
+        return ["(no phase timestamps recorded)"]
+    axis_end = _axis_end_ms(doc, rows)
+    bar_width = max(_MIN_BAR_WIDTH, width - _LABEL_WIDTH - _DURATION_WIDTH - 2)
+    verdict = doc.get("verdict") or {}
+    highlight = verdict.get("segment")
+    lines: list[str] = []
+    for row in rows:
+        bar = draw_bar(row, axis_end_ms=axis_end, bar_width=bar_width, glyphs=glyphs)
+        text = f"{row.label:<{_LABEL_WIDTH}}{format_ms(row.duration_ms):>{_DURATION_WIDTH}} "
+        if row.segment == highlight:
+            lines.append(_paint(text, _ANSI_BOLD, color) + _paint(bar, _ANSI_YELLOW, color))
+        else:
+            lines.append(text + bar)
+    left = "0"
+    right = format_ms(axis_end)
+    gap = max(1, bar_width - len(left) - len(right))
+    lines.append(" " * (_LABEL_WIDTH + _DURATION_WIDTH + 1) + left + " " * gap + right)
+    return lines
+
+
+def render_budget_table(doc: Mapping[str, Any]) -> list[str]:
+    """Segment, ms, % of E2E and % of TTFT for every segment the request spent time in."""
+    budget: Mapping[str, Any] = doc.get("budget") or {}
+    ttft_budget: Mapping[str, Any] = doc.get("ttft_budget") or {}
+    e2e_ms = budget.get("e2e_ms")
+    ttft_ms = ttft_budget.get("ttft_ms")
+    header = f"{'segment':<14}{'ms':>12}{'% E2E':>9}{'% TTFT':>9}"
+    lines = [header]
+    for segment, value in budget.items():
+        if segment == "e2e_ms" or not value:
+            continue
+        ttft_value = ttft_budget.get(segment)
+        lines.append(
+            f"{segment:<14}{format_ms(value, unit=False):>12}"
+            f"{_share(value, e2e_ms):>9}{_share(ttft_value, ttft_ms):>9}"
+        )
+    lines.append(f"{'E2E':<14}{format_ms(e2e_ms, unit=False):>12}{_share(e2e_ms, e2e_ms):>9}")
+    if ttft_ms is not None:
+        lines.append(f"{'TTFT':<14}{format_ms(ttft_ms, unit=False):>12}{'':>9}{'100.0%':>9}")
+    return lines
+
+
+def _share(part: float | None, whole: float | None) -> str:
+    if not part or not whole:
+        return "-"
+    return format_percent(part / whole)
+
+
+def verdict_text(doc: Mapping[str, Any]) -> str:
+    """The verdict sentence of a request document (the line every view leads with)."""
+    verdict = doc.get("verdict")
+    if not verdict:
+        return "no diagnosis for this request"
+    return str(verdict.get("sentence") or verdict.get("cause") or "no diagnosis")
+
+
+def _slo_marks(slo: Mapping[str, bool], *, color: bool, glyphs: Glyphs) -> str:
+    marks = []
+    for name in sorted(slo):
+        if slo[name]:
+            marks.append(_paint(f"{glyphs.met} {name}", _ANSI_GREEN, color))
+        else:
+            marks.append(_paint(f"{glyphs.breached} {name}", _ANSI_RED, color))
+    return "   ".join(marks)
+
+
+def _tokens_line(doc: Mapping[str, Any], glyphs: Glyphs) -> str:
+    tokens = doc.get("tokens") or {}
+    parts = []
+    if tokens.get("input") is not None:
+        cached = tokens.get("cached")
+        suffix = f" (cached {cached})" if cached else ""
+        parts.append(f"input {tokens['input']}{suffix}")
+    if tokens.get("output") is not None:
+        parts.append(f"output {tokens['output']}")
+    if doc.get("finish_reason"):
+        parts.append(f"finish {doc['finish_reason']}")
+    return glyphs.separator.join(parts) if parts else "-"
+
+
+def _metrics_line(doc: Mapping[str, Any], glyphs: Glyphs) -> str:
+    metrics = doc.get("metrics_ms") or {}
+    parts = [
+        f"E2E {format_ms(metrics.get(semconv.METRIC_E2E))}",
+        f"TTFT {format_ms(metrics.get(semconv.METRIC_TTFT))}",
+        f"TPOT {format_ms(metrics.get(semconv.METRIC_TPOT))}",
+    ]
+    itl = metrics.get(semconv.METRIC_ITL) or {}
+    if itl.get("count"):
+        parts.append(
+            f"ITL p50 {format_ms(itl.get('p50'))} p99 {format_ms(itl.get('p99'))} "
+            f"max {format_ms(itl.get('max'))}"
+        )
+    return glyphs.separator.join(parts)
+
+
+def render_explain(
+    doc: Mapping[str, Any],
+    *,
+    width: int = _DEFAULT_WIDTH,
+    color: bool = False,
+    glyphs: Glyphs = UNICODE_GLYPHS,
+) -> str:
+    """The full ``tokentrace explain`` view of one request document."""
+    start = (doc.get("start") or {}).get("iso", "?")
+    title = (
+        f"trace {doc.get('trace_id', '?')}  span {doc.get('span_id', '?')}  "
+        f"{doc.get('service', '?')} / {doc.get('model', '?')} / {doc.get('operation', '?')}  "
+        f"{start}"
+    )
+    lines = [_paint(title, _ANSI_BOLD, color), ""]
+    verdict = doc.get("verdict") or {}
+    lines.append(f"{'verdict':<10}" + _paint(verdict_text(doc), _ANSI_BOLD, color))
+    if verdict.get("advice"):
+        lines.append(f"{'advice':<10}{verdict['advice']}")
+    if verdict.get("segment"):
+        lines.append(f"{'dominant':<10}{verdict['segment']} ({verdict.get('cause', '?')})")
+    lines.append(f"{'latency':<10}{_metrics_line(doc, glyphs)}")
+    lines.append(f"{'tokens':<10}{_tokens_line(doc, glyphs)}")
+    slo = doc.get("slo") or {}
+    if slo:
+        lines.append(f"{'SLO':<10}{_slo_marks(slo, color=color, glyphs=glyphs)}")
+    if doc.get("status_error"):
+        lines.append(f"{'error':<10}" + _paint(str(doc["status_error"]), _ANSI_RED, color))
+    if doc.get("skew_clamped"):
+        lines.append(f"{'note':<10}out-of-order timestamps (clock skew) were clamped")
+    if doc.get("token_offsets_dropped"):
+        lines.append(f"{'note':<10}{doc['token_offsets_dropped']} token times not recorded (cap)")
+    others = doc.get("other_span_ids") or []
+    if others:
+        lines.append(
+            f"{'note':<10}{len(others)} more request(s) in this trace: {', '.join(others)}"
+        )
+    lines.append("")
+    lines.append(_paint("waterfall", _ANSI_DIM, color))
+    lines.extend(render_waterfall(doc, width=width, color=color, glyphs=glyphs))
+    lines.append("")
+    lines.append(_paint("budget", _ANSI_DIM, color))
+    lines.extend(render_budget_table(doc))
+    return "\n".join(lines) + "\n"
+
+
+def render_slowest_list(docs: Sequence[Mapping[str, Any]], *, metric: str) -> str:
+    """One line per request: trace id, the metric, model, and the verdict sentence."""
+    lines = [f"{'trace id':<34}{metric.upper():>12}  {'model':<20}verdict"]
+    for doc in docs:
+        value = (doc.get("metrics_ms") or {}).get(metric)
+        lines.append(
+            f"{doc.get('trace_id', '?'):<34}{format_ms(value):>12}  "
+            f"{str(doc.get('model', '?'))[:19]:<20}{verdict_text(doc)}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# --- a window of requests (`top`) ---------------------------------------------------------------
+
+TOP_COLUMNS: Final = (
+    ("TTFT p50", semconv.METRIC_TTFT, "p50"),
+    ("p95", semconv.METRIC_TTFT, "p95"),
+    ("p99", semconv.METRIC_TTFT, "p99"),
+    ("TPOT p50", semconv.METRIC_TPOT, "p50"),
+    ("p99", semconv.METRIC_TPOT, "p99"),
+    ("ITL p99", semconv.METRIC_ITL, "p99"),
+    ("E2E p50", semconv.METRIC_E2E, "p50"),
+    ("p99", semconv.METRIC_E2E, "p99"),
+)
+"""(header, metric, quantile) of the percentile columns of the ``top`` table (values in ms)."""
+
+
+def format_window(window_s: float) -> str:
+    if window_s >= _SECONDS_PER_MINUTE and window_s % _SECONDS_PER_MINUTE == 0:
+        return f"{window_s / _SECONDS_PER_MINUTE:g} min"
+    return f"{window_s:g} s"
+
+
+def render_top(
+    report: Mapping[str, Any],
+    *,
+    color: bool = False,
+    glyphs: Glyphs = UNICODE_GLYPHS,
+    title: str = "",
+) -> str:
+    """The ``tokentrace top`` table of a ``window_report`` plus one line per SLO target."""
+    window = format_window(float(report.get("window_s", 0)))
+    keys: Sequence[Mapping[str, Any]] = report.get("keys") or []
+    sep = glyphs.separator
+    head = f"tokentrace top{sep}last {window}{sep}{report.get('requests', 0)} requests"
+    if title:
+        head += f"{sep}{title}"
+    lines = [_paint(head, _ANSI_BOLD, color)]
+    if not keys:
+        lines.append(f"no requests in the last {window}")
+        return "\n".join(lines) + "\n"
+
+    services = {str(key.get("service", "")) for key in keys}
+    name_columns: list[tuple[str, str]] = [
+        ("model", "model"),
+        ("operation", "operation"),
+        ("prompt", "prompt_bucket"),
+    ]
+    if len(services) > 1:
+        name_columns.insert(0, ("service", "service"))
+
+    table: list[list[str]] = []
+    slo_cells: list[tuple[str, bool | None]] = []
+    for key in keys:
+        metrics = key.get("metrics") or {}
+        row = [
+            _shorten(str(key.get(field, "")), _MAX_NAME_WIDTH, glyphs) for _, field in name_columns
+        ]
+        row.append(str(key.get("requests", 0)))
+        for _, metric, quantile in TOP_COLUMNS:
+            row.append(format_ms((metrics.get(metric) or {}).get(quantile), unit=False))
+        table.append(row)
+        slo_cells.append(_key_slo_cell(key.get("slo") or [], glyphs))
+
+    headers = [header for header, _ in name_columns] + ["count"]
+    headers += [header for header, _, _ in TOP_COLUMNS]
+    name_count = len(name_columns)
+    widths = [max(len(headers[i]), *(len(row[i]) for row in table)) for i in range(len(headers))]
+
+    def join(cells: Sequence[str]) -> str:
+        parts = []
+        for index, cell in enumerate(cells):
+            if index < name_count:
+                parts.append(f"{cell:<{widths[index]}}")
+            else:
+                parts.append(f"{cell:>{widths[index]}}")
+        return "  ".join(parts)
+
+    lines.append(join(headers) + "  " + "SLO")
+    for row, (slo_text, slo_met) in zip(table, slo_cells, strict=True):
+        code = _ANSI_GREEN if slo_met else _ANSI_RED if slo_met is False else ""
+        lines.append(join(row) + "  " + (_paint(slo_text, code, color) if code else slo_text))
+    lines.append(_paint("(ms; ITL pooled over all token gaps)", _ANSI_DIM, color))
+
+    slo_entries: Sequence[Mapping[str, Any]] = report.get("slo") or []
+    if slo_entries:
+        lines.append("")
+        lines.extend(render_slo_lines(slo_entries, color=color, glyphs=glyphs))
+    return "\n".join(lines) + "\n"
+
+
+def _key_slo_cell(entries: Sequence[Mapping[str, Any]], glyphs: Glyphs) -> tuple[str, bool | None]:
+    if not entries:
+        return "-", None
+    breached = [str(e.get("target")) for e in entries if e.get("met") is False]
+    if breached:
+        return f"{glyphs.breached} " + ",".join(breached), False
+    if all(e.get("met") for e in entries):
+        return glyphs.met, True
+    return "?", None
+
+
+def render_slo_lines(
+    entries: Sequence[Mapping[str, Any]], *, color: bool = False, glyphs: Glyphs = UNICODE_GLYPHS
+) -> list[str]:
+    """One line per SLO target: value vs threshold, compliance and error-budget burn rate."""
+    lines = []
+    for entry in entries:
+        met = entry.get("met")
+        if met is None:
+            mark, code = "-", ""
+        elif met:
+            mark, code = glyphs.met, _ANSI_GREEN
+        else:
+            mark, code = glyphs.breached, _ANSI_RED
+        percentile = float(entry.get("percentile", 0))
+        burn = entry.get("burn_rate")
+        text = (
+            f"{mark} {entry.get('target')}: {entry.get('metric', '?')} p{percentile:g} "
+            f"{format_ms(entry.get('value_ms'))} (target < {format_ms(entry.get('threshold_ms'))})"
+            f"{glyphs.separator}compliance {format_percent(entry.get('compliance'))}"
+            f"{glyphs.separator}burn rate {'-' if burn is None else f'{burn:.2f}'}"
+            f"{glyphs.separator}{entry.get('requests', 0)} requests"
+        )
+        lines.append(_paint(text, code, color) if code else text)
+    return lines

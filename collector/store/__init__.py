@@ -1,0 +1,22 @@
+"""The request store: per-request documents, trace spans and sketch slices for drill-down."""
+
+from tokentrace.collector.store.codec import record_to_dict, window_report
+from tokentrace.collector.store.sqlite import (
+    META_COLLECTOR_STARTED_NS,
+    META_SLO_TARGETS,
+    RequestStore,
+    StoreError,
+    StoreNotFoundError,
+    StoreWriteError,
+)
+
+__all__ = [
+    "META_COLLECTOR_STARTED_NS",
+    "META_SLO_TARGETS",
+    "RequestStore",
+    "StoreError",
+    "StoreNotFoundError",
+    "StoreWriteError",
+    "record_to_dict",
+    "window_report",
+]

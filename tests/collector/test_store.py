@@ -1,0 +1,643 @@
+"""The request store (SQLite, WAL) and its documents (codec)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope, KeyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from tokentrace.agent import semconv
+from tokentrace.collector.store import (
+    RequestStore,
+    StoreError,
+    StoreNotFoundError,
+    StoreWriteError,
+    record_to_dict,
+    window_report,
+)
+from tokentrace.collector.store.codec import DOC_TOKEN_OFFSETS_CAP, budget_segments
+from tokentrace.processors.model import (
+    AssembledTrace,
+    Budget,
+    RequestMetrics,
+    RequestRecord,
+    RequestTimeline,
+    SpanRef,
+    Verdict,
+)
+from tokentrace.processors.sketches import LatencySketch, SketchKey
+
+MS = 1_000_000
+BASE_NS = 1_700_000_000 * 1_000_000_000  # 2023-11-14T22:13:20Z
+
+
+def trace_id(number: int) -> bytes:
+    """A 16-byte trace id whose first 8 hex digits are ``number``: prefixes are unambiguous."""
+    return number.to_bytes(4, "big") + b"\x5a" * 12
+
+
+def make_record(
+    number: int = 1,
+    *,
+    start_ns: int = BASE_NS,
+    queue_ms: int = 100,
+    prefill_ms: int = 50,
+    decode_ms: int = 200,
+    model: str = "llama",
+    span: int = 1,
+    tid: bytes | None = None,
+    slo: dict[str, bool] | None = None,
+) -> RequestRecord:
+    """A tokentrace-dialect request: http 2 ms, queue, prefill, decode, postprocess 1 ms."""
+    arrival = start_ns + 2 * MS
+    first_scheduled = arrival + queue_ms * MS
+    first_token = first_scheduled + prefill_ms * MS
+    last_token = first_token + decode_ms * MS
+    end = last_token + 1 * MS
+    server_end = end
+    timeline = RequestTimeline(
+        trace_id=tid if tid is not None else trace_id(number),
+        span_id=span.to_bytes(8, "big"),
+        dialect="tokentrace",
+        service="svc",
+        model=model,
+        operation=semconv.OPERATION_CHAT,
+        server_start=start_ns,
+        server_end=server_end,
+        arrival=arrival,
+        first_scheduled=first_scheduled,
+        first_token=first_token,
+        last_token=last_token,
+        end=end,
+        prefill_chunks=[(first_scheduled, first_token, 300)],
+        token_offsets_us=[i * decode_ms * 1000 // 10 for i in range(11)],
+        input_tokens=300,
+        output_tokens=11,
+        finish_reason="stop",
+        requests_ahead=7,
+    )
+    segments = {
+        semconv.SEGMENT_HTTP: 2 * MS,
+        semconv.SEGMENT_QUEUE: queue_ms * MS,
+        semconv.SEGMENT_PREFILL: prefill_ms * MS,
+        semconv.SEGMENT_DECODE: decode_ms * MS,
+        semconv.SEGMENT_POSTPROCESS: 1 * MS,
+    }
+    e2e = end - start_ns
+    ttft = first_token - start_ns
+    budget = Budget(
+        e2e_ns=e2e,
+        segments=segments,
+        ttft_ns=ttft,
+        ttft_segments={
+            semconv.SEGMENT_HTTP: 2 * MS,
+            semconv.SEGMENT_QUEUE: queue_ms * MS,
+            semconv.SEGMENT_PREFILL: prefill_ms * MS,
+        },
+    )
+    metrics = RequestMetrics(
+        ttft=ttft,
+        tpot=(e2e - ttft) // 10,
+        e2e=e2e,
+        queue=queue_ms * MS,
+        prefill=prefill_ms * MS,
+        decode=decode_ms * MS,
+        network=None,
+        itl=[decode_ms * MS // 10] * 10,
+    )
+    verdict = Verdict(
+        segment=semconv.SEGMENT_QUEUE,
+        cause="queueing",
+        sentence=f"queue wait was {queue_ms} ms: 7 requests ahead",
+        advice="add capacity",
+        numbers={"queue_ms": queue_ms, "requests_ahead": 7},
+    )
+    return RequestRecord(
+        timeline=timeline,
+        budget=budget,
+        metrics=metrics,
+        prompt_bucket="128-511",
+        verdict=verdict,
+        slo=slo if slo is not None else {"ttft-p95": True},
+    )
+
+
+def assembled(record: RequestRecord, *, services: Sequence[str] = ("svc",)) -> AssembledTrace:
+    """An assembled trace whose spans arrived under one resource per service."""
+    refs = []
+    scope = InstrumentationScope(name="tokentrace")
+    for index, service in enumerate(services):
+        resource = Resource(attributes=[KeyValue(key=semconv.SERVICE_NAME)])
+        resource.attributes[0].value.string_value = service
+        for child in range(2):
+            span = Span(
+                trace_id=record.timeline.trace_id,
+                span_id=(100 + index * 10 + child).to_bytes(8, "big"),
+                name=semconv.SPAN_REQUEST,
+            )
+            refs.append(SpanRef(span=span, resource=resource, scope=scope, service=service))
+    return AssembledTrace(trace_id=record.timeline.trace_id, spans=refs)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RequestStore]:
+    opened = RequestStore(tmp_path / "store.db", clock=lambda: BASE_NS / 1e9)
+    yield opened
+    opened.close()
+
+
+def write_records(store: RequestStore, *records: RequestRecord) -> None:
+    store.write([(assembled(record), [record]) for record in records])
+
+
+# --- codec --------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=5 * 10**9), min_size=1, max_size=9))
+def test_document_budget_sums_to_e2e_to_the_microsecond(segment_ns: list[int]) -> None:
+    names = semconv.SEGMENTS[: len(segment_ns)]
+    segments = dict(zip(names, segment_ns, strict=True))
+    record = make_record()
+    record.budget.segments = segments
+    record.budget.e2e_ns = sum(segment_ns)
+    doc = record_to_dict(record)
+    budget_us = {k: round(v * 1000) for k, v in budget_segments(doc["budget"]).items()}
+    e2e_us = round(doc["budget"]["e2e_ms"] * 1000)
+    assert sum(budget_us.values()) == e2e_us
+    assert e2e_us == (sum(segment_ns) + 500) // 1000
+    for name, value_ns in segments.items():
+        assert abs(budget_us[name] * 1000 - value_ns) <= 1000
+    assert list(budget_segments(doc["budget"])) == list(semconv.SEGMENTS)
+
+
+def test_document_fields_units_and_timeline_offsets() -> None:
+    record = make_record(queue_ms=100, prefill_ms=50, decode_ms=200)
+    record.timeline.preempted = [(BASE_NS + 200 * MS, BASE_NS + 210 * MS)]
+    record.timeline.client_start = BASE_NS - 3 * MS
+    doc = record_to_dict(record)
+    json.dumps(doc, allow_nan=False)  # the document is strict JSON
+    assert doc["trace_id"] == trace_id(1).hex()
+    assert doc["span_id"] == (1).to_bytes(8, "big").hex()
+    assert doc["start"] == {"iso": "2023-11-14T22:13:20.000000Z", "unix_ns": BASE_NS}
+    assert doc["metrics_ms"]["queue"] == 100.0
+    assert doc["metrics_ms"]["ttft"] == 152.0
+    assert doc["metrics_ms"]["network"] is None
+    assert doc["metrics_ms"]["itl"] == {"count": 10, "p50": 20.0, "p99": 20.0, "max": 20.0}
+    assert doc["ttft_budget"]["ttft_ms"] == 152.0
+    assert doc["ttft_budget"]["queue"] == 100.0
+    timeline = doc["timeline"]
+    # The client started first: every offset is relative to it.
+    assert timeline["origin_unix_ns"] == BASE_NS - 3 * MS
+    assert timeline["boundaries_ms"]["client_start"] == 0.0
+    assert timeline["boundaries_ms"]["arrival"] == 5.0
+    assert timeline["boundaries_ms"]["first_token"] == 155.0
+    assert "ready" not in timeline["boundaries_ms"]
+    assert timeline["preemptions_ms"] == [[203.0, 213.0]]
+    assert timeline["prefill_chunks"] == [{"start_ms": 105.0, "end_ms": 155.0, "tokens": 300}]
+    assert doc["verdict"]["cause"] == "queueing"
+    assert doc["context"] == {"requests_ahead": 7}
+    assert doc["slo"] == {"ttft-p95": True}
+
+
+def test_document_caps_token_offsets_and_drops_non_finite_numbers() -> None:
+    record = make_record()
+    record.timeline.token_offsets_us = list(range(DOC_TOKEN_OFFSETS_CAP + 50))
+    record.timeline.token_offsets_dropped = 7
+    assert record.verdict is not None
+    record.verdict.numbers["ratio"] = math.nan
+    doc = record_to_dict(record)
+    assert len(doc["token_offsets_us"]) == DOC_TOKEN_OFFSETS_CAP
+    assert doc["token_offsets_dropped"] == 57
+    assert doc["verdict"]["numbers"]["ratio"] is None
+    json.dumps(doc, allow_nan=False)
+
+
+def test_document_without_first_token_has_no_ttft_budget() -> None:
+    record = make_record()
+    record.budget.ttft_ns = None
+    record.budget.ttft_segments = {}
+    record.metrics.ttft = None
+    doc = record_to_dict(record)
+    assert doc["ttft_budget"] is None
+    assert doc["metrics_ms"]["ttft"] is None
+
+
+# --- writing and reading ------------------------------------------------------------------------
+
+
+def test_store_uses_wal_and_round_trips_a_request(store: RequestStore) -> None:
+    record = make_record(7)
+    write_records(store, record)
+    with sqlite3.connect(store.path) as raw:
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        row = raw.execute("SELECT model, e2e_ns, cause, slo_breached FROM requests").fetchone()
+    assert row == ("llama", record.budget.e2e_ns, "queueing", 0)
+    reader = RequestStore.open_readonly(store.path)
+    doc = reader.get(trace_id(7).hex())
+    assert doc is not None
+    assert doc["trace_id"] == trace_id(7).hex()
+    assert doc["budget"] == record_to_dict(record)["budget"]
+    assert reader.count() == 1
+    assert store.written_requests == 1
+
+
+def test_get_by_prefix_rejects_short_ambiguous_and_non_hex_ids(store: RequestStore) -> None:
+    first = make_record(tid=bytes.fromhex("aabbccdd11" + "00" * 11))
+    second = make_record(tid=bytes.fromhex("aabbccdd22" + "00" * 11))
+    write_records(store, first, second)
+    doc = store.get("aabbccdd1")  # odd number of digits
+    assert doc is not None and doc["trace_id"].startswith("aabbccdd11")
+    assert store.get("AABBCCDD22")["trace_id"].startswith("aabbccdd22")
+    with pytest.raises(ValueError, match=r"aabbccdd11.*aabbccdd22|aabbccdd22.*aabbccdd11"):
+        store.get("aabbccdd")
+    with pytest.raises(ValueError, match="at least 8"):
+        store.get("aabbcc")
+    with pytest.raises(ValueError, match="not hexadecimal"):
+        store.get("' OR 1=1 --")
+    assert store.get("ffffffff") is None
+    assert store.get("aabbccdd33") is None
+
+
+def test_prefix_of_all_ff_digits_matches_the_top_of_the_id_space(store: RequestStore) -> None:
+    record = make_record(tid=b"\xff" * 16)
+    write_records(store, record)
+    assert store.get("ffffffff") is not None
+
+
+def test_trace_with_several_requests_returns_the_slowest_and_lists_the_others(
+    store: RequestStore,
+) -> None:
+    fast = make_record(1, span=1, queue_ms=10)
+    slow = make_record(1, span=2, queue_ms=900)
+    store.write([(assembled(fast), [fast, slow])])
+    doc = store.get(trace_id(1).hex())
+    assert doc is not None
+    assert doc["span_id"] == (2).to_bytes(8, "big").hex()
+    assert doc["other_span_ids"] == [(1).to_bytes(8, "big").hex()]
+    picked = store.get(trace_id(1).hex(), span_id=(1).to_bytes(8, "big").hex())
+    assert picked is not None and picked["metrics_ms"]["queue"] == 10.0
+    assert store.get(trace_id(1).hex(), span_id="ffff") is None
+
+
+def test_rewriting_a_request_replaces_it(store: RequestStore) -> None:
+    write_records(store, make_record(3, queue_ms=10))
+    write_records(store, make_record(3, queue_ms=20))
+    assert store.count() == 1
+    assert store.get(trace_id(3).hex())["metrics_ms"]["queue"] == 20.0
+
+
+def test_trace_spans_are_stored_grouped_by_resource_and_scope(store: RequestStore) -> None:
+    record = make_record(5)
+    store.write([(assembled(record, services=("api", "engine")), [record])])
+    payload = store.trace_otlp(trace_id(5).hex())
+    assert payload is not None
+    request = ExportTraceServiceRequest.FromString(payload)
+    services = [rs.resource.attributes[0].value.string_value for rs in request.resource_spans]
+    assert services == ["api", "engine"]
+    for resource_spans in request.resource_spans:
+        assert len(resource_spans.scope_spans) == 1
+        assert resource_spans.scope_spans[0].scope.name == "tokentrace"
+        assert len(resource_spans.scope_spans[0].spans) == 2
+    assert store.trace_otlp(trace_id(6)) is None
+
+
+def test_spans_of_a_trace_written_in_parts_are_appended_up_to_a_cap(tmp_path: Path) -> None:
+    store = RequestStore(tmp_path / "s.db", max_trace_bytes=2000)
+    first = make_record(5, span=1)
+    second = make_record(5, span=2)
+    store.write([(assembled(first, services=("api",)), [first])])
+    first_part = store.trace_otlp(trace_id(5))
+    store.write([(assembled(second, services=("engine",)), [second])])
+    payload = store.trace_otlp(trace_id(5))
+    assert payload is not None and first_part is not None
+    assert payload.startswith(first_part)  # byte-exact append
+    request = ExportTraceServiceRequest.FromString(payload)
+    services = [rs.resource.attributes[0].value.string_value for rs in request.resource_spans]
+    assert services == ["api", "engine"]
+    for _ in range(40):  # past the cap the newest part replaces the stored spans
+        store.write([(assembled(second, services=("late",)), [second])])
+        payload = store.trace_otlp(trace_id(5))
+        assert payload is not None and len(payload) <= 2000
+    store.close()
+
+
+def test_slowest_orders_by_the_chosen_metric_and_filters_by_start(store: RequestStore) -> None:
+    # 1: slow queue (largest TTFT); 2: long decode (largest E2E); 3: small, started latest.
+    write_records(
+        store,
+        make_record(1, queue_ms=500, decode_ms=10),
+        make_record(2, queue_ms=10, decode_ms=900),
+        make_record(3, queue_ms=5, decode_ms=5, start_ns=BASE_NS + 10**9),
+    )
+    by_e2e = [doc["trace_id"] for doc in store.slowest(metric="e2e", limit=3)]
+    assert by_e2e == [trace_id(2).hex(), trace_id(1).hex(), trace_id(3).hex()]
+    assert store.slowest(metric="ttft", limit=1)[0]["trace_id"] == trace_id(1).hex()
+    recent = store.slowest(since_ns=BASE_NS + 1, limit=5)
+    assert [doc["trace_id"] for doc in recent] == [trace_id(3).hex()]
+    assert store.slowest(metric="network") == []  # no request has a network segment
+    with pytest.raises(ValueError, match="unknown metric"):
+        store.slowest(metric="e2e_ns DESC; DROP TABLE requests; --")
+
+
+def test_values_with_quotes_are_stored_verbatim(store: RequestStore) -> None:
+    write_records(store, make_record(9, model="m'); DROP TABLE requests; --"))
+    assert store.get(trace_id(9).hex())["model"] == "m'); DROP TABLE requests; --"
+    assert store.count() == 1
+
+
+def test_malformed_record_is_left_out_and_reported(store: RequestStore) -> None:
+    good = make_record(1)
+    bad = make_record(2)
+    bad.budget.e2e_ns = None
+    with pytest.raises(StoreWriteError) as caught:
+        store.write([(assembled(good), [good]), (assembled(bad), [bad]), "garbage"])
+    assert caught.value.rejected == 2
+    assert caught.value.written == 1
+    assert store.rejected_records == 2
+    assert store.count() == 1
+    assert store.get(trace_id(1).hex()) is not None
+    assert store.get(trace_id(2).hex()) is None
+    write_records(store, make_record(3))  # the store keeps working
+    assert store.count() == 2
+
+
+def test_database_error_rolls_the_whole_batch_back(store: RequestStore) -> None:
+    with sqlite3.connect(store.path) as raw:
+        raw.execute(
+            "CREATE TRIGGER refuse BEFORE INSERT ON requests WHEN NEW.model = 'poison' "
+            "BEGIN SELECT RAISE(ABORT, 'poisoned'); END"
+        )
+    first = make_record(1)
+    poison = make_record(2, model="poison")
+    with pytest.raises(StoreWriteError, match="rolled back") as caught:
+        store.write([(assembled(first), [first]), (assembled(poison), [poison])])
+    assert (caught.value.rejected, caught.value.written) == (2, 0)
+    assert store.failed_batches == 1
+    assert store.count() == 0
+    assert store.trace_otlp(trace_id(1)) is None
+    write_records(store, make_record(4))
+    assert store.count() == 1
+
+
+def test_readonly_store_refuses_writes_and_missing_store_says_what_to_do(
+    store: RequestStore, tmp_path: Path
+) -> None:
+    write_records(store, make_record(1))
+    reader = RequestStore.open_readonly(store.path)
+    with pytest.raises(StoreError, match="read-only"):
+        write_records(reader, make_record(2))
+    missing = tmp_path / "absent.db"
+    with pytest.raises(StoreNotFoundError) as caught:
+        RequestStore.open_readonly(missing)
+    assert str(caught.value) == (
+        f"no store at {missing} - start `tokentrace collector` first or pass --store"
+    )
+    assert not missing.exists()
+
+
+def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "future.db"
+    with sqlite3.connect(path) as raw:
+        raw.execute("PRAGMA user_version=99")
+    with pytest.raises(StoreError, match="schema version 99, newer"):
+        RequestStore(path)
+    with pytest.raises(StoreError, match="schema version 99, newer"):
+        RequestStore.open_readonly(path)
+
+
+def test_a_file_that_is_not_a_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StoreError, match="not a tokentrace store"):
+        RequestStore.open_readonly(path)
+    with pytest.raises(StoreError, match="not a tokentrace store"):
+        RequestStore(path)
+    assert path.read_bytes() == b"this is not sqlite" * 100
+
+
+def test_another_programs_database_is_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "app.db"
+    with sqlite3.connect(path) as raw:
+        raw.execute("CREATE TABLE users (name TEXT)")
+    with pytest.raises(StoreError, match="not a tokentrace store"):
+        RequestStore(path)
+    with pytest.raises(StoreError, match="not a tokentrace store"):
+        RequestStore.open_readonly(path)
+    with sqlite3.connect(path) as raw:
+        tables = {row[0] for row in raw.execute("SELECT name FROM sqlite_master")}
+    assert tables == {"users"}
+
+
+def test_store_is_readable_after_the_writer_closed(tmp_path: Path) -> None:
+    writer = RequestStore(tmp_path / "s.db")
+    write_records(writer, make_record(1))
+    writer.close()
+    reader = RequestStore.open_readonly(tmp_path / "s.db")
+    assert reader.count() == 1
+    assert reader.get(trace_id(1).hex()) is not None
+
+
+def test_meta_round_trip(store: RequestStore) -> None:
+    assert store.meta("slo_targets") is None
+    store.set_meta("slo_targets", '[{"name": "x"}]')
+    store.set_meta("slo_targets", "[]")
+    assert store.meta("slo_targets") == "[]"
+
+
+# --- pruning ------------------------------------------------------------------------------------
+
+
+def test_prune_by_age_removes_old_requests_and_their_traces(tmp_path: Path) -> None:
+    now_s = BASE_NS / 1e9 + 3600
+    store = RequestStore(tmp_path / "s.db", retention_s=600, clock=lambda: now_s)
+    old = make_record(1, start_ns=BASE_NS)  # an hour ago
+    fresh = make_record(2, start_ns=BASE_NS + 3500 * 10**9)
+    write_records(store, old, fresh)
+    assert store.prune() == 1
+    assert store.get(trace_id(1).hex()) is None
+    assert store.trace_otlp(trace_id(1)) is None
+    assert store.get(trace_id(2).hex()) is not None
+    assert store.trace_otlp(trace_id(2)) is not None
+    assert store.pruned_requests == 1
+    assert store.prune() == 0
+    store.close()
+
+
+def test_prune_by_count_removes_the_oldest_in_bounded_steps(tmp_path: Path) -> None:
+    store = RequestStore(
+        tmp_path / "s.db", max_requests=6, prune_batch=3, clock=lambda: BASE_NS / 1e9
+    )
+    records = [make_record(n, start_ns=BASE_NS + n * MS) for n in range(10)]
+    write_records(store, *reversed(records))  # insertion order must not matter
+    assert store.prune() == 3
+    assert store.prune() == 1
+    assert store.prune() == 0
+    assert store.count() == 6
+    kept = {doc["trace_id"] for doc in store.slowest(limit=100)}
+    assert kept == {trace_id(n).hex() for n in range(4, 10)}
+    assert store.pruned_requests == 4
+    store.close()
+
+
+def test_trace_shared_by_a_kept_request_survives_pruning(tmp_path: Path) -> None:
+    now_s = BASE_NS / 1e9 + 3600
+    store = RequestStore(tmp_path / "s.db", retention_s=600, clock=lambda: now_s)
+    old = make_record(1, span=1, start_ns=BASE_NS)
+    fresh = make_record(1, span=2, start_ns=BASE_NS + 3500 * 10**9)
+    store.write([(assembled(old), [old, fresh])])
+    assert store.prune() == 1
+    assert store.trace_otlp(trace_id(1)) is not None
+    store.close()
+
+
+# --- sketch slices and the window report -----------------------------------------------------
+
+
+def sketch_of(values_ms: Sequence[float]) -> LatencySketch:
+    sketch = LatencySketch()
+    sketch.add_many([v / 1000 for v in values_ms])
+    return sketch
+
+
+def test_sketch_slices_round_trip_filter_and_replace(store: RequestStore) -> None:
+    key = SketchKey("svc", "llama", "chat", "128-511")
+    store.write_sketch_slices(
+        [
+            (1000, key, "ttft", sketch_of([100, 200])),
+            (1010, key, "ttft", sketch_of([300])),
+            (1010, ("svc", "qwen", "chat", "0-127"), "e2e", sketch_of([5]).to_dict()),
+        ]
+    )
+    # The collector rewrites an open slice with its cumulative content: no double counting.
+    store.write_sketch_slices([(1010, key, "ttft", sketch_of([300, 400]))])
+    slices = store.sketches_since(1005)
+    assert sorted((s[0], s[1], s[2]) for s in slices) == [
+        (1010, ("svc", "llama", "chat", "128-511"), "ttft"),
+        (1010, ("svc", "qwen", "chat", "0-127"), "e2e"),
+    ]
+    llama = next(s for s in slices if s[1][1] == "llama")
+    assert LatencySketch.from_dict(llama[3]).count == 2
+    assert len(store.sketches_since(0)) == 3
+    # Fractional slice starts (2.5 s slices) stay apart.
+    store.write_sketch_slices(
+        [(1020.0, key, "e2e", sketch_of([1])), (1022.5, key, "e2e", sketch_of([2]))]
+    )
+    assert sorted(s[0] for s in store.sketches_since(1020)) == [1020, 1022.5]
+
+
+def test_window_report_merges_slices_per_key_and_evaluates_slos() -> None:
+    llama = ("svc", "llama", "chat", "128-511")
+    qwen = ("svc", "qwen", "chat", "128-511")
+    fast = [float(v) for v in range(1, 201)]  # 1..200 ms
+    slices = [
+        (100, llama, "ttft", sketch_of(fast[:100]).to_dict()),
+        (110, llama, "ttft", sketch_of(fast[100:]).to_dict()),
+        (100, llama, "e2e", sketch_of([v * 2 for v in fast]).to_dict()),
+        (100, qwen, "ttft", sketch_of([900.0] * 50).to_dict()),
+    ]
+    targets = [
+        {"name": "chat-ttft", "metric": "ttft", "percentile": 95, "threshold": "500ms"},
+        {
+            "name": "llama-ttft",
+            "metric": "ttft",
+            "percentile": 90,
+            "threshold": "500ms",
+            "selector": {"model": "ll*"},
+        },
+        {"name": "broken", "metric": "nope", "percentile": 95, "threshold": "1s"},
+    ]
+    report = window_report(slices, window_s=60, now_s=160, slo_targets=targets)
+    assert report["since_s"] == 100
+    assert [(k["model"], k["requests"]) for k in report["keys"]] == [("llama", 200), ("qwen", 50)]
+    llama_ttft = report["keys"][0]["metrics"]["ttft"]
+    assert llama_ttft["count"] == 200
+    assert llama_ttft["p50"] == pytest.approx(100, rel=0.02)
+    assert llama_ttft["p99"] == pytest.approx(198, rel=0.02)
+    assert report["keys"][0]["metrics"]["e2e"]["p50"] == pytest.approx(200, rel=0.02)
+    by_target = {entry["target"]: entry for entry in report["slo"]}
+    assert set(by_target) == {"chat-ttft", "llama-ttft"}
+    assert report["slo_errors"] and "nope" in report["slo_errors"][0]
+    # 50 of 250 chat requests are over 500 ms: 80% compliance misses a p95 target.
+    assert by_target["chat-ttft"]["met"] is False
+    assert by_target["chat-ttft"]["requests"] == 250
+    assert by_target["chat-ttft"]["compliance"] == pytest.approx(0.8, abs=0.01)
+    assert by_target["llama-ttft"]["met"] is True
+    assert by_target["llama-ttft"]["requests"] == 200
+    key_marks = {k["model"]: {e["target"]: e["met"] for e in k["slo"]} for k in report["keys"]}
+    assert key_marks == {
+        "llama": {"chat-ttft": True, "llama-ttft": True},
+        "qwen": {"chat-ttft": False},
+    }
+
+
+def test_window_report_of_an_empty_window() -> None:
+    targets = [{"name": "t", "metric": "ttft", "percentile": 95, "threshold": "1s"}]
+    report = window_report([], window_s=60, now_s=1000, slo_targets=targets)
+    assert report["keys"] == []
+    assert report["requests"] == 0
+    assert report["slo"][0]["met"] is None
+
+
+# --- concurrency --------------------------------------------------------------------------------
+
+
+def test_writer_thread_and_readers_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    store = RequestStore(path)
+    batches, per_batch = 40, 5
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            for batch in range(batches):
+                records = [make_record(batch * per_batch + i + 1) for i in range(per_batch)]
+                store.write([(assembled(r), [r]) for r in records])
+        except BaseException as error:  # reported by the assertion below
+            errors.append(error)
+
+    thread = threading.Thread(target=writer)
+    reader_process = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from tokentrace.collector.store import RequestStore\n"
+            "r = RequestStore.open_readonly(sys.argv[1])\n"
+            "seen = [r.count() for _ in range(200)]\n"
+            "assert seen == sorted(seen), seen\n"
+            "print(seen[-1])\n",
+            str(path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    thread.start()
+    reader = RequestStore.open_readonly(path)
+    counts = []
+    while thread.is_alive():
+        counts.append(reader.count())
+        reader.slowest(limit=3)
+        reader.get(trace_id(1).hex())
+    thread.join()
+    out, err = reader_process.communicate(timeout=60)
+    assert reader_process.returncode == 0, err
+    assert not errors
+    assert counts == sorted(counts)  # a reader never sees a half-written batch go backwards
+    assert all(c % per_batch == 0 for c in counts)  # batches are atomic
+    assert reader.count() == batches * per_batch
+    assert int(out) % per_batch == 0
+    store.close()
