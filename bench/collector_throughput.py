@@ -1,4 +1,4 @@
-"""Collector throughput on one core, end to end: receive -> assemble -> processors -> store + OTLP out.
+"""Collector throughput on one core: receive -> assemble -> processors -> store + OTLP out.
 
 The collector runs in this process pinned to one CPU. A helper process pinned to the other CPU
 plays both neighbours: the senders (pre-serialised OTLP/gRPC export requests built from simulated
@@ -143,7 +143,7 @@ def end_to_end(batches: list[bytes], spans: int, requests: int) -> dict[str, flo
     neighbour.start()
     upstream_port = ready.get(timeout=60)
     with tempfile.TemporaryDirectory(prefix="tokentrace-bench-") as tmp:
-        collector = Collector(_collector_config(Path(tmp) / "bench.db", upstream_port), environ={})
+        collector = Collector(_collector_config(Path(tmp) / "bench.db", upstream_port))
         collector.start()
         cpu_before = time.process_time()
         wall_before = time.perf_counter()
@@ -189,7 +189,6 @@ def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
     """Each stage alone over the same data, single-threaded: seconds per stage."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from tokentrace.collector.config import parse_config
     from tokentrace.collector.encoding import encode_trace_request
     from tokentrace.collector.pipeline import Pipeline, group_by_trace
     from tokentrace.collector.receivers.validate import sanitize
@@ -205,7 +204,9 @@ def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
 
     config = _collector_config(Path("unused.db"), 1)
     pipeline = Pipeline(config)
-    messages = timed("parse protobuf", lambda: [ExportTraceServiceRequest.FromString(b) for b in batches])
+    messages = timed(
+        "parse protobuf", lambda: [ExportTraceServiceRequest.FromString(b) for b in batches]
+    )
     timed("validate", lambda: [sanitize(m) for m in messages])
     for message in messages:
         groups, count = timed("group by trace", lambda m=message: group_by_trace(m))
@@ -219,11 +220,16 @@ def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
         store = RequestStore(Path(tmp) / "profile.db")
         for start in range(0, len(processed), 256):
             chunk = processed[start : start + 256]
-            timed("store write (SQLite)", lambda c=chunk: store.write([(p.trace, p.records) for p in c]))
+            timed(
+                "store write (SQLite)",
+                lambda c=chunk: store.write([(p.trace, p.records) for p in c]),
+            )
         store.close()
     refs = [ref for item in processed for ref in item.trace.spans]
     for start in range(0, len(refs), 512):
-        timed("OTLP out: group + serialise", lambda s=start: encode_trace_request(refs[s : s + 512]))
+        timed(
+            "OTLP out: group + serialise", lambda s=start: encode_trace_request(refs[s : s + 512])
+        )
     return [(name, seconds) for name, seconds in timings.items()]
 
 
@@ -236,29 +242,39 @@ def main() -> int:
 
     print(f"building {args.requests} simulated request traces ...", flush=True)
     batches, spans, requests = _build_batches(args.requests, args.seed)
-    print(f"{requests} requests, {spans} spans in {len(batches)} OTLP export requests "
-          f"({sum(map(len, batches)) / spans:.0f} B/span)\n", flush=True)
+    print(
+        f"{requests} requests, {spans} spans in {len(batches)} OTLP export requests "
+        f"({sum(map(len, batches)) / spans:.0f} B/span)\n",
+        flush=True,
+    )
 
     results = [end_to_end(batches, spans, requests) for _ in range(args.runs)]
     rate = statistics.median(r["spans_per_s"] for r in results)
-    per_cpu = statistics.median(r["spans_per_cpu_s"] for r in results)
     print("\nend to end, collector pinned to one CPU:")
     for r in results:
-        print(f"  {r['spans_per_s']:>9,.0f} spans/s wall ({r['wall_s']:.2f} s), "
-              f"{r['spans_per_cpu_s']:>9,.0f} spans per collector CPU-second, "
-              f"refused batches retried: {r['refused']}, upstream drops: {r['dropped']}")
-    print(f"  median: {rate:,.0f} spans/s ({rate * requests / spans:,.0f} requests/s); "
-          f"goal >= 50,000 spans/s: {'met' if rate >= 50_000 else 'NOT met'}")
+        print(
+            f"  {r['spans_per_s']:>9,.0f} spans/s wall ({r['wall_s']:.2f} s), "
+            f"{r['spans_per_cpu_s']:>9,.0f} spans per collector CPU-second, "
+            f"refused batches retried: {r['refused']}, upstream drops: {r['dropped']}"
+        )
+    print(
+        f"  median: {rate:,.0f} spans/s ({rate * requests / spans:,.0f} requests/s); "
+        f"goal >= 50,000 spans/s: {'met' if rate >= 50_000 else 'NOT met'}"
+    )
 
     print("\nwhere the time goes (each stage alone, one thread, same data):")
     profile = stage_profile(batches, spans)
     total = sum(seconds for _, seconds in profile)
     for name, seconds in sorted(profile, key=lambda item: -item[1]):
         print(f"  {name:<70} {seconds / spans * 1e6:6.2f} us/span  {seconds / total:6.1%}")
-    print(f"  {'total':<70} {total / spans * 1e6:6.2f} us/span "
-          f"(= {spans / total:,.0f} spans/s without threads, gRPC and queues)")
-    print(f"\nreproduce: python bench/collector_throughput.py --requests {args.requests} "
-          f"--seed {args.seed} --runs {args.runs}")
+    print(
+        f"  {'total':<70} {total / spans * 1e6:6.2f} us/span "
+        f"(= {spans / total:,.0f} spans/s without threads, gRPC and queues)"
+    )
+    print(
+        f"\nreproduce: python bench/collector_throughput.py --requests {args.requests} "
+        f"--seed {args.seed} --runs {args.runs}"
+    )
     return 0
 
 

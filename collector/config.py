@@ -10,7 +10,8 @@ processors:
   assembly: {quiet_period: 2s, max_traces: 20000}
   slo:
     targets:
-      - {name: chat-ttft, metric: ttft, percentile: 95, threshold: 500ms, selector: {operation: chat}}
+      - {name: chat-ttft, metric: ttft, percentile: 95, threshold: 500ms,
+         selector: {operation: chat}}
 exporters:
   store: {path: ./tokentrace.db, retention: 7d}
   otlp: {endpoint: http://tempo:4317}
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokentrace.collector.exporters.otlp import OtlpExporterConfig
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.percentiles import PercentileConfig
 from tokentrace.processors.slo import SloTarget, parse_duration_ns, parse_targets
@@ -103,10 +105,10 @@ class StoreConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpstreamConfig:
-    """An ``otlp`` exporter; the fields are handed to the exporter's own config."""
+    """An ``otlp`` exporter: where enriched spans and the percentile metrics go."""
 
     name: str
-    settings: Mapping[str, Any]
+    exporter: OtlpExporterConfig
     metrics_interval_s: float = _DEFAULT_METRICS_INTERVAL_S
 
 
@@ -319,7 +321,12 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
             raise ConfigError(
                 f"exporters.{name}: needs an endpoint (or set OTEL_EXPORTER_OTLP_ENDPOINT)"
             )
-        upstream.append(UpstreamConfig(name=name, settings=settings, metrics_interval_s=interval))
+        try:
+            exporter = OtlpExporterConfig.from_settings(settings, environ=environ)
+            exporter.validate()
+        except ValueError as error:
+            raise ConfigError(f"exporters.{name}.{error}") from None
+        upstream.append(UpstreamConfig(name=name, exporter=exporter, metrics_interval_s=interval))
 
     return CollectorConfig(
         grpc=grpc_config,

@@ -148,13 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         env=env,
         check=False,
     )
-    print("\n==> tokentrace explain --slowest   (why was the slowest request slow?)\n")
+    # The breached target is chat TTFT p95, so the story starts at the slowest first token.
+    print(
+        "\n==> tokentrace explain --slowest --metric ttft   (why was this first token so late?)\n"
+    )
     subprocess.run(
-        _tokentrace("explain", "--slowest", "--store", str(store_path)), env=env, check=False
+        _tokentrace("explain", "--slowest", "--metric", "ttft", "--store", str(store_path)),
+        env=env,
+        check=False,
     )
     print(
         f"\nThe store is {store_path}. Look further with:\n"
         f"  tokentrace explain TRACE_ID --store {args.store}\n"
+        f"  tokentrace explain --slowest --store {args.store}      # slowest end to end\n"
         f"  tokentrace explain --slowest --metric ttft --store {args.store} --json\n"
         f"  tokentrace top --store {args.store} --window 1h\n"
     )

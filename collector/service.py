@@ -13,31 +13,24 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 from tokentrace.collector.config import CollectorConfig, ConfigError, load_config
 from tokentrace.collector.pipeline import Pipeline, TraceSink
 
-_log = logging.getLogger("tokentrace.collector")
+_log = logging.getLogger(__name__)
 
 _DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 
 
-class StartError(RuntimeError):
-    """A component could not start (port taken, store unwritable, ...); the message says which."""
-
-
 class Collector:
-    def __init__(
-        self, config: CollectorConfig, *, environ: Mapping[str, str] | None = None
-    ) -> None:
+    """Every component of one collector, started downstream first, stopped upstream first."""
+
+    def __init__(self, config: CollectorConfig) -> None:
         self.config = config
-        self._environ = os.environ if environ is None else environ
         self.sinks: list[TraceSink] = []
         self.pipeline: Pipeline | None = None
         self.receivers: list[Any] = []
-        self._started = False
 
     @property
     def grpc_port(self) -> int | None:
@@ -63,14 +56,13 @@ class Collector:
             if config.store is not None:
                 self.sinks.append(StoreSink(config.store, slo_targets=config.slo_targets))
             for upstream in config.upstream:
-                self.sinks.append(UpstreamSink(upstream, environ=self._environ))
+                self.sinks.append(UpstreamSink(upstream))
             self.pipeline = Pipeline(config, sinks=self.sinks)
             self.pipeline.start()
             self._start_receivers(self.pipeline)
         except Exception:
             self.shutdown(timeout_s=1.0)
             raise
-        self._started = True
 
     def _start_receivers(self, pipeline: Pipeline) -> None:
         from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
@@ -177,8 +169,9 @@ def describe(collector: Collector) -> list[str]:
     if config.store is not None:
         lines.append(f"request store: {os.path.abspath(config.store.path)}")
     for upstream in config.upstream:
-        target = upstream.settings.get("endpoint") or "(from OTEL_EXPORTER_OTLP_* environment)"
-        lines.append(f"exporting enriched spans and metrics to {target}")
+        exporter = upstream.exporter
+        target = exporter.endpoint_for("traces") or exporter.endpoint
+        lines.append(f"exporting enriched spans and metrics to {target} ({exporter.protocol})")
     if not config.upstream:
         lines.append("no upstream export (set OTEL_EXPORTER_OTLP_ENDPOINT or an otlp exporter)")
     if config.slo_targets:

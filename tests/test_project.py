@@ -13,15 +13,28 @@ import pytest
 from tokentrace.agent import semconv
 
 ROOT = Path(__file__).resolve().parent.parent
-CODE_FOLDERS = {"agent": "tokentrace/agent", "collector": "tokentrace/collector",
-                "processors": "tokentrace/processors"}
+CODE_FOLDERS = {
+    "agent": "tokentrace/agent",
+    "collector": "tokentrace/collector",
+    "processors": "tokentrace/processors",
+}
 
 
 @pytest.mark.slow
 def test_every_package_folder_is_in_the_wheel(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
         check=True,
     )
     (wheel,) = tmp_path.glob("tokentrace-*.whl")
@@ -82,9 +95,12 @@ def test_tokentrace_help_lists_commands_without_importing_heavy_modules() -> Non
         "import sys\n"
         "from tokentrace.agent.cli import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-        "heavy = [m for m in ('fastapi', 'grpc', 'sqlite3', 'yaml', 'ddsketch') if m in sys.modules]\n"
+        "heavy = [m for m in ('fastapi', 'grpc', 'sqlite3', 'yaml', 'ddsketch')\n"
+        "         if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert "collector" in result.stdout and "explain" in result.stdout
     assert "HEAVY []" in result.stdout

@@ -7,12 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from tokentrace.agent import semconv
-from tokentrace.collector.config import ConfigError, UpstreamConfig
-from tokentrace.collector.exporters.otlp import (
-    OtlpExporterConfig,
-    OtlpMetricExporter,
-    OtlpTraceExporter,
-)
+from tokentrace.collector.config import UpstreamConfig
+from tokentrace.collector.exporters.otlp import OtlpMetricExporter, OtlpTraceExporter
 
 if TYPE_CHECKING:
     from tokentrace.collector.pipeline import Pipeline, ProcessedTrace
@@ -25,15 +21,10 @@ class UpstreamSink:
         self,
         config: UpstreamConfig,
         *,
-        environ: Mapping[str, str],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        try:
-            exporter_config = OtlpExporterConfig.from_settings(config.settings, environ=environ)
-        except ValueError as error:
-            raise ConfigError(f"exporters.{config.name}: {error}") from None
-        self._traces = OtlpTraceExporter(exporter_config)
-        self._metrics = OtlpMetricExporter(exporter_config)
+        self._traces = OtlpTraceExporter(config.exporter)
+        self._metrics = OtlpMetricExporter(config.exporter)
         self._interval_s = config.metrics_interval_s
         self._clock = clock
         self._next_metrics = clock() + self._interval_s

@@ -37,7 +37,8 @@ processors:
   assembly: {quiet_period: 500ms, max_traces: 10}
   slo:
     targets:
-      - {name: chat-ttft, metric: ttft, percentile: 95, threshold: 500ms, selector: {operation: chat}}
+      - {name: chat-ttft, metric: ttft, percentile: 95, threshold: 500ms,
+         selector: {operation: chat}}
   percentiles: {window: 2m, slices: 12}
 exporters:
   store: {path: STORE, retention: 1d}
@@ -62,7 +63,8 @@ service:
     assert config.store is not None and config.store.retention_s == 86400
     (upstream,) = config.upstream
     assert upstream.name == "otlp/tempo" and upstream.metrics_interval_s == 5
-    assert dict(upstream.settings) == {"endpoint": "http://127.0.0.1:4317"}
+    assert upstream.exporter.endpoint == "http://127.0.0.1:4317"
+    assert upstream.exporter.protocol == "grpc"
 
 
 @pytest.mark.parametrize(
@@ -103,6 +105,14 @@ service:
             "'assembly' is required",
         ),
         ({"exporters": {"otlp": {}}}, "exporters.otlp: needs an endpoint"),
+        (
+            {"exporters": {"otlp": {"endpoint": "http://127.0.0.1:4317", "bogus": 1}}},
+            "exporters.otlp.bogus: unknown key",
+        ),
+        (
+            {"exporters": {"otlp": {"endpoint": "http://127.0.0.1:4317", "protocol": "carrier"}}},
+            "exporters.otlp.protocol",
+        ),
         ({"receivers": []}, "receivers: expected a mapping"),
         (
             {"service": {"pipelines": {"traces": {"exporters": ["jaeger"]}}}},

@@ -63,7 +63,7 @@ def start_collector(tmp_path: Path, upstream: UpstreamOtlp) -> Collector:
             },
         },
     }
-    collector = Collector(parse_config(raw, environ={}), environ={})
+    collector = Collector(parse_config(raw, environ={}))
     collector.start()
     return collector
 
@@ -141,9 +141,7 @@ def test_sdk_exporters_to_collector_to_store_and_upstream(
     for attrs in enriched:
         assert attrs[semconv.E2E_NS] > 0
         assert attrs[semconv.DIAGNOSIS_CAUSE]
-        budget_total = sum(
-            v for k, v in attrs.items() if k.startswith(semconv.BUDGET_PREFIX)
-        )
+        budget_total = sum(v for k, v in attrs.items() if k.startswith(semconv.BUDGET_PREFIX))
         assert budget_total >= attrs[semconv.E2E_NS]  # plus the network segment, if any
 
     # Metrics: GenAI exponential histograms counting every request once.
