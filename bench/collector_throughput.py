@@ -189,7 +189,6 @@ def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
     """Each stage alone over the same data, single-threaded: seconds per stage."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from tokentrace.collector.encoding import encode_trace_request
     from tokentrace.collector.pipeline import Pipeline, group_by_trace
     from tokentrace.collector.receivers.validate import sanitize
     from tokentrace.collector.store.sqlite import RequestStore
@@ -213,7 +212,7 @@ def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
         timed("assembly add", lambda g=groups, c=count: pipeline.assembler.add(g, c))
     traces = timed("assembly pop", lambda: pipeline.assembler.pop_finished(flush_all=True))
     processed = timed(
-        "processors (normalise, budget, diagnosis, SLO, percentiles, enrich)",
+        "processors (normalise, budget, diagnosis, SLO, percentiles, enrich, encode)",
         lambda: [pipeline.process_trace(t) for t in traces],
     )
     with tempfile.TemporaryDirectory(prefix="tokentrace-bench-") as tmp:
@@ -222,14 +221,12 @@ def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
             chunk = processed[start : start + 256]
             timed(
                 "store write (SQLite)",
-                lambda c=chunk: store.write([(p.trace, p.records) for p in c]),
+                lambda c=chunk: store.write([(p.trace, p.records, p.otlp) for p in c]),
             )
         store.close()
-    refs = [ref for item in processed for ref in item.trace.spans]
-    for start in range(0, len(refs), 512):
-        timed(
-            "OTLP out: group + serialise", lambda s=start: encode_trace_request(refs[s : s + 512])
-        )
+    for start in range(0, len(processed), 64):
+        chunk = processed[start : start + 64]
+        timed("OTLP out: join pre-encoded traces", lambda c=chunk: b"".join(p.otlp for p in c))
     return [(name, seconds) for name, seconds in timings.items()]
 
 

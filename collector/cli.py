@@ -8,6 +8,7 @@ library are imported here at module level: ``tokentrace --help`` stays fast and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -247,7 +248,11 @@ class TopCommand:
 
     @staticmethod
     def _report(store: Any, window_s: float) -> dict[str, Any]:
-        from tokentrace.collector.store import META_SLO_TARGETS, window_report
+        from tokentrace.collector.store import (
+            META_COLLECTOR_STATS,
+            META_SLO_TARGETS,
+            window_report,
+        )
 
         now_s = time.time()
         slices = store.sketches_since(now_s - window_s)
@@ -267,4 +272,8 @@ class TopCommand:
         report: dict[str, Any] = window_report(
             slices, window_s=window_s, now_s=now_s, slo_targets=targets
         )
+        raw_stats = store.meta(META_COLLECTOR_STATS)
+        if raw_stats:
+            with contextlib.suppress(json.JSONDecodeError):
+                report["collector"] = json.loads(raw_stats)
         return report

@@ -161,7 +161,7 @@ def waterfall_rows(doc: Mapping[str, Any]) -> list[WaterfallRow]:
         semconv.SEGMENT_NETWORK,
         [(client_start, server_start), (server_end, client_end)],
     )
-    add("http", semconv.SEGMENT_HTTP, [(server_start, arrival), (end, server_end)])
+    add("http", semconv.SEGMENT_HTTP, [(server_start, arrival)])
     ready = at.get("ready")
     add("cold start", semconv.SEGMENT_COLD_START, [(arrival, ready)])
     queue_start = max(arrival, ready) if arrival is not None and ready is not None else arrival
@@ -187,7 +187,8 @@ def waterfall_rows(doc: Mapping[str, Any]) -> list[WaterfallRow]:
     if first_token is not None:
         ticks = [first_token + offset_us / 1000 for offset_us in doc.get("token_offsets_us", ())]
     add("decode", semconv.SEGMENT_DECODE, [(first_token, last_token)], ticks)
-    add("postprocess", semconv.SEGMENT_POSTPROCESS, [(last_token, end)])
+    # As in the budget: everything from the last token until the server sent the response.
+    add("postprocess", semconv.SEGMENT_POSTPROCESS, [(last_token, server_end)])
     return rows
 
 
@@ -422,6 +423,7 @@ def render_top(
     lines = [_paint(head, _ANSI_BOLD, color)]
     if not keys:
         lines.append(f"no requests in the last {window}")
+        lines.extend(_collector_lines(report, color=color, glyphs=glyphs))
         return "\n".join(lines) + "\n"
 
     services = {str(key.get("service", "")) for key in keys}
@@ -470,7 +472,53 @@ def render_top(
     if slo_entries:
         lines.append("")
         lines.extend(render_slo_lines(slo_entries, color=color, glyphs=glyphs))
+    lines.extend(_collector_lines(report, color=color, glyphs=glyphs))
     return "\n".join(lines) + "\n"
+
+
+def _collector_lines(report: Mapping[str, Any], *, color: bool, glyphs: Glyphs) -> list[str]:
+    stats = report.get("collector")
+    if not isinstance(stats, Mapping):
+        return []
+    return ["", render_collector_line(stats, color=color, glyphs=glyphs)]
+
+
+# Counters that mean data was lost or refused somewhere: shown whenever non-zero.
+_LOSS_COUNTER_SUFFIXES = (
+    "refused_batches",
+    "spans_dropped_trace_full",
+    "traces_finished_early",
+    "late_spans",
+    "percentile_keys_evicted",
+    "dropped_spans",
+    "dropped_data_points",
+    "rejected_records",
+    "failed_batches",
+)
+
+
+def render_collector_line(
+    stats: Mapping[str, Any], *, color: bool = False, glyphs: Glyphs = UNICODE_GLYPHS
+) -> str:
+    """One line of the collector's own counters: what it received, and any loss, named."""
+    sep = glyphs.separator
+    head = (
+        f"collector: {stats.get('received_spans', 0)} spans received"
+        f"{sep}{stats.get('requests', 0)} requests"
+        f"{sep}{stats.get('pending_traces', 0)} traces assembling"
+    )
+    losses = [
+        f"{name} {value}"
+        for name, value in sorted(stats.items())
+        if name.endswith(_LOSS_COUNTER_SUFFIXES) and isinstance(value, int) and value > 0
+    ]
+    for group in ("processor_errors", "exporter_errors"):
+        errors = stats.get(group)
+        if isinstance(errors, Mapping):
+            losses += [f"{group}.{name} {count}" for name, count in sorted(errors.items()) if count]
+    if not losses:
+        return _paint(f"{head}{sep}nothing dropped", _ANSI_DIM, color)
+    return _paint(f"{head}{sep}dropped or refused: {', '.join(losses)}", _ANSI_RED, color)
 
 
 def _key_slo_cell(entries: Sequence[Mapping[str, Any]], glyphs: Glyphs) -> tuple[str, bool | None]:

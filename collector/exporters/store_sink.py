@@ -9,7 +9,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tokentrace.collector.config import StoreConfig
-from tokentrace.collector.store.sqlite import RequestStore
+from tokentrace.collector.store.sqlite import (
+    META_COLLECTOR_STARTED_NS,
+    META_COLLECTOR_STATS,
+    META_SLO_TARGETS,
+    RequestStore,
+    StoreWriteError,
+)
 from tokentrace.processors.slo import SloTarget
 
 if TYPE_CHECKING:
@@ -18,9 +24,8 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 _DEFAULT_PRUNE_INTERVAL_S = 60.0
-META_SLO_TARGETS = "slo_targets"
-META_COLLECTOR_STATS = "collector_stats"
-META_STARTED_NS = "collector_started_ns"
+_DEFAULT_REJECT_LOG_INTERVAL_S = 60.0
+"""Left-out records are logged at most this often (the counters say how many)."""
 
 
 def targets_to_json(targets: Sequence[SloTarget]) -> str:
@@ -52,17 +57,35 @@ class StoreSink:
         self._clock = clock
         self._next_prune = clock() + _DEFAULT_PRUNE_INTERVAL_S
         self._written_requests = 0
+        self._rejected_records = 0
         self._failed_batches = 0
+        self._next_reject_log = clock()
         self._store.set_meta(META_SLO_TARGETS, targets_to_json(slo_targets))
-        self._store.set_meta(META_STARTED_NS, str(time.time_ns()))
+        self._store.set_meta(META_COLLECTOR_STARTED_NS, str(time.time_ns()))
 
     @property
     def store(self) -> RequestStore:
         return self._store
 
     def export_traces(self, batch: Sequence[ProcessedTrace]) -> None:
+        """Store the batch (with each trace's OTLP encoding made once by the pipeline).
+
+        Records the store left out are counted and logged (rate-limited) here; a batch that was
+        not stored at all is counted as failed and re-raised for the pipeline's error counters.
+        """
         try:
-            self._store.write([(item.trace, item.records) for item in batch])
+            self._store.write([(item.trace, item.records, item.otlp) for item in batch])
+        except StoreWriteError as error:
+            self._written_requests += error.written
+            self._rejected_records += error.rejected
+            if error.written == 0:  # rolled back, or nothing in it was storable
+                self._failed_batches += 1
+                raise
+            now = self._clock()
+            if now >= self._next_reject_log:
+                self._next_reject_log = now + _DEFAULT_REJECT_LOG_INTERVAL_S
+                _log.warning("%s (%d left out so far)", error, self._rejected_records)
+            return
         except Exception:
             self._failed_batches += 1
             raise
@@ -86,5 +109,8 @@ class StoreSink:
     def stats(self) -> dict[str, int]:
         return {
             "written_requests": self._written_requests,
+            "rejected_records": self._rejected_records,
             "failed_batches": self._failed_batches,
+            "checkpoints": self._store.checkpoints,
+            "failed_checkpoints": self._store.failed_checkpoints,
         }

@@ -3,6 +3,7 @@
 from tokentrace.collector.store.codec import record_to_dict, window_report
 from tokentrace.collector.store.sqlite import (
     META_COLLECTOR_STARTED_NS,
+    META_COLLECTOR_STATS,
     META_SLO_TARGETS,
     RequestStore,
     StoreError,
@@ -12,6 +13,7 @@ from tokentrace.collector.store.sqlite import (
 
 __all__ = [
     "META_COLLECTOR_STARTED_NS",
+    "META_COLLECTOR_STATS",
     "META_SLO_TARGETS",
     "RequestStore",
     "StoreError",

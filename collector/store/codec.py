@@ -1,7 +1,15 @@
-"""The JSON documents the request store keeps and its readers (CLI, API, web UI) print.
+"""The request store's rows and the JSON documents its readers (CLI, API, web UI) print.
 
-``record_to_dict`` turns one ``RequestRecord`` into the document ``tokentrace explain --json``
-prints. Durations are milliseconds as floats rounded to 3 decimals, i.e. exact microseconds.
+Writing is hot, reading is rare, so the work is split between them:
+
+- ``request_row`` turns one ``RequestRecord`` into the ``requests`` row the store keeps: the
+  columns its queries use, plus ``detail``, a compact JSON object of the rest of the record in
+  integer ns (no rounding, no per-token work: token offsets stay in the stored OTLP spans, the
+  row only counts them).
+- ``document_from_row`` builds the document ``tokentrace explain --json`` prints from such a row,
+  at read time. ``record_to_dict`` is the same document straight from a record (one code path).
+
+Document durations are milliseconds as floats rounded to 3 decimals, i.e. exact microseconds.
 Budget segments are rounded on their cumulative boundaries, so the segments' microseconds sum
 exactly to the rounded E2E (the budget partitions E2E, and the document keeps that property).
 
@@ -12,12 +20,18 @@ exactly to the rounded E2E (the budget partitions E2E, and the document keeps th
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
+from itertools import pairwise
 from typing import Any, Final
 
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
 from tokentrace.agent import semconv
+from tokentrace.processors.diagnosis import ADVICE
 from tokentrace.processors.model import RequestRecord, RequestTimeline
 
 DOC_VERSION: Final = 1
@@ -49,12 +63,67 @@ _CONTEXT_FIELDS: Final = (
     "prefix_hash",
 )
 
+REQUEST_COLUMNS: Final = (
+    "trace_id",
+    "span_id",
+    "start_ns",
+    "service",
+    "model",
+    "operation",
+    "prompt_bucket",
+    "dialect",
+    "e2e_ns",
+    "ttft_ns",
+    "tpot_ns",
+    "queue_ns",
+    "prefill_ns",
+    "decode_ns",
+    "network_ns",
+    "input_tokens",
+    "output_tokens",
+    "segment",
+    "cause",
+    "verdict",
+    "slo_breached",
+    "detail",
+)
+"""The ``requests`` columns in the order of a ``request_row`` tuple (and of the store's SELECTs)."""
+
 TOP_QUANTILES: Final = ((0.5, "p50"), (0.95, "p95"), (0.99, "p99"))
 """The quantiles ``window_report`` reports for every metric."""
 
 _NS_PER_US: Final = 1_000
 _US_PER_MS: Final = 1_000
 _NS_PER_S: Final = 1_000_000_000
+
+# Field getters in C: one call per group instead of one getattr per field.
+_boundaries_of: Final = operator.attrgetter(*TIMELINE_BOUNDARIES)
+_context_of: Final = operator.attrgetter(*_CONTEXT_FIELDS)
+# Non-finite floats (a verdict number, a bandwidth ratio) are written as NaN/Infinity, which
+# Python's JSON reader accepts; the document turns them into null (``_finite``).
+_encode_detail: Final = json.JSONEncoder(
+    separators=(",", ":"), allow_nan=True, check_circular=False
+).encode
+_decode_detail: Final = json.JSONDecoder().decode
+
+# ``detail`` keys (short: one row per request).
+_D_SEGMENTS: Final = "seg"
+_D_TTFT_NS: Final = "ttft"
+_D_TTFT_SEGMENTS: Final = "tseg"
+_D_SKEW: Final = "skew"
+_D_E2E_METRIC: Final = "e2e"
+_D_BOUNDARIES: Final = "at"
+_D_PREEMPTED: Final = "pre"
+_D_CHUNKS: Final = "chunks"
+_D_OFFSETS: Final = "offsets"
+_D_CACHED: Final = "cached"
+_D_FINISH: Final = "finish"
+_D_REQUEST_ID: Final = "rid"
+_D_ERROR: Final = "error"
+_D_CONTEXT: Final = "ctx"
+_D_ADVICE: Final = "advice"
+_D_NUMBERS: Final = "numbers"
+_D_SLO: Final = "slo"
 
 
 def ns_to_ms(value_ns: int | None) -> float | None:
@@ -94,15 +163,21 @@ def _partition_ms(segments: Mapping[str, int]) -> dict[str, float]:
     return out
 
 
-def _itl_summary(gaps_ns: Sequence[int]) -> dict[str, float | int | None]:
-    if not gaps_ns:
+def _itl_summary(offsets_us: Sequence[int]) -> dict[str, float | int | None]:
+    """Count, p50, p99 (nearest rank) and max of the inter-token gaps.
+
+    The gaps are derived from the token offsets as ``processors.budget`` derives
+    ``RequestMetrics.itl``: consecutive differences, negative (malformed) ones skipped.
+    """
+    gaps_us = [b - a for a, b in pairwise(offsets_us) if b >= a]
+    if not gaps_us:
         return {"count": 0, "p50": None, "p99": None, "max": None}
-    ordered = sorted(gaps_ns)
+    ordered = sorted(gaps_us)
     return {
         "count": len(ordered),
-        "p50": ns_to_ms(_nearest_rank(ordered, 0.50)),
-        "p99": ns_to_ms(_nearest_rank(ordered, 0.99)),
-        "max": ns_to_ms(ordered[-1]),
+        "p50": ns_to_ms(_nearest_rank(ordered, 0.50) * _NS_PER_US),
+        "p99": ns_to_ms(_nearest_rank(ordered, 0.99) * _NS_PER_US),
+        "max": ns_to_ms(ordered[-1] * _NS_PER_US),
     }
 
 
@@ -133,109 +208,272 @@ def iso_utc(unix_ns: int) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%S") + f".{rest_ns // _NS_PER_US:06d}Z"
 
 
-def _timeline_dict(timeline: RequestTimeline) -> dict[str, Any]:
-    boundaries = {
-        name: getattr(timeline, name)
-        for name in TIMELINE_BOUNDARIES
-        if getattr(timeline, name) is not None
+def _optional_int(value: int | None) -> int | None:
+    return None if value is None else int(value)
+
+
+# --- write side: one row per request ------------------------------------------------------------
+
+
+def request_row(record: RequestRecord) -> tuple[Any, ...]:
+    """The ``requests`` row of one record (``REQUEST_COLUMNS`` order).
+
+    Raises (TypeError/ValueError/AttributeError) on a malformed record, e.g. None where a
+    number must be; the store counts such records as rejected. Cheap on purpose: it runs for
+    every request the collector sees.
+    """
+    timeline = record.timeline
+    budget = record.budget
+    metrics = record.metrics
+    verdict = record.verdict
+    trace_id = bytes(timeline.trace_id)
+    span_id = bytes(timeline.span_id)
+    if not trace_id or not span_id:
+        raise ValueError("request record without trace or span id")
+    segments = budget.segments
+    ttft_segments = budget.ttft_segments
+    # sum() checks in C that every segment is a number: a record that the reader could not
+    # turn into a document is rejected now, not stored.
+    sum(segments.values())
+    sum(ttft_segments.values())
+    slo = record.slo
+    detail: dict[str, Any] = {
+        _D_SEGMENTS: segments,
+        _D_TTFT_NS: _optional_int(budget.ttft_ns),
+        _D_TTFT_SEGMENTS: ttft_segments,
+        _D_SKEW: bool(budget.skew_clamped),
+        _D_E2E_METRIC: int(metrics.e2e),
+        _D_BOUNDARIES: _boundaries_of(timeline),
+        _D_PREEMPTED: timeline.preempted,
+        _D_CHUNKS: timeline.prefill_chunks,
+        _D_OFFSETS: (len(timeline.token_offsets_us), int(timeline.token_offsets_dropped)),
+        _D_CACHED: timeline.cached_tokens,
+        _D_FINISH: timeline.finish_reason,
+        _D_REQUEST_ID: timeline.request_id,
+        _D_ERROR: timeline.status_error,
+        _D_CONTEXT: _context_of(timeline),
+        _D_SLO: slo,
     }
-    known = [int(v) for v in boundaries.values()]
-    known += [int(start) for start, _ in timeline.preempted]
-    known += [int(start) for start, _, _ in timeline.prefill_chunks]
-    origin = min(known) if known else request_start_ns(timeline)
+    if verdict is not None:
+        detail[_D_NUMBERS] = verdict.numbers
+        if verdict.advice != ADVICE.get(verdict.cause):  # the usual advice is not repeated
+            detail[_D_ADVICE] = verdict.advice
+    return (
+        trace_id,
+        span_id,
+        request_start_ns(timeline),
+        str(timeline.service),
+        str(timeline.model),
+        str(timeline.operation),
+        str(record.prompt_bucket),
+        str(timeline.dialect),
+        int(budget.e2e_ns),
+        _optional_int(metrics.ttft),
+        _optional_int(metrics.tpot),
+        _optional_int(metrics.queue),
+        _optional_int(metrics.prefill),
+        _optional_int(metrics.decode),
+        _optional_int(metrics.network),
+        _optional_int(timeline.input_tokens),
+        _optional_int(timeline.output_tokens),
+        None if verdict is None else str(verdict.segment),
+        None if verdict is None else str(verdict.cause),
+        None if verdict is None else str(verdict.sentence),
+        len(slo) - sum(map(bool, slo.values())) if slo else 0,
+        _encode_detail(detail),
+    )
+
+
+def token_offsets_from_otlp(otlp: bytes, request_span_id: bytes) -> list[int] | None:
+    """The token offsets (µs after the first token) on the decode span of a request, read from
+    a stored serialised ``ExportTraceServiceRequest``; None when that span is not there.
+
+    The decode span is the earliest ``llm.decode`` child of the request span, as in
+    ``processors.timeline``; elements that are not integers are skipped, as there.
+    """
+    request = ExportTraceServiceRequest.FromString(otlp)
+    decode = None
+    for resource_spans in request.resource_spans:
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                if span.parent_span_id != request_span_id or span.name != semconv.SPAN_DECODE:
+                    continue
+                start = span.start_time_unix_nano
+                if not start or span.end_time_unix_nano < start:
+                    continue
+                if decode is None or start < decode.start_time_unix_nano:
+                    decode = span
+    if decode is None:
+        return None
+    for attribute in decode.attributes:
+        if attribute.key == semconv.DECODE_TOKEN_OFFSETS:
+            return [
+                element.int_value
+                for element in attribute.value.array_value.values
+                if element.WhichOneof("value") == "int_value"
+            ]
+    return []
+
+
+# --- read side: the document of one row ---------------------------------------------------------
+
+
+def _timeline_doc(
+    boundaries: Sequence[int | None],
+    preempted: Sequence[Sequence[int]],
+    chunks: Sequence[Sequence[int]],
+    start_ns: int,
+) -> dict[str, Any]:
+    present = {
+        name: int(value)
+        for name, value in zip(TIMELINE_BOUNDARIES, boundaries, strict=False)
+        if value is not None
+    }
+    known = list(present.values())
+    known += [int(start) for start, _ in preempted]
+    known += [int(start) for start, _, _ in chunks]
+    origin = min(known) if known else start_ns
 
     def offset(value: int) -> float:
         return _round_us(int(value) - origin) / _US_PER_MS
 
     return {
         "origin_unix_ns": origin,
-        "boundaries_ms": {name: offset(value) for name, value in boundaries.items()},
-        "preemptions_ms": [[offset(start), offset(end)] for start, end in timeline.preempted],
+        "boundaries_ms": {name: offset(value) for name, value in present.items()},
+        "preemptions_ms": [[offset(start), offset(end)] for start, end in preempted],
         "prefill_chunks": [
             {"start_ms": offset(start), "end_ms": offset(end), "tokens": int(tokens)}
-            for start, end, tokens in timeline.prefill_chunks
+            for start, end, tokens in chunks
         ],
     }
 
 
-def record_to_dict(record: RequestRecord) -> dict[str, Any]:
-    """The JSON-ready document of one request (see the module docstring for units).
+def document_from_row(
+    row: Sequence[Any], *, load_token_offsets: Callable[[], Sequence[int] | None]
+) -> dict[str, Any]:
+    """The JSON-ready document of one stored request (see the module docstring for units).
 
-    Raises (TypeError/ValueError/AttributeError) on a malformed record, e.g. None where a
-    number must be; the store counts such records as rejected.
+    ``row`` is in ``REQUEST_COLUMNS`` order. ``load_token_offsets`` is called only when the
+    request recorded token offsets; when it cannot give them all (the trace's spans were
+    evicted), the document counts them in ``token_offsets_dropped``. Raises
+    (TypeError/ValueError/KeyError) on a row that is not a valid stored request.
     """
-    timeline = record.timeline
-    budget = record.budget
-    metrics = record.metrics
-    start_ns = request_start_ns(timeline)
+    (
+        trace_id,
+        span_id,
+        start_ns,
+        service,
+        model,
+        operation,
+        bucket,
+        dialect,
+        e2e_ns,
+        ttft_ns,
+        tpot_ns,
+        queue_ns,
+        prefill_ns,
+        decode_ns,
+        network_ns,
+        input_tokens,
+        output_tokens,
+        segment,
+        cause,
+        sentence,
+        _slo_breached,
+        detail_json,
+    ) = row
+    detail = _decode_detail(detail_json)
+    start_ns = int(start_ns)
 
-    budget_doc: dict[str, Any] = dict(_partition_ms(budget.segments))
-    budget_doc["e2e_ms"] = ns_to_ms(int(budget.e2e_ns))
+    budget_doc: dict[str, Any] = dict(_partition_ms(detail[_D_SEGMENTS]))
+    budget_doc["e2e_ms"] = ns_to_ms(int(e2e_ns))
     ttft_budget_doc: dict[str, Any] | None = None
-    if budget.ttft_ns is not None:
-        ttft_budget_doc = dict(_partition_ms(budget.ttft_segments))
-        ttft_budget_doc["ttft_ms"] = ns_to_ms(int(budget.ttft_ns))
+    budget_ttft_ns = detail.get(_D_TTFT_NS)
+    if budget_ttft_ns is not None:
+        ttft_budget_doc = dict(_partition_ms(detail.get(_D_TTFT_SEGMENTS) or {}))
+        ttft_budget_doc["ttft_ms"] = ns_to_ms(int(budget_ttft_ns))
 
-    offsets = [int(v) for v in timeline.token_offsets_us[:DOC_TOKEN_OFFSETS_CAP]]
-    offsets_dropped = int(timeline.token_offsets_dropped) + max(
-        0, len(timeline.token_offsets_us) - DOC_TOKEN_OFFSETS_CAP
-    )
+    recorded, dropped = detail.get(_D_OFFSETS) or (0, 0)
+    offsets: list[int] = []
+    if recorded:
+        loaded = load_token_offsets()
+        if loaded is not None and len(loaded) == recorded:
+            offsets = [int(v) for v in loaded]
+        else:  # the spans that hold them are gone: say how many are missing
+            dropped += recorded
+    itl = _itl_summary(offsets)
+    if len(offsets) > DOC_TOKEN_OFFSETS_CAP:
+        dropped += len(offsets) - DOC_TOKEN_OFFSETS_CAP
+        del offsets[DOC_TOKEN_OFFSETS_CAP:]
 
-    verdict = record.verdict
     verdict_doc: dict[str, Any] | None = None
-    if verdict is not None:
+    if segment is not None:
         verdict_doc = {
-            "segment": str(verdict.segment),
-            "cause": str(verdict.cause),
-            "sentence": str(verdict.sentence),
-            "advice": str(verdict.advice),
-            "numbers": {str(k): _finite(v) for k, v in verdict.numbers.items()},
+            "segment": segment,
+            "cause": cause,
+            "sentence": sentence,
+            "advice": str(detail.get(_D_ADVICE, ADVICE.get(cause, ""))),
+            "numbers": {str(k): _finite(v) for k, v in (detail.get(_D_NUMBERS) or {}).items()},
         }
 
     context = {
-        name: _finite(getattr(timeline, name))
-        for name in _CONTEXT_FIELDS
-        if getattr(timeline, name) is not None
+        name: _finite(value)
+        for name, value in zip(_CONTEXT_FIELDS, detail.get(_D_CONTEXT) or (), strict=False)
+        if value is not None
     }
 
     return {
         "doc_version": DOC_VERSION,
-        "trace_id": bytes(timeline.trace_id).hex(),
-        "span_id": bytes(timeline.span_id).hex(),
-        "service": str(timeline.service),
-        "model": str(timeline.model),
-        "operation": str(timeline.operation),
-        "dialect": str(timeline.dialect),
-        "prompt_bucket": str(record.prompt_bucket),
-        "request_id": timeline.request_id,
+        "trace_id": bytes(trace_id).hex(),
+        "span_id": bytes(span_id).hex(),
+        "service": service,
+        "model": model,
+        "operation": operation,
+        "dialect": dialect,
+        "prompt_bucket": bucket,
+        "request_id": detail.get(_D_REQUEST_ID),
         "start": {"iso": iso_utc(start_ns), "unix_ns": start_ns},
         "tokens": {
-            "input": timeline.input_tokens,
-            "output": timeline.output_tokens,
-            "cached": timeline.cached_tokens,
+            "input": input_tokens,
+            "output": output_tokens,
+            "cached": detail.get(_D_CACHED),
         },
-        "finish_reason": timeline.finish_reason,
-        "status_error": timeline.status_error,
+        "finish_reason": detail.get(_D_FINISH),
+        "status_error": detail.get(_D_ERROR),
         "metrics_ms": {
-            semconv.METRIC_TTFT: ns_to_ms(metrics.ttft),
-            semconv.METRIC_TPOT: ns_to_ms(metrics.tpot),
-            semconv.METRIC_E2E: ns_to_ms(int(metrics.e2e)),
-            semconv.METRIC_QUEUE: ns_to_ms(metrics.queue),
-            semconv.METRIC_PREFILL: ns_to_ms(metrics.prefill),
-            semconv.METRIC_DECODE: ns_to_ms(metrics.decode),
-            semconv.METRIC_NETWORK: ns_to_ms(metrics.network),
-            semconv.METRIC_ITL: _itl_summary(metrics.itl),
+            semconv.METRIC_TTFT: ns_to_ms(ttft_ns),
+            semconv.METRIC_TPOT: ns_to_ms(tpot_ns),
+            semconv.METRIC_E2E: ns_to_ms(int(detail.get(_D_E2E_METRIC, e2e_ns))),
+            semconv.METRIC_QUEUE: ns_to_ms(queue_ns),
+            semconv.METRIC_PREFILL: ns_to_ms(prefill_ns),
+            semconv.METRIC_DECODE: ns_to_ms(decode_ns),
+            semconv.METRIC_NETWORK: ns_to_ms(network_ns),
+            semconv.METRIC_ITL: itl,
         },
         "budget": budget_doc,
         "ttft_budget": ttft_budget_doc,
-        "skew_clamped": bool(budget.skew_clamped),
-        "timeline": _timeline_dict(timeline),
+        "skew_clamped": bool(detail.get(_D_SKEW)),
+        "timeline": _timeline_doc(
+            detail.get(_D_BOUNDARIES) or (),
+            detail.get(_D_PREEMPTED) or (),
+            detail.get(_D_CHUNKS) or (),
+            start_ns,
+        ),
         "token_offsets_us": offsets,
-        "token_offsets_dropped": offsets_dropped,
+        "token_offsets_dropped": int(dropped),
         "context": context,
         "verdict": verdict_doc,
-        "slo": {str(name): bool(met) for name, met in record.slo.items()},
+        "slo": {str(name): bool(met) for name, met in (detail.get(_D_SLO) or {}).items()},
     }
+
+
+def record_to_dict(record: RequestRecord) -> dict[str, Any]:
+    """The document of one record, exactly as the store gives it back after writing it.
+
+    Raises (TypeError/ValueError/AttributeError) on a malformed record.
+    """
+    offsets = record.timeline.token_offsets_us
+    return document_from_row(request_row(record), load_token_offsets=lambda: offsets)
 
 
 def budget_segments(budget_doc: Mapping[str, Any]) -> dict[str, float]:

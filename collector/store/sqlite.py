@@ -1,10 +1,17 @@
-"""The request store: one SQLite file (WAL) with every request's document, its trace's spans,
+"""The request store: one SQLite file (WAL) with one row per request, its trace's spans,
 closed percentile-sketch slices and a little metadata.
 
 One writer connection, owned by the collector's exporter thread, writes in batches (one
 transaction each). Readers (CLI, API) use short-lived read-only connections, so WAL lets them
 read while the writer writes. Every SQL value is a bound parameter; the only identifiers put
 into SQL text come from fixed tables in this module.
+
+Writes are hot, reads are rare: a request row holds the columns the queries use and a compact
+``detail`` (``codec.request_row``); the document ``explain`` prints is built when it is read
+(``codec.document_from_row``), with token times read back from the stored spans. WAL
+checkpoints (copying the log into the database file, with its fsync) run on a background
+thread with its own connection, so they never stall the writer; the writer's own automatic
+checkpoint stays on as a backstop at a larger log size, in case that thread falls behind.
 """
 
 from __future__ import annotations
@@ -18,16 +25,23 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import closing, contextmanager, suppress
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 from tokentrace.agent import semconv
-from tokentrace.collector.store.codec import SketchSlice, record_to_dict, request_start_ns
+from tokentrace.collector.encoding import encode_trace_request
+from tokentrace.collector.store.codec import (
+    REQUEST_COLUMNS,
+    SketchSlice,
+    document_from_row,
+    request_row,
+    token_offsets_from_otlp,
+)
 from tokentrace.processors.model import AssembledTrace, RequestRecord
 
-SCHEMA_VERSION: Final = 1
-"""``PRAGMA user_version`` of the schema below; a store with a newer one is refused."""
+SCHEMA_VERSION: Final = 2
+"""``PRAGMA user_version`` of the schema below; a store with another one is refused.
+
+1: one JSON document per request, built at write time. 2: columns + compact ``detail``."""
 
 _DEFAULT_RETENTION_S: Final = 7 * 24 * 3600.0
 _DEFAULT_MAX_REQUESTS: Final = 1_000_000
@@ -36,6 +50,14 @@ _DEFAULT_PRUNE_BATCH: Final = 10_000
 _DEFAULT_BUSY_TIMEOUT_S: Final = 5.0
 _DEFAULT_MAX_TRACE_BYTES: Final = 4 * 1024 * 1024
 """Stored spans of one trace at most (a client may reuse one trace id for a whole session)."""
+_DEFAULT_CHECKPOINT_BYTES: Final = 4 * 1024 * 1024
+"""Bytes written after which the background thread checkpoints the WAL (SQLite's default
+automatic checkpoint is at 1000 pages, about the same)."""
+_DEFAULT_CHECKPOINT_IDLE_S: Final = 1.0
+"""A quiet writer's last writes are checkpointed after this long."""
+_BACKSTOP_AUTOCHECKPOINT_PAGES: Final = 16_384
+"""The writer checkpoints itself past this many WAL pages (64 MiB of 4 KiB pages): only when
+the background checkpoints fall behind, which bounds the log either way."""
 _MIN_PREFIX_HEX: Final = 8
 _AMBIGUOUS_CANDIDATES_SHOWN: Final = 5
 _NS_PER_S: Final = 1_000_000_000
@@ -44,7 +66,19 @@ META_SLO_TARGETS: Final = "slo_targets"
 """Meta key: the collector's SLO targets as a JSON list of target dicts."""
 META_COLLECTOR_STARTED_NS: Final = "collector_started_ns"
 """Meta key: unix ns at which the collector writing this store started."""
+META_COLLECTOR_STATS: Final = "collector_stats"
+"""Meta key: the collector's counters as JSON, rewritten about once a second."""
 
+WriteItem: TypeAlias = (
+    "tuple[AssembledTrace, Sequence[RequestRecord]]"
+    " | tuple[AssembledTrace, Sequence[RequestRecord], bytes]"
+)
+"""One trace to store: its spans, its request records and, when the caller has it, the trace
+already serialised as an ``ExportTraceServiceRequest`` (else the store encodes it)."""
+
+# Indexes only where a query needs one: the primary key serves `get` (trace id prefix ranges),
+# start_ns serves `prune` and `--since`, e2e/ttft serve the usual `slowest` orders; other
+# `slowest` metrics scan (a rare read; an index would cost every write).
 _SCHEMA: Final = (
     """CREATE TABLE IF NOT EXISTS requests (
         trace_id BLOB NOT NULL,
@@ -68,14 +102,12 @@ _SCHEMA: Final = (
         cause TEXT,
         verdict TEXT,
         slo_breached INTEGER NOT NULL,
-        doc TEXT NOT NULL,
+        detail TEXT NOT NULL,  -- codec.request_row: the rest of the record, compact JSON
         PRIMARY KEY (trace_id, span_id)
     )""",
     "CREATE INDEX IF NOT EXISTS requests_start ON requests (start_ns)",
-    "CREATE INDEX IF NOT EXISTS requests_model_start ON requests (model, start_ns)",
     "CREATE INDEX IF NOT EXISTS requests_e2e ON requests (e2e_ns)",
     "CREATE INDEX IF NOT EXISTS requests_ttft ON requests (ttft_ns)",
-    "CREATE INDEX IF NOT EXISTS requests_cause ON requests (cause)",
     """CREATE TABLE IF NOT EXISTS traces (
         trace_id BLOB PRIMARY KEY,
         received_ns INTEGER NOT NULL,
@@ -98,12 +130,12 @@ _SCHEMA: Final = (
     )""",
 )
 
+_COLUMN_LIST: Final = ", ".join(REQUEST_COLUMNS)
 _INSERT_REQUEST: Final = (
-    "INSERT OR REPLACE INTO requests (trace_id, span_id, start_ns, service, model, operation, "
-    "prompt_bucket, dialect, e2e_ns, ttft_ns, tpot_ns, queue_ns, prefill_ns, decode_ns, "
-    "network_ns, input_tokens, output_tokens, segment, cause, verdict, slo_breached, doc) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    f"INSERT OR REPLACE INTO requests ({_COLUMN_LIST}) "
+    f"VALUES ({', '.join('?' * len(REQUEST_COLUMNS))})"
 )
+_SELECT_REQUEST: Final = f"SELECT {_COLUMN_LIST} FROM requests"
 # Spans of a trace that arrive in several assembled parts (late spans, several requests in one
 # trace) are appended: concatenated serialised ExportTraceServiceRequests parse as one message
 # holding all their resource_spans. Past the size cap the newest part replaces the stored ones.
@@ -151,72 +183,6 @@ def _readonly_uri(path: str) -> str:
     return "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
 
 
-def _optional_int(value: int | None) -> int | None:
-    return None if value is None else int(value)
-
-
-def _request_row(record: RequestRecord) -> tuple[Any, ...]:
-    """The ``requests`` row of one record; raises on a malformed record."""
-    timeline = record.timeline
-    metrics = record.metrics
-    verdict = record.verdict
-    doc = record_to_dict(record)
-    trace_id = bytes(timeline.trace_id)
-    span_id = bytes(timeline.span_id)
-    if not trace_id or not span_id:
-        raise ValueError("request record without trace or span id")
-    return (
-        trace_id,
-        span_id,
-        request_start_ns(timeline),
-        str(timeline.service),
-        str(timeline.model),
-        str(timeline.operation),
-        str(record.prompt_bucket),
-        str(timeline.dialect),
-        int(record.budget.e2e_ns),
-        _optional_int(metrics.ttft),
-        _optional_int(metrics.tpot),
-        _optional_int(metrics.queue),
-        _optional_int(metrics.prefill),
-        _optional_int(metrics.decode),
-        _optional_int(metrics.network),
-        _optional_int(timeline.input_tokens),
-        _optional_int(timeline.output_tokens),
-        verdict.segment if verdict is not None else None,
-        verdict.cause if verdict is not None else None,
-        verdict.sentence if verdict is not None else None,
-        sum(1 for met in record.slo.values() if not met),
-        json.dumps(doc, separators=(",", ":"), allow_nan=False),
-    )
-
-
-def trace_to_otlp(trace: AssembledTrace) -> bytes:
-    """The trace's spans as one serialised ``ExportTraceServiceRequest``.
-
-    Spans are grouped under their resource and scope by identity (a receiver shares one
-    Resource/InstrumentationScope object among the spans that arrived under it).
-    """
-    request = ExportTraceServiceRequest()
-    groups: dict[tuple[int, int], ScopeSpans] = {}
-    resources: dict[int, ResourceSpans] = {}
-    for ref in trace.spans:
-        resource_key = id(ref.resource)
-        resource_spans = resources.get(resource_key)
-        if resource_spans is None:
-            resource_spans = request.resource_spans.add()
-            resource_spans.resource.CopyFrom(ref.resource)
-            resources[resource_key] = resource_spans
-        group_key = (resource_key, id(ref.scope))
-        scope_spans = groups.get(group_key)
-        if scope_spans is None:
-            scope_spans = resource_spans.scope_spans.add()
-            scope_spans.scope.CopyFrom(ref.scope)
-            groups[group_key] = scope_spans
-        scope_spans.spans.append(ref.span)
-    return request.SerializeToString()
-
-
 def _prefix_range(prefix_hex: str) -> tuple[bytes, bytes | None]:
     """Byte range [low, high) of every id that starts with ``prefix_hex`` (any id length)."""
     padded = prefix_hex if len(prefix_hex) % 2 == 0 else prefix_hex + "0"
@@ -241,6 +207,65 @@ def _parse_id(text: str, *, what: str) -> str:
     return cleaned
 
 
+class _Checkpointer:
+    """Checkpoints the WAL on its own thread and connection.
+
+    A checkpoint copies the log into the database file and fsyncs it: milliseconds that would
+    otherwise land inside the writer's COMMIT every few MiB. SQLite runs the statement without
+    the GIL, and a PASSIVE checkpoint never waits for (or blocks) the writer or readers. Never
+    raises: a failure is counted, and the writer's backstop checkpoint still bounds the log.
+    """
+
+    def __init__(self, path: str, *, busy_timeout_s: float, idle_s: float) -> None:
+        self._path = path
+        self._busy_timeout_s = busy_timeout_s
+        self._idle_s = idle_s
+        self._wanted = threading.Event()
+        self._stopping = False
+        self._dirty = False
+        self.checkpoints = 0
+        self.failures = 0
+        self._thread = threading.Thread(
+            target=self._run, name="tokentrace-store-checkpoint", daemon=True
+        )
+        self._thread.start()
+
+    def wrote(self, *, checkpoint_now: bool) -> None:
+        """Called by the writer after each commit (cheap: no lock, no I/O)."""
+        self._dirty = True
+        if checkpoint_now:
+            self._wanted.set()
+
+    def close(self, timeout_s: float) -> None:
+        self._stopping = True
+        self._wanted.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            connection = sqlite3.connect(
+                self._path, timeout=self._busy_timeout_s, isolation_level=None
+            )
+        except sqlite3.Error:
+            self.failures += 1
+            return
+        try:
+            while not self._stopping:
+                self._wanted.wait(self._idle_s)
+                self._wanted.clear()
+                if self._stopping or not self._dirty:
+                    continue
+                self._dirty = False
+                try:
+                    connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                except sqlite3.Error:
+                    self.failures += 1
+                else:
+                    self.checkpoints += 1
+        finally:
+            connection.close()
+
+
 class RequestStore:
     """SQLite request store. See the module docstring for the threading model."""
 
@@ -253,6 +278,7 @@ class RequestStore:
         prune_batch: int = _DEFAULT_PRUNE_BATCH,
         max_trace_bytes: int = _DEFAULT_MAX_TRACE_BYTES,
         busy_timeout_s: float = _DEFAULT_BUSY_TIMEOUT_S,
+        checkpoint_bytes: int = _DEFAULT_CHECKPOINT_BYTES,
         clock: Callable[[], float] = time.time,
         _readonly: bool = False,
     ) -> None:
@@ -262,6 +288,8 @@ class RequestStore:
         self.prune_batch = max(1, int(prune_batch))
         self.max_trace_bytes = int(max_trace_bytes)
         self._busy_timeout_s = float(busy_timeout_s)
+        self.checkpoint_bytes = max(1, int(checkpoint_bytes))
+        self._bytes_since_checkpoint = 0
         self._clock = clock
         self.readonly = _readonly
         # Counters, read by the collector's self-metrics.
@@ -278,11 +306,24 @@ class RequestStore:
         # the lock keeps accidental concurrent use safe instead of corrupting a transaction.
         self._lock = threading.Lock()
         self._writer: sqlite3.Connection | None = None
+        self._checkpointer: _Checkpointer | None = None
         if _readonly:
             with closing(self._connect_readonly()) as connection:
                 self._check_version(connection)
         else:
             self._writer = self._open_writer()
+            self._checkpointer = _Checkpointer(
+                self.path, busy_timeout_s=self._busy_timeout_s, idle_s=_DEFAULT_CHECKPOINT_IDLE_S
+            )
+
+    @property
+    def checkpoints(self) -> int:
+        """Background WAL checkpoints run so far (for the collector's self-metrics)."""
+        return 0 if self._checkpointer is None else self._checkpointer.checkpoints
+
+    @property
+    def failed_checkpoints(self) -> int:
+        return 0 if self._checkpointer is None else self._checkpointer.failures
 
     # --- opening -----------------------------------------------------------------------------
 
@@ -311,6 +352,7 @@ class RequestStore:
             connection.execute("PRAGMA journal_mode=WAL")
             connection.execute("PRAGMA synchronous=NORMAL")
             connection.execute("PRAGMA foreign_keys=OFF")
+            connection.execute(f"PRAGMA wal_autocheckpoint={_BACKSTOP_AUTOCHECKPOINT_PAGES:d}")
             connection.execute("BEGIN IMMEDIATE")
             for statement in _SCHEMA:
                 connection.execute(statement)
@@ -338,7 +380,7 @@ class RequestStore:
         return connection
 
     def _check_version(self, connection: sqlite3.Connection, *, creating: bool = False) -> None:
-        """Refuse newer schemas, and databases that are not tokentrace stores."""
+        """Refuse other schema versions, and databases that are not tokentrace stores."""
         try:
             (version,) = connection.execute("PRAGMA user_version").fetchone()
             tables = connection.execute(
@@ -354,6 +396,12 @@ class RequestStore:
         # Version 0: a new file (fine when creating it) or some other program's database.
         if version == 0 and (tables or not creating):
             raise StoreError(f"{self.path} is not a tokentrace store (no tokentrace schema)")
+        if 0 < version < SCHEMA_VERSION:
+            raise StoreError(
+                f"store {self.path} has schema version {version}, older than this tokentrace "
+                f"uses ({SCHEMA_VERSION}); it cannot be read or extended - move it aside (or "
+                "delete it) and start the collector again, or use another --store"
+            )
 
     @contextmanager
     def _reader(self) -> Iterator[sqlite3.Connection]:
@@ -372,8 +420,12 @@ class RequestStore:
 
     # --- writer API --------------------------------------------------------------------------
 
-    def write(self, batch: Sequence[tuple[AssembledTrace, Sequence[RequestRecord]]]) -> None:
+    def write(self, batch: Sequence[WriteItem]) -> None:
         """Store every request record of the batch and each trace's spans, in one transaction.
+
+        Items are ``(trace, records)`` or ``(trace, records, otlp)`` where ``otlp`` is the trace
+        already serialised as an ``ExportTraceServiceRequest`` (the pipeline encodes each trace
+        once for every exporter); without it (or when empty) the store encodes the spans.
 
         A malformed record is left out (counted in ``rejected_records``) and the rest is stored;
         then StoreWriteError reports it. A database error rolls the whole batch back and raises
@@ -383,12 +435,15 @@ class RequestStore:
         trace_rows: list[tuple[bytes, int, bytes, int]] = []
         rejected = 0
         traces_failed = 0
+        written_bytes = 0
         first_problem: str | None = None
         received_ns = int(self._clock() * _NS_PER_S)
+        max_trace_bytes = self.max_trace_bytes
         for item in batch:
             try:
-                trace, records = item
-                rows = [_request_row(record) for record in records]
+                trace = item[0]
+                records = item[1]
+                rows = [request_row(record) for record in records]
             except Exception as error:  # a garbage item must not stop the batch
                 rejected += _records_in(item)
                 first_problem = first_problem or f"{type(error).__name__}: {error}"
@@ -397,9 +452,11 @@ class RequestStore:
                 continue
             request_rows.extend(rows)
             try:
-                trace_rows.append(
-                    (bytes(trace.trace_id), received_ns, trace_to_otlp(trace), self.max_trace_bytes)
-                )
+                otlp = item[2] if len(item) > 2 else None
+                if not otlp:
+                    otlp = encode_trace_request(trace.spans)
+                trace_rows.append((bytes(trace.trace_id), received_ns, otlp, max_trace_bytes))
+                written_bytes += len(otlp)
             except Exception as error:  # the requests are still worth keeping without spans
                 traces_failed += 1
                 first_problem = first_problem or f"{type(error).__name__}: {error}"
@@ -423,6 +480,7 @@ class RequestStore:
                     ) from error
             self.written_requests += len(request_rows)
             self.written_traces += len(trace_rows)
+            self._wrote(written_bytes + sum(len(row[-1]) for row in request_rows))
         if first_problem is not None:
             self.rejected_records += rejected
             self.failed_traces += traces_failed
@@ -432,6 +490,16 @@ class RequestStore:
                 rejected=rejected,
                 written=len(request_rows),
             )
+
+    def _wrote(self, payload_bytes: int) -> None:
+        """Ask for a background checkpoint every ``checkpoint_bytes`` of payload written."""
+        if self._checkpointer is None:
+            return
+        self._bytes_since_checkpoint += payload_bytes
+        due = self._bytes_since_checkpoint >= self.checkpoint_bytes
+        if due:
+            self._bytes_since_checkpoint = 0
+        self._checkpointer.wrote(checkpoint_now=due)
 
     def write_sketch_slices(self, slices: Iterable[tuple[float, Any, str, Any]]) -> None:
         """Store sketch slices ``(slice_start_s, SketchKey, metric, LatencySketch)``.
@@ -549,6 +617,9 @@ class RequestStore:
         return len(victims)
 
     def close(self) -> None:
+        if self._checkpointer is not None:
+            # Before the writer closes: closing the last connection checkpoints the WAL itself.
+            self._checkpointer.close(self._busy_timeout_s)
         with self._lock:
             if self._writer is not None:
                 with suppress(sqlite3.Error):  # only a query-planner hint
@@ -596,18 +667,17 @@ class RequestStore:
                     "give more digits"
                 )
             rows = connection.execute(
-                "SELECT span_id, doc FROM requests WHERE trace_id = ? ORDER BY e2e_ns DESC",
-                (matches[0],),
+                f"{_SELECT_REQUEST} WHERE trace_id = ? ORDER BY e2e_ns DESC", (matches[0],)
             ).fetchall()
-        chosen = rows[0]
-        if span_id is not None:
-            wanted = _parse_id(span_id, what="span id")
-            picked = [row for row in rows if bytes(row[0]).hex().startswith(wanted)]
-            if not picked:
-                return None
-            chosen = picked[0]
-        doc: dict[str, Any] = json.loads(chosen[1])
-        doc["other_span_ids"] = [bytes(row[0]).hex() for row in rows if row is not chosen]
+            chosen = rows[0]
+            if span_id is not None:
+                wanted = _parse_id(span_id, what="span id")
+                picked = [row for row in rows if bytes(row[1]).hex().startswith(wanted)]
+                if not picked:
+                    return None
+                chosen = picked[0]
+            doc = self._document(connection, chosen, {})
+        doc["other_span_ids"] = [bytes(row[1]).hex() for row in rows if row is not chosen]
         return doc
 
     def trace_otlp(self, trace_id: str | bytes) -> bytes | None:
@@ -632,7 +702,7 @@ class RequestStore:
             raise ValueError(
                 f"unknown metric {metric!r}; choose one of {', '.join(SLOWEST_METRIC_COLUMNS)}"
             )
-        query = f"SELECT doc FROM requests WHERE {column} IS NOT NULL"
+        query = f"{_SELECT_REQUEST} WHERE {column} IS NOT NULL"
         params: list[Any] = []
         if since_ns is not None:
             query += " AND start_ns >= ?"
@@ -640,7 +710,42 @@ class RequestStore:
         query += f" ORDER BY {column} DESC LIMIT ?"
         params.append(max(0, int(limit)))
         with self._reader() as connection:
-            return [json.loads(row[0]) for row in connection.execute(query, params)]
+            rows = connection.execute(query, params).fetchall()
+            spans_of: dict[bytes, bytes | None] = {}
+            return [self._document(connection, row, spans_of) for row in rows]
+
+    def _document(
+        self,
+        connection: sqlite3.Connection,
+        row: Sequence[Any],
+        spans_of: dict[bytes, bytes | None],
+    ) -> dict[str, Any]:
+        """The document of one stored row; its token times come from the trace's stored spans
+        (read once per trace and call through ``spans_of``)."""
+        trace_id = bytes(row[0])
+        span_id = bytes(row[1])
+
+        def load_token_offsets() -> list[int] | None:
+            if trace_id not in spans_of:
+                found = connection.execute(
+                    "SELECT otlp FROM traces WHERE trace_id = ?", (trace_id,)
+                ).fetchone()
+                spans_of[trace_id] = None if found is None else bytes(found[0])
+            otlp = spans_of[trace_id]
+            if otlp is None:
+                return None
+            try:
+                return token_offsets_from_otlp(otlp, span_id)
+            except Exception:  # undecodable spans: the document says the times are missing
+                return None
+
+        try:
+            return document_from_row(row, load_token_offsets=load_token_offsets)
+        except (TypeError, ValueError, KeyError, AttributeError) as error:
+            raise StoreError(
+                f"store {self.path}: request {trace_id.hex()}/{span_id.hex()} is unreadable "
+                f"({type(error).__name__}: {error})"
+            ) from error
 
     def sketches_since(self, since_s: float) -> list[SketchSlice]:
         """Stored sketch slices starting at or after ``since_s`` (unix seconds)."""

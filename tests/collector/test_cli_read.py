@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.collector.test_store import BASE_NS, MS, assembled, make_record, trace_id
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main
 from tokentrace.collector import cli as collector_cli
@@ -26,8 +28,6 @@ from tokentrace.collector.render import (
 )
 from tokentrace.collector.store import RequestStore, record_to_dict
 from tokentrace.processors.sketches import LatencySketch, SketchKey
-
-from tests.collector.test_store import BASE_NS, MS, assembled, make_record, trace_id
 
 SLO_TARGETS = [
     {"name": "chat-ttft-p95", "metric": "ttft", "percentile": 95, "threshold": "500ms"},
@@ -110,9 +110,10 @@ def test_explain_json_prints_the_stored_document(
     )
     assert code == 0
     doc = json.loads(out)
+    # Built at read time from the stored row and spans: the same document as the record's.
     expected = record_to_dict(make_record(2, queue_ms=20, decode_ms=2000))
-    assert doc["budget"] == expected["budget"]
-    assert doc["verdict"] == expected["verdict"]
+    assert doc == {**expected, "other_span_ids": []}
+    assert doc["token_offsets_us"] == make_record(2, decode_ms=2000).timeline.token_offsets_us
 
 
 def test_explain_slowest_by_metric(store_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -399,3 +400,44 @@ def test_explain_document_without_timestamps_still_renders() -> None:
 def test_start_time_is_shown_in_utc() -> None:
     text = render_explain(record_to_dict(make_record(1, start_ns=BASE_NS)))
     assert "2023-11-14T22:13:20.000000Z" in text
+
+
+def test_waterfall_rows_agree_with_the_budget_segments() -> None:
+    """The waterfall draws the budget's one definition of each segment, e.g. the time between
+    the engine's response and the HTTP span's end counts as postprocess, not http."""
+    from tokentrace.processors.budget import compute_budget, compute_metrics, prompt_bucket
+    from tokentrace.processors.model import RequestRecord
+
+    timeline = make_record(1).timeline
+    assert timeline.end is not None
+    timeline.server_end = timeline.end + 3 * MS  # the HTTP layer writes the response after
+    budget = compute_budget(timeline)
+    record = RequestRecord(
+        timeline=timeline,
+        budget=budget,
+        metrics=compute_metrics(timeline, budget),
+        prompt_bucket=prompt_bucket(timeline.input_tokens),
+    )
+    rows = {row.segment: row.duration_ms for row in waterfall_rows(record_to_dict(record))}
+    for segment in ("http", "queue", "prefill", "decode", "postprocess"):
+        assert rows[segment] == pytest.approx(budget.segments[segment] / 1e6), segment
+
+
+def test_top_shows_the_collectors_counters_and_names_any_loss(
+    store_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokentrace.collector.store import META_COLLECTOR_STATS
+
+    stats = {"received_spans": 700, "requests": 100, "pending_traces": 0, "late_spans": 0}
+    with RequestStore(store_path) as store:
+        store.set_meta(META_COLLECTOR_STATS, json.dumps(stats))
+    code, out, _ = run_cli(capsys, "top", "--once", "--store", str(store_path))
+    assert code == 0
+    assert "700 spans received" in out and "nothing dropped" in out
+
+    stats.update({"refused_batches": 3, "UpstreamSink.traces.dropped_spans": 12})
+    with RequestStore(store_path) as store:
+        store.set_meta(META_COLLECTOR_STATS, json.dumps(stats))
+    code, out, _ = run_cli(capsys, "top", "--once", "--store", str(store_path))
+    assert "refused_batches 3" in out and "UpstreamSink.traces.dropped_spans 12" in out
+    assert "nothing dropped" not in out

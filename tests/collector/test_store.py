@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -15,10 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope, KeyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
 from tokentrace.agent import semconv
+from tokentrace.collector.config import StoreConfig
+from tokentrace.collector.exporters.store_sink import StoreSink
+from tokentrace.collector.pipeline import ProcessedTrace
 from tokentrace.collector.store import (
     RequestStore,
     StoreError,
@@ -134,21 +139,54 @@ def make_record(
     )
 
 
-def assembled(record: RequestRecord, *, services: Sequence[str] = ("svc",)) -> AssembledTrace:
-    """An assembled trace whose spans arrived under one resource per service."""
+def decode_span(record: RequestRecord) -> Span:
+    """The ``llm.decode`` child of the request span, carrying the token offsets (as the agent
+    sends them), so the store can read them back for the document."""
+    timeline = record.timeline
+    span = Span(
+        trace_id=timeline.trace_id,
+        span_id=b"\xdd" + timeline.span_id[1:],
+        parent_span_id=timeline.span_id,
+        name=semconv.SPAN_DECODE,
+        start_time_unix_nano=timeline.first_token or 0,
+        end_time_unix_nano=timeline.last_token or 0,
+    )
+    offsets = span.attributes.add(key=semconv.DECODE_TOKEN_OFFSETS)
+    offsets.value.array_value.values.extend(
+        AnyValue(int_value=offset) for offset in timeline.token_offsets_us
+    )
+    dropped = span.attributes.add(key=semconv.DECODE_TOKEN_OFFSETS_DROPPED)
+    dropped.value.int_value = timeline.token_offsets_dropped
+    return span
+
+
+def assembled(
+    *records: RequestRecord, services: Sequence[str] = ("svc",), with_decode: bool = True
+) -> AssembledTrace:
+    """An assembled trace whose spans arrived under one resource per service: two spans per
+    service, plus (under the first) the decode span of each record when ``with_decode``."""
     refs = []
     scope = InstrumentationScope(name="tokentrace")
+    trace = records[0].timeline.trace_id
     for index, service in enumerate(services):
         resource = Resource(attributes=[KeyValue(key=semconv.SERVICE_NAME)])
         resource.attributes[0].value.string_value = service
         for child in range(2):
             span = Span(
-                trace_id=record.timeline.trace_id,
+                trace_id=trace,
                 span_id=(100 + index * 10 + child).to_bytes(8, "big"),
                 name=semconv.SPAN_REQUEST,
             )
             refs.append(SpanRef(span=span, resource=resource, scope=scope, service=service))
-    return AssembledTrace(trace_id=record.timeline.trace_id, spans=refs)
+        if index == 0 and with_decode:
+            for record in records:
+                refs.append(SpanRef(decode_span(record), resource, scope, service))
+    return AssembledTrace(trace_id=trace, spans=refs)
+
+
+def stored_document(record: RequestRecord) -> dict[str, object]:
+    """What ``get`` should return for a record stored alone in its trace."""
+    return {**record_to_dict(record), "other_span_ids": []}
 
 
 @pytest.fixture
@@ -249,7 +287,10 @@ def test_store_uses_wal_and_round_trips_a_request(store: RequestStore) -> None:
     doc = reader.get(trace_id(7).hex())
     assert doc is not None
     assert doc["trace_id"] == trace_id(7).hex()
-    assert doc["budget"] == record_to_dict(record)["budget"]
+    # The whole document, token times included, comes back as the record's own.
+    assert doc == stored_document(record)
+    assert doc["token_offsets_us"] == record.timeline.token_offsets_us
+    assert doc["metrics_ms"]["itl"]["count"] == len(record.metrics.itl)
     assert reader.count() == 1
     assert store.written_requests == 1
 
@@ -310,7 +351,8 @@ def test_trace_spans_are_stored_grouped_by_resource_and_scope(store: RequestStor
     for resource_spans in request.resource_spans:
         assert len(resource_spans.scope_spans) == 1
         assert resource_spans.scope_spans[0].scope.name == "tokentrace"
-        assert len(resource_spans.scope_spans[0].spans) == 2
+    # Two spans per service, plus the decode span under the first.
+    assert [len(rs.scope_spans[0].spans) for rs in request.resource_spans] == [3, 2]
     assert store.trace_otlp(trace_id(6)) is None
 
 
@@ -455,6 +497,176 @@ def test_meta_round_trip(store: RequestStore) -> None:
     store.set_meta("slo_targets", '[{"name": "x"}]')
     store.set_meta("slo_targets", "[]")
     assert store.meta("slo_targets") == "[]"
+
+
+def test_rows_are_compact_and_the_document_is_built_when_read(store: RequestStore) -> None:
+    record = make_record(4, decode_ms=300)
+    record.timeline.token_offsets_us = [i * 1500 for i in range(200)]
+    record.timeline.preempted = [(BASE_NS + 200 * MS, BASE_NS + 210 * MS)]
+    record.metrics.network = 3 * MS
+    write_records(store, record)
+    with sqlite3.connect(store.path) as raw:
+        (detail,) = raw.execute("SELECT detail FROM requests").fetchone()
+    # No per-token data in the row (the offsets stay in the stored decode span) ...
+    assert "1500,3000,4500" not in detail and len(detail) < 200 * 4
+    # ... yet the document read back is the record's, to the microsecond and token.
+    doc = store.get(trace_id(4).hex())
+    assert doc == stored_document(record)
+    assert doc is not None and doc["token_offsets_us"][-1] == 199 * 1500
+    assert doc["metrics_ms"]["itl"] == {"count": 199, "p50": 1.5, "p99": 1.5, "max": 1.5}
+    assert store.slowest(metric="network") == [record_to_dict(record)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    queue_ms=st.integers(min_value=0, max_value=10_000),
+    offsets=st.lists(st.integers(min_value=0, max_value=10**7), max_size=40),
+    dropped=st.integers(min_value=0, max_value=100),
+    breached=st.booleans(),
+    ratio=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)),
+)
+def test_stored_document_equals_the_records_document(
+    tmp_path_factory: pytest.TempPathFactory,
+    queue_ms: int,
+    offsets: list[int],
+    dropped: int,
+    breached: bool,
+    ratio: float | None,
+) -> None:
+    record = make_record(1, queue_ms=queue_ms, slo={"a": True, "b": not breached})
+    record.timeline.token_offsets_us = offsets
+    record.timeline.token_offsets_dropped = dropped
+    record.timeline.decode_bandwidth_peak_ratio = ratio
+    assert record.verdict is not None
+    record.verdict.numbers["ratio"] = ratio if ratio is not None else "n/a"
+    record.verdict.advice = "custom advice" if breached else record.verdict.advice
+    path = tmp_path_factory.mktemp("prop") / "s.db"
+    with RequestStore(path) as store:
+        write_records(store, record)
+        doc = store.get(trace_id(1).hex())
+        with sqlite3.connect(path) as raw:
+            assert raw.execute("SELECT slo_breached FROM requests").fetchone() == (int(breached),)
+    assert doc == stored_document(record)
+    json.dumps(doc, allow_nan=False)
+
+
+def test_token_times_missing_from_the_stored_spans_are_counted_as_dropped(
+    store: RequestStore,
+) -> None:
+    record = make_record(2)
+    store.write([(assembled(record, with_decode=False), [record])])
+    doc = store.get(trace_id(2).hex())
+    assert doc is not None
+    assert doc["token_offsets_us"] == []
+    assert doc["token_offsets_dropped"] == len(record.timeline.token_offsets_us)
+    assert doc["metrics_ms"]["itl"]["count"] == 0
+    expected = stored_document(record)
+    for key in ("budget", "ttft_budget", "timeline", "verdict", "slo", "tokens", "context"):
+        assert doc[key] == expected[key]
+
+
+def test_pre_encoded_spans_are_stored_as_given_and_encoded_otherwise(store: RequestStore) -> None:
+    given_record, encoded_record = make_record(1), make_record(2)
+    blob = ExportTraceServiceRequest()
+    blob.resource_spans.add().scope_spans.add().spans.append(decode_span(given_record))
+    payload = blob.SerializeToString()
+    store.write(
+        [
+            (assembled(given_record), [given_record], payload),
+            (assembled(encoded_record), [encoded_record], b""),  # empty: the store encodes
+        ]
+    )
+    assert store.trace_otlp(trace_id(1)) == payload
+    assert store.get(trace_id(1).hex()) == stored_document(given_record)
+    stored = store.trace_otlp(trace_id(2))
+    assert stored is not None
+    assert sum(
+        len(scope.spans)
+        for rs in ExportTraceServiceRequest.FromString(stored).resource_spans
+        for scope in rs.scope_spans
+    ) == len(assembled(encoded_record).spans)
+
+
+def test_an_unreadable_row_is_reported_with_its_ids(store: RequestStore) -> None:
+    write_records(store, make_record(3))
+    with sqlite3.connect(store.path) as raw:
+        raw.execute("UPDATE requests SET detail = '{not json'")
+    with pytest.raises(StoreError, match=trace_id(3).hex() + r"/0000000000000001 is unreadable"):
+        store.get(trace_id(3).hex())
+
+
+def test_an_older_schema_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as raw:
+        raw.execute("CREATE TABLE requests (doc TEXT)")
+        raw.execute("PRAGMA user_version=1")
+    for opener in (RequestStore, RequestStore.open_readonly):
+        with pytest.raises(StoreError, match=r"schema version 1, older .*move it aside"):
+            opener(path)
+    with sqlite3.connect(path) as raw:  # left as it was
+        assert raw.execute("PRAGMA user_version").fetchone() == (1,)
+
+
+def test_every_index_serves_a_query(store: RequestStore) -> None:
+    queries = {
+        "requests_start": "SELECT rowid FROM requests WHERE start_ns < 5 ORDER BY start_ns LIMIT 3",
+        "requests_e2e": "SELECT * FROM requests WHERE e2e_ns IS NOT NULL ORDER BY e2e_ns DESC "
+        "LIMIT 3",
+        "requests_ttft": "SELECT * FROM requests WHERE ttft_ns IS NOT NULL ORDER BY ttft_ns DESC "
+        "LIMIT 3",
+        "traces_received": "SELECT rowid FROM traces WHERE received_ns < 5 LIMIT 3",
+    }
+    with sqlite3.connect(store.path) as raw:
+        indexes = {
+            name
+            for (name,) in raw.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+            )
+        }
+        assert indexes == set(queries)
+        for index, query in queries.items():
+            plan = " ".join(row[-1] for row in raw.execute("EXPLAIN QUERY PLAN " + query))
+            assert index in plan, (index, plan)
+
+
+def test_the_wal_is_checkpointed_in_the_background(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    store = RequestStore(path, checkpoint_bytes=1)
+    size_before = path.stat().st_size
+    write_records(store, *(make_record(n) for n in range(1, 40)))
+    deadline = time.monotonic() + 10
+    while store.checkpoints == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.checkpoints >= 1 and store.failed_checkpoints == 0
+    assert path.stat().st_size > size_before  # the rows reached the database file
+    store.close()
+    assert RequestStore.open_readonly(path).count() == 39
+
+
+def test_store_sink_counts_written_and_rejected_records(tmp_path: Path) -> None:
+    sink = StoreSink(StoreConfig(path=str(tmp_path / "sink.db")))
+    good, bad = make_record(1), make_record(2)
+    bad.budget.e2e_ns = None
+    sink.export_traces(
+        [
+            ProcessedTrace(assembled(good), [good]),
+            ProcessedTrace(assembled(bad), [bad]),
+        ]
+    )
+    stats = sink.stats()
+    assert (stats["written_requests"], stats["rejected_records"]) == (1, 1)
+    assert stats["failed_batches"] == 0
+    with sqlite3.connect(sink.store.path) as raw:
+        raw.execute(
+            "CREATE TRIGGER refuse BEFORE INSERT ON requests "
+            "BEGIN SELECT RAISE(ABORT, 'disk trouble'); END"
+        )
+    with pytest.raises(StoreWriteError, match="rolled back"):
+        sink.export_traces([ProcessedTrace(assembled(make_record(3)), [make_record(3)])])
+    stats = sink.stats()
+    assert (stats["written_requests"], stats["rejected_records"]) == (1, 2)
+    assert stats["failed_batches"] == 1
+    sink.shutdown(1.0)
 
 
 # --- pruning ------------------------------------------------------------------------------------
