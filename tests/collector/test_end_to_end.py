@@ -182,3 +182,58 @@ def test_vllm_native_dialect_end_to_end(tmp_path: Path, upstream: UpstreamOtlp) 
         expected = (simulated.first_token_ns - simulated.arrival_ns) / 1e6
         assert doc["metrics_ms"]["ttft"] == pytest.approx(expected, abs=0.01)
         assert doc["tokens"]["output"] == simulated.output_tokens
+
+
+def _post(port: int, body: bytes, content_type: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/traces",
+        data=body,
+        headers={"Content-Type": content_type},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+
+
+def test_malformed_input_never_crashes_or_corrupts_the_store(
+    tmp_path: Path, upstream: UpstreamOtlp
+) -> None:
+    import sqlite3
+
+    from tokentrace.agent.replay import to_otlp_requests
+
+    collector = start_collector(tmp_path, upstream)
+    good = simulate("steady", requests=10, seed=9)
+    (message,) = to_otlp_requests(good, batch_spans=10_000)
+    try:
+        port = collector.http_port
+        assert port is not None
+        assert _post(port, b"\x0a\xff\xff\xff garbage", "application/x-protobuf") == 400
+        assert _post(port, b'{"resourceSpans": [', "application/json") == 400
+        assert _post(port, message.SerializeToString(), "text/plain") == 415
+        # One span with its end before its start: rejected alone, the rest accepted.
+        broken = type(message)()
+        broken.CopyFrom(message)
+        first = broken.resource_spans[0].scope_spans[0].spans[0]
+        first.end_time_unix_nano = first.start_time_unix_nano - 1
+        assert _post(port, broken.SerializeToString(), "application/x-protobuf") == 200
+        collector.flush()
+        stats = collector.stats()
+    finally:
+        collector.shutdown()
+    assert stats["OtlpHttpReceiver.rejected_spans"] == 1
+    assert stats["processor_errors"] == {}
+    with sqlite3.connect(tmp_path / "requests.db") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    store = RequestStore.open_readonly(tmp_path / "requests.db")
+    try:
+        # The trace that lost a span still yields its request when the request span survived.
+        assert store.count() >= len(good) - 1
+    finally:
+        store.close()
