@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
     from tokentrace.agent.replay import SimulatedRequest
 
 PROTOCOL_GRPC: Final = "grpc"
@@ -177,6 +178,7 @@ def _make_provider(
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
     from tokentrace.agent import semconv
 
     resource = Resource.create(

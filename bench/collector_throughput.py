@@ -132,7 +132,7 @@ def _collector_config(store_path: Path, upstream_port: int) -> Any:
 
 
 def end_to_end(batches: list[bytes], spans: int, requests: int) -> dict[str, float]:
-    from tokentrace.collector.service import Collector
+    from tokentrace.collector.service import Collector, tune_gc_for_throughput
 
     _pin(0)
     context = multiprocessing.get_context("spawn")
@@ -145,6 +145,7 @@ def end_to_end(batches: list[bytes], spans: int, requests: int) -> dict[str, flo
     with tempfile.TemporaryDirectory(prefix="tokentrace-bench-") as tmp:
         collector = Collector(_collector_config(Path(tmp) / "bench.db", upstream_port))
         collector.start()
+        tune_gc_for_throughput()  # as `tokentrace collector` does
         cpu_before = time.process_time()
         wall_before = time.perf_counter()
         port_queue.put(collector.grpc_port)

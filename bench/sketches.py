@@ -30,6 +30,7 @@ import numpy as np
 from ddsketch import DDSketch
 from ddsketch.store import CollapsingLowestDenseStore
 from opentelemetry.proto.metrics.v1.metrics_pb2 import ExponentialHistogramDataPoint
+
 from tokentrace.agent import semconv
 from tokentrace.processors.model import RequestMetrics
 from tokentrace.processors.percentiles import PercentileStore

@@ -8,6 +8,7 @@ pending trace, the exporters flush), so nothing accepted is lost on a clean stop
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -21,6 +22,15 @@ from tokentrace.collector.pipeline import Pipeline, TraceSink
 _log = logging.getLogger(__name__)
 
 _DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+# Each request allocates a few hundred short-lived containers; with CPython's default gen-0
+# threshold (700) the collector spent ~15% of its time in the cyclic GC scanning live traces.
+_GC_THRESHOLDS = (50_000, 20, 20)
+
+
+def tune_gc_for_throughput() -> None:
+    """Fewer cyclic-GC passes for a long-running collector process (not for library use)."""
+    gc.freeze()  # what start-up allocated lives for the whole process: never scan it again
+    gc.set_threshold(*_GC_THRESHOLDS)
 
 
 class Collector:
@@ -140,6 +150,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     except Exception as error:  # port taken, unwritable store, bad TLS files...
         print(f"tokentrace collector: cannot start: {error}", file=sys.stderr)
         return 1
+    tune_gc_for_throughput()
     for line in describe(collector):
         print(line, flush=True)
     stop = threading.Event()

@@ -13,6 +13,7 @@ from typing import Final
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
 from tokentrace.agent import semconv
 from tokentrace.processors.model import RequestRecord
 
@@ -42,28 +43,33 @@ _TTFT_BUDGET_KEYS: Final = {
 
 
 def _remove_owned(attributes: RepeatedCompositeFieldContainer[KeyValue]) -> None:
-    keys = [kv.key for kv in attributes]
     owned_keys, prefixes = _OWNED_KEYS, _OWNED_PREFIXES
     owned = [
         position
-        for position, key in enumerate(keys)
-        if key in owned_keys or key.startswith(prefixes)
+        for position, kv in enumerate(attributes)
+        if (key := kv.key) in owned_keys or key.startswith(prefixes)
     ]
     if not owned:
         return
-    if owned[-1] - owned[0] + 1 == len(owned) == len(keys) - owned[0]:
+    if owned[-1] - owned[0] + 1 == len(owned) == len(attributes) - owned[0]:
         del attributes[owned[0] :]  # the usual case: a previous enrichment, appended last
         return
     for position in reversed(owned):
         del attributes[position]
 
 
-def _add_int(attributes: RepeatedCompositeFieldContainer[KeyValue], key: str, ns: int) -> None:
-    # add() then assign in place: constructing KeyValue/AnyValue first would copy them again.
-    kv = attributes.add()
-    kv.key = key
-    # Timestamps are fixed64 in OTLP, so a corrupt span could yield a value beyond int64.
-    kv.value.int_value = min(max(ns, _INT64_MIN), _INT64_MAX)
+def _add_ints(
+    attributes: RepeatedCompositeFieldContainer[KeyValue], pairs: list[tuple[str, int]]
+) -> None:
+    add = attributes.add
+    for key, ns in pairs:
+        # add() then assign in place: constructing KeyValue/AnyValue first would copy them again.
+        kv = add()
+        kv.key = key
+        # Timestamps are fixed64 in OTLP, so a corrupt span could yield a value beyond int64.
+        kv.value.int_value = (
+            ns if _INT64_MIN <= ns <= _INT64_MAX else min(max(ns, _INT64_MIN), _INT64_MAX)
+        )
 
 
 def _add_str(attributes: RepeatedCompositeFieldContainer[KeyValue], key: str, text: str) -> None:
@@ -96,18 +102,22 @@ def enrich_span(span: Span, record: RequestRecord) -> None:
     _remove_owned(attributes)
     budget = record.budget
     metrics = record.metrics
-    for segment, ns in budget.segments.items():
-        if ns:
-            _add_int(attributes, _BUDGET_KEYS.get(segment) or semconv.budget_attribute(segment), ns)
-    for segment, ns in budget.ttft_segments.items():
-        if ns:
-            key = _TTFT_BUDGET_KEYS.get(segment) or semconv.ttft_budget_attribute(segment)
-            _add_int(attributes, key, ns)
+    ints = [
+        (_BUDGET_KEYS.get(segment) or semconv.budget_attribute(segment), ns)
+        for segment, ns in budget.segments.items()
+        if ns
+    ]
+    ints += [
+        (_TTFT_BUDGET_KEYS.get(segment) or semconv.ttft_budget_attribute(segment), ns)
+        for segment, ns in budget.ttft_segments.items()
+        if ns
+    ]
     if metrics.ttft is not None:
-        _add_int(attributes, semconv.TTFT_NS, metrics.ttft)
+        ints.append((semconv.TTFT_NS, metrics.ttft))
     if metrics.tpot is not None:
-        _add_int(attributes, semconv.TPOT_NS, metrics.tpot)
-    _add_int(attributes, semconv.E2E_NS, metrics.e2e)
+        ints.append((semconv.TPOT_NS, metrics.tpot))
+    ints.append((semconv.E2E_NS, metrics.e2e))
+    _add_ints(attributes, ints)
     _add_str(attributes, semconv.PROMPT_BUCKET, record.prompt_bucket)
     verdict = record.verdict
     if verdict is not None:

@@ -27,9 +27,16 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import (
     AGGREGATION_TEMPORALITY_CUMULATIVE,
     Metric,
 )
+
 from tokentrace.agent import semconv
 from tokentrace.processors.model import RequestMetrics
-from tokentrace.processors.sketches import MAX_SCALE, MIN_SCALE, LatencySketch, SketchKey
+from tokentrace.processors.sketches import (
+    MAX_SCALE,
+    MIN_SCALE,
+    KeyedValues,
+    LatencySketch,
+    SketchKey,
+)
 
 _LOG = logging.getLogger(__name__)
 
@@ -105,6 +112,7 @@ class _KeyState:
     created_s: float
     """When this key's cumulative sketches started (the OTLP start time of its series)."""
     cumulative: dict[str, LatencySketch] = field(default_factory=dict)
+    """The key's closed slices merged (``record`` writes only the open slice, which readers add)."""
 
 
 class PercentileSnapshot:
@@ -248,23 +256,24 @@ class PercentileStore:
                 for metric in _SINGLE_VALUE_METRICS
                 if (value := getattr(metrics, metric)) is not None
             ]
-            gaps = [gap / _NS_PER_S for gap in metrics.itl] if metrics.itl else None
+            # Keyed outside the lock, so readers wait less.
+            gaps = KeyedValues.of_ns(metrics.itl, scale=self.config.scale) if metrics.itl else None
             now = self._clock()
             with self._lock:
                 self._advance(now)
-                cumulative = self._touch_key(key, now).cumulative
+                self._touch_key(key, now)
                 current = self._open
                 if current is None:
                     current = self._open = _Slice(self._slice_index(now))
+                # Only the open slice is written: the cumulative sketches take in a whole slice
+                # when it closes (one merge per slice instead of a second add per request).
                 in_slice = current.sketches.get(key)
                 if in_slice is None:
                     in_slice = current.sketches[key] = {}
                 for metric, value_s in singles:
-                    self._sketch(cumulative, metric).add(value_s)
                     self._sketch(in_slice, metric).add(value_s)
-                if gaps:
-                    self._sketch(cumulative, semconv.METRIC_ITL).add_many(gaps)
-                    self._sketch(in_slice, semconv.METRIC_ITL).add_many(gaps)
+                if gaps is not None:
+                    self._sketch(in_slice, semconv.METRIC_ITL).add_keyed(gaps)
         except Exception:
             # The pipeline serves traffic: count, log the first, carry on.
             self.record_errors += 1
@@ -288,6 +297,7 @@ class PercentileStore:
         if current is not None and index > current.index:
             self._open = None
             if current.sketches:
+                self._fold_into_cumulative(current)
                 self._closed.append(current)
                 if self.config.max_undrained_slices:
                     if len(self._undrained) >= self.config.max_undrained_slices:
@@ -297,6 +307,16 @@ class PercentileStore:
         oldest_live = index - self.config.slices + 1
         while self._closed and self._closed[0].index < oldest_live:
             self._closed.popleft()
+
+    def _fold_into_cumulative(self, closing: _Slice) -> None:
+        """Merge a closing slice into the cumulative sketches of its keys. Caller holds the lock.
+
+        Every key in the open slice is held: evicting a key drops its open-slice data too."""
+        for key, by_metric in closing.sketches.items():
+            state = self._keys.get(key)
+            if state is not None:
+                for metric, sketch in by_metric.items():
+                    self._sketch(state.cumulative, metric).merge(sketch)
 
     def _touch_key(self, key: SketchKey, now: float) -> _KeyState:
         state = self._keys.get(key)
@@ -362,8 +382,12 @@ class PercentileStore:
             created = {key: self._keys[key].created_s for key in wanted}
             cumulative_copies: dict[SketchKey, Mapping[str, LatencySketch]] = {}
             if cumulative:
+                # A key's cumulative sketches hold its closed slices; its open slice adds the rest.
+                open_sketches = self._open.sketches if self._open is not None else {}
                 for key in wanted:
-                    cumulative_copies[key] = _copy_metrics(self._keys[key].cumulative, metric)
+                    cumulative_copies[key] = _merged_copies(
+                        self._keys[key].cumulative, open_sketches.get(key, {}), metric
+                    )
             live: list[_KeySketches] = []
             if window:
                 oldest_live = self._slice_index(now) - self.config.slices + 1
@@ -443,6 +467,22 @@ def _copy_metrics(
         return MappingProxyType({m: sketch.copy() for m, sketch in by_metric.items()})
     sketch = by_metric.get(metric)
     return MappingProxyType({} if sketch is None else {metric: sketch.copy()})
+
+
+def _merged_copies(
+    first: Mapping[str, LatencySketch], second: Mapping[str, LatencySketch], metric: str | None
+) -> Mapping[str, LatencySketch]:
+    """Per metric (all, or just ``metric``), a new sketch holding both mappings' sketches."""
+    merged: dict[str, LatencySketch] = {}
+    for name in (metric,) if metric is not None else (*first, *second):
+        if name in merged:
+            continue
+        sketches = [s for s in (first.get(name), second.get(name)) if s is not None]
+        if sketches:
+            result = merged[name] = sketches[0].copy()
+            for sketch in sketches[1:]:
+                result.merge(sketch)
+    return MappingProxyType(merged)
 
 
 def _equals(wanted: SketchKey) -> SketchMatch:

@@ -29,10 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Final, TypeAlias
+from collections.abc import Sequence
+from typing import Any, Final, TypeAlias
 
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError, Message
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
 from tokentrace.agent import semconv
 from tokentrace.processors.model import AssembledTrace, RequestTimeline, SpanRef
 
@@ -115,6 +119,30 @@ _VLLM_MARKER_SLOTS: Final = (_VLLM_TTFT, _VLLM_QUEUE, _VLLM_PREFILL, _VLLM_DECOD
 _Slots: TypeAlias = "list[AnyValue | None]"
 
 
+def _packed_int64_message() -> type[Message]:
+    """A message type whose field 1 is a packed ``repeated int64`` (see ``_int_array``)."""
+    field_type = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(
+        name="tokentrace/processors/packed_int64.proto",
+        package="tokentrace.processors.internal",
+        syntax="proto3",
+    )
+    message = file.message_type.add(name="PackedInt64")
+    message.field.add(
+        name="words", number=1, type=field_type.TYPE_INT64, label=field_type.LABEL_REPEATED
+    )
+    pool = descriptor_pool.DescriptorPool()  # private: nothing else can clash with the name
+    pool.AddSerializedFile(file.SerializeToString())
+    return message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("tokentrace.processors.internal.PackedInt64")
+    )
+
+
+_PackedInt64: Final = _packed_int64_message()
+_INT_VALUE_TAG: Final = 0x18
+"""``AnyValue.int_value``'s wire tag (field 3, varint)."""
+
+
 # --- typed attribute readers (None for absent or malformed values) -------------------------------
 def _read_request_slots(span: Span) -> _Slots:
     slots: _Slots = [None] * len(_REQUEST_KEYS)
@@ -185,7 +213,24 @@ def _int_array(value: AnyValue | None) -> list[int]:
     """An integer array; elements of other types are skipped."""
     if value is None or value.WhichOneof("value") != "array_value":
         return []
-    elements = value.array_value.values
+    array = value.array_value
+    elements = array.values
+    # Reading int_value per element costs ~230 ns (a Python wrapper per AnyValue); re-parsing
+    # the serialised array costs ~70 ns. An int element serialises as field 1 holding
+    # `0x18 <varint>`, so parsed as a packed int64 field 1 the array reads [0x18, v0, 0x18, v1,
+    # ...] in C. Exact: the first number of every element's bytes is its first field's tag,
+    # 0x18 only for int_value, which (a oneof) has no other known field beside it; any element
+    # that is not exactly an int (another type, unset, unknown fields) therefore puts a tag other
+    # than 0x18 at an even position or shortens the list, and the array takes the slow path.
+    words: Sequence[int]
+    try:
+        parsed: Any = _PackedInt64.FromString(array.SerializeToString())
+        words = parsed.words
+    except DecodeError:
+        words = ()
+    count = len(elements)
+    if len(words) == 2 * count and list(words[::2]).count(_INT_VALUE_TAG) == count:
+        return list(words[1::2])
     numbers = [element.int_value for element in elements]
     # A non-int element reads as 0, so only zeros need their type checked. Offsets start with a
     # genuine 0, which the fast path confirms with a single check.
@@ -576,16 +621,22 @@ def _client_only_timelines(
     trace_id: bytes, index: _TraceIndex, server_request_spans: list[Span]
 ) -> list[RequestTimeline]:
     """GenAI client spans with no server-side request (and no other GenAI client) beneath."""
+    # Ancestors of a server-side request first: they are never client-only requests, and
+    # skipping them saves reading their attributes (usually the only client span there is).
+    covered: set[bytes] = set()
+    for span in server_request_spans:
+        covered.update(ref.span.span_id for ref in index.ancestors(span))
     candidates: list[tuple[SpanRef, _Slots]] = []
     for ref in index.client_candidates:
+        if ref.span.span_id in covered:
+            continue
         slots = _read_request_slots(ref.span)
         if ref.span.name == semconv.SPAN_CLIENT_REQUEST or slots[_OPERATION] is not None:
             candidates.append((ref, slots))
     if not candidates:
         return []
-    covered: set[bytes] = set()
-    for span in server_request_spans:
-        covered.update(ref.span.span_id for ref in index.ancestors(span))
+    # A candidate with another candidate beneath it is not the innermost one. (Candidates under
+    # a server-side request were skipped above; their ancestors are covered already.)
     for ref, _ in candidates:
         covered.update(ancestor.span.span_id for ancestor in index.ancestors(ref.span))
     return [

@@ -26,6 +26,7 @@ from opentelemetry.proto.common.v1.common_pb2 import (
 )
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
 from tokentrace.agent import semconv
 from tokentrace.processors.model import AssembledTrace, SpanRef
 

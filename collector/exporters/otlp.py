@@ -48,6 +48,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+
 from tokentrace.agent import semconv
 from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.processors.model import SpanRef
@@ -1088,8 +1089,6 @@ class OtlpTraceExporter(_OtlpExporter):
             self._sender.submit(b"".join(payload), spans)
         else:
             self._sender.drop_without_room(spans)
-
-
 
 
 class OtlpMetricExporter(_OtlpExporter):

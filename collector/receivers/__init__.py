@@ -14,6 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+
 from tokentrace.collector.consumer import Overloaded, TraceConsumer, Unavailable
 from tokentrace.collector.receivers.validate import sanitize
 

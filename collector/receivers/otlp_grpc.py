@@ -26,6 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import (
     TraceServiceServicer,
     add_TraceServiceServicer_to_server,
 )
+
 from tokentrace.collector.consumer import Overloaded, TraceConsumer, Unavailable
 from tokentrace.collector.receivers import (
     ConsumerFailed,

@@ -530,12 +530,12 @@ def window_report(
 
     merged: dict[tuple[str, str, str, str], dict[str, LatencySketch]] = {}
     for _slice_start, key, metric, sketch_dict in slices:
-        sketch = LatencySketch.from_dict(sketch_dict)
+        loaded = LatencySketch.from_dict(sketch_dict)
         per_metric = merged.setdefault(tuple(key), {})  # type: ignore[arg-type]
         if metric in per_metric:
-            per_metric[metric].merge(sketch)
+            per_metric[metric].merge(loaded)
         else:
-            per_metric[metric] = sketch
+            per_metric[metric] = loaded
 
     # One bad target (e.g. written by a newer collector) must not hide the others.
     targets = []

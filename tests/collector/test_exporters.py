@@ -21,6 +21,7 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import (
 )
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
 from tokentrace.agent import semconv
 from tokentrace.collector.exporters.otlp import (
     PROTOCOL_GRPC,

@@ -35,6 +35,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from tokentrace.collector.consumer import Overloaded, Unavailable
 from tokentrace.collector.receivers import ReceiverStartError
 from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver

@@ -23,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
 from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
 from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
 from tokentrace.collector.receivers.validate import REJECTION_REASONS, sanitize

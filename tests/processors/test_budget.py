@@ -7,6 +7,8 @@ from itertools import pairwise
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tests.spanbuild import KIND_CLIENT, KIND_SERVER, T0, ref, request_spans, sid, span, trace
 from tokentrace.agent import semconv
 from tokentrace.processors.budget import (
     PROMPT_BUCKET_BOUNDS,
@@ -17,8 +19,6 @@ from tokentrace.processors.budget import (
 )
 from tokentrace.processors.model import Budget, RequestTimeline
 from tokentrace.processors.timeline import normalize
-
-from tests.spanbuild import KIND_CLIENT, KIND_SERVER, T0, ref, request_spans, sid, span, trace
 
 MS = 1_000_000
 US = 1_000

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from tests.spanbuild import T0, attributes_of, key_value, request_spans, sid, span, trace
 from tokentrace.agent import semconv
 from tokentrace.processors.budget import compute_budget, compute_metrics, prompt_bucket
 from tokentrace.processors.enrich import enrich_span
 from tokentrace.processors.model import RequestRecord, Verdict
 from tokentrace.processors.timeline import normalize
-
-from tests.spanbuild import T0, attributes_of, key_value, request_spans, sid, span, trace
 
 MS = 1_000_000
 

@@ -8,6 +8,7 @@ from typing import Any, cast
 
 import pytest
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_CUMULATIVE
+
 from tokentrace.agent import semconv
 from tokentrace.processors.model import RequestMetrics
 from tokentrace.processors.percentiles import PercentileConfig, PercentileStore
@@ -92,6 +93,41 @@ def test_every_inter_token_gap_is_recorded() -> None:
     assert itl.count == 4
     assert itl.max == pytest.approx(0.08)
     assert itl.sum == pytest.approx(0.113)
+
+
+def test_cumulative_holds_every_slice_open_or_closed_exactly_once() -> None:
+    clock = FakeClock(1_000.0)  # slice_s = 10
+    store = make_store(clock, window_s=60.0, slices=6)
+    reference = {metric: LatencySketch() for metric in (semconv.METRIC_TTFT, semconv.METRIC_ITL)}
+    for step in range(12):  # a slice closes every second step: folds and reads interleave
+        gaps_ms = [5.0 + step, 6.0, 7.5 * (step + 1)]
+        store.record(CHAT, metrics(ttft_ms=100.0 + step, itl_ms=gaps_ms))
+        reference[semconv.METRIC_TTFT].add((100.0 + step) * MS / 1e9)
+        reference[semconv.METRIC_ITL].add_many([int(gap * MS) / 1e9 for gap in gaps_ms])
+        for metric, expected in reference.items():
+            got = store.cumulative(CHAT, metric)
+            assert got.buckets() == expected.buckets()
+            assert (got.count, got.min, got.max) == (expected.count, expected.min, expected.max)
+        clock.now += 5.0
+    # Long after the window, the cumulative sketches still hold everything (once).
+    clock.now += 600.0
+    assert store.cumulative(CHAT, semconv.METRIC_TTFT).count == 12
+    assert store.merged(semconv.METRIC_ITL, cumulative=True).count == 36
+    metric_names = {m.name for m in store.to_otlp_metrics(start_time_unix_nano=1, time_unix_nano=2)}
+    assert semconv.OTLP_METRIC_NAMES[semconv.METRIC_ITL] in metric_names
+
+
+def test_a_key_evicted_and_recorded_again_starts_over_after_its_slice_closes() -> None:
+    clock = FakeClock(1_000.0)
+    store = make_store(clock, window_s=60.0, slices=6, max_keys=1)
+    store.record(CHAT, metrics(e2e_ms=100.0))
+    store.record(CHAT_LONG, metrics())  # evicts CHAT with its open-slice data
+    store.record(CHAT, metrics(e2e_ms=300.0))  # CHAT again, evicting CHAT_LONG
+    clock.now = 1_015.0  # the slice closes and folds into the cumulative sketches
+    cumulative = store.cumulative(CHAT, semconv.METRIC_E2E)
+    assert cumulative.count == 1
+    assert cumulative.min == pytest.approx(0.3)
+    assert store.cumulative(CHAT_LONG, semconv.METRIC_E2E).count == 0
 
 
 def test_unknown_metric_is_a_clear_error() -> None:

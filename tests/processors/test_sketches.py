@@ -12,7 +12,9 @@ from ddsketch.mapping import LogarithmicMapping
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.metrics.v1.metrics_pb2 import ExponentialHistogramDataPoint
-from tokentrace.processors.sketches import MAX_SCALE, MIN_SCALE, LatencySketch
+
+from tokentrace.processors import sketches as sketches_module
+from tokentrace.processors.sketches import MAX_SCALE, MIN_SCALE, KeyedValues, LatencySketch
 
 
 def otlp_index(value: float, scale: int) -> int:
@@ -264,6 +266,114 @@ def test_add_many_accepts_numpy_arrays_and_generators() -> None:
     from_generator.add_many(v for v in values.tolist())
     assert comparable(from_array) == comparable(from_generator)
     assert from_array.count == 3
+
+
+def boundary_values(scale: int, count: int) -> list[float]:
+    """Powers of two, bucket boundaries 2**(i / 2**scale) and their float neighbours, plus
+    lognormal samples: at least ``count`` values, the hardest for an exact key."""
+    per_doubling = 2**scale
+    values: list[float] = []
+    for index in range(-40 * per_doubling, 40 * per_doubling, max(1, per_doubling // 16)):
+        bound = 2.0 ** (index / per_doubling)
+        values += [bound, math.nextafter(bound, 0.0), math.nextafter(bound, math.inf)]
+    for exponent in range(-60, 60):
+        power = math.ldexp(1.0, exponent)
+        values += [power, math.nextafter(power, 0.0), math.nextafter(power, math.inf)]
+    values += np.random.default_rng(scale).lognormal(-3.0, 3.0, count).tolist()
+    return values
+
+
+def scalar_key_counts(values: list[float], scale: int) -> dict[int, int]:
+    sketch = LatencySketch(scale=scale)
+    counts: dict[int, int] = {}
+    for value in values:
+        key = sketch.key(value)
+        assert key is not None
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def key_counts(batch: KeyedValues) -> dict[int, int]:
+    counts = batch.counts if batch.counts is not None else [1] * len(batch.keys)
+    merged: dict[int, int] = {}
+    for key, count in zip(batch.keys, counts, strict=True):
+        merged[key] = merged.get(key, 0) + count
+    return merged
+
+
+@pytest.mark.parametrize("scale", [0, 6, 12])
+def test_vectorised_keys_equal_the_scalar_keys_at_boundaries(scale: int) -> None:
+    values = boundary_values(scale, 2000)
+    batch = KeyedValues.of(values, scale=scale)
+    assert batch.counts is not None  # a batch this large takes the numpy path
+    assert key_counts(batch) == scalar_key_counts(values, scale)
+    batched, one_by_one = LatencySketch(scale=scale), LatencySketch(scale=scale)
+    batched.add_many(values)
+    for value in values:
+        one_by_one.add(value)
+    assert comparable(batched) == comparable(one_by_one)
+
+
+def test_vectorised_keys_are_corrected_where_numpy_log2_is_an_ulp_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # np.log2 may differ from math.log2 in the last ulp; simulate the worst case both ways.
+    values = boundary_values(6, 500)
+    expected = scalar_key_counts(values, 6)
+    real_log2 = np.log2
+    for direction in (math.inf, -math.inf):
+
+        def skewed(array: Any, direction: float = direction) -> Any:
+            return np.nextafter(real_log2(array), direction)
+
+        monkeypatch.setattr(sketches_module.np, "log2", skewed)
+        assert key_counts(KeyedValues.of(values, scale=6)) == expected
+
+
+@pytest.mark.parametrize("size", [0, 5, 100, 1000])
+def test_keying_ns_durations_equals_keying_their_seconds(size: int) -> None:
+    rng = np.random.default_rng(size)
+    durations = rng.integers(1, 10**10, size).tolist()
+    durations[:2] = [500_000_000, 250_000_000][:size]  # 0.5 s and 0.25 s: bucket boundaries
+    from_ns = KeyedValues.of_ns(durations, scale=6)
+    from_seconds = KeyedValues.of([ns / 1e9 for ns in durations], scale=6)
+    assert key_counts(from_ns) == key_counts(from_seconds)
+    assert (from_ns.count, from_ns.lowest, from_ns.highest) == (
+        from_seconds.count,
+        from_seconds.lowest,
+        from_seconds.highest,
+    )
+    assert from_ns.total == pytest.approx(from_seconds.total, rel=1e-12)
+
+
+def test_ns_durations_of_zero_or_below_go_to_the_zero_bucket() -> None:
+    batch = KeyedValues.of_ns([0, -5, 1_000_000], scale=6)
+    assert (batch.zeros, batch.positives, batch.lowest, batch.highest) == (2, 1, 0.0, 0.001)
+
+
+def test_one_keyed_batch_added_to_several_sketches_equals_adding_the_values_to_each() -> None:
+    values = [0.0, -1.0, math.nan, math.inf, 0.004, 0.25, *np.linspace(0.01, 3.0, 400).tolist()]
+    batch = KeyedValues.of(values, scale=6)
+    assert (batch.count, batch.dropped, batch.zeros) == (len(values) - 2, 2, 2)
+    reference = LatencySketch()
+    for value in values:
+        reference.add(value)
+    targets = [LatencySketch(), LatencySketch()]
+    targets[1].add(0.5)  # a sketch with data already
+    for target in targets:
+        target.add_keyed(batch)
+    assert comparable(targets[0]) == comparable(reference)
+    assert targets[0].dropped == reference.dropped == 2
+    reference.add(0.5)
+    assert comparable(targets[1]) == comparable(reference)
+    assert targets[1].sum == pytest.approx(reference.sum)
+
+
+def test_a_batch_keyed_at_another_scale_is_refused() -> None:
+    with pytest.raises(ValueError, match="scale"):
+        LatencySketch(scale=6).add_keyed(KeyedValues.of([0.1, 0.2], scale=5))
+    with pytest.raises(ValueError, match="scale"):
+        KeyedValues.of([0.1], scale=MAX_SCALE + 1)
 
 
 def test_merge_of_shards_equals_the_sketch_of_the_union() -> None:

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import pytest
+
 from tokentrace.agent import semconv
 from tokentrace.processors.model import Budget, RequestMetrics, RequestRecord, RequestTimeline
 from tokentrace.processors.sketches import LatencySketch

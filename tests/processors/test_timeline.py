@@ -5,10 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
-from tokentrace.agent import semconv
-from tokentrace.processors.model import RequestTimeline, SpanRef
-from tokentrace.processors.timeline import normalize
 
 from tests.spanbuild import (
     KIND_CLIENT,
@@ -22,6 +20,9 @@ from tests.spanbuild import (
     span,
     trace,
 )
+from tokentrace.agent import semconv
+from tokentrace.processors.model import RequestTimeline, SpanRef
+from tokentrace.processors.timeline import normalize
 
 MS = 1_000_000
 
@@ -498,6 +499,43 @@ def test_non_integer_token_offsets_are_dropped_but_genuine_zeros_kept() -> None:
     offsets.value.array_value.values.add(string_value="junk")
     offsets.value.array_value.values.add(int_value=30)
     assert only(normalize(trace(*spans))).token_offsets_us == [0, 0, 15, 30]
+
+
+def _decode_offsets(spans: list[Span]) -> AnyValue:
+    decode = next(s for s in spans if s.name == semconv.SPAN_DECODE)
+    return next(kv for kv in decode.attributes if kv.key == semconv.DECODE_TOKEN_OFFSETS).value
+
+
+def test_integer_token_offsets_are_read_exactly_at_every_varint_width() -> None:
+    offsets = [0, 1, 127, 128, 16_383, 16_384, 2**31, 2**53 + 1, 2**63 - 1, -1, -(2**63), 0]
+    spans = request_spans(token_offsets_us=offsets)
+    assert only(normalize(trace(*spans))).token_offsets_us == offsets
+
+
+_ODD_ELEMENTS: dict[str, bytes] = {
+    "unset": b"",
+    "string": AnyValue(string_value="x").SerializeToString(),
+    "string of int-like bytes": AnyValue(string_value="\x18\x05").SerializeToString(),
+    "double": AnyValue(double_value=3.0).SerializeToString(),
+    "bool": AnyValue(bool_value=True).SerializeToString(),
+    "array": AnyValue(array_value=ArrayValue(values=[AnyValue(int_value=7)])).SerializeToString(),
+    "int with an unknown varint field": bytes([0x18, 0x05, 0x28, 0x18]),
+    "int with an unknown length-delimited field": bytes([0x18, 0x05, 0x4A, 0x02, 0x18, 0x09]),
+}
+
+
+@pytest.mark.parametrize("position", [0, 1, 3])
+@pytest.mark.parametrize("odd", sorted(_ODD_ELEMENTS))
+def test_token_offsets_keep_exactly_the_int_elements(odd: str, position: int) -> None:
+    spans = request_spans(token_offsets_us=[0, 10, 25])
+    values = _decode_offsets(spans).array_value.values
+    element = AnyValue.FromString(_ODD_ELEMENTS[odd])
+    rebuilt = [AnyValue(int_value=v.int_value) for v in values]
+    rebuilt.insert(position, element)
+    del values[:]
+    values.extend(rebuilt)
+    expected = [v.int_value for v in rebuilt if v.WhichOneof("value") == "int_value"]
+    assert only(normalize(trace(*spans))).token_offsets_us == expected
 
 
 def test_phase_span_with_negative_duration_is_ignored() -> None:
