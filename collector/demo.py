@@ -157,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         env=env,
         check=False,
     )
+    bin_dir = Path(sys.executable).parent
     print(
-        f"\nThe store is {store_path}. Look further with:\n"
+        f"\nThe store is {store_path}. Look further (`source {bin_dir}/activate` puts the\n"
+        f"`tokentrace` command on your PATH):\n"
         f"  tokentrace explain TRACE_ID --store {args.store}\n"
         f"  tokentrace explain --slowest --store {args.store}      # slowest end to end\n"
         f"  tokentrace explain --slowest --metric ttft --store {args.store} --json\n"

@@ -104,6 +104,44 @@ class ReceiverCounters:
             return {name: getattr(self, name) for name in self.__slots__ if name != "_lock"}
 
 
+class OtlpReceiverBase:
+    """What both OTLP receivers share: consumer, endpoint, auth token, TLS files, counters."""
+
+    def __init__(
+        self,
+        consumer: TraceConsumer,
+        *,
+        endpoint: str,
+        auth_token: str | None,
+        tls_cert_file: str | None,
+        tls_key_file: str | None,
+    ) -> None:
+        if (tls_cert_file is None) != (tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file must be given together")
+        if auth_token is not None and not auth_token:
+            raise ValueError("auth_token must not be empty (use None to disable auth)")
+        self._consumer = consumer
+        self._endpoint = endpoint
+        self._auth_token = auth_token
+        self._tls_cert_file = tls_cert_file
+        self._tls_key_file = tls_key_file
+        self._counters = ReceiverCounters()
+        self._port: int | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("receiver not started")
+        return self._port
+
+    def stats(self) -> dict[str, int]:
+        return self._counters.snapshot()
+
+
 def _count_spans(request: ExportTraceServiceRequest) -> int:
     # Per scope, not per span: len() of a repeated field does not touch the spans.
     return sum(

@@ -30,6 +30,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import (
 from tokentrace.collector.consumer import Overloaded, TraceConsumer, Unavailable
 from tokentrace.collector.receivers import (
     ConsumerFailed,
+    OtlpReceiverBase,
     ReceiverCounters,
     ReceiverStartError,
     bearer_token_matches,
@@ -108,7 +109,7 @@ class _TraceServicer(TraceServiceServicer):
         return False
 
 
-class OtlpGrpcReceiver:
+class OtlpGrpcReceiver(OtlpReceiverBase):
     """Serves OTLP/gRPC trace exports and hands valid spans to ``consumer``.
 
     Binds loopback by default; TLS (both files) and a bearer token are opt-in. ``port`` is the
@@ -129,39 +130,22 @@ class OtlpGrpcReceiver:
         auth_token: str | None = None,
         max_concurrent_rpcs: int = _DEFAULT_MAX_CONCURRENT_RPCS,
     ) -> None:
-        if (tls_cert_file is None) != (tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file must be given together")
+        super().__init__(
+            consumer,
+            endpoint=endpoint,
+            auth_token=auth_token,
+            tls_cert_file=tls_cert_file,
+            tls_key_file=tls_key_file,
+        )
         if max_recv_msg_size <= 0 or max_workers <= 0 or max_concurrent_rpcs < max_workers:
             raise ValueError(
                 "max_recv_msg_size and max_workers must be positive, "
                 "max_concurrent_rpcs at least max_workers"
             )
-        if auth_token is not None and not auth_token:
-            raise ValueError("auth_token must not be empty (use None to disable auth)")
-        self._consumer = consumer
-        self._endpoint = endpoint
         self._max_recv_msg_size = max_recv_msg_size
         self._max_workers = max_workers
         self._max_concurrent_rpcs = max_concurrent_rpcs
-        self._tls_cert_file = tls_cert_file
-        self._tls_key_file = tls_key_file
-        self._auth_token = auth_token
-        self._counters = ReceiverCounters()
         self._server: grpc.Server | None = None
-        self._port: int | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    @property
-    def port(self) -> int:
-        if self._port is None:
-            raise RuntimeError("receiver not started")
-        return self._port
-
-    def stats(self) -> dict[str, int]:
-        return self._counters.snapshot()
 
     def start(self) -> None:
         """Bind and serve in grpc's threads; raises ReceiverStartError if binding fails."""

@@ -31,7 +31,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from tokentrace.collector.consumer import Overloaded, TraceConsumer, Unavailable
 from tokentrace.collector.receivers import (
     ConsumerFailed,
-    ReceiverCounters,
+    OtlpReceiverBase,
     ReceiverStartError,
     bearer_token_matches,
     deliver,
@@ -481,7 +481,7 @@ _RPC_CODES: dict[HTTPStatus, int] = {
 }
 
 
-class OtlpHttpReceiver:
+class OtlpHttpReceiver(OtlpReceiverBase):
     """Serves OTLP/HTTP trace exports on ``POST /v1/traces`` and hands valid spans to ``consumer``.
 
     One daemon thread per connection, at most ``max_connections`` at once (further connections
@@ -501,39 +501,22 @@ class OtlpHttpReceiver:
         max_connections: int = _DEFAULT_MAX_CONNECTIONS,
         socket_timeout_s: float = _DEFAULT_SOCKET_TIMEOUT_S,
     ) -> None:
-        if (tls_cert_file is None) != (tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file must be given together")
+        super().__init__(
+            consumer,
+            endpoint=endpoint,
+            auth_token=auth_token,
+            tls_cert_file=tls_cert_file,
+            tls_key_file=tls_key_file,
+        )
         if max_request_body_size <= 0 or max_connections <= 0 or socket_timeout_s <= 0:
             raise ValueError(
                 "max_request_body_size, max_connections and socket_timeout_s must be positive"
             )
-        if auth_token is not None and not auth_token:
-            raise ValueError("auth_token must not be empty (use None to disable auth)")
-        self._consumer = consumer
-        self._endpoint = endpoint
         self._max_request_body_size = max_request_body_size
-        self._auth_token = auth_token
-        self._tls_cert_file = tls_cert_file
-        self._tls_key_file = tls_key_file
         self._max_connections = max_connections
         self._socket_timeout_s = socket_timeout_s
-        self._counters = ReceiverCounters()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
-        self._port: int | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    @property
-    def port(self) -> int:
-        if self._port is None:
-            raise RuntimeError("receiver not started")
-        return self._port
-
-    def stats(self) -> dict[str, int]:
-        return self._counters.snapshot()
 
     def start(self) -> None:
         """Bind and serve in a daemon thread; raises ReceiverStartError if binding fails."""
