@@ -186,7 +186,7 @@ class OtlpGrpcReceiver(OtlpReceiverBase):
         server.start()
         self._server = server
         self._port = port
-        _log.info("OTLP gRPC receiver listening on %s (port %d)", self._endpoint, port)
+        _log.debug("OTLP gRPC receiver listening on %s (port %d)", self._endpoint, port)
 
     def shutdown(self, grace_s: float = _DEFAULT_SHUTDOWN_GRACE_S) -> None:
         """Stop accepting, let in-flight exports finish for up to ``grace_s``. Idempotent."""

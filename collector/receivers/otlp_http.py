@@ -546,7 +546,7 @@ class OtlpHttpReceiver(OtlpReceiverBase):
             daemon=True,
         )
         self._thread.start()
-        _log.info("OTLP HTTP receiver listening on %s (port %d)", self._endpoint, self.port)
+        _log.debug("OTLP HTTP receiver listening on %s (port %d)", self._endpoint, self.port)
 
     def shutdown(self, grace_s: float = _DEFAULT_SHUTDOWN_GRACE_S) -> None:
         """Stop accepting and close the listening socket (waits up to ``grace_s`` for the loop).
