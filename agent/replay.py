@@ -50,7 +50,6 @@ __all__ = [
     "DIALECTS",
     "DIALECT_TOKENTRACE",
     "DIALECT_VLLM",
-    "REPLAY_SCOPE_NAME",
     "SCENARIOS",
     "Dialect",
     "PrefillChunk",
@@ -69,8 +68,6 @@ DIALECT_VLLM: Final = "vllm"
 """vLLM's built-in tracing: one ``llm_request`` span per request, latencies in seconds."""
 DIALECTS: Final = (DIALECT_TOKENTRACE, DIALECT_VLLM)
 
-REPLAY_SCOPE_NAME: Final = "tokentrace.replay"
-"""Instrumentation scope of the tokentrace-dialect spans the replay emits."""
 
 _DEFAULT_SERVICE_NAME: Final = "vllm-demo"
 _DEFAULT_CLIENT_SERVICE_NAME: Final = "tokentrace-replay-client"
@@ -974,7 +971,7 @@ def _plan(
 
 
 def _scope_name(dialect: Dialect) -> str:
-    return semconv.VLLM_TRACING_SCOPE if dialect == DIALECT_VLLM else REPLAY_SCOPE_NAME
+    return semconv.VLLM_TRACING_SCOPE if dialect == DIALECT_VLLM else semconv.REPLAY_SCOPE
 
 
 # --- emission: OpenTelemetry SDK ----------------------------------------------------------------

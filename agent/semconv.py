@@ -38,6 +38,8 @@ SPAN_COLD_START_KV_CACHE: Final = "llm.cold_start.kv_cache"
 SPAN_COLD_START_WARMUP: Final = "llm.cold_start.warmup"
 SPAN_CLIENT_REQUEST: Final = "llm.client.request"
 """A load generator's or instrumented client's span around one request."""
+REPLAY_SCOPE: Final = "tokentrace.replay"
+"""Instrumentation scope of the spans ``tokentrace replay`` sends (simulated traffic)."""
 
 # Other dialects the collector reads.
 VLLM_SPAN_REQUEST: Final = "llm_request"
@@ -46,6 +48,7 @@ VLLM_TRACING_SCOPE: Final = "vllm.tracing.otel"
 
 # --- OpenTelemetry resource / general attributes ------------------------------------------------
 SERVICE_NAME: Final = "service.name"
+SERVICE_INSTANCE_ID: Final = "service.instance.id"
 PROCESS_PID: Final = "process.pid"
 HOST_NAME: Final = "host.name"
 K8S_NODE_NAME: Final = "k8s.node.name"
@@ -260,6 +263,15 @@ def contract_markdown() -> str:
         if name.startswith("_") or not name.isupper() or not isinstance(value, str):
             continue
         rows.append(f"| `{name}` | `{value}` | {docs.get(name, '')} |")
+    rows += [
+        "",
+        f"Metrics (OTLP exponential histograms, unit `{METRIC_UNIT_SECONDS}`, one data point per",
+        "service, model, operation and prompt bucket):",
+        "",
+        "| latency | metric name |",
+        "|---|---|",
+    ]
+    rows += [f"| `{metric}` | `{name}` |" for metric, name in OTLP_METRIC_NAMES.items()]
     return "\n".join(rows) + "\n"
 
 

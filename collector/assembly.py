@@ -32,12 +32,16 @@ _RECENTLY_FINISHED_CAP = 100_000
 class _PendingTrace:
     spans: list[SpanRef]
     last_update: float
+    late: bool = False
     root_seen_at: float | None = None
 
 
 @dataclass(slots=True)
 class AssemblyStats:
+    received_spans: int = 0
+    """Spans accepted for assembly (counted under the lock: several receiver threads add)."""
     traces_finished: int = 0
+    """Every finished trace, early ones included."""
     traces_finished_early: int = 0
     """Finished before complete because max_traces was reached."""
     spans_dropped: int = 0
@@ -93,14 +97,16 @@ class TraceAssembler:
                     f"(max_pending_spans={self._max_pending_spans})",
                     retry_after_s=max(1.0, self._root_grace_s),
                 )
+            self.stats.received_spans += span_count
             for trace_id, refs in spans_by_trace.items():
                 pending = self._pending.get(trace_id)
                 if pending is None:
-                    if trace_id in self._recently_finished:
+                    late = trace_id in self._recently_finished
+                    if late:
                         self.stats.late_spans += len(refs)
                     if len(self._pending) >= self._max_traces:
                         self._finish_oldest_early()
-                    pending = _PendingTrace(spans=[], last_update=now)
+                    pending = _PendingTrace(spans=[], last_update=now, late=late)
                     self._pending[trace_id] = pending
                 else:
                     pending.last_update = now
@@ -121,7 +127,9 @@ class TraceAssembler:
     def _finish_oldest_early(self) -> None:
         trace_id, pending = self._pending.popitem(last=False)
         self._root_done.pop(trace_id, None)
-        self._pending_spans -= len(pending.spans)
+        self.stats.traces_finished += 1
+        # Its spans still count as pending until the pipeline pops them: back-pressure must see
+        # them, or a flood of new trace ids would grow _early without bound.
         self._early.append(AssembledTrace(trace_id=trace_id, spans=pending.spans))
         self._remember_finished(trace_id)
         self.stats.traces_finished_early += 1
@@ -136,6 +144,8 @@ class TraceAssembler:
         now = self._clock()
         finished: list[AssembledTrace] = []
         with self._lock:
+            for early in self._early:
+                self._pending_spans -= len(early.spans)
             finished.extend(self._early)
             self._early.clear()
             if flush_all:
@@ -152,13 +162,19 @@ class TraceAssembler:
                     if seen_at > root_before:
                         break
                     ready.append(trace_id)
+            completed = 0
             for trace_id in ready:
                 pending_or_none = self._pending.pop(trace_id, None)
                 self._root_done.pop(trace_id, None)
                 if pending_or_none is None:
                     continue  # listed twice: quiet and root-finished
                 self._pending_spans -= len(pending_or_none.spans)
-                finished.append(AssembledTrace(trace_id=trace_id, spans=pending_or_none.spans))
+                finished.append(
+                    AssembledTrace(
+                        trace_id=trace_id, spans=pending_or_none.spans, late=pending_or_none.late
+                    )
+                )
                 self._remember_finished(trace_id)
-            self.stats.traces_finished += len(finished)
+                completed += 1
+            self.stats.traces_finished += completed
         return finished

@@ -43,9 +43,11 @@ from tokentrace.processors.slo import SloTarget, parse_duration_ns, parse_target
 _DEFAULT_GRPC_ENDPOINT = "127.0.0.1:4317"
 _DEFAULT_HTTP_ENDPOINT = "127.0.0.1:4318"
 _DEFAULT_STORE_PATH = "./tokentrace.db"
-_DEFAULT_MAX_RECV_MSG_SIZE_MIB = 4
-_DEFAULT_MAX_REQUEST_BODY_SIZE_MIB = 20
-_DEFAULT_QUIET_PERIOD_S = 2.0
+_DEFAULT_MAX_MSG_MIB = 4
+_DEFAULT_MAX_BODY_MIB = 20
+# Above the OpenTelemetry SDK's default export delay (5 s): a client and a server export their
+# spans of one trace independently, and the later half must still find the trace open.
+_DEFAULT_QUIET_PERIOD_S = 6.0
 _DEFAULT_ROOT_GRACE_S = 0.2
 _DEFAULT_MAX_TRACES = 20_000
 _DEFAULT_MAX_SPANS_PER_TRACE = 5_000
@@ -67,21 +69,27 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GrpcReceiverConfig:
-    endpoint: str = _DEFAULT_GRPC_ENDPOINT
-    max_recv_msg_size: int = _DEFAULT_MAX_RECV_MSG_SIZE_MIB * 1024 * 1024
+class ReceiverConfig:
+    """One OTLP protocol's receiver (gRPC or HTTP)."""
+
+    endpoint: str
+    max_message_size: int
+    """gRPC: the largest message received; HTTP: the largest request body."""
     auth_token: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HttpReceiverConfig:
-    endpoint: str = _DEFAULT_HTTP_ENDPOINT
-    max_request_body_size: int = _DEFAULT_MAX_REQUEST_BODY_SIZE_MIB * 1024 * 1024
-    auth_token: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
+# (protocol, default endpoint, YAML key of the size limit, its default in MiB)
+_PROTOCOLS = (
+    ("grpc", _DEFAULT_GRPC_ENDPOINT, "max_recv_msg_size_mib", _DEFAULT_MAX_MSG_MIB),
+    (
+        "http",
+        _DEFAULT_HTTP_ENDPOINT,
+        "max_request_body_size_mib",
+        _DEFAULT_MAX_BODY_MIB,
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,8 +122,18 @@ class UpstreamConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CollectorConfig:
-    grpc: GrpcReceiverConfig | None = field(default_factory=GrpcReceiverConfig)
-    http: HttpReceiverConfig | None = field(default_factory=HttpReceiverConfig)
+    grpc: ReceiverConfig | None = field(
+        default_factory=lambda: ReceiverConfig(
+            endpoint=_DEFAULT_GRPC_ENDPOINT,
+            max_message_size=_DEFAULT_MAX_MSG_MIB * 1024 * 1024,
+        )
+    )
+    http: ReceiverConfig | None = field(
+        default_factory=lambda: ReceiverConfig(
+            endpoint=_DEFAULT_HTTP_ENDPOINT,
+            max_message_size=_DEFAULT_MAX_BODY_MIB * 1024 * 1024,
+        )
+    )
     assembly: AssemblyConfig = field(default_factory=AssemblyConfig)
     diagnosis: DiagnosisConfig | None = field(default_factory=DiagnosisConfig)
     slo_targets: tuple[SloTarget, ...] = ()
@@ -181,10 +199,14 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
     wanted_processors = traces.name_list(
         "processors", processor_names, PROCESSOR_TYPES, default=_DEFAULT_PROCESSORS
     )
-    upstream_from_env = "OTEL_EXPORTER_OTLP_ENDPOINT" in environ or (
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" in environ
+    # An empty variable means unset, as the OTLP exporters read it.
+    upstream_from_env = bool(
+        environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     )
-    default_exporters = list(_DEFAULT_EXPORTERS) + [n for n in exporter_names if n != "store"]
+    default_exporters = list(_DEFAULT_EXPORTERS) + [
+        n for n in exporter_names if _kind(n) != "store"
+    ]
     if upstream_from_env and "otlp" not in default_exporters:
         default_exporters.append("otlp")
     wanted_exporters = traces.name_list(
@@ -193,53 +215,38 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
     _check_processor_order(wanted_processors, traces.path("processors"))
     if not wanted_receivers:
         raise ConfigError("service.pipelines.traces.receivers: the pipeline needs a receiver")
+    # Components are identified by kind: `diagnosis/strict` is the diagnosis processor.
+    receiver_by_kind = _one_per_kind(wanted_receivers, traces.path("receivers"))
+    processor_by_kind = _one_per_kind(wanted_processors, traces.path("processors"))
+    stores = [n for n in wanted_exporters if _kind(n) == "store"]
+    if len(stores) > 1:
+        raise ConfigError(f"{traces.path('exporters')}: one store exporter at most, got {stores}")
 
-    grpc_config: GrpcReceiverConfig | None = None
-    http_config: HttpReceiverConfig | None = None
-    if "otlp" in wanted_receivers:
-        otlp = receivers_raw.section("otlp")
+    receivers: dict[str, ReceiverConfig | None] = {"grpc": None, "http": None}
+    if "otlp" in receiver_by_kind:
+        otlp = receivers_raw.section(receiver_by_kind["otlp"])
         otlp.allow_keys("protocols")
         protocols = otlp.section("protocols")
         protocols.allow_keys("grpc", "http")
-        both = not protocols.raw  # no protocol named: both on their default ports
-        if both or "grpc" in protocols.raw:
-            grpc = protocols.section("grpc")
-            grpc.allow_keys("endpoint", "max_recv_msg_size_mib", "auth_token", "tls")
-            tls = grpc.section("tls")
+        for protocol, default_endpoint, size_key, default_size_mib in _PROTOCOLS:
+            # No protocol named: both run on their default ports.
+            if protocols.raw and protocol not in protocols.raw:
+                continue
+            section = protocols.section(protocol)
+            section.allow_keys("endpoint", size_key, "auth_token", "tls")
+            tls = section.section("tls")
             tls.allow_keys("cert_file", "key_file")
-            grpc_config = GrpcReceiverConfig(
-                endpoint=grpc.endpoint("endpoint", _DEFAULT_GRPC_ENDPOINT),
-                max_recv_msg_size=int(
-                    grpc.number("max_recv_msg_size_mib", _DEFAULT_MAX_RECV_MSG_SIZE_MIB, low=0.001)
-                    * 1024
-                    * 1024
-                ),
-                auth_token=grpc.optional_str("auth_token"),
+            tls.require_pair("cert_file", "key_file")
+            size_mib = section.number(size_key, default_size_mib, low=0.001)
+            receivers[protocol] = ReceiverConfig(
+                endpoint=section.endpoint("endpoint", default_endpoint),
+                max_message_size=int(size_mib * 1024 * 1024),
+                auth_token=section.optional_str("auth_token"),
                 tls_cert_file=tls.optional_str("cert_file"),
                 tls_key_file=tls.optional_str("key_file"),
             )
-            tls.require_pair("cert_file", "key_file")
-        if both or "http" in protocols.raw:
-            http = protocols.section("http")
-            http.allow_keys("endpoint", "max_request_body_size_mib", "auth_token", "tls")
-            tls = http.section("tls")
-            tls.allow_keys("cert_file", "key_file")
-            http_config = HttpReceiverConfig(
-                endpoint=http.endpoint("endpoint", _DEFAULT_HTTP_ENDPOINT),
-                max_request_body_size=int(
-                    http.number(
-                        "max_request_body_size_mib", _DEFAULT_MAX_REQUEST_BODY_SIZE_MIB, low=0.001
-                    )
-                    * 1024
-                    * 1024
-                ),
-                auth_token=http.optional_str("auth_token"),
-                tls_cert_file=tls.optional_str("cert_file"),
-                tls_key_file=tls.optional_str("key_file"),
-            )
-            tls.require_pair("cert_file", "key_file")
 
-    assembly = processors_raw.section("assembly")
+    assembly = processors_raw.section(processor_by_kind.get("assembly", "assembly"))
     assembly.allow_keys(
         "quiet_period", "root_grace", "max_traces", "max_spans_per_trace", "max_pending_spans"
     )
@@ -254,8 +261,8 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
     )
 
     diagnosis_config: DiagnosisConfig | None = None
-    if "diagnosis" in wanted_processors:
-        diagnosis = processors_raw.section("diagnosis")
+    if "diagnosis" in processor_by_kind:
+        diagnosis = processors_raw.section(processor_by_kind["diagnosis"])
         diagnosis.allow_keys("long_prompt_tokens", "bandwidth_bound_ratio", "itl_spike_ratio")
         defaults = DiagnosisConfig()
         diagnosis_config = DiagnosisConfig(
@@ -269,8 +276,8 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
         )
 
     targets: tuple[SloTarget, ...] = ()
-    if "slo" in wanted_processors:
-        slo = processors_raw.section("slo")
+    if "slo" in processor_by_kind:
+        slo = processors_raw.section(processor_by_kind["slo"])
         slo.allow_keys("targets")
         raw_targets = slo.raw.get("targets", [])
         if not isinstance(raw_targets, list):
@@ -279,14 +286,10 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
             targets = tuple(parse_targets(raw_targets))
         except ValueError as error:
             raise ConfigError(f"processors.{error}") from None
-        names = [t.name for t in targets]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ConfigError(f"{slo.path('targets')}: duplicate target names {duplicates}")
 
     percentile_config: PercentileConfig | None = None
-    if "percentiles" in wanted_processors:
-        percentiles = processors_raw.section("percentiles")
+    if "percentiles" in processor_by_kind:
+        percentiles = processors_raw.section(processor_by_kind["percentiles"])
         percentiles.allow_keys("window", "slices", "max_keys")
         defaults_p = PercentileConfig()
         percentile_config = PercentileConfig(
@@ -300,8 +303,8 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
             raise ConfigError(f"processors.percentiles: {error}") from None
 
     store_config: StoreConfig | None = None
-    if "store" in wanted_exporters:
-        store = exporters_raw.section("store")
+    if stores:
+        store = exporters_raw.section(stores[0])
         store.allow_keys("path", "retention", "max_requests")
         store_config = StoreConfig(
             path=store.string("path", _DEFAULT_STORE_PATH),
@@ -311,7 +314,7 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
 
     upstream: list[UpstreamConfig] = []
     for name in wanted_exporters:
-        if name == "store":
+        if _kind(name) == "store":
             continue
         section = exporters_raw.section(name)
         settings = dict(section.raw)
@@ -329,8 +332,8 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
         upstream.append(UpstreamConfig(name=name, exporter=exporter, metrics_interval_s=interval))
 
     return CollectorConfig(
-        grpc=grpc_config,
-        http=http_config,
+        grpc=receivers["grpc"],
+        http=receivers["http"],
         assembly=assembly_config,
         diagnosis=diagnosis_config,
         slo_targets=targets,
@@ -353,10 +356,24 @@ def _component_names(section: _Section, types: tuple[str, ...]) -> list[str]:
     return [str(key) for key in section.raw]
 
 
+def _kind(name: str) -> str:
+    return name.split("/", 1)[0]
+
+
+def _one_per_kind(names: list[str], path: str) -> dict[str, str]:
+    by_kind: dict[str, str] = {}
+    for name in names:
+        if _kind(name) in by_kind:
+            raise ConfigError(
+                f"{path}: {by_kind[_kind(name)]!r} and {name!r} are both {_kind(name)!r}; "
+                "a pipeline takes one of each"
+            )
+        by_kind[_kind(name)] = name
+    return by_kind
+
+
 def _check_processor_order(names: list[str], path: str) -> None:
-    kinds = [name.split("/", 1)[0] for name in names]
-    if len(set(kinds)) != len(kinds):
-        raise ConfigError(f"{path}: each processor type may appear once")
+    kinds = [_kind(name) for name in names]
     order = [PROCESSOR_TYPES.index(kind) for kind in kinds]
     if order != sorted(order):
         raise ConfigError(

@@ -37,7 +37,7 @@ from tokentrace.processors.model import AssembledTrace, RequestRecord, SpanRef
 from tokentrace.processors.percentiles import PercentileStore
 from tokentrace.processors.sketches import SketchKey
 from tokentrace.processors.slo import SloTarget, mark_request
-from tokentrace.processors.timeline import normalize
+from tokentrace.processors.timeline import DIALECT_GENAI_CLIENT, normalize
 
 _log = logging.getLogger(__name__)
 
@@ -74,7 +74,6 @@ class ProcessedTrace:
 
 @dataclass(slots=True)
 class PipelineStats:
-    received_spans: int = 0
     traces: int = 0
     requests: int = 0
     processor_errors: dict[str, int] = field(default_factory=dict)
@@ -180,7 +179,7 @@ class Pipeline:
         self._stop = threading.Event()
         self._accepting = True
         self._worker: threading.Thread | None = None
-        self._worker_error: BaseException | None = None
+        self._stats_sources: list[tuple[str, Callable[[], dict[str, int]]]] = []
 
     # --- TraceConsumer -------------------------------------------------------------------------
     def consume_traces(self, request: ExportTraceServiceRequest) -> None:
@@ -189,7 +188,6 @@ class Pipeline:
         groups, count = group_by_trace(request)
         if count:
             self.assembler.add(groups, count)
-            self.stats.received_spans += count
 
     # --- processing ------------------------------------------------------------------------------
     def process_trace(self, trace: AssembledTrace) -> ProcessedTrace:
@@ -197,6 +195,10 @@ class Pipeline:
         records: list[RequestRecord] = []
         try:
             timelines = normalize(trace)
+            if trace.late:
+                # A client span that came after its server spans were finished would pose as a
+                # second, client-only request; its spans still go to the exporters.
+                timelines = [t for t in timelines if t.dialect != DIALECT_GENAI_CLIENT]
         except Exception:  # a dialect bug must not lose the trace: pass it through unenriched
             self._count_error(self.stats.processor_errors, "normalize")
             _log.exception("normalising trace %s failed", trace.trace_id.hex())
@@ -277,8 +279,7 @@ class Pipeline:
                 if self._monotonic() >= next_housekeeping:
                     self.housekeeping()
                     next_housekeeping = self._monotonic() + _DEFAULT_HOUSEKEEPING_S
-            except Exception as error:  # keep serving; the error is visible in the log
-                self._worker_error = error
+            except Exception:  # keep serving; the error is visible in the log
                 _log.exception("pipeline iteration failed")
                 processed = 0
             if not processed:
@@ -300,10 +301,15 @@ class Pipeline:
         for sink in self._sinks:
             sink.shutdown(max(0.1, deadline - time.monotonic()))
 
+    def add_stats_source(self, name: str, stats: Callable[[], dict[str, int]]) -> None:
+        """Counters of a component outside the pipeline (a receiver) to report with its own."""
+        self._stats_sources.append((name, stats))
+
     def stats_snapshot(self) -> dict[str, Any]:
+        """Every counter of the collector: what the store shows in `top`, and the benchmark."""
         assembly = self.assembler.stats
         snapshot: dict[str, Any] = {
-            "received_spans": self.stats.received_spans,
+            "received_spans": assembly.received_spans,
             "traces": self.stats.traces,
             "requests": self.stats.requests,
             "pending_spans": self.assembler.pending_spans,
@@ -317,6 +323,11 @@ class Pipeline:
         }
         if self.percentiles is not None:
             snapshot["percentile_keys_evicted"] = self.percentiles.keys_evicted
+            snapshot["percentile_slices_dropped"] = self.percentiles.slices_dropped
+            snapshot["percentile_record_errors"] = self.percentiles.record_errors
+        for name, source in self._stats_sources:
+            for key, value in source().items():
+                snapshot[f"{name}.{key}"] = value
         for sink in self._sinks:
             for key, value in sink.stats().items():
                 snapshot[f"{type(sink).__name__}.{key}"] = value

@@ -16,7 +16,12 @@ import sys
 import threading
 from typing import Any
 
-from tokentrace.collector.config import CollectorConfig, ConfigError, load_config
+from tokentrace.collector.config import (
+    CollectorConfig,
+    ConfigError,
+    ReceiverConfig,
+    load_config,
+)
 from tokentrace.collector.pipeline import Pipeline, TraceSink
 
 _log = logging.getLogger(__name__)
@@ -79,28 +84,27 @@ class Collector:
         from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
 
         config = self.config
+        receivers: list[OtlpGrpcReceiver | OtlpHttpReceiver] = []
         if config.grpc is not None:
-            grpc_receiver = OtlpGrpcReceiver(
-                pipeline,
-                endpoint=config.grpc.endpoint,
-                max_recv_msg_size=config.grpc.max_recv_msg_size,
-                auth_token=config.grpc.auth_token,
-                tls_cert_file=config.grpc.tls_cert_file,
-                tls_key_file=config.grpc.tls_key_file,
+            receivers.append(
+                OtlpGrpcReceiver(
+                    pipeline,
+                    max_recv_msg_size=config.grpc.max_message_size,
+                    **_receiver_options(config.grpc),
+                )
             )
-            grpc_receiver.start()
-            self.receivers.append(grpc_receiver)
         if config.http is not None:
-            http_receiver = OtlpHttpReceiver(
-                pipeline,
-                endpoint=config.http.endpoint,
-                max_request_body_size=config.http.max_request_body_size,
-                auth_token=config.http.auth_token,
-                tls_cert_file=config.http.tls_cert_file,
-                tls_key_file=config.http.tls_key_file,
+            receivers.append(
+                OtlpHttpReceiver(
+                    pipeline,
+                    max_request_body_size=config.http.max_message_size,
+                    **_receiver_options(config.http),
+                )
             )
-            http_receiver.start()
-            self.receivers.append(http_receiver)
+        for receiver in receivers:
+            receiver.start()
+            self.receivers.append(receiver)
+            pipeline.add_stats_source(type(receiver).__name__, receiver.stats)
 
     def flush(self) -> None:
         """Finish and export every pending trace now (tests, the demo, shutdown)."""
@@ -126,11 +130,16 @@ class Collector:
         self.sinks.clear()
 
     def stats(self) -> dict[str, Any]:
-        snapshot: dict[str, Any] = self.pipeline.stats_snapshot() if self.pipeline else {}
-        for receiver in self.receivers:
-            for key, value in receiver.stats().items():
-                snapshot[f"{type(receiver).__name__}.{key}"] = value
-        return snapshot
+        return self.pipeline.stats_snapshot() if self.pipeline else {}
+
+
+def _receiver_options(config: ReceiverConfig) -> dict[str, Any]:
+    return {
+        "endpoint": config.endpoint,
+        "auth_token": config.auth_token,
+        "tls_cert_file": config.tls_cert_file,
+        "tls_key_file": config.tls_key_file,
+    }
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -31,6 +31,8 @@ class AssembledTrace:
 
     trace_id: bytes
     spans: list[SpanRef]
+    late: bool = False
+    """A fragment of a trace that was already finished (its spans came after assembly's wait)."""
 
 
 @dataclass(slots=True)

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-_DEFAULT_PRUNE_INTERVAL_S = 60.0
+_DEFAULT_PRUNE_INTERVAL_S = 10.0
+_PRUNE_BUDGET_S = 0.5
 _DEFAULT_REJECT_LOG_INTERVAL_S = 60.0
 """Left-out records are logged at most this often (the counters say how many)."""
 
@@ -99,9 +100,16 @@ class StoreSink:
             if slices:
                 self._store.write_sketch_slices(slices)
         self._store.set_meta(META_COLLECTOR_STATS, json.dumps(pipeline.stats_snapshot()))
-        if self._clock() >= self._next_prune:
-            self._store.prune()
+        if final or self._clock() >= self._next_prune:
+            self._prune()
             self._next_prune = self._clock() + _DEFAULT_PRUNE_INTERVAL_S
+
+    def _prune(self) -> None:
+        """Enforce retention and max_requests: batches until caught up or the time budget is
+        spent (the rest waits for the next interval, so writes are never starved)."""
+        deadline = self._clock() + _PRUNE_BUDGET_S
+        while self._store.prune() >= self._store.prune_batch and self._clock() < deadline:
+            pass
 
     def shutdown(self, timeout_s: float) -> None:
         self._store.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,11 @@ class UpstreamSink:
         self._clock = clock
         self._next_metrics = clock() + self._interval_s
         self._start_ns = time.time_ns()
+        # Cumulative series must each have one writer: replicas tell theirs apart by instance.
+        self._resource_attributes = {
+            semconv.SERVICE_NAME: _COLLECTOR_SERVICE_NAME,
+            semconv.SERVICE_INSTANCE_ID: str(uuid.uuid4()),
+        }
 
     def export_traces(self, batch: Sequence[ProcessedTrace]) -> None:
         self._traces.export_encoded([(item.otlp, len(item.trace.spans)) for item in batch])
@@ -45,9 +51,7 @@ class UpstreamSink:
             start_time_unix_nano=self._start_ns, time_unix_nano=time.time_ns()
         )
         if metrics:
-            self._metrics.export(
-                metrics, resource_attributes={semconv.SERVICE_NAME: _COLLECTOR_SERVICE_NAME}
-            )
+            self._metrics.export(metrics, resource_attributes=self._resource_attributes)
 
     def shutdown(self, timeout_s: float) -> None:
         self._traces.shutdown(timeout_s / 2)

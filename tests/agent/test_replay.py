@@ -29,7 +29,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import build_parser
 from tokentrace.agent.replay import (
-    REPLAY_SCOPE_NAME,
     SCENARIOS,
     Scenario,
     SimulatedRequest,
@@ -439,7 +438,7 @@ def test_batches_keep_requests_whole_and_separate_client_resources(
         assert not traces & seen  # no request straddles two export requests
         seen |= traces
         for service, scope, span in spans:
-            assert scope == REPLAY_SCOPE_NAME
+            assert scope == semconv.REPLAY_SCOPE
             expected = "loadgen" if span.kind == Span.SPAN_KIND_CLIENT else "srv"
             assert service == expected
         resource = message.resource_spans[0].resource
@@ -530,7 +529,7 @@ def test_sdk_emission_matches_the_otlp_messages(
     assert emitted == len(sdk_spans) == sum(span_count(r, dialect) for r in everything)
     for span in client_exporter.get_finished_spans():
         assert span.name == semconv.SPAN_CLIENT_REQUEST
-    expected_scope = semconv.VLLM_TRACING_SCOPE if dialect == "vllm" else REPLAY_SCOPE_NAME
+    expected_scope = semconv.VLLM_TRACING_SCOPE if dialect == "vllm" else semconv.REPLAY_SCOPE
     scopes = {s.instrumentation_scope.name if s.instrumentation_scope else "" for s in sdk_spans}
     assert scopes == {expected_scope}
     # Trace ids differ (the SDK's generator); the shapes, times and attributes must not.

@@ -128,3 +128,22 @@ def test_late_spans_are_counted_and_assembled_as_fragment() -> None:
     assert assembler.stats.late_spans == 1
     (fragment,) = assembler.pop_finished(flush_all=True)
     assert len(fragment.spans) == 1
+
+
+def test_traces_finished_early_still_count_as_pending_until_popped() -> None:
+    clock = FakeClock()
+    assembler = make(clock, max_traces=1, max_pending_spans=5)
+    for trace in range(1, 6):
+        add(assembler, ref(trace, 1, parent=9))  # each new trace evicts the previous one early
+    assert assembler.pending_traces == 1 and assembler.pending_spans == 5
+    with pytest.raises(Overloaded):
+        add(assembler, ref(6, 1, parent=9))
+    finished = assembler.pop_finished()
+    assert len(finished) == 4 and assembler.pending_spans == 1
+    assert assembler.stats.traces_finished == 4  # each early trace counted once
+
+
+def test_received_spans_count_every_accepted_span() -> None:
+    assembler = make(FakeClock())
+    add(assembler, ref(1, 1, parent=None), ref(1, 2, parent=1), ref(2, 1, parent=9))
+    assert assembler.stats.received_spans == 3

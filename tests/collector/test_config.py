@@ -133,3 +133,40 @@ def test_unreadable_and_invalid_yaml_files_are_config_errors(tmp_path: Path) -> 
     bad.write_text("receivers: [unclosed", encoding="utf-8")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad, environ={})
+
+
+def test_named_components_are_used_by_kind() -> None:
+    config = parse(
+        {
+            "receivers": {"otlp/local": {"protocols": {"grpc": {"endpoint": "127.0.0.1:0"}}}},
+            "processors": {"diagnosis/strict": {"long_prompt_tokens": 64}},
+            "exporters": {"store/local": {"path": "x.db"}},
+            "service": {
+                "pipelines": {
+                    "traces": {
+                        "receivers": ["otlp/local"],
+                        "processors": ["assembly", "diagnosis/strict"],
+                        "exporters": ["store/local"],
+                    }
+                }
+            },
+        }
+    )
+    assert config.grpc is not None and config.grpc.endpoint == "127.0.0.1:0"
+    assert config.diagnosis is not None and config.diagnosis.long_prompt_tokens == 64
+    assert config.store is not None and config.store.path == "x.db"
+    assert config.upstream == ()
+
+
+def test_two_receivers_of_one_kind_are_refused() -> None:
+    with pytest.raises(ConfigError, match="both 'otlp'"):
+        parse(
+            {
+                "receivers": {"otlp/b": {}},
+                "service": {"pipelines": {"traces": {"receivers": ["otlp", "otlp/b"]}}},
+            }
+        )
+
+
+def test_an_empty_endpoint_variable_means_no_upstream() -> None:
+    assert parse({}, OTEL_EXPORTER_OTLP_ENDPOINT="").upstream == ()
