@@ -1,8 +1,9 @@
 """``tokentrace collector``, ``tokentrace explain`` and ``tokentrace top``.
 
-Registered under the ``tokentrace.commands`` entry-point group. Only argparse and the standard
-library are imported here at module level: ``tokentrace --help`` stays fast and works where only
-``tokentrace[agent]`` is installed. Everything else is imported inside ``run()``.
+Registered under the ``tokentrace.commands`` entry-point group. Only argparse, the standard
+library and the duration parser (itself standard library only) are imported here at module
+level: ``tokentrace --help`` stays fast and works where only ``tokentrace[agent]`` is installed.
+Everything else is imported inside ``run()``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import sys
 import time
 from typing import Any, Final, TextIO
 
+# Standard library only, like this module.
+from tokentrace.processors.durations import parse_duration_ns
+
 _DEFAULT_STORE: Final = "./tokentrace.db"
 _DEFAULT_WINDOW_S: Final = 60.0
 _DEFAULT_INTERVAL_S: Final = 2.0
@@ -24,27 +28,20 @@ _EXIT_OK: Final = 0
 _EXIT_USAGE: Final = 2
 _CLEAR_SCREEN: Final = "\x1b[H\x1b[2J"
 _EXPLAIN_METRICS: Final = ("e2e", "ttft", "tpot")
-_DURATION_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_NS_PER_S: Final = 1_000_000_000
 
 
 def parse_duration(text: str) -> float:
-    """``500ms``, ``60s``, ``5m``, ``1h``, ``7d`` or plain seconds -> seconds (> 0)."""
-    cleaned = text.strip().lower()
-    number, factor = cleaned, 1.0
-    # Longest unit first so "ms"/"min" are not read as "s"/"m".
-    for unit in sorted(_DURATION_UNITS, key=len, reverse=True):
-        if cleaned.endswith(unit):
-            number, factor = cleaned[: -len(unit)], _DURATION_UNITS[unit]
-            break
+    """``500ms``, ``60s``, ``5m``, ``2min``, ``1h``, ``7d`` or plain seconds -> seconds (> 0).
+
+    The units are those of every tokentrace duration (``processors.durations``)."""
     try:
-        seconds = float(number) * factor
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a duration (e.g. 500ms, 60s, 5m, 1h)"
-        ) from None
-    if not seconds > 0 or seconds == float("inf"):
+        duration_ns = parse_duration_ns(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if duration_ns <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a duration must be positive")
-    return seconds
+    return duration_ns / _NS_PER_S
 
 
 def _add_store_arguments(parser: argparse.ArgumentParser) -> None:

@@ -37,8 +37,9 @@ from typing import Any
 
 from tokentrace.collector.exporters.otlp import OtlpExporterConfig
 from tokentrace.processors.diagnosis import DiagnosisConfig
+from tokentrace.processors.durations import parse_duration_ns
 from tokentrace.processors.percentiles import PercentileConfig
-from tokentrace.processors.slo import SloTarget, parse_duration_ns, parse_targets
+from tokentrace.processors.slo import SloTarget, parse_targets
 
 _DEFAULT_GRPC_ENDPOINT = "127.0.0.1:4317"
 _DEFAULT_HTTP_ENDPOINT = "127.0.0.1:4318"

@@ -494,6 +494,8 @@ _LOSS_COUNTER_SUFFIXES = (
     "dropped_data_points",
     "rejected_records",
     "failed_batches",
+    "replaced_traces",
+    "failed_checkpoints",
 )
 
 

@@ -38,6 +38,7 @@ Client-only timelines (no server span): all of E2E (the client duration) is ``un
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from itertools import pairwise
 from typing import Final
 
@@ -85,6 +86,11 @@ def _server_bounds(timeline: RequestTimeline) -> tuple[int, int] | None:
     if start is None or end is None:
         return None
     return start, end
+
+
+def has_server_view(timeline: RequestTimeline) -> bool:
+    """Whether ``timeline`` has a server-side start and end (else its budget is client-only)."""
+    return _server_bounds(timeline) is not None
 
 
 def _has_engine_boundary(timeline: RequestTimeline) -> bool:
@@ -273,12 +279,13 @@ def compute_metrics(timeline: RequestTimeline, budget: Budget) -> RequestMetrics
         prefill=prefill,
         decode=decode,
         network=network,
-        itl=_inter_token_gaps(timeline.token_offsets_us),
+        itl=inter_token_gaps_ns(timeline.token_offsets_us),
     )
 
 
-def _inter_token_gaps(offsets_us: list[int]) -> list[int]:
-    """Gaps between consecutive recorded offsets in ns; negative (malformed) gaps are skipped."""
+def inter_token_gaps_ns(offsets_us: Sequence[int]) -> list[int]:
+    """Gaps between consecutive token offsets (µs), in ns, in token order; negative
+    (malformed) gaps are skipped. ``RequestMetrics.itl`` and the store's documents use this."""
     gaps: list[int] = []
     for previous, current in pairwise(offsets_us):
         gap = current - previous

@@ -6,13 +6,15 @@ context (prompt length, queue depth, prefix hash, ITL shape, memory bandwidth). 
 order they are checked:
 
 1. ``error``: the request ended with an error status (the dominant segment is still cited).
-2. ``unattributed``: the dominant time is unattributed (only client spans arrived).
+2. ``unattributed``: the dominant time is unattributed: only client spans arrived, or the server
+   span carries no phase timings (e.g. a vLLM ``llm_request`` span without its TTFT).
 3. ``kv_cache_pressure``: preemption dominates, or is at least ``preemption_share`` of E2E.
 4. By dominant segment: queue -> ``queueing``; cold_start -> ``cold_start``; prefill ->
-   ``prefix_cache_miss`` (a shared prefix recomputed: the more specific fix wins over prompt
-   length), else ``long_prompt``, else ``prefill``; decode -> ``bandwidth_bound_decode``, else
-   ``batching_interference`` (spiky ITL tail and prefills in the outlier steps, or unknown),
-   else ``long_decode``; network / http / postprocess -> the cause of that name.
+   ``prefix_cache_miss`` (a shared prefix recomputed with a reported 0 cached tokens: the more
+   specific fix wins over prompt length), else ``long_prompt``, else ``prefill``; decode ->
+   ``bandwidth_bound_decode``, else ``batching_interference`` (spiky ITL tail and prefills in
+   the outlier steps, or unknown), else ``long_decode``; network / http / postprocess -> the
+   cause of that name.
 
 Segments before the first token are phrased against TTFT when the TTFT budget is known
 ("82% of TTFT was queue wait"), the rest against E2E. Everything here tolerates ``None``
@@ -28,7 +30,10 @@ from dataclasses import dataclass
 from typing import Final
 
 from tokentrace.agent import semconv
+from tokentrace.processors.budget import has_server_view
 from tokentrace.processors.model import RequestRecord, Verdict
+from tokentrace.processors.stats import nearest_rank
+from tokentrace.processors.timeline import DIALECT_VLLM
 
 # --- causes -------------------------------------------------------------------------------------
 CAUSE_QUEUEING: Final = "queueing"
@@ -124,6 +129,13 @@ ADVICE: Final[Mapping[str, str]] = {
 }
 """cause -> one line of advice."""
 
+_SERVER_WITHOUT_PHASES_ADVICE: Final = (
+    "The server span arrived without phase timings: run the server under tokentrace "
+    "(tokentrace run -- CMD) for queue, prefill and decode spans, or use a vLLM version whose "
+    f"{semconv.VLLM_SPAN_REQUEST} span records {semconv.VLLM_LATENCY_TTFT} and the phase latencies."
+)
+"""Advice for unattributed time on a server span (not the client-only case ``ADVICE`` covers)."""
+
 _DEFAULT_LONG_PROMPT_TOKENS: Final = 1024
 _DEFAULT_BANDWIDTH_BOUND_RATIO: Final = 0.8
 _DEFAULT_ITL_SPIKE_RATIO: Final = 3.0
@@ -212,7 +224,7 @@ _CAUSE_LABELS: Final[Mapping[str, str]] = {
     CAUSE_NETWORK: "network",
     CAUSE_HTTP: "HTTP handling",
     CAUSE_POSTPROCESS: "post-processing",
-    CAUSE_UNATTRIBUTED: "unattributed (server spans missing)",
+    CAUSE_UNATTRIBUTED: "unattributed (server spans or their phase timings missing)",
     CAUSE_ERROR: "errors",
 }
 
@@ -260,12 +272,6 @@ def _one_line(text: str, limit: int) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
-def _nearest_rank(sorted_values: Sequence[int], percentile: float) -> int:
-    """The nearest-rank percentile of a non-empty ascending sequence."""
-    rank = math.ceil(percentile / 100 * len(sorted_values))
-    return sorted_values[min(max(rank, 1), len(sorted_values)) - 1]
-
-
 def _dominant_segment(values: Mapping[str, float]) -> str:
     """The largest segment, ties to the earlier one in time order; unattributed when all are 0."""
     best_segment = semconv.SEGMENT_UNATTRIBUTED
@@ -289,6 +295,8 @@ class _Finding:
     """The segment the sentence leads with (the dominant one, or preemption for rule 3)."""
     detail: str
     numbers: dict[str, float | int | str]
+    advice: str | None = None
+    """Overrides ``ADVICE[cause]`` when the usual advice does not fit this request."""
 
 
 def diagnose_request(
@@ -330,7 +338,7 @@ def diagnose_request(
         numbers[f"{segment}_ms"] = _ms(segment_ns)
     numbers.update(finding.numbers)
     cause = finding.cause
-    advice = ADVICE[cause]
+    advice = finding.advice or ADVICE[cause]
 
     if timeline.status_error is not None:
         error = _one_line(timeline.status_error, _MAX_ERROR_CHARS) or "error status"
@@ -362,12 +370,7 @@ def _find_cause(
 ) -> _Finding:
     budget = record.budget
     if segment == semconv.SEGMENT_UNATTRIBUTED:
-        detail = (
-            "only client-side spans arrived; server-side spans are missing"
-            if segment_ns > 0
-            else "no time was attributed to any segment"
-        )
-        return _Finding(CAUSE_UNATTRIBUTED, segment, detail, {})
+        return _unattributed(record, segment_ns)
 
     preempted_ns = budget.segments.get(semconv.SEGMENT_PREEMPTED, 0)
     preempted_share = preempted_ns / budget.e2e_ns if budget.e2e_ns > 0 else 0.0
@@ -408,6 +411,32 @@ def _find_cause(
         )
     # A segment this version does not know: name it without a specific cause.
     return _Finding(CAUSE_UNATTRIBUTED, segment, f"segment {segment!r} has no diagnosis rule", {})
+
+
+def _unattributed(record: RequestRecord, segment_ns: int) -> _Finding:
+    """Unattributed time, worded by what arrived: client spans only, or a server span whose
+    phases cannot be placed."""
+    segment = semconv.SEGMENT_UNATTRIBUTED
+    if segment_ns <= 0:
+        return _Finding(CAUSE_UNATTRIBUTED, segment, "no time was attributed to any segment", {})
+    timeline = record.timeline
+    if not has_server_view(timeline):
+        detail = "only client-side spans arrived; server-side spans are missing"
+        return _Finding(CAUSE_UNATTRIBUTED, segment, detail, {"server_span": 0})
+    if timeline.dialect == DIALECT_VLLM:
+        detail = (
+            f"the server's {semconv.VLLM_SPAN_REQUEST} span has no "
+            f"{semconv.VLLM_LATENCY_TTFT}, so its time cannot be split into phases"
+        )
+    else:
+        detail = "the server span has no phase timings, so its time cannot be split into phases"
+    return _Finding(
+        CAUSE_UNATTRIBUTED,
+        segment,
+        detail,
+        {"server_span": 1, "dialect": timeline.dialect},
+        advice=_SERVER_WITHOUT_PHASES_ADVICE,
+    )
 
 
 def _queueing(record: RequestRecord) -> _Finding:
@@ -453,7 +482,8 @@ def _prefill(
         numbers["prefill_chunks"] = chunks
 
     prefix = timeline.prefix_hash
-    if prefix and not cached and seen_prefixes is not None and prefix in seen_prefixes:
+    # Only a reported 0 is a miss: an unknown cached count says nothing about the prefix cache.
+    if prefix and cached == 0 and seen_prefixes is not None and prefix in seen_prefixes:
         numbers["prefix_hash"] = prefix
         recomputed = f"{input_tokens:,} prompt tokens" if input_tokens is not None else "prompt"
         detail = (
@@ -529,8 +559,8 @@ def _itl_spikes(gaps: Sequence[int], config: DiagnosisConfig) -> tuple[int, int]
     if len(gaps) < max(config.min_itl_gaps, 2):
         return None
     ordered = sorted(gaps)
-    median_ns = _nearest_rank(ordered, 50)
-    p99_ns = _nearest_rank(ordered, 99)
+    median_ns = nearest_rank(ordered, 50)
+    p99_ns = nearest_rank(ordered, 99)
     if p99_ns <= 0 or p99_ns < config.itl_spike_ratio * median_ns:
         return None
     return median_ns, p99_ns
@@ -569,9 +599,9 @@ def diagnose_window(
         return WindowDiagnosis(requests=0, p50=None, tail=None)
     order = sorted(range(count), key=lambda index: records[index].budget.e2e_ns)
     e2e_sorted = [records[index].budget.e2e_ns for index in order]
-    band_low = _nearest_rank(e2e_sorted, config.p50_band[0])
-    band_high = _nearest_rank(e2e_sorted, config.p50_band[1])
-    tail_from = _nearest_rank(e2e_sorted, config.tail_percentile)
+    band_low = nearest_rank(e2e_sorted, config.p50_band[0])
+    band_high = nearest_rank(e2e_sorted, config.p50_band[1])
+    tail_from = nearest_rank(e2e_sorted, config.tail_percentile)
     typical = [i for i in order if band_low <= records[i].budget.e2e_ns <= band_high]
     tail = [i for i in order if records[i].budget.e2e_ns >= tail_from]
     seen = _SeenPrefixes(records)

@@ -13,17 +13,19 @@ rather than its single worst one.
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from fnmatch import fnmatchcase
 from types import MappingProxyType
 from typing import Any, Final
 
 from tokentrace.agent import semconv
+
+# Re-exported: configuration code imports the duration parser from here as well.
+from tokentrace.processors.durations import parse_duration_ns as parse_duration_ns
 from tokentrace.processors.model import RequestMetrics, RequestRecord
 from tokentrace.processors.sketches import LatencySketch
+from tokentrace.processors.stats import nearest_rank
 
 SELECTOR_SERVICE: Final = "service"
 SELECTOR_MODEL: Final = "model"
@@ -100,9 +102,20 @@ class SloTarget:
 
     def matches(self, record: RequestRecord) -> bool:
         """Whether the selector selects ``record`` (an empty selector selects every request)."""
+        if not self._matchers:  # the usual case; skips building the value getter
+            return True
+        return self._selects(lambda key: _selector_value(record, key))
+
+    def matches_key(self, key: Mapping[str, str]) -> bool:
+        """Whether the selector selects the requests of one percentile key (``service``,
+        ``model``, ``operation``, ``prompt_bucket`` -> value); a field the key lacks never
+        matches a selector entry for it."""
+        return self._selects(key.get)
+
+    def _selects(self, value_of: Callable[[str], str | None]) -> bool:
         for key, pattern, is_glob in self._matchers:
-            value = _selector_value(record, key)
-            if not (fnmatchcase(value, pattern) if is_glob else value == pattern):
+            value = value_of(key)
+            if value is None or not (fnmatchcase(value, pattern) if is_glob else value == pattern):
                 return False
         return True
 
@@ -118,39 +131,45 @@ def _selector_value(record: RequestRecord, key: str) -> str:
     return timeline.operation
 
 
+class _RequestValues:
+    """The values targets judge one request by; the ITL gaps are sorted once, however many ITL
+    targets ask."""
+
+    __slots__ = ("_metrics", "_sorted_itl")
+
+    def __init__(self, metrics: RequestMetrics) -> None:
+        self._metrics = metrics
+        self._sorted_itl: list[int] | None = None
+
+    def value(self, metric: str, percentile: float) -> int | None:
+        metrics = self._metrics
+        if metric != semconv.METRIC_ITL:
+            return metrics.value(metric)
+        if not metrics.itl:
+            return None
+        if self._sorted_itl is None:
+            self._sorted_itl = sorted(metrics.itl)
+        return nearest_rank(self._sorted_itl, percentile)
+
+
 def request_value(metrics: RequestMetrics, metric: str, percentile: float) -> int | None:
     """The value a target judges one request by, in ns, or None when the request lacks it.
 
     ITL: the request's own gap at ``percentile`` (nearest rank); every other metric: its one
     value (``RequestMetrics.value``).
     """
-    if metric == semconv.METRIC_ITL:
-        return _nearest_rank(sorted(metrics.itl), percentile) if metrics.itl else None
-    return metrics.value(metric)
-
-
-def _nearest_rank(sorted_values: Sequence[int], percentile: float) -> int:
-    rank = math.ceil(percentile / 100 * len(sorted_values))
-    return sorted_values[min(max(rank, 1), len(sorted_values)) - 1]
+    return _RequestValues(metrics).value(metric, percentile)
 
 
 def mark_request(record: RequestRecord, targets: list[SloTarget]) -> dict[str, bool]:
     """target name -> whether this request met it (targets whose selector or metric does not
-    apply to the request are left out)."""
+    apply to the request are left out). Each target judges ``request_value``."""
     marks: dict[str, bool] = {}
-    metrics = record.metrics
-    sorted_itl: list[int] | None = None
+    values = _RequestValues(record.metrics)
     for target in targets:
         if not target.matches(record):
             continue
-        if target.metric == semconv.METRIC_ITL:
-            if not metrics.itl:
-                continue
-            if sorted_itl is None:  # sorted once per request, however many ITL targets
-                sorted_itl = sorted(metrics.itl)
-            value: int | None = _nearest_rank(sorted_itl, target.percentile)
-        else:
-            value = metrics.value(target.metric)
+        value = values.value(target.metric, target.percentile)
         if value is not None:
             marks[target.name] = value <= target.threshold_ns
     return marks
@@ -204,61 +223,6 @@ def evaluate_window(target: SloTarget, sketch: LatencySketch) -> SloWindowStatus
 
 
 # --- configuration --------------------------------------------------------------------------------
-_DURATION_PATTERN: Final = re.compile(
-    r"""^\s*
-    (?P<number>(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)
-    \s*
-    (?P<unit>ns|us|µs|μs|ms|s|m|h|d)?
-    \s*$""",
-    re.IGNORECASE | re.VERBOSE,
-)
-_NS_PER_UNIT: Final[Mapping[str, int]] = {
-    "ns": 1,
-    "us": 1_000,
-    "µs": 1_000,  # MICRO SIGN
-    "μs": 1_000,  # GREEK SMALL LETTER MU
-    "ms": 1_000_000,
-    "s": _NS_PER_S,
-    "m": 60 * _NS_PER_S,
-    "h": 3600 * _NS_PER_S,
-    "d": 86400 * _NS_PER_S,
-}
-
-
-def parse_duration_ns(value: object) -> int:
-    """A duration in integer ns from ``"500ms"``, ``"2s"``, ``"1.5m"``, ``"750us"``, ``"100ns"``,
-    ``"1h"``, ``"7d"``, or a bare number (int, float or numeric string) of seconds.
-
-    Raises ``ValueError`` (with the offending value) for anything else, negative or non-finite.
-    """
-    if isinstance(value, bool):
-        raise ValueError(
-            f"expected a duration such as '500ms' or a number of seconds, got {value!r}"
-        )
-    if isinstance(value, int | float):
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"must be a finite, non-negative duration, got {value!r}")
-        # Via Decimal(str()) so that 0.1 s is exactly 100 ms, not 100000000.00000001 ns.
-        return int((Decimal(str(value)) * _NS_PER_S).to_integral_value())
-    if not isinstance(value, str):
-        raise ValueError(
-            f"expected a duration such as '500ms' or a number of seconds, "
-            f"got {type(value).__name__}"
-        )
-    match = _DURATION_PATTERN.match(value)
-    if match is None:
-        raise ValueError(
-            f"cannot parse duration {value!r} (a number with unit ns, us, ms, s, m, h or d, "
-            f"or a bare number of seconds)"
-        )
-    unit = (match.group("unit") or "s").lower()
-    try:
-        number = Decimal(match.group("number"))
-    except InvalidOperation as error:  # the pattern admits only valid numbers; belt and braces
-        raise ValueError(f"cannot parse duration {value!r}") from error
-    return int((number * _NS_PER_UNIT[unit]).to_integral_value())
-
-
 def parse_percentile(value: object) -> float:
     """A percentile from ``95``, ``99.9``, ``"95"`` or ``"p95"`` (range checked by SloTarget)."""
     if isinstance(value, bool):

@@ -5,11 +5,13 @@ daemon worker thread, re-initialised after ``fork``) and the OpenTelemetry Colle
 ``exporterhelper`` (a sending queue bounded in items, ``retry_on_failure`` with exponential
 backoff and jitter, ``max_elapsed_time``).
 
-``export()`` never blocks the pipeline thread and never raises: it groups and serialises the
-request once on the caller thread and appends the bytes to a bounded queue; when the queue is full
-the new batch is dropped and counted. The worker thread sends one request at a time over gRPC
-(pre-serialised bytes through a raw unary call) or OTLP/HTTP (``application/x-protobuf``), retries
-retryable failures and counts everything it could not deliver. ``stats()`` reports the counters.
+``export_encoded()`` (traces) and ``export()`` (metrics) never block the pipeline thread and
+never raise. Traces arrive already serialised (the pipeline encodes each trace once for every
+exporter) and are joined into requests; metrics are serialised once on the caller thread. The
+bytes go to a bounded queue; when it is full the new batch is dropped and counted. The worker
+thread sends one request at a time over gRPC (pre-serialised bytes through a raw unary call) or
+OTLP/HTTP (``application/x-protobuf``), retries retryable failures and counts everything it could
+not deliver. ``stats()`` reports the counters.
 """
 
 from __future__ import annotations
@@ -50,9 +52,7 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from tokentrace.agent import semconv
-from tokentrace.collector.encoding import encode_trace_request
-from tokentrace.processors.model import SpanRef
-from tokentrace.processors.slo import parse_duration_ns
+from tokentrace.processors.durations import parse_duration_ns
 
 try:  # RetryInfo lives in googleapis-common-protos, which grpc deployments normally carry.
     from google.rpc import error_details_pb2, status_pb2
@@ -1026,7 +1026,7 @@ class _OtlpExporter:
 
     @property
     def enabled(self) -> bool:
-        """False when the configuration has no endpoint for this signal: ``export`` ignores
+        """False when the configuration has no endpoint for this signal: exporting ignores
         what it is given."""
         return self._sender.endpoint is not None
 
@@ -1040,55 +1040,57 @@ class _OtlpExporter:
         return self._sender.force_flush(timeout_s)
 
     def shutdown(self, timeout_s: float = _DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
-        """Send what can be sent within ``timeout_s``, then drop and count the rest. Later
-        ``export`` calls count their items as dropped."""
+        """Send what can be sent within ``timeout_s``, then drop and count the rest. Items
+        exported later are counted as dropped."""
         self._sender.shutdown(timeout_s)
 
 
 class OtlpTraceExporter(_OtlpExporter):
-    """Sends spans upstream as OTLP traces; ``export`` is non-blocking and never raises."""
+    """Sends traces upstream as OTLP; ``export_encoded`` is non-blocking and never raises."""
 
     _SIGNAL = SIGNAL_TRACES
 
-    def export(self, spans: Sequence[SpanRef]) -> None:
-        """Queue ``spans`` for sending, in requests of at most ``max_batch_spans``."""
-        if self._sender.endpoint is None:
-            return
-        done = 0
-        try:
-            for start in range(0, len(spans), self._max_batch):
-                chunk = spans[start : start + self._max_batch]
-                if self._sender.has_room(len(chunk)):
-                    self._sender.submit(encode_trace_request(chunk), len(chunk))
-                else:  # full: count the drop without paying for the encoding
-                    self._sender.drop_without_room(len(chunk))
-                done += len(chunk)
-        except Exception:
-            logger.exception("OTLP traces exporter: could not queue spans")
-            self._sender.count_dropped(len(spans) - done, "encoding error")
-
     def export_encoded(self, traces: Sequence[tuple[bytes, int]]) -> None:
         """Queue traces already encoded as ``ExportTraceServiceRequest`` bytes, with their span
-        counts. Serialised requests concatenate into one valid request (repeated fields merge),
-        so batching costs a join, not a re-encoding."""
+        counts, in requests of at most ``max_batch_spans`` spans; a trace is never split (one
+        larger than that travels alone). Serialised requests concatenate into one valid request
+        (repeated fields merge), so batching costs a join, not a re-encoding."""
         if self._sender.endpoint is None:
             return
         payload: list[bytes] = []
         spans = 0
-        for encoded, count in traces:
-            if payload and spans + count > self._max_batch:
+        handled = 0  # spans submitted or counted as dropped
+        try:
+            for encoded, count in traces:
+                if payload and spans + count > self._max_batch:
+                    self._submit_encoded(payload, spans)
+                    handled += spans
+                    payload, spans = [], 0
+                payload.append(encoded)
+                spans += count
+            if payload:
                 self._submit_encoded(payload, spans)
-                payload, spans = [], 0
-            payload.append(encoded)
-            spans += count
-        if payload:
-            self._submit_encoded(payload, spans)
+                handled += spans
+        except Exception:
+            logger.exception("OTLP traces exporter: could not queue traces")
+            unhandled = _span_total(traces) - handled
+            if unhandled > 0:
+                self._sender.count_dropped(unhandled, "queueing error")
 
     def _submit_encoded(self, payload: list[bytes], spans: int) -> None:
         if self._sender.has_room(spans):
             self._sender.submit(b"".join(payload), spans)
         else:
             self._sender.drop_without_room(spans)
+
+
+def _span_total(traces: Sequence[tuple[bytes, int]]) -> int:
+    """The span counts of ``traces`` summed, skipping malformed entries (for drop counting)."""
+    total = 0
+    for entry in traces:
+        with contextlib.suppress(Exception):
+            total += int(entry[1])
+    return total
 
 
 class OtlpMetricExporter(_OtlpExporter):

@@ -121,4 +121,6 @@ class StoreSink:
             "failed_batches": self._failed_batches,
             "checkpoints": self._store.checkpoints,
             "failed_checkpoints": self._store.failed_checkpoints,
+            "replaced_traces": self._store.replaced_traces,
+            "pruned_requests": self._store.pruned_requests,
         }

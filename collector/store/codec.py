@@ -19,20 +19,20 @@ exactly to the rounded E2E (the budget partitions E2E, and the document keeps th
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
-from itertools import pairwise
 from typing import Any, Final
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokentrace.agent import semconv
+from tokentrace.processors.budget import inter_token_gaps_ns
 from tokentrace.processors.diagnosis import ADVICE
 from tokentrace.processors.model import RequestRecord, RequestTimeline
+from tokentrace.processors.stats import nearest_rank
 
 DOC_VERSION: Final = 1
 """Bumped when the request document changes shape incompatibly."""
@@ -164,26 +164,18 @@ def _partition_ms(segments: Mapping[str, int]) -> dict[str, float]:
 
 
 def _itl_summary(offsets_us: Sequence[int]) -> dict[str, float | int | None]:
-    """Count, p50, p99 (nearest rank) and max of the inter-token gaps.
-
-    The gaps are derived from the token offsets as ``processors.budget`` derives
-    ``RequestMetrics.itl``: consecutive differences, negative (malformed) ones skipped.
-    """
-    gaps_us = [b - a for a, b in pairwise(offsets_us) if b >= a]
-    if not gaps_us:
+    """Count, p50, p99 (nearest rank) and max of the inter-token gaps, derived from the token
+    offsets exactly as ``RequestMetrics.itl`` is (``budget.inter_token_gaps_ns``)."""
+    gaps_ns = inter_token_gaps_ns(offsets_us)
+    if not gaps_ns:
         return {"count": 0, "p50": None, "p99": None, "max": None}
-    ordered = sorted(gaps_us)
+    gaps_ns.sort()
     return {
-        "count": len(ordered),
-        "p50": ns_to_ms(_nearest_rank(ordered, 0.50) * _NS_PER_US),
-        "p99": ns_to_ms(_nearest_rank(ordered, 0.99) * _NS_PER_US),
-        "max": ns_to_ms(ordered[-1] * _NS_PER_US),
+        "count": len(gaps_ns),
+        "p50": ns_to_ms(nearest_rank(gaps_ns, 50)),
+        "p99": ns_to_ms(nearest_rank(gaps_ns, 99)),
+        "max": ns_to_ms(gaps_ns[-1]),
     }
-
-
-def _nearest_rank(ordered: Sequence[int], q: float) -> int:
-    rank = max(1, math.ceil(q * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
 
 
 def request_start_ns(timeline: RequestTimeline) -> int:
@@ -490,15 +482,6 @@ SketchSlice = tuple[float, tuple[str, str, str, str], str, dict[str, Any]]
 """(slice_start_s, (service, model, operation, prompt_bucket), metric, LatencySketch dict)."""
 
 
-def selector_matches(selector: Mapping[str, str], key: Mapping[str, str]) -> bool:
-    """An SLO selector (exact values or ``*`` globs per key field) against one key."""
-    for field_name, pattern in selector.items():
-        value = key.get(field_name)
-        if value is None or not fnmatch.fnmatchcase(value, str(pattern)):
-            return False
-    return True
-
-
 def _ms_from_s(value_s: float | None) -> float | None:
     if value_s is None or not math.isfinite(value_s):
         return None
@@ -563,7 +546,7 @@ def window_report(
         key_slo: list[dict[str, Any]] = []
         for target in targets:
             sketch = per_metric.get(target.metric)
-            if sketch is None or not selector_matches(target.selector, key_fields):
+            if sketch is None or not target.matches_key(key_fields):
                 continue
             status = evaluate_window(target, sketch)
             key_slo.append(
@@ -588,7 +571,7 @@ def window_report(
             sketch = per_metric.get(target.metric)
             if sketch is None:
                 continue
-            if not selector_matches(target.selector, dict(zip(KEY_FIELDS, key, strict=True))):
+            if not target.matches_key(dict(zip(KEY_FIELDS, key, strict=True))):
                 continue
             if combined is None:
                 combined = sketch.copy()

@@ -138,12 +138,15 @@ _INSERT_REQUEST: Final = (
 _SELECT_REQUEST: Final = f"SELECT {_COLUMN_LIST} FROM requests"
 # Spans of a trace that arrive in several assembled parts (late spans, several requests in one
 # trace) are appended: concatenated serialised ExportTraceServiceRequests parse as one message
-# holding all their resource_spans. Past the size cap the newest part replaces the stored ones.
+# holding all their resource_spans. Past the size cap the newest part replaces the stored ones;
+# the CASE only reaches its second WHEN then, so that function call counts each replacement.
+_TRACE_REPLACED_FUNCTION: Final = "tokentrace_trace_replaced"
 _UPSERT_TRACE: Final = (
     "INSERT INTO traces (trace_id, received_ns, otlp) VALUES (?, ?, ?) "
     "ON CONFLICT (trace_id) DO UPDATE SET received_ns = excluded.received_ns, "
     "otlp = CASE WHEN length(otlp) + length(excluded.otlp) <= ? "
-    "THEN CAST(otlp || excluded.otlp AS BLOB) ELSE excluded.otlp END"
+    "THEN CAST(otlp || excluded.otlp AS BLOB) "
+    f"WHEN {_TRACE_REPLACED_FUNCTION}() THEN excluded.otlp ELSE excluded.otlp END"
 )
 
 SLOWEST_METRIC_COLUMNS: Final = {
@@ -267,7 +270,17 @@ class _Checkpointer:
 
 
 class RequestStore:
-    """SQLite request store. See the module docstring for the threading model."""
+    """SQLite request store. See the module docstring for the threading model.
+
+    Limits, each with a counter: ``retention_s`` and ``max_requests`` (``prune`` deletes the
+    oldest requests and their traces: ``pruned_requests``, ``pruned_traces``), and
+    ``max_trace_bytes``: the serialised spans stored for one trace at most. A trace written in
+    several parts (late spans, several requests) is appended to while it stays under the cap;
+    a part that would take it past the cap replaces the spans stored so far instead
+    (``replaced_traces`` counts those replacements; the replaced spans are gone, so an older
+    request of that trace may lose its token times). A single part larger than the cap is
+    still stored whole.
+    """
 
     def __init__(
         self,
@@ -302,6 +315,9 @@ class RequestStore:
         self.pruned_requests = 0
         self.pruned_traces = 0
         self.pruned_slices = 0
+        self.replaced_traces = 0
+        """Trace writes whose spans replaced the stored ones because of ``max_trace_bytes``."""
+        self._replaced_in_batch = 0
         # The writer connection may be created on one thread and used on the exporter thread;
         # the lock keeps accidental concurrent use safe instead of corrupting a transaction.
         self._lock = threading.Lock()
@@ -348,6 +364,7 @@ class RequestStore:
         except sqlite3.Error as error:
             raise StoreError(f"cannot open store {self.path}: {error}") from error
         try:
+            connection.create_function(_TRACE_REPLACED_FUNCTION, 0, self._trace_replaced)
             self._check_version(connection, creating=True)
             connection.execute("PRAGMA journal_mode=WAL")
             connection.execute("PRAGMA synchronous=NORMAL")
@@ -365,6 +382,11 @@ class RequestStore:
             connection.close()
             raise
         return connection
+
+    def _trace_replaced(self) -> int:
+        """Called by SQLite inside ``_UPSERT_TRACE`` once per replaced trace (writer thread)."""
+        self._replaced_in_batch += 1
+        return 1
 
     def _connect_readonly(self) -> sqlite3.Connection:
         if not os.path.exists(self.path):
@@ -464,6 +486,7 @@ class RequestStore:
         if request_rows:
             with self._lock:
                 connection = self._require_writer()
+                self._replaced_in_batch = 0
                 try:
                     connection.execute("BEGIN IMMEDIATE")
                     connection.executemany(_INSERT_REQUEST, request_rows)
@@ -480,6 +503,7 @@ class RequestStore:
                     ) from error
             self.written_requests += len(request_rows)
             self.written_traces += len(trace_rows)
+            self.replaced_traces += self._replaced_in_batch  # only once committed
             self._wrote(written_bytes + sum(len(row[-1]) for row in request_rows))
         if first_problem is not None:
             self.rejected_records += rejected

@@ -6,7 +6,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -23,6 +23,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
+from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.collector.exporters.otlp import (
     PROTOCOL_GRPC,
     PROTOCOL_HTTP_PROTOBUF,
@@ -109,6 +110,32 @@ def span_refs(
     return refs
 
 
+def encoded_traces(
+    sizes: Sequence[int],
+    *,
+    resources: list[Resource] | None = None,
+    scopes: list[InstrumentationScope] | None = None,
+) -> tuple[list[tuple[bytes, int]], list[SpanRef]]:
+    """Traces of ``sizes`` spans as the pipeline hands them to ``export_encoded``: each trace
+    serialised once on its own (trace ``k`` carries trace id ``k``), with its span count.
+    Also returns every span, in order."""
+    refs = span_refs(sum(sizes), resources=resources, scopes=scopes)
+    traces: list[tuple[bytes, int]] = []
+    start = 0
+    for number, size in enumerate(sizes):
+        members = refs[start : start + size]
+        for ref in members:
+            ref.span.trace_id = number.to_bytes(16, "big")
+        traces.append((encode_trace_request(members), size))
+        start += size
+    return traces, refs
+
+
+def traces_of(*sizes: int) -> list[tuple[bytes, int]]:
+    """Encoded traces of ``sizes`` spans each (see ``encoded_traces``)."""
+    return encoded_traces(sizes)[0]
+
+
 def gauge(name: str, points: int) -> Metric:
     return Metric(
         name=name,
@@ -129,12 +156,12 @@ def unused_port() -> int:
 
 # --- delivery ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_spans_arrive_intact_and_grouped_by_resource_and_scope(
+def test_concatenated_traces_arrive_intact_under_their_resource_and_scope(
     upstream: UpstreamOtlp, protocol: str
 ) -> None:
     resources = [resource("svc-a"), resource("svc-b")]
     scopes = [InstrumentationScope(name="s1", version="1"), InstrumentationScope(name="s2")]
-    refs = span_refs(40, resources=resources, scopes=scopes)
+    traces, refs = encoded_traces([10, 10, 12, 8], resources=resources, scopes=scopes)
     exporter = OtlpTraceExporter(
         make_config(
             endpoint_of(upstream, protocol),
@@ -143,28 +170,29 @@ def test_spans_arrive_intact_and_grouped_by_resource_and_scope(
             headers={"Authorization": "Bearer t0ken"},
         )
     )
-    exporter.export(refs)
+    exporter.export_encoded(traces)
     assert exporter.force_flush(FLUSH_S)
     exporter.shutdown(FLUSH_S)
 
-    requests = upstream.trace_requests
-    assert len(requests) == 1
-    request = requests[0]
-    assert len(request.resource_spans) == 2
-    expected = {
-        (id(ref.resource), id(ref.scope), ref.span.span_id): ref for ref in refs
-    }  # where each span was, by construction
-    seen = 0
+    # 40 spans fit one request: the four serialised traces joined into one valid message.
+    (request,) = upstream.trace_requests
+    by_span_id = {ref.span.span_id: ref for ref in refs}
+    received = []
     for resource_spans in request.resource_spans:
-        assert len(resource_spans.scope_spans) == 2
-        res = next(r for r in resources if r == resource_spans.resource)
         for scope_spans in resource_spans.scope_spans:
-            scope = next(s for s in scopes if s == scope_spans.scope)
             for span in scope_spans.spans:
-                ref = expected[(id(res), id(scope), span.span_id)]
+                ref = by_span_id[span.span_id]
                 assert span == ref.span  # attributes, ids and times intact
-                seen += 1
-    assert seen == 40
+                assert resource_spans.resource == ref.resource
+                assert scope_spans.scope == ref.scope
+                received.append(span)
+    assert sorted(span.span_id for span in received) == sorted(ref.span.span_id for ref in refs)
+    # Traces stay in order and whole (inside one, spans are grouped by resource and scope).
+    trace_order = [int.from_bytes(span.trace_id, "big") for span in received]
+    assert trace_order == sorted(trace_order)
+    # Each trace keeps its own grouping: 2 resources per trace, 2 scopes under each.
+    assert len(request.resource_spans) == 2 * len(traces)
+    assert all(len(resource_spans.scope_spans) == 2 for resource_spans in request.resource_spans)
     assert upstream.calls[0].headers["authorization"] == "Bearer t0ken"
     if protocol == PROTOCOL_HTTP_PROTOBUF:
         assert upstream.calls[0].headers["content-encoding"] == "gzip"
@@ -178,17 +206,42 @@ def test_spans_arrive_intact_and_grouped_by_resource_and_scope(
     }
 
 
-def test_requests_hold_at_most_max_batch_spans(upstream: UpstreamOtlp) -> None:
+def test_requests_fill_up_to_max_batch_spans_without_splitting_a_trace(
+    upstream: UpstreamOtlp,
+) -> None:
     exporter = OtlpTraceExporter(
         make_config(upstream.http_endpoint, PROTOCOL_HTTP_PROTOBUF, max_batch_spans=10)
     )
-    refs = span_refs(25)
-    exporter.export(refs)
+    sizes = [4, 3, 5, 2, 6, 12, 1, 10]
+    traces, refs = encoded_traces(sizes)
+    exporter.export_encoded(traces)
     exporter.shutdown(FLUSH_S)
-    sizes = [sum(1 for _ in iter_spans([request])) for request in upstream.trace_requests]
-    assert sizes == [10, 10, 5]
-    received = [span.span_id for _, _, span in iter_spans(upstream.trace_requests)]
+
+    requests = upstream.trace_requests
+    traces_per_request = [
+        sorted({int.from_bytes(span.trace_id, "big") for _, _, span in iter_spans([request])})
+        for request in requests
+    ]
+    # Greedy in arrival order: a request takes the next trace while it fits in 10 spans; the
+    # 12-span trace is never split, so it travels alone.
+    assert traces_per_request == [[0, 1], [2, 3], [4], [5], [6], [7]]
+    for request, numbers in zip(requests, traces_per_request, strict=True):
+        spans = sum(1 for _ in iter_spans([request]))
+        assert spans == sum(sizes[number] for number in numbers)
+        assert spans <= 10 or len(numbers) == 1
+    received = [span.span_id for _, _, span in iter_spans(requests)]
     assert received == [ref.span.span_id for ref in refs]
+    assert exporter.stats()["sent_spans"] == sum(sizes)
+
+
+def test_export_encoded_never_raises_on_a_malformed_entry(upstream: UpstreamOtlp) -> None:
+    exporter = OtlpTraceExporter(make_config(upstream.http_endpoint, PROTOCOL_HTTP_PROTOBUF))
+    (good,) = traces_of(2)
+    malformed: Any = (b"", "two")  # a span count that is not a number
+    exporter.export_encoded([good, malformed])
+    exporter.shutdown(FLUSH_S)
+    stats = exporter.stats()
+    assert (stats["sent_spans"], stats["dropped_spans"]) == (0, 2)  # the batch was never formed
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -253,11 +306,12 @@ def test_unavailable_upstream_is_retried_with_backoff(
         sleep=fake.sleep,
         random_fraction=lambda: 0.5,  # no jitter
     )
-    exporter.export(span_refs(7))
+    exporter.export_encoded(traces_of(3, 4))  # two traces, one request
     exporter.shutdown(FLUSH_S)
 
     assert [call.accepted for call in upstream.calls] == [False, False, True]
-    assert upstream.span_count() == 7
+    (request,) = upstream.trace_requests  # the same joined request, re-sent whole
+    assert sum(1 for _ in iter_spans([request])) == 7
     stats = exporter.stats()
     assert stats["retries"] == 2
     assert stats["sent_spans"] == 7
@@ -279,7 +333,7 @@ def test_jitter_spreads_retry_delays_around_the_interval(upstream: UpstreamOtlp)
         sleep=fake.sleep,
         random_fraction=lambda: next(fractions),
     )
-    exporter.export(span_refs(1))
+    exporter.export_encoded(traces_of(1))
     exporter.shutdown(FLUSH_S)
     low, high = fake.sleeps
     assert 0.4 < low < 0.6 < 1.4 < high < 1.6
@@ -310,7 +364,7 @@ def test_server_requested_retry_delay_is_honoured(
         sleep=fake.sleep,
         random_fraction=lambda: 0.5,
     )
-    exporter.export(span_refs(3))
+    exporter.export_encoded(traces_of(3))
     exporter.shutdown(FLUSH_S)
     assert fake.sleeps == [pytest.approx(expected_sleep)]
     assert exporter.stats()["sent_spans"] == 3
@@ -327,7 +381,7 @@ def test_upstream_down_for_good_drops_the_batch_after_max_elapsed(protocol: str)
         random_fraction=lambda: 0.5,
     )
     started = time.perf_counter()
-    exporter.export(span_refs(50))
+    exporter.export_encoded(traces_of(50))
     export_s = time.perf_counter() - started
     assert exporter.force_flush(FLUSH_S)  # the worker gave the batch up
     exporter.shutdown(FLUSH_S)
@@ -346,8 +400,8 @@ def test_upstream_down_for_good_drops_the_batch_after_max_elapsed(protocol: str)
 def test_non_retryable_error_drops_without_retrying(upstream: UpstreamOtlp, protocol: str) -> None:
     upstream.fail_next(1, grpc_code=grpc.StatusCode.INVALID_ARGUMENT, http_status=400)
     exporter = OtlpTraceExporter(make_config(endpoint_of(upstream, protocol), protocol))
-    exporter.export(span_refs(4))
-    exporter.export(span_refs(6))  # the next batch is unaffected
+    exporter.export_encoded(traces_of(4))
+    exporter.export_encoded(traces_of(6))  # the next batch is unaffected
     exporter.shutdown(FLUSH_S)
     stats = exporter.stats()
     assert (stats["dropped_spans"], stats["sent_spans"], stats["retries"]) == (4, 6, 0)
@@ -358,7 +412,7 @@ def test_non_retryable_error_drops_without_retrying(upstream: UpstreamOtlp, prot
 def test_partial_success_counts_rejected_spans(upstream: UpstreamOtlp, protocol: str) -> None:
     upstream.reject_next(3, "3 spans too old")
     exporter = OtlpTraceExporter(make_config(endpoint_of(upstream, protocol), protocol))
-    exporter.export(span_refs(10))
+    exporter.export_encoded(traces_of(10))
     exporter.shutdown(FLUSH_S)
     stats = exporter.stats()
     assert (stats["sent_spans"], stats["rejected_spans"], stats["dropped_spans"]) == (7, 3, 0)
@@ -371,11 +425,11 @@ def test_export_returns_at_once_while_upstream_is_stuck(
 ) -> None:
     upstream.hold()
     exporter = OtlpTraceExporter(make_config(endpoint_of(upstream, protocol), protocol))
-    refs = span_refs(512)
+    traces = traces_of(*[16] * 32)  # 512 spans, as the pipeline hands over a busy batch
     durations = []
     for _ in range(3):
         started = time.perf_counter()
-        exporter.export(refs)
+        exporter.export_encoded(traces)
         durations.append(time.perf_counter() - started)
         upstream.wait_for_started_calls(1)
     assert upstream.span_count() == 0  # nothing completed: the call is still held upstream
@@ -391,22 +445,28 @@ def test_full_queue_drops_new_batches_and_counts_them_exactly(upstream: Upstream
     exporter = OtlpTraceExporter(
         make_config(upstream.grpc_endpoint, PROTOCOL_GRPC, queue_size=10, max_batch_spans=5)
     )
-    exporter.export(span_refs(5))  # taken by the worker, held upstream
+    traces = traces_of(5, 5, 2, 3, 4, 7, 1)
+    exporter.export_encoded(traces[0:1])  # taken by the worker, held upstream
     assert upstream.wait_for_started_calls(1)
-    exporter.export(span_refs(5))
-    exporter.export(span_refs(5))  # queue now holds 10 spans: full
-    assert exporter.stats()["queue_len"] == 10
-    exporter.export(span_refs(3))  # dropped
-    exporter.export(span_refs(7))  # 5 + 2: both requests dropped
-    exporter.export(span_refs(2))  # dropped
+    exporter.export_encoded(traces[1:2])  # queued: 5 of 10
+    # One call, two requests: traces 2+3 fill the queue (10 of 10), trace 4 no longer fits.
+    exporter.export_encoded(traces[2:5])
     stats = exporter.stats()
-    assert (stats["dropped_spans"], stats["queue_len"]) == (12, 10)
+    assert (stats["dropped_spans"], stats["queue_len"]) == (4, 10)
+    exporter.export_encoded(traces[5:6])  # 7 spans: one trace, travels alone, dropped whole
+    exporter.export_encoded(traces[6:7])  # dropped
+    stats = exporter.stats()
+    assert (stats["dropped_spans"], stats["queue_len"]) == (4 + 7 + 1, 10)
 
     upstream.release()
     assert exporter.force_flush(FLUSH_S)
     exporter.shutdown(FLUSH_S)
     stats = exporter.stats()
     assert (stats["sent_spans"], stats["dropped_spans"], stats["queue_len"]) == (15, 12, 0)
+    delivered = {
+        int.from_bytes(span.trace_id, "big") for _, _, span in iter_spans(upstream.trace_requests)
+    }
+    assert delivered == {0, 1, 2, 3}  # whole traces: a dropped trace sends no span at all
     assert upstream.span_count() == 15
 
 
@@ -418,12 +478,12 @@ def test_shutdown_flushes_everything_queued(upstream: UpstreamOtlp, protocol: st
         make_config(endpoint_of(upstream, protocol), protocol, max_batch_spans=10)
     )
     for _ in range(5):
-        exporter.export(span_refs(10))
+        exporter.export_encoded(traces_of(10))
     exporter.shutdown(FLUSH_S)
     assert upstream.span_count() == 50
     assert exporter.stats()["sent_spans"] == 50
 
-    exporter.export(span_refs(4))  # after shutdown: counted, never sent
+    exporter.export_encoded(traces_of(4))  # after shutdown: counted, never sent
     assert exporter.stats()["dropped_spans"] == 4
     assert upstream.span_count() == 50
 
@@ -435,7 +495,7 @@ def test_shutdown_timeout_drops_and_counts_the_rest(upstream: UpstreamOtlp, prot
         make_config(endpoint_of(upstream, protocol), protocol, max_batch_spans=10, timeout_s=30)
     )
     for _ in range(3):
-        exporter.export(span_refs(10))
+        exporter.export_encoded(traces_of(10))
     assert upstream.wait_for_started_calls(1)
     started = time.perf_counter()
     exporter.shutdown(0.2)
@@ -449,7 +509,7 @@ def test_force_flush_reports_timeout_and_success(upstream: UpstreamOtlp) -> None
     exporter = OtlpTraceExporter(make_config(upstream.http_endpoint, PROTOCOL_HTTP_PROTOBUF))
     assert exporter.force_flush(0.1)  # nothing queued
     upstream.hold()
-    exporter.export(span_refs(2))
+    exporter.export_encoded(traces_of(2))
     assert not exporter.force_flush(0.1)
     upstream.release()
     assert exporter.force_flush(FLUSH_S)
@@ -465,7 +525,7 @@ def test_exporter_without_an_endpoint_for_its_signal_is_disabled(upstream: Upstr
     traces = OtlpTraceExporter(config)
     assert (traces.enabled, metrics.enabled) == (True, False)
     metrics.export([gauge("g", 2)], resource_attributes={})
-    traces.export(span_refs(2))
+    traces.export_encoded(traces_of(2))
     metrics.shutdown(FLUSH_S)
     traces.shutdown(FLUSH_S)
     assert metrics.stats()["sent_data_points"] == metrics.stats()["dropped_data_points"] == 0
@@ -478,15 +538,15 @@ def test_forked_child_gets_a_fresh_queue_and_worker(upstream: UpstreamOtlp) -> N
         make_config(upstream.http_endpoint, PROTOCOL_HTTP_PROTOBUF, max_batch_spans=5)
     )
     upstream.hold()
-    exporter.export(span_refs(5))  # in flight in the parent
+    exporter.export_encoded(traces_of(5))  # in flight in the parent
     assert upstream.wait_for_started_calls(1)
-    exporter.export(span_refs(5))  # queued in the parent
+    exporter.export_encoded(traces_of(5))  # queued in the parent
     pid = os.fork()
     if pid == 0:  # child: the parent's queue is not ours to send
         code = 1
         try:
             if exporter.stats()["queue_len"] == 0:
-                exporter.export(span_refs(3))
+                exporter.export_encoded(traces_of(3))
                 if exporter.force_flush(FLUSH_S) and exporter.stats()["sent_spans"] == 3:
                     code = 0
         finally:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -22,6 +23,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
 from tokentrace.collector.config import StoreConfig
+from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.collector.exporters.store_sink import StoreSink
 from tokentrace.collector.pipeline import ProcessedTrace
 from tokentrace.collector.store import (
@@ -33,6 +35,7 @@ from tokentrace.collector.store import (
     window_report,
 )
 from tokentrace.collector.store.codec import DOC_TOKEN_OFFSETS_CAP, budget_segments
+from tokentrace.processors.budget import compute_metrics
 from tokentrace.processors.model import (
     AssembledTrace,
     Budget,
@@ -369,10 +372,46 @@ def test_spans_of_a_trace_written_in_parts_are_appended_up_to_a_cap(tmp_path: Pa
     request = ExportTraceServiceRequest.FromString(payload)
     services = [rs.resource.attributes[0].value.string_value for rs in request.resource_spans]
     assert services == ["api", "engine"]
+    assert store.replaced_traces == 0
+    late = assembled(second, services=("late",))
+    part = encode_trace_request(late.spans)
+    expected_replacements = 0
     for _ in range(40):  # past the cap the newest part replaces the stored spans
-        store.write([(assembled(second, services=("late",)), [second])])
+        before = store.trace_otlp(trace_id(5))
+        assert before is not None
+        store.write([(late, [second], part)])
         payload = store.trace_otlp(trace_id(5))
         assert payload is not None and len(payload) <= 2000
+        if len(before) + len(part) > 2000:
+            expected_replacements += 1
+            assert payload == part
+        else:
+            assert payload == before + part
+    assert expected_replacements > 1  # the loop crossed the cap more than once
+    assert store.replaced_traces == expected_replacements
+    store.close()
+
+
+def test_replacements_within_one_batch_are_counted_and_rolled_back_ones_are_not(
+    tmp_path: Path,
+) -> None:
+    record = make_record(7)
+    trace = assembled(record, services=("api",))
+    part = encode_trace_request(trace.spans)
+    # Room for two parts: the third part of the same batch replaces them, the fourth appends.
+    store = RequestStore(tmp_path / "s.db", max_trace_bytes=2 * len(part))
+    store.write([(trace, [record], part)] * 4)
+    assert store.trace_otlp(trace_id(7)) == part + part
+    assert store.replaced_traces == 1
+
+    # A batch that rolls back leaves the counter as it was, though its first rows replaced.
+    store.max_trace_bytes = len(part)
+    other = make_record(8)
+    unbindable: Any = ["not", "bytes"]  # SQLite cannot bind it: the transaction fails last
+    with pytest.raises(StoreWriteError, match="rolled back"):
+        store.write([(trace, [record], part)] * 3 + [(assembled(other), [other], unbindable)])
+    assert store.replaced_traces == 1
+    assert store.trace_otlp(trace_id(7)) == part + part
     store.close()
 
 
@@ -515,6 +554,17 @@ def test_rows_are_compact_and_the_document_is_built_when_read(store: RequestStor
     assert doc is not None and doc["token_offsets_us"][-1] == 199 * 1500
     assert doc["metrics_ms"]["itl"] == {"count": 199, "p50": 1.5, "p99": 1.5, "max": 1.5}
     assert store.slowest(metric="network") == [record_to_dict(record)]
+
+
+def test_document_itl_is_derived_like_the_request_metrics() -> None:
+    record = make_record(4)
+    # Gaps 10, -5 (malformed: skipped, as for RequestMetrics.itl), 25, 0, 70 µs.
+    record.timeline.token_offsets_us = [0, 10, 5, 30, 30, 100]
+    itl = record_to_dict(record)["metrics_ms"]["itl"]
+    # Nearest rank over [0, 10, 25, 70] µs: p50 is the 2nd, p99 the 4th.
+    assert itl == {"count": 4, "p50": 0.01, "p99": 0.07, "max": 0.07}
+    timeline_metrics = compute_metrics(record.timeline, record.budget)
+    assert sorted(timeline_metrics.itl) == [0, 10_000, 25_000, 70_000]
 
 
 @settings(max_examples=25, deadline=None)

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.spanbuild import KIND_SERVER, T0, AttrValue, ref, sid, span, trace
 from tokentrace.agent import semconv
+from tokentrace.processors.budget import compute_budget, compute_metrics
 from tokentrace.processors.diagnosis import (
     ADVICE,
     CAUSE_BANDWIDTH_BOUND_DECODE,
@@ -40,6 +42,7 @@ from tokentrace.processors.model import (
     RequestRecord,
     RequestTimeline,
 )
+from tokentrace.processors.timeline import DIALECT_GENAI_CLIENT, DIALECT_VLLM, normalize
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -63,9 +66,12 @@ def make_record(
     itl: list[int] | None = None,
     tpot: int | None = None,
     arrival: int = 1_700_000_000 * S,
+    client_only: bool = False,
     **timeline_fields: Any,
 ) -> RequestRecord:
-    """A record whose budget is ``segments``; TTFT defaults to the pre-first-token segments."""
+    """A record whose budget is ``segments``; TTFT defaults to the pre-first-token segments.
+
+    ``client_only``: the timeline has only a client span (from ``arrival``), no server view."""
     e2e = sum(segments.values())
     if ttft_segments is None:
         ttft_segments = {k: v for k, v in segments.items() if k in _PRE_FIRST_TOKEN}
@@ -78,10 +84,12 @@ def make_record(
         service="vllm-chat",
         model="llama-3-8b",
         operation=semconv.OPERATION_CHAT,
-        arrival=arrival,
-        end=arrival + e2e,
         **timeline_fields,
     )
+    if client_only:
+        timeline.client_start, timeline.client_end = arrival, arrival + e2e
+    else:
+        timeline.arrival, timeline.end = arrival, arrival + e2e
     budget = Budget(e2e_ns=e2e, segments=segments, ttft_ns=ttft_ns, ttft_segments=ttft_segments)
     metrics = RequestMetrics(
         ttft=ttft_ns,
@@ -193,7 +201,9 @@ CASES = [
     Case(
         CAUSE_UNATTRIBUTED,
         semconv.SEGMENT_UNATTRIBUTED,
-        lambda: make_record({semconv.SEGMENT_UNATTRIBUTED: 1200 * MS}, dialect="genai_client"),
+        lambda: make_record(
+            {semconv.SEGMENT_UNATTRIBUTED: 1200 * MS}, client_only=True, dialect="genai_client"
+        ),
     ),
     Case(
         CAUSE_ERROR,
@@ -267,13 +277,29 @@ def test_long_prompt_threshold_is_inclusive_and_configurable() -> None:
     assert diagnose_request(below, config).cause == CAUSE_PREFILL
 
 
-@pytest.mark.parametrize("cached_tokens", [None, 0])
-def test_prefix_cache_miss_when_no_cached_tokens(cached_tokens: int | None) -> None:
+def test_prefix_cache_miss_when_zero_cached_tokens() -> None:
     record = make_record(
-        _small(prefill=300 * MS), input_tokens=6000, cached_tokens=cached_tokens, prefix_hash="ab"
+        _small(prefill=300 * MS), input_tokens=6000, cached_tokens=0, prefix_hash="ab"
     )
     # More specific than a long prompt: the fix is the prefix cache.
-    assert diagnose_request(record, seen_prefixes={"ab"}).cause == CAUSE_PREFIX_CACHE_MISS
+    verdict = diagnose_request(record, seen_prefixes={"ab"})
+    assert verdict.cause == CAUSE_PREFIX_CACHE_MISS
+    assert "0 cached tokens" in verdict.sentence
+    assert verdict.numbers["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize(
+    ("input_tokens", "expected"), [(6000, CAUSE_LONG_PROMPT), (600, CAUSE_PREFILL)]
+)
+def test_unknown_cached_tokens_is_not_a_prefix_cache_miss(input_tokens: int, expected: str) -> None:
+    # The server did not report cached tokens: nothing says the prefix was recomputed.
+    record = make_record(
+        _small(prefill=300 * MS), input_tokens=input_tokens, cached_tokens=None, prefix_hash="ab"
+    )
+    verdict = diagnose_request(record, seen_prefixes={"ab"})
+    assert verdict.cause == expected
+    assert "cached" not in verdict.sentence
+    assert "cached_tokens" not in verdict.numbers
 
 
 def test_prefix_hit_is_not_a_miss() -> None:
@@ -394,11 +420,62 @@ def test_long_prompt_sentence_cites_tokens() -> None:
     assert "of TTFT was prefill (800 ms)" in verdict.sentence
 
 
-def test_unattributed_sentence_says_server_spans_are_missing() -> None:
-    record = make_record({semconv.SEGMENT_UNATTRIBUTED: 1200 * MS}, ttft_ns=None)
+def test_unattributed_client_only_sentence_says_server_spans_are_missing() -> None:
+    record = make_record(
+        {semconv.SEGMENT_UNATTRIBUTED: 1200 * MS},
+        ttft_ns=None,
+        client_only=True,
+        dialect=DIALECT_GENAI_CLIENT,
+    )
     verdict = diagnose_request(record)
     assert "server-side spans are missing" in verdict.sentence
     assert "1.20 s" in verdict.sentence
+    assert verdict.advice == ADVICE[CAUSE_UNATTRIBUTED]
+
+
+def test_vllm_span_without_ttft_is_not_called_client_only() -> None:
+    # A real vLLM llm_request span that lacks the TTFT attribute, through the whole chain.
+    attrs: dict[str, AttrValue] = {
+        semconv.VLLM_LATENCY_E2E: 1.0,
+        semconv.VLLM_USAGE_PROMPT_TOKENS: 64,
+        semconv.VLLM_USAGE_COMPLETION_TOKENS: 32,
+        semconv.VLLM_REQUEST_ID: "cmpl-abc-0",
+    }
+    vllm = ref(
+        span(semconv.VLLM_SPAN_REQUEST, T0, T0 + S, span_id=sid(9), kind=KIND_SERVER, attrs=attrs),
+        service="vllm",
+        scope=semconv.VLLM_TRACING_SCOPE,
+    )
+    (timeline,) = normalize(trace(vllm))
+    assert timeline.dialect == DIALECT_VLLM
+    budget = compute_budget(timeline)
+    assert budget.segments[semconv.SEGMENT_UNATTRIBUTED] == S
+    record = RequestRecord(
+        timeline=timeline,
+        budget=budget,
+        metrics=compute_metrics(timeline, budget),
+        prompt_bucket="0-127",
+    )
+    verdict = diagnose_request(record)
+    assert verdict.cause == CAUSE_UNATTRIBUTED
+    assert "client-side" not in verdict.sentence
+    assert "server-side spans are missing" not in verdict.sentence
+    assert semconv.VLLM_SPAN_REQUEST in verdict.sentence
+    assert semconv.VLLM_LATENCY_TTFT in verdict.sentence
+    assert verdict.numbers["server_span"] == 1
+    # The client-only advice (instrument the server, propagate traceparent) does not fit.
+    assert verdict.advice != ADVICE[CAUSE_UNATTRIBUTED]
+
+
+def test_server_span_without_phases_in_another_dialect() -> None:
+    record = make_record({semconv.SEGMENT_UNATTRIBUTED: 500 * MS}, ttft_ns=None)
+    record.timeline.arrival = None
+    record.timeline.server_start = 1_700_000_000 * S
+    record.timeline.server_end = record.timeline.server_start + 500 * MS
+    verdict = diagnose_request(record)
+    assert verdict.cause == CAUSE_UNATTRIBUTED
+    assert "no phase timings" in verdict.sentence
+    assert "client-side" not in verdict.sentence
 
 
 def test_without_ttft_budget_pre_token_segments_use_e2e() -> None:

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 
 from tokentrace.agent import semconv
+from tokentrace.processors import slo as slo_module
+from tokentrace.processors.durations import parse_duration_ns
 from tokentrace.processors.model import Budget, RequestMetrics, RequestRecord, RequestTimeline
 from tokentrace.processors.sketches import LatencySketch
 from tokentrace.processors.slo import (
@@ -15,8 +17,8 @@ from tokentrace.processors.slo import (
     SloTarget,
     evaluate_window,
     mark_request,
-    parse_duration_ns,
     parse_targets,
+    request_value,
 )
 
 MS = 1_000_000
@@ -137,8 +139,24 @@ def test_met_is_value_at_or_below_threshold() -> None:
 )
 def test_selector_decides_whether_a_target_applies(selector: dict[str, str], applies: bool) -> None:
     slo = target(selector=selector)
-    marks = mark_request(make_record(), [slo])
+    record = make_record()
+    marks = mark_request(record, [slo])
     assert (slo.name in marks) is applies
+    # The stored percentile keys (``top``) are selected by the same rule.
+    key = {
+        "service": record.timeline.service,
+        "model": record.timeline.model,
+        "operation": record.timeline.operation,
+        "prompt_bucket": record.prompt_bucket,
+    }
+    assert slo.matches_key(key) is applies
+
+
+def test_a_key_without_the_selected_field_is_not_selected() -> None:
+    slo = target(selector={"model": "*"})
+    assert slo.matches_key({"model": "any"})
+    assert not slo.matches_key({"service": "vllm-chat"})
+    assert target(selector={}).matches_key({})
 
 
 def test_targets_without_a_value_are_left_out() -> None:
@@ -158,6 +176,10 @@ def test_itl_uses_the_requests_own_gap_at_the_percentile() -> None:
     p50 = target(name="p50", metric=semconv.METRIC_ITL, percentile=50, threshold_ns=9 * MS)
     # The max gap (500 ms) would breach p99; the request's own p99 gap does not.
     assert mark_request(record, [p99, p99_9, p50]) == {"p99": True, "p99.9": False, "p50": False}
+    assert request_value(record.metrics, semconv.METRIC_ITL, 99) == 50 * MS
+    assert request_value(record.metrics, semconv.METRIC_ITL, 99.9) == 500 * MS
+    assert request_value(record.metrics, semconv.METRIC_TTFT, 99) == record.metrics.ttft
+    assert request_value(make_record(itl=[]).metrics, semconv.METRIC_ITL, 99) is None
 
 
 def test_many_targets_mark_independently() -> None:
@@ -221,6 +243,9 @@ def test_empty_window_has_no_verdict() -> None:
         ("500ms", 500 * MS),
         ("2s", 2 * S),
         ("1.5m", 90 * S),
+        ("2min", 120 * S),
+        ("1.5MIN", 90 * S),
+        ("7d", 7 * 86400 * S),
         ("750us", 750_000),
         ("750µs", 750_000),
         ("100ns", 100),
@@ -245,6 +270,10 @@ def test_parse_duration(raw: object, ns: int) -> None:
 def test_parse_duration_rejects(raw: object) -> None:
     with pytest.raises(ValueError):
         parse_duration_ns(raw)
+
+
+def test_slo_module_reexports_the_one_duration_parser() -> None:
+    assert slo_module.parse_duration_ns is parse_duration_ns
 
 
 def test_parse_targets_from_config() -> None:
