@@ -95,6 +95,11 @@ class CollectorCommand:
             default=None,
             help=f"request store path (overrides the config; default: {_DEFAULT_STORE})",
         )
+        parser.add_argument(
+            "--check-config",
+            action="store_true",
+            help="validate the configuration, print what would run, and exit",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         from tokentrace.collector.service import run_from_args

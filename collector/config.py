@@ -30,6 +30,7 @@ start, and every error names the offending key (``processors.slo.targets[1].thre
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,10 +152,11 @@ def load_config(
     environ: Mapping[str, str] | None = None,
 ) -> CollectorConfig:
     """Read, validate and default the configuration (``path`` None: no file, all defaults)."""
+    environ = os.environ if environ is None else environ
     raw: Any = {}
     if path is not None:
-        raw = _read_yaml(Path(path))
-    config = parse_config(raw, environ=os.environ if environ is None else environ)
+        raw = _read_yaml(Path(path), environ)
+    config = parse_config(raw, environ=environ)
     if store_path is not None:
         if config.store is None:
             raise ConfigError("--store given, but the configuration has no store exporter")
@@ -162,7 +164,10 @@ def load_config(
     return config
 
 
-def _read_yaml(path: Path) -> Any:
+_ENV_REFERENCE = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _read_yaml(path: Path, environ: Mapping[str, str]) -> Any:
     import yaml
 
     try:
@@ -170,9 +175,32 @@ def _read_yaml(path: Path) -> Any:
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error.strerror or error}") from None
     try:
-        return yaml.safe_load(text) or {}
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    return _expand_env(raw, environ, "")
+
+
+def _expand_env(value: Any, environ: Mapping[str, str], path: str) -> Any:
+    """``${env:NAME}`` in string values, as the OTel Collector does, so secrets stay out of files.
+    Substituted after parsing, so a value can never change the YAML's structure."""
+    if isinstance(value, dict):
+        return {
+            key: _expand_env(item, environ, f"{path}.{key}" if path else str(key))
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_expand_env(item, environ, f"{path}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, str):
+
+        def lookup(match: re.Match[str]) -> str:
+            name = match.group(1)
+            if name not in environ:
+                raise ConfigError(f"{path}: environment variable {name} is not set")
+            return environ[name]
+
+        return _ENV_REFERENCE.sub(lookup, value)
+    return value
 
 
 def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:

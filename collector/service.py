@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from tokentrace.collector.config import (
@@ -153,6 +154,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"tokentrace collector: configuration error: {error}", file=sys.stderr)
         return 2
+    if getattr(args, "check_config", False):
+        print("configuration OK:")
+        for line in describe_config(config):
+            print(f"  {line}")
+        return 0
     collector = Collector(config)
     try:
         collector.start()
@@ -175,26 +181,38 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def describe(collector: Collector) -> list[str]:
-    config = collector.config
+def describe_config(
+    config: CollectorConfig, *, ports: Mapping[str, int | None] | None = None
+) -> list[str]:
+    """What a configuration runs: before anything binds, or with the ports it bound."""
     lines = []
-    if config.grpc is not None:
-        host = config.grpc.endpoint.rpartition(":")[0]
-        lines.append(f"OTLP/gRPC receiver listening on {host}:{collector.grpc_port}")
-    if config.http is not None:
-        host = config.http.endpoint.rpartition(":")[0]
-        lines.append(
-            f"OTLP/HTTP receiver listening on http://{host}:{collector.http_port}/v1/traces"
-        )
+    for protocol, receiver in (("gRPC", config.grpc), ("HTTP", config.http)):
+        if receiver is None:
+            continue
+        host, _, port = receiver.endpoint.rpartition(":")
+        bound = (ports or {}).get(protocol)
+        address = f"{host}:{bound if bound is not None else port}"
+        if protocol == "HTTP":
+            address = f"http://{address}/v1/traces"
+        auth = ", bearer token required" if receiver.auth_token else ""
+        tls = ", TLS" if receiver.tls_cert_file else ""
+        verb = "listening on" if ports else "on"
+        lines.append(f"OTLP/{protocol} receiver {verb} {address}{tls}{auth}")
+    lines.append(f"processors: {', '.join(config.processors)}")
+    if config.slo_targets:
+        lines.append(f"SLO targets: {', '.join(target.name for target in config.slo_targets)}")
     if config.store is not None:
         lines.append(f"request store: {os.path.abspath(config.store.path)}")
     for upstream in config.upstream:
         exporter = upstream.exporter
         target = exporter.endpoint_for("traces") or exporter.endpoint
-        lines.append(f"exporting enriched spans and metrics to {target} ({exporter.protocol})")
+        protocol = exporter.protocol
+        lines.append(f"{upstream.name}: enriched spans and metrics to {target} ({protocol})")
     if not config.upstream:
         lines.append("no upstream export (set OTEL_EXPORTER_OTLP_ENDPOINT or an otlp exporter)")
-    if config.slo_targets:
-        names = ", ".join(target.name for target in config.slo_targets)
-        lines.append(f"SLO targets: {names}")
     return lines
+
+
+def describe(collector: Collector) -> list[str]:
+    ports = {"gRPC": collector.grpc_port, "HTTP": collector.http_port}
+    return describe_config(collector.config, ports=ports)

@@ -145,3 +145,18 @@ def test_collector_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         )
     assert result.returncode == 1
     assert str(port) in result.stderr and "Traceback" not in result.stderr
+
+
+def test_check_config_validates_without_binding(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(CONFIG.replace("STORE", str(tmp_path / "x.db")), encoding="utf-8")
+    result = subprocess.run(
+        tokentrace("collector", "--config", str(config), "--check-config"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "configuration OK" in result.stdout and "SLO targets: ttft-p95" in result.stdout
+    assert not (tmp_path / "x.db").exists()  # nothing was started

@@ -170,3 +170,25 @@ def test_two_receivers_of_one_kind_are_refused() -> None:
 
 def test_an_empty_endpoint_variable_means_no_upstream() -> None:
     assert parse({}, OTEL_EXPORTER_OTLP_ENDPOINT="").upstream == ()
+
+
+def test_env_references_are_substituted_and_missing_ones_named(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "receivers:\n  otlp:\n    protocols:\n      grpc:\n"
+        "        endpoint: 127.0.0.1:4317\n        auth_token: ${env:TOKEN}\n",
+        encoding="utf-8",
+    )
+    config = load_config(path, environ={"TOKEN": "s3cret: {not yaml}"})
+    assert config.grpc is not None and config.grpc.auth_token == "s3cret: {not yaml}"
+    with pytest.raises(ConfigError, match=r"receivers.otlp.protocols.grpc.auth_token: .*TOKEN"):
+        load_config(path, environ={})
+
+
+def test_the_shipped_deploy_configs_are_valid() -> None:
+    deploy = Path(__file__).resolve().parents[2] / "deploy"
+    configs = sorted(deploy.rglob("*.yaml"))
+    assert configs
+    for path in configs:
+        config = load_config(path, environ={"TOKENTRACE_RECEIVER_TOKEN": "t"})
+        assert config.grpc is not None and config.grpc.auth_token == "t", path
