@@ -179,6 +179,9 @@ class Pipeline:
         self._stop = threading.Event()
         self._accepting = True
         self._worker: threading.Thread | None = None
+        # Processors and sinks keep per-pipeline state (seen prefixes, the store's writer): one
+        # thread at a time, whether the worker or a caller flushing.
+        self._process_lock = threading.Lock()
         self._stats_sources: list[tuple[str, Callable[[], dict[str, int]]]] = []
 
     # --- TraceConsumer -------------------------------------------------------------------------
@@ -244,6 +247,10 @@ class Pipeline:
 
     def process_once(self, *, flush_all: bool = False) -> int:
         """Process every finished trace and export the batch; returns the number of traces."""
+        with self._process_lock:
+            return self._process_finished(flush_all=flush_all)
+
+    def _process_finished(self, *, flush_all: bool) -> int:
         traces = self.assembler.pop_finished(flush_all=flush_all)
         if not traces:
             return 0
@@ -259,6 +266,10 @@ class Pipeline:
         return len(batch)
 
     def housekeeping(self, *, final: bool = False) -> None:
+        with self._process_lock:
+            self._housekeeping(final=final)
+
+    def _housekeeping(self, *, final: bool) -> None:
         for sink in self._sinks:
             try:
                 sink.housekeeping(self, final=final)
