@@ -9,17 +9,24 @@ chunks under a per-step token budget, decode one token per engine step, and are 
 record falls out of the engine steps, so each scenario's slow requests are slow for the reason
 the scenario is named after.
 
+Each simulated request yields the ``RequestRecording`` the real agent would record for it
+(``SimulatedRequest.recording``), and its server-side spans are the agent's own: the layout and
+the encoder of ``tokentrace.agent.spans``. Replay adds what surrounds the request in a
+deployment: the HTTP server span (the recording's parent) and the load generator's client span.
 Emission, one span layout (the tokentrace dialect: DESIGN.md's span tree) three ways:
 
 - ``emit_sdk``: through the OpenTelemetry SDK (the caller configures the exporter), so the
   collector sees a real OTLP client;
-- ``to_otlp_requests``: ``ExportTraceServiceRequest`` messages built directly (benchmarks);
+- ``to_otlp_requests``: ``ExportTraceServiceRequest`` messages from the agent's wire encoder
+  (benchmarks);
 - ``tokentrace replay`` (``replay_cli.ReplayCommand``): the SDK path with an OTLP exporter.
 
-``dialect="vllm"`` emits vLLM's built-in per-request span instead (one span, no children).
+``dialect="vllm"`` emits vLLM's built-in per-request span instead (one span, no children): an
+imitation of vLLM's own tracing, so it lives here and not in the agent.
 
-This module imports only the standard library and the telemetry contract at import time; the
-OpenTelemetry packages are imported by the functions that need them.
+This module imports only the standard library and the agent's stdlib-only modules (contract,
+recording, spans) at import time; the OpenTelemetry packages are imported by the functions that
+need them.
 """
 
 from __future__ import annotations
@@ -31,14 +38,15 @@ import math
 import os
 import random
 import socket
-import struct
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, Literal, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Final, Literal, TypeAlias
 
-from tokentrace.agent import semconv
+from tokentrace.agent import semconv, spans
+from tokentrace.agent.recording import PrefillChunk, RequestRecording
+from tokentrace.agent.spans import AttrValue, PlannedSpan, ResourceScope
 
 if TYPE_CHECKING:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -72,18 +80,11 @@ DIALECTS: Final = (DIALECT_TOKENTRACE, DIALECT_VLLM)
 _DEFAULT_SERVICE_NAME: Final = "vllm-demo"
 _DEFAULT_CLIENT_SERVICE_NAME: Final = "tokentrace-replay-client"
 _DEFAULT_BATCH_SPANS: Final = 512
-_DEFAULT_MAX_TOKEN_OFFSETS: Final = 1024
-"""Cap on ``DECODE_TOKEN_OFFSETS`` entries; ``DECODE_TOKEN_OFFSETS_DROPPED`` counts the rest."""
+_DEFAULT_MAX_TOKEN_OFFSETS: Final = spans.DEFAULT_MAX_TOKEN_OFFSETS
 
 _NS_PER_S: Final = 1_000_000_000
 _NS_PER_MS: Final = 1_000_000
 _NS_PER_US: Final = 1_000
-
-# OTLP span kinds (values of ``opentelemetry.proto.trace.v1.Span.SpanKind``), kept as plain ints
-# so the simulation needs no OpenTelemetry import.
-_KIND_INTERNAL: Final = 1
-_KIND_SERVER: Final = 2
-_KIND_CLIENT: Final = 3
 
 _ROUTE_CHAT: Final = "/v1/chat/completions"
 _ROUTE_COMPLETIONS: Final = "/v1/completions"
@@ -100,8 +101,6 @@ _CLOSED_LOOP_STAGGER_NS: Final = 50 * _NS_PER_MS
 """Closed-loop clients start within this window instead of in lock step."""
 _OUTLIER_GAP_FACTOR: Final = 3.0
 """An inter-token gap above this multiple of the request's median gap is an outlier."""
-_ATTRIBUTE_CACHE_ENTRIES: Final = 4096
-"""Bound of the encoded-attribute cache of ``to_otlp_requests``."""
 _SPAN_ID_SPACE: Final = (1 << 64) - (1 << 16)
 """Span ids are ``base + k`` with small ``k``; bases below this never wrap to the invalid 0."""
 
@@ -296,14 +295,6 @@ SCENARIOS: Final[dict[str, Scenario]] = {
 # --- simulated requests -----------------------------------------------------------------------
 
 
-class PrefillChunk(NamedTuple):
-    """One engine step's share of a request's prompt (absolute Unix ns)."""
-
-    start_ns: int
-    end_ns: int
-    tokens: int
-
-
 @dataclass(slots=True)
 class SimulatedRequest:
     """One request's recorded life, every timestamp in absolute Unix nanoseconds.
@@ -369,6 +360,38 @@ class SimulatedRequest:
     def preempted_ns(self) -> int:
         """Total time spent evicted."""
         return sum(end - start for start, end in self.preempted)
+
+    def recording(self) -> RequestRecording:
+        """What the agent records for this request; its parent is the simulated HTTP server
+        span (span id ``span_id_base + 1``)."""
+        return RequestRecording(
+            trace_id=self.trace_id,
+            parent_span_id=_span_id(self.span_id_base + _ID_HTTP),
+            request_id=self.request_id,
+            model=self.model,
+            operation=self.operation,
+            arrival_ns=self.arrival_ns,
+            end_ns=self.end_ns,
+            first_scheduled_ns=self.first_scheduled_ns,
+            first_token_ns=self.first_token_ns,
+            last_token_ns=self.last_token_ns,
+            token_offsets_us=self.token_offsets_us,
+            prefill_chunks=self.prefill_chunks,
+            preempted=self.preempted,
+            ready_ns=self.ready_ns,
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
+            cached_tokens=self.cached_tokens,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            finish_reason=self.finish_reason,
+            requests_ahead=self.requests_ahead,
+            running_at_arrival=self.running_at_arrival,
+            max_running=self.max_running,
+            prefix_hash=self.prefix_hash,
+            outlier_steps_with_prefill=self.outlier_steps_with_prefill,
+        )
 
 
 @dataclass(slots=True)
@@ -802,139 +825,61 @@ def _finish(
     return request
 
 
-# --- the span layout (one source for every emission path) ---------------------------------------
-
-AttributeValue: TypeAlias = "str | int | float | bool | list[int] | tuple[str, ...]"
-"""Scalars, int arrays (token offsets: a list) and string arrays (a tuple, hashable)."""
-
-
-class _PlannedSpan(NamedTuple):
-    """One span to emit; ids are small per-request numbers (``span_id_base + local_id``)."""
-
-    local_id: int
-    parent_local_id: int
-    """-1 for a root span."""
-    name: str
-    kind: int
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, AttributeValue]
-    client_side: bool = False
-    """Emitted by the load generator (its own resource), not by the server."""
-
-
-# Local span ids of the fixed part of the tokentrace tree; preempted and chunk spans follow.
+# --- the span layout ------------------------------------------------------------------------------
+# The server's request subtree is the agent's own (``spans.plan_spans`` over the request's
+# recording); replay adds what surrounds it in a real deployment: the HTTP server span and the
+# load generator's client span. Simulated span ids are ``span_id_base + k``: the client span,
+# the HTTP span, then the subtree in plan order.
 _ID_CLIENT: Final = 0
 _ID_HTTP: Final = 1
-_ID_REQUEST: Final = 2
-_ID_QUEUE: Final = 3
-_ID_PREFILL: Final = 4
-_ID_DECODE: Final = 5
-_ID_POSTPROCESS: Final = 6
-_ID_FIRST_VARIABLE: Final = 7
+_ID_FIRST_SUBTREE: Final = 2
+
+
+def _span_id(number: int) -> bytes:
+    return number.to_bytes(8, "big")
 
 
 def span_count(request: SimulatedRequest, dialect: Dialect = DIALECT_TOKENTRACE) -> int:
     """How many spans ``request`` becomes in ``dialect``."""
     if dialect == DIALECT_VLLM:
         return 1
-    chunks = len(request.prefill_chunks) if len(request.prefill_chunks) > 1 else 0
     client = 1 if request.client_start_ns is not None else 0
-    # HTTP server, request, queue, prefill, decode, postprocess.
-    return 6 + client + chunks + len(request.preempted)
+    return client + 1 + spans.count_spans(request.recording())
 
 
-def _plan_tokentrace(request: SimulatedRequest, max_token_offsets: int) -> Iterator[_PlannedSpan]:
-    """The tokentrace span tree of one request, parents before children."""
-    internal = _KIND_INTERNAL
-    http_parent = -1
-    if request.client_start_ns is not None:
-        assert request.client_end_ns is not None and request.client_first_token_ns is not None
-        http_parent = _ID_CLIENT
-        client_attributes: dict[str, AttributeValue] = {
-            semconv.GEN_AI_OPERATION_NAME: request.operation,
-            semconv.GEN_AI_REQUEST_MODEL: request.model,
-            semconv.HTTP_REQUEST_METHOD: _HTTP_METHOD,
-            semconv.URL_PATH: request.url_path,
-            semconv.HTTP_RESPONSE_STATUS_CODE: _HTTP_OK,
-            semconv.CLIENT_FIRST_TOKEN_TIME: request.client_first_token_ns,
-        }
-        yield _PlannedSpan(
-            _ID_CLIENT, -1, semconv.SPAN_CLIENT_REQUEST, _KIND_CLIENT,
-            request.client_start_ns, request.client_end_ns, client_attributes, True,
-        )  # fmt: skip
-    http_attributes: dict[str, AttributeValue] = {
+def _client_span(request: SimulatedRequest) -> PlannedSpan | None:
+    """The load generator's span around the request (``local_id`` 0), if it has one."""
+    if request.client_start_ns is None:
+        return None
+    assert request.client_end_ns is not None and request.client_first_token_ns is not None
+    attributes: dict[str, AttrValue] = {
+        semconv.GEN_AI_OPERATION_NAME: request.operation,
+        semconv.GEN_AI_REQUEST_MODEL: request.model,
+        semconv.HTTP_REQUEST_METHOD: _HTTP_METHOD,
+        semconv.URL_PATH: request.url_path,
+        semconv.HTTP_RESPONSE_STATUS_CODE: _HTTP_OK,
+        semconv.CLIENT_FIRST_TOKEN_TIME: request.client_first_token_ns,
+    }
+    return PlannedSpan(
+        _ID_CLIENT, -1, semconv.SPAN_CLIENT_REQUEST, spans.KIND_CLIENT,
+        request.client_start_ns, request.client_end_ns, attributes,
+    )  # fmt: skip
+
+
+def _http_span(request: SimulatedRequest, *, has_client: bool) -> PlannedSpan:
+    """The inference server's HTTP server span: the parent of ``llm.request``."""
+    attributes: dict[str, AttrValue] = {
         semconv.HTTP_REQUEST_METHOD: _HTTP_METHOD,
         semconv.URL_PATH: request.url_path,
         semconv.HTTP_RESPONSE_STATUS_CODE: _HTTP_OK,
     }
-    yield _PlannedSpan(
-        _ID_HTTP, http_parent, f"{_HTTP_METHOD} {request.url_path}", _KIND_SERVER,
-        request.server_start_ns, request.server_end_ns, http_attributes,
+    return PlannedSpan(
+        _ID_HTTP, _ID_CLIENT if has_client else -1, f"{_HTTP_METHOD} {request.url_path}",
+        spans.KIND_SERVER, request.server_start_ns, request.server_end_ns, attributes,
     )  # fmt: skip
-    attributes: dict[str, AttributeValue] = {
-        semconv.GEN_AI_OPERATION_NAME: request.operation,
-        semconv.GEN_AI_REQUEST_MODEL: request.model,
-        semconv.GEN_AI_REQUEST_MAX_TOKENS: request.max_tokens,
-        semconv.GEN_AI_USAGE_INPUT_TOKENS: request.input_tokens,
-        semconv.GEN_AI_USAGE_OUTPUT_TOKENS: request.output_tokens,
-        semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: request.cached_tokens,
-        semconv.GEN_AI_RESPONSE_FINISH_REASONS: (request.finish_reason,),
-        semconv.REQUEST_ID: request.request_id,
-        semconv.QUEUE_REQUESTS_AHEAD: request.requests_ahead,
-        semconv.QUEUE_RUNNING_AT_ARRIVAL: request.running_at_arrival,
-        semconv.QUEUE_MAX_RUNNING: request.max_running,
-    }
-    if request.prefix_hash is not None:
-        attributes[semconv.PROMPT_PREFIX_HASH] = request.prefix_hash
-    if request.ready_ns is not None:
-        attributes[semconv.COLD_START_READY_TIME] = request.ready_ns
-    arrival = request.arrival_ns
-    scheduled = request.first_scheduled_ns
-    first_token = request.first_token_ns
-    last_token = request.last_token_ns
-    end = request.end_ns
-    chunks = request.prefill_chunks
-    yield _PlannedSpan(
-        _ID_REQUEST, _ID_HTTP, semconv.SPAN_REQUEST, internal, arrival, end, attributes
-    )
-    yield _PlannedSpan(_ID_QUEUE, _ID_REQUEST, semconv.SPAN_QUEUE, internal, arrival, scheduled, {})
-    prefill_attributes: dict[str, AttributeValue] = {
-        semconv.PREFILL_CHUNK_TOKENS: sum(chunk.tokens for chunk in chunks)
-    }
-    yield _PlannedSpan(
-        _ID_PREFILL, _ID_REQUEST, semconv.SPAN_PREFILL, internal, scheduled, first_token,
-        prefill_attributes,
-    )  # fmt: skip
-    offsets = request.token_offsets_us
-    dropped = len(offsets) - max_token_offsets
-    decode_attributes: dict[str, AttributeValue] = {
-        semconv.DECODE_TOKEN_OFFSETS: offsets[:max_token_offsets] if dropped > 0 else offsets,
-        semconv.DECODE_OUTLIER_STEPS_WITH_PREFILL: request.outlier_steps_with_prefill,
-    }
-    if dropped > 0:
-        decode_attributes[semconv.DECODE_TOKEN_OFFSETS_DROPPED] = dropped
-    yield _PlannedSpan(
-        _ID_DECODE, _ID_REQUEST, semconv.SPAN_DECODE, internal, first_token, last_token,
-        decode_attributes,
-    )  # fmt: skip
-    yield _PlannedSpan(
-        _ID_POSTPROCESS, _ID_REQUEST, semconv.SPAN_POSTPROCESS, internal, last_token, end, {}
-    )
-    local_id = _ID_FIRST_VARIABLE
-    for start, stop in request.preempted:
-        yield _PlannedSpan(local_id, _ID_REQUEST, semconv.SPAN_PREEMPTED, internal, start, stop, {})
-        local_id += 1
-    if len(chunks) > 1:
-        for chunk in chunks:
-            yield _PlannedSpan(
-                local_id, _ID_PREFILL, semconv.SPAN_PREFILL_CHUNK, internal,
-                chunk.start_ns, chunk.end_ns, {semconv.PREFILL_CHUNK_TOKENS: chunk.tokens},
-            )  # fmt: skip
-            local_id += 1
 
 
-def _plan_vllm(request: SimulatedRequest) -> Iterator[_PlannedSpan]:
+def _vllm_span(request: SimulatedRequest) -> PlannedSpan:
     """vLLM's built-in span: start at arrival, end at completion, latencies in seconds."""
     seconds = 1.0 / _NS_PER_S
     arrival = request.arrival_ns
@@ -942,7 +887,7 @@ def _plan_vllm(request: SimulatedRequest) -> Iterator[_PlannedSpan]:
     first_token = request.first_token_ns
     last_token = request.last_token_ns
     end = request.end_ns
-    attributes: dict[str, AttributeValue] = {
+    attributes: dict[str, AttrValue] = {
         semconv.VLLM_LATENCY_TTFT: (first_token - arrival) * seconds,
         semconv.VLLM_LATENCY_E2E: (end - arrival) * seconds,
         semconv.VLLM_LATENCY_QUEUE: (scheduled - arrival) * seconds,
@@ -957,17 +902,19 @@ def _plan_vllm(request: SimulatedRequest) -> Iterator[_PlannedSpan]:
         semconv.GEN_AI_REQUEST_TEMPERATURE: request.temperature,
         semconv.VLLM_REQUEST_N: 1,
     }
-    yield _PlannedSpan(0, -1, semconv.VLLM_SPAN_REQUEST, _KIND_SERVER, arrival, end, attributes)
+    return PlannedSpan(
+        0, -1, semconv.VLLM_SPAN_REQUEST, spans.KIND_SERVER, arrival, end, attributes
+    )
 
 
-def _plan(
-    request: SimulatedRequest, dialect: Dialect, max_token_offsets: int
-) -> Iterator[_PlannedSpan]:
-    if dialect == DIALECT_VLLM:
-        return _plan_vllm(request)
-    if dialect == DIALECT_TOKENTRACE:
-        return _plan_tokentrace(request, max_token_offsets)
-    raise ValueError(f"unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
+def _check_dialect(dialect: str) -> None:
+    if dialect not in DIALECTS:
+        raise ValueError(f"unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
+
+
+def _check_max_token_offsets(max_token_offsets: int) -> None:
+    if max_token_offsets < 0:
+        raise ValueError("max_token_offsets must be >= 0")
 
 
 def _scope_name(dialect: Dialect) -> str:
@@ -995,37 +942,59 @@ def emit_sdk(
     """
     from opentelemetry import trace
     from opentelemetry.context import Context
+    from opentelemetry.trace import Status, StatusCode
 
+    _check_dialect(dialect)
+    _check_max_token_offsets(max_token_offsets)
     kinds = {
-        _KIND_INTERNAL: trace.SpanKind.INTERNAL,
-        _KIND_SERVER: trace.SpanKind.SERVER,
-        _KIND_CLIENT: trace.SpanKind.CLIENT,
+        spans.KIND_INTERNAL: trace.SpanKind.INTERNAL,
+        spans.KIND_SERVER: trace.SpanKind.SERVER,
+        spans.KIND_CLIENT: trace.SpanKind.CLIENT,
     }
     scope = _scope_name(dialect)
     server_tracer = tracer_provider.get_tracer(scope)
     client_tracer = (client_tracer_provider or tracer_provider).get_tracer(scope)
     root_context = Context()  # never inherit whatever span is current in the caller
+    ends: list[tuple[trace.Span, int]] = []
+
+    def start(tracer: trace.Tracer, planned: PlannedSpan, context: Context) -> trace.Span:
+        span = tracer.start_span(
+            planned.name,
+            context=context,
+            kind=kinds[planned.kind],
+            attributes=planned.attributes,
+            start_time=planned.start_ns,
+        )
+        if planned.error is not None:
+            span.set_status(Status(StatusCode.ERROR, planned.error))
+        ends.append((span, planned.end_ns))
+        return span
+
     emitted = 0
     for request in requests:
-        started: dict[int, trace.Span] = {}
-        ends: list[tuple[trace.Span, int]] = []
-        for planned in _plan(request, dialect, max_token_offsets):
-            parent = started.get(planned.parent_local_id)
-            context = root_context if parent is None else trace.set_span_in_context(parent)
-            tracer = client_tracer if planned.client_side else server_tracer
-            span = tracer.start_span(
-                planned.name,
-                context=context,
-                kind=kinds[planned.kind],
-                attributes=planned.attributes,
-                start_time=planned.start_ns,
-            )
-            started[planned.local_id] = span
-            ends.append((span, planned.end_ns))
+        if dialect == DIALECT_VLLM:
+            start(server_tracer, _vllm_span(request), root_context)
+        else:
+            client = _client_span(request)
+            context = root_context
+            if client is not None:
+                context = trace.set_span_in_context(start(client_tracer, client, root_context))
+            http = start(server_tracer, _http_span(request, has_client=client is not None), context)
+            subtree_parent = trace.set_span_in_context(http)
+            started: list[trace.Span] = []
+            for planned in spans.plan_spans(
+                request.recording(), max_token_offsets=max_token_offsets
+            ):
+                parent = planned.parent_local_id
+                context = (
+                    subtree_parent if parent < 0 else trace.set_span_in_context(started[parent])
+                )
+                started.append(start(server_tracer, planned, context))
         # Children end before their parents, as they do in a live server.
         for span, end_ns in reversed(ends):
             span.end(end_time=end_ns)
         emitted += len(ends)
+        ends.clear()
     return emitted
 
 
@@ -1050,285 +1019,75 @@ def to_otlp_requests(
     (``client_service_name``), as a separate load generator would send them. Ids are the
     simulated ones (deterministic for a seed).
 
-    Spans are written in protobuf wire format by ``_SpanEncoder`` and parsed once per batch:
-    several times faster than setting fields through the protobuf API one by one.
+    Spans are written in protobuf wire format by the agent's encoder (``spans``) and parsed
+    once per batch.
     """
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
         ExportTraceServiceRequest,
     )
-    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
     if batch_spans < 1:
         raise ValueError("batch_spans must be >= 1")
+    _check_dialect(dialect)
+    _check_max_token_offsets(max_token_offsets)
     host = socket.gethostname() if host_name is None else host_name
     process_id = os.getpid() if pid is None else pid
     scope = _scope_name(dialect)
 
-    def resource_attributes(service: str) -> list[KeyValue]:
-        return [
-            KeyValue(key=semconv.SERVICE_NAME, value=AnyValue(string_value=service)),
-            KeyValue(key=semconv.HOST_NAME, value=AnyValue(string_value=host)),
-            KeyValue(key=semconv.PROCESS_PID, value=AnyValue(int_value=process_id)),
-        ]
+    def head(service: str) -> ResourceScope:
+        resource: dict[str, AttrValue] = {
+            semconv.SERVICE_NAME: service,
+            semconv.HOST_NAME: host,
+            semconv.PROCESS_PID: process_id,
+        }
+        return ResourceScope(resource_attributes=resource, scope_name=scope)
 
-    server_resource = resource_attributes(service_name)
-    client_resource = resource_attributes(client_service_name)
+    server_head = head(service_name)
+    client_head = head(client_service_name)
     batches: list[ExportTraceServiceRequest] = []
-
-    def flush(server_parts: list[bytes], client_parts: list[bytes]) -> None:
-        message = ExportTraceServiceRequest()
-        for resource, parts in ((server_resource, server_parts), (client_resource, client_parts)):
-            if not parts:
-                continue
-            resource_spans = message.resource_spans.add()
-            resource_spans.resource.attributes.extend(resource)
-            scope_spans = resource_spans.scope_spans.add()
-            scope_spans.scope.name = scope
-            scope_spans.MergeFromString(b"".join(parts))
-        batches.append(message)
-
-    encoder = _SpanEncoder()
-    encode = encoder.encode
     server_parts: list[bytes] = []
     client_parts: list[bytes] = []
     in_batch = 0
     for request in requests:
         if in_batch >= batch_spans:
-            flush(server_parts, client_parts)
+            encoded = spans.export_request(
+                ((server_head, server_parts), (client_head, client_parts))
+            )
+            batches.append(ExportTraceServiceRequest.FromString(encoded))
             server_parts, client_parts = [], []
             in_batch = 0
         trace_id = request.trace_id
         base = request.span_id_base
-        for planned in _plan(request, dialect, max_token_offsets):
-            parent = planned.parent_local_id
-            encoded = encode(
-                trace_id, base + planned.local_id, base + parent if parent >= 0 else 0, planned
-            )
-            (client_parts if planned.client_side else server_parts).append(encoded)
+        if dialect == DIALECT_VLLM:
+            vllm = _vllm_span(request)
+            server_parts.append(spans.encode_span(vllm, trace_id=trace_id, span_id=_span_id(base)))
             in_batch += 1
+            continue
+        client = _client_span(request)
+        client_id = b""
+        if client is not None:
+            client_id = _span_id(base + _ID_CLIENT)
+            client_parts.append(spans.encode_span(client, trace_id=trace_id, span_id=client_id))
+            in_batch += 1
+        http = _http_span(request, has_client=client is not None)
+        recording = request.recording()
+        server_parts.append(
+            spans.encode_span(
+                http,
+                trace_id=trace_id,
+                span_id=recording.parent_span_id,
+                parent_span_id=client_id,
+            )
+        )
+        subtree = spans.encode_span_tree(
+            spans.plan_spans(recording, max_token_offsets=max_token_offsets),
+            trace_id=trace_id,
+            parent_span_id=recording.parent_span_id,
+            span_ids=itertools.count(base + _ID_FIRST_SUBTREE).__next__,
+        )
+        server_parts += subtree
+        in_batch += 1 + len(subtree)
     if in_batch:
-        flush(server_parts, client_parts)
+        encoded = spans.export_request(((server_head, server_parts), (client_head, client_parts)))
+        batches.append(ExportTraceServiceRequest.FromString(encoded))
     return batches
-
-
-# --- protobuf wire format for spans (to_otlp_requests) --------------------------------------------
-# Field numbers of opentelemetry/proto/trace/v1/trace.proto and common/v1/common.proto; a test
-# checks the output against spans built through the protobuf API and through the SDK.
-_TAG_SCOPE_SPANS_SPAN: Final = b"\x12"  # ScopeSpans.spans = 2 (length-delimited)
-_TAG_TRACE_ID: Final = b"\x0a\x10"  # Span.trace_id = 1, 16 bytes
-_TAG_SPAN_ID: Final = b"\x12\x08"  # Span.span_id = 2, 8 bytes
-_TAG_PARENT_SPAN_ID: Final = b"\x22\x08"  # Span.parent_span_id = 4, 8 bytes
-_TAG_NAME: Final = b"\x2a"  # Span.name = 5
-_TAG_KIND: Final = b"\x30"  # Span.kind = 6 (varint)
-_TAG_START: Final = b"\x39"  # Span.start_time_unix_nano = 7 (fixed64)
-_TAG_END: Final = b"\x41"  # Span.end_time_unix_nano = 8 (fixed64)
-_TAG_ATTRIBUTE: Final = b"\x4a"  # Span.attributes = 9
-_TAG_KEY: Final = b"\x0a"  # KeyValue.key = 1
-_TAG_VALUE: Final = b"\x12"  # KeyValue.value = 2
-_TAG_STRING: Final = b"\x0a"  # AnyValue.string_value = 1
-_TAG_BOOL: Final = b"\x10"  # AnyValue.bool_value = 2
-_TAG_INT: Final = b"\x18"  # AnyValue.int_value = 3 (varint, two's complement)
-_TAG_DOUBLE: Final = b"\x21"  # AnyValue.double_value = 4 (fixed64)
-_TAG_ARRAY: Final = b"\x2a"  # AnyValue.array_value = 5; ArrayValue.values = 1 is 0x0a
-_TAG_ARRAY_VALUE: Final = b"\x0a"
-_PACK_TIMES: Final = struct.Struct("<cQcQ").pack
-_PACK_DOUBLE: Final = struct.Struct("<d").pack
-
-
-_ONE_BYTE: Final = tuple(bytes((value,)) for value in range(0x80))
-_UINT64: Final = 1 << 64
-
-
-def _varint(value: int) -> bytes:
-    """Protobuf base-128 varint of a non-negative integer below 2**64."""
-    if value < 0x80:
-        return _ONE_BYTE[value]
-    if value < 0x4000:
-        return bytes((value & 0x7F | 0x80, value >> 7))
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _length_delimited(tag: bytes, payload: bytes) -> bytes:
-    return tag + _varint(len(payload)) + payload
-
-
-class _SpanEncoder:
-    """Writes one span as a ``ScopeSpans.spans`` entry in protobuf wire format.
-
-    Everything that repeats is encoded once and cached: span names, each attribute key's
-    prefix (for numbers the only variable part is the value itself) and whole string-valued
-    attributes (model, route, finish reasons; bounded: cleared when full).
-    """
-
-    def __init__(self) -> None:
-        self._names: dict[str, bytes] = {}
-        self._int_prefixes: dict[tuple[str, int], bytes] = {}
-        self._double_prefixes: dict[str, bytes] = {}
-        self._entries: dict[tuple[str, object], bytes] = {}
-
-    def encode(
-        self, trace_id: bytes, span_id: int, parent_span_id: int, planned: _PlannedSpan
-    ) -> bytes:
-        name = self._names.get(planned.name)
-        if name is None:
-            name = self._names[planned.name] = _length_delimited(_TAG_NAME, planned.name.encode())
-        parts = [_TAG_TRACE_ID, trace_id, _TAG_SPAN_ID, span_id.to_bytes(8, "big")]
-        if parent_span_id:
-            parts += (_TAG_PARENT_SPAN_ID, parent_span_id.to_bytes(8, "big"))
-        parts += (
-            name,
-            _TAG_KIND,
-            _ONE_BYTE[planned.kind],
-            _PACK_TIMES(_TAG_START, planned.start_ns, _TAG_END, planned.end_ns),
-        )
-        append = parts.append
-        for key, value in planned.attributes.items():
-            kind = type(value)
-            if kind is int:
-                number: int = value  # type: ignore[assignment]
-                encoded = _varint(number if number >= 0 else number + _UINT64)
-                prefix = self._int_prefixes.get((key, len(encoded)))
-                if prefix is None:
-                    prefix = self._int_prefix(key, len(encoded))
-                append(prefix)
-                append(encoded)
-            elif kind is float:
-                prefix = self._double_prefixes.get(key)
-                if prefix is None:
-                    prefix = self._double_prefix(key)
-                append(prefix)
-                append(_PACK_DOUBLE(value))
-            elif kind is list:
-                append(self._attribute(key, self._int_array(value)))  # type: ignore[arg-type]
-            else:  # str, bool, tuple of str: values that repeat across requests
-                entry_key = (key, value)
-                entry = self._entries.get(entry_key)
-                if entry is None:
-                    entry = self._attribute(key, self._scalar(value))
-                    if len(self._entries) >= _ATTRIBUTE_CACHE_ENTRIES:
-                        self._entries.clear()
-                    self._entries[entry_key] = entry
-                append(entry)
-        body = b"".join(parts)
-        return _TAG_SCOPE_SPANS_SPAN + _varint(len(body)) + body
-
-    @staticmethod
-    def _attribute(key: str, any_value: bytes) -> bytes:
-        """One ``Span.attributes`` entry: a KeyValue with its AnyValue's encoded content."""
-        key_value = _length_delimited(_TAG_KEY, key.encode()) + _length_delimited(
-            _TAG_VALUE, any_value
-        )
-        return _length_delimited(_TAG_ATTRIBUTE, key_value)
-
-    def _int_prefix(self, key: str, varint_length: int) -> bytes:
-        """Everything of an int attribute's entry before its varint of ``varint_length``."""
-        placeholder = _TAG_INT + bytes(varint_length)
-        prefix = self._attribute(key, placeholder)[:-varint_length]
-        self._int_prefixes[(key, varint_length)] = prefix
-        return prefix
-
-    def _double_prefix(self, key: str) -> bytes:
-        prefix = self._attribute(key, _TAG_DOUBLE + bytes(8))[:-8]
-        self._double_prefixes[key] = prefix
-        return prefix
-
-    @staticmethod
-    def _scalar(value: AttributeValue) -> bytes:
-        if isinstance(value, bool):
-            return _TAG_BOOL + (b"\x01" if value else b"\x00")
-        if isinstance(value, str):
-            return _length_delimited(_TAG_STRING, value.encode())
-        if isinstance(value, tuple):
-            items = b"".join(
-                _length_delimited(_TAG_ARRAY_VALUE, _length_delimited(_TAG_STRING, item.encode()))
-                for item in value
-            )
-            return _length_delimited(_TAG_ARRAY, items)
-        raise TypeError(f"unsupported attribute value type {type(value).__name__}")
-
-    @staticmethod
-    def _int_array(values: list[int]) -> bytes:
-        encoded = _encode_int_array(values)
-        if encoded is None:  # out of the fast path's range: one element at a time
-            encoded = b"".join(
-                _length_delimited(_TAG_ARRAY_VALUE, _TAG_INT + _varint(value % _UINT64))
-                for value in values
-            )
-        return _length_delimited(_TAG_ARRAY, encoded)
-
-
-# Integer arrays as OTLP ``ArrayValue`` bytes, computed with big-integer arithmetic instead of
-# one protobuf call per element (4x faster; token offsets dominate the cost of a request's spans).
-# Each element is the 8-byte ``AnyValue`` field: tag 0x0a, length 6, tag 0x18 (int_value) and a
-# 5-byte varint (valid, merely not the shortest form: protobuf re-encodes it canonically). All
-# elements are packed into one integer with one element per 64-bit slot, so the 7-bit varint
-# groups are spread into bytes for every element at once by a few masks and shifts.
-_VARINT5_LIMIT: Final = 1 << 35
-_SLOT_CONSTANT: Final = 0x0A | 0x06 << 8 | 0x18 << 16 | 0x80808080 << 24
-_SLOT_TOO_LARGE: Final = ((1 << 64) - 1) ^ (_VARINT5_LIMIT - 1)
-_INT_ARRAY_FAST_MAX: Final = 1 << 16
-"""Longer arrays take the per-element path (bounds the masks' memory to a few MB)."""
-
-
-class _IntArrayMasks(NamedTuple):
-    """Masks for arrays of up to ``slots`` elements; replaced whole (thread-safe to read)."""
-
-    slots: int
-    groups: tuple[int, int, int, int, int]
-    constant: int
-    too_large: int
-
-
-def _repeated_slot(slot: int, count: int) -> int:
-    return int.from_bytes(slot.to_bytes(8, "little") * count, "little")
-
-
-def _int_array_masks(slots: int) -> _IntArrayMasks:
-    m0, m7, m14, m21, m28 = (_repeated_slot(0x7F << shift, slots) for shift in (0, 7, 14, 21, 28))
-    return _IntArrayMasks(
-        slots,
-        (m0, m7, m14, m21, m28),
-        _repeated_slot(_SLOT_CONSTANT, slots),
-        _repeated_slot(_SLOT_TOO_LARGE, slots),
-    )
-
-
-_int_array_masks_cache = _IntArrayMasks(0, (0, 0, 0, 0, 0), 0, 0)
-
-
-def _encode_int_array(values: list[int]) -> bytes | None:
-    """``values`` (each in ``[0, 2**35)``) as serialised ``ArrayValue`` content, or ``None``
-    when a value is out of that range or the array is very long (the caller then encodes one
-    element at a time)."""
-    global _int_array_masks_cache
-    count = len(values)
-    if count == 0:
-        return b""
-    if count > _INT_ARRAY_FAST_MAX:
-        return None
-    masks = _int_array_masks_cache
-    if count > masks.slots:
-        # Masks for the longest array so far: shorter arrays reuse them (an AND with a shorter
-        # integer keeps only its own slots).
-        masks = _int_array_masks_cache = _int_array_masks(max(count, _DEFAULT_MAX_TOKEN_OFFSETS))
-    try:
-        packed = int.from_bytes(struct.pack(f"<{count}Q", *values), "little")
-    except struct.error:  # negative (or beyond 64 bits)
-        return None
-    if packed & masks.too_large:
-        return None
-    m0, m7, m14, m21, m28 = masks.groups
-    spread = (
-        (packed & m0)
-        | (packed & m7) << 1
-        | (packed & m14) << 2
-        | (packed & m21) << 3
-        | (packed & m28) << 4
-    )
-    constant = masks.constant >> 64 * (masks.slots - count)
-    return (spread << 24 | constant).to_bytes(8 * count, "little")

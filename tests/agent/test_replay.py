@@ -38,6 +38,7 @@ from tokentrace.agent.replay import (
     to_otlp_requests,
 )
 from tokentrace.agent.replay_cli import ReplayCommand
+from tokentrace.agent.spans import encode_recordings
 
 T0 = 1_700_000_000_000_000_000
 MS = 1_000_000
@@ -408,6 +409,46 @@ def test_request_and_phase_spans_carry_the_simulated_timings(
         decode = span_attributes(spans[semconv.SPAN_DECODE])
         assert decode[semconv.DECODE_TOKEN_OFFSETS] == request.token_offsets_us
         assert semconv.DECODE_TOKEN_OFFSETS_DROPPED not in decode
+
+
+def test_server_side_spans_are_the_agents_own_layout(everything: list[SimulatedRequest]) -> None:
+    """Replay's request subtree is exactly what the agent encodes from the same recording."""
+    replayed = by_trace(to_otlp_requests(everything, max_token_offsets=64))
+    payload, count = encode_recordings(
+        [request.recording() for request in everything],
+        resource_attributes={semconv.SERVICE_NAME: "agent"},
+        scope_name="agent",
+        max_token_offsets=64,
+    )
+    agent = by_trace([ExportTraceServiceRequest.FromString(payload)])
+    assert count == sum(span_count(r) - 2 for r in everything)  # all but client and HTTP spans
+
+    def shape(spans: list[Span]) -> list[tuple[Any, ...]]:
+        names = {span.span_id: span.name for span in spans}
+        return sorted(
+            (
+                span.name,
+                names.get(span.parent_span_id),
+                span.kind,
+                span.start_time_unix_nano,
+                span.end_time_unix_nano,
+                sorted(span_attributes(span).items()),
+            )
+            for span in spans
+        )
+
+    for request in everything:
+        spans = replayed[request.trace_id]
+        (http,) = (span for span in spans if span.kind == Span.SPAN_KIND_SERVER)
+        subtree = [span for span in spans if span.kind == Span.SPAN_KIND_INTERNAL]
+        assert request_of(subtree).parent_span_id == http.span_id
+        assert request.recording().parent_span_id == http.span_id
+        assert shape(subtree) == shape(agent[request.trace_id])
+
+
+def request_of(spans: list[Span]) -> Span:
+    (span,) = (span for span in spans if span.name == semconv.SPAN_REQUEST)
+    return span
 
 
 def test_token_offsets_are_capped_with_the_cap_recorded(

@@ -1,0 +1,66 @@
+"""What the agent knows about one finished request, ready to become spans.
+
+A ``RequestRecording`` is built once per request, off the serving thread, from the integers the
+hot path recorded (see ``recorder.py``); ``spans.py`` turns recordings into OTLP bytes.
+``tokentrace replay`` produces the same recordings from its simulation, so the simulated and the
+real agent share one span layout.
+
+All times are absolute Unix nanoseconds (the recorder converts its monotonic readings once per
+request). ``None`` means the request never reached that point (e.g. aborted while queued).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class PrefillChunk(NamedTuple):
+    """One engine step's share of a request's prompt."""
+
+    start_ns: int
+    end_ns: int
+    tokens: int
+
+
+@dataclass(slots=True, kw_only=True)
+class RequestRecording:
+    trace_id: bytes
+    """16 bytes: the incoming ``traceparent``'s trace id, or a new one."""
+    parent_span_id: bytes = b""
+    """8 bytes of the incoming HTTP server span / ``traceparent`` parent; empty for a root."""
+    request_id: str
+    model: str
+    operation: str
+
+    arrival_ns: int
+    """Engine arrival: the start of ``llm.request``."""
+    end_ns: int
+    """Response complete: the end of ``llm.request``."""
+    first_scheduled_ns: int | None = None
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
+    token_offsets_us: list[int] = field(default_factory=list)
+    """Each output token's time in µs after the first output token (first entry 0), uncapped:
+    the span builder keeps the first ``max_token_offsets`` and records how many it left out."""
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    preempted: list[tuple[int, int]] = field(default_factory=list)
+    ready_ns: int | None = None
+    """When the server became ready, for requests that arrived during its cold start."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    """Why the request did not complete normally (e.g. ``client disconnected``); the span's status
+    becomes ERROR with this message."""
+
+    requests_ahead: int | None = None
+    running_at_arrival: int | None = None
+    max_running: int | None = None
+    prefix_hash: str | None = None
+    outlier_steps_with_prefill: int | None = None

@@ -1,0 +1,85 @@
+"""The agent core end to end: hot-path timers -> emitter -> OTLP sender -> a running collector."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tokentrace.agent import semconv
+from tokentrace.agent.emit import SpanEmitter
+from tokentrace.agent.otlp_export import OtlpExporterConfig, OtlpSender
+from tokentrace.agent.recorder import Recorder
+from tokentrace.collector.config import parse_config
+from tokentrace.collector.service import Collector
+from tokentrace.collector.store.sqlite import RequestStore
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_recorded_requests_reach_the_collector_with_their_timings(
+    tmp_path: Path, protocol: str
+) -> None:
+    collector = Collector(
+        parse_config(
+            {
+                "receivers": {
+                    "otlp": {
+                        "protocols": {
+                            "grpc": {"endpoint": "127.0.0.1:0"},
+                            "http": {"endpoint": "127.0.0.1:0"},
+                        }
+                    }
+                },
+                "exporters": {"store": {"path": str(tmp_path / "r.db")}},
+            },
+            environ={},
+        )
+    )
+    collector.start()
+    port = collector.grpc_port if protocol == "grpc" else collector.http_port
+    sender = OtlpSender(
+        OtlpExporterConfig(endpoint=f"http://127.0.0.1:{port}", protocol=protocol),
+        signal="traces",
+    )
+    emitter = SpanEmitter(
+        sender.submit, resource_attributes={semconv.SERVICE_NAME: "agent-e2e"}, scope_name="t"
+    )
+    recorder = Recorder(emitter.submit)
+    expected_ttft_ns = {}
+    try:
+        for index in range(5):
+            request_id = f"cmpl-{index}"
+            timer = recorder.begin(request_id)
+            assert timer is not None
+            timer.trace_id = os.urandom(16)
+            timer.attributes.update(model="tiny", operation="text_completion", output_tokens=3)
+            time.sleep(0.002)
+            timer.scheduled_ns = recorder.clock()
+            for _ in range(3):
+                time.sleep(0.001)
+                timer.token_ns.append(recorder.clock())
+            expected_ttft_ns[request_id] = timer.token_ns[0] - timer.arrival_ns
+            recorder.finish(request_id)
+        assert emitter.flush(10.0)
+        assert sender.force_flush(10.0)
+        collector.flush()
+    finally:
+        emitter.shutdown(1.0)
+        sender.shutdown(1.0)
+        collector.shutdown()
+    store = RequestStore.open_readonly(tmp_path / "r.db")
+    try:
+        docs = store.slowest(metric="e2e", limit=10)
+    finally:
+        store.close()
+    assert sorted(doc["request_id"] for doc in docs) == sorted(expected_ttft_ns)
+    for doc in docs:
+        # Monotonic readings -> Unix ns -> spans -> collector: TTFT survives to the microsecond.
+        expected_ms = expected_ttft_ns[doc["request_id"]] / 1e6
+        assert doc["metrics_ms"]["ttft"] == pytest.approx(expected_ms, abs=0.002)
+        assert doc["tokens"]["output"] == 3
+        assert doc["service"] == "agent-e2e"

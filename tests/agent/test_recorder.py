@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tokentrace.agent.hooks import HookGuard
+from tokentrace.agent.recorder import ClockDomain, Recorder, RequestTimer, to_recording
+
+
+class Ticks:
+    """A monotonic clock under the test's control."""
+
+    def __init__(self, start: int = 1_000_000_000) -> None:
+        self.now = start
+
+    def __call__(self) -> int:
+        return self.now
+
+
+WALL_OFFSET = 1_700_000_000_000_000_000
+
+
+def fixed_domain(ticks: Ticks) -> ClockDomain:
+    return ClockDomain(wall_ns=lambda: ticks.now + WALL_OFFSET, monotonic_ns=ticks)
+
+
+def test_a_request_life_becomes_a_recording_in_unix_time() -> None:
+    ticks = Ticks()
+    finished: list[RequestTimer] = []
+    recorder = Recorder(finished.append, monotonic_ns=ticks)
+    timer = recorder.begin("req-1")
+    assert timer is not None
+    timer.attributes.update(model="m", operation="chat", input_tokens=12, output_tokens=3)
+    ticks.now += 5_000_000
+    timer.scheduled_ns = ticks.now
+    for _ in range(3):
+        ticks.now += 10_000_000
+        timer.token_ns.append(ticks.now)
+    ticks.now += 1_000_000
+    recorder.finish("req-1")
+    (done,) = finished
+    assert recorder.in_flight == 0
+
+    recording = to_recording(done, fixed_domain(ticks))
+    assert recording.arrival_ns == 1_000_000_000 + WALL_OFFSET
+    assert recording.first_scheduled_ns == recording.arrival_ns + 5_000_000
+    assert recording.first_token_ns == recording.first_scheduled_ns + 10_000_000
+    assert recording.last_token_ns == recording.first_token_ns + 20_000_000
+    assert recording.end_ns == recording.last_token_ns + 1_000_000
+    assert recording.token_offsets_us == [0, 10_000, 20_000]
+    assert (recording.model, recording.operation, recording.input_tokens) == ("m", "chat", 12)
+
+
+def test_preemption_intervals_and_an_abort_while_evicted() -> None:
+    ticks = Ticks()
+    finished: list[RequestTimer] = []
+    recorder = Recorder(finished.append, monotonic_ns=ticks)
+    timer = recorder.begin("r")
+    assert timer is not None
+    timer.preempt(ticks.now + 1)
+    timer.preempt(ticks.now + 2)  # a second eviction notice while evicted changes nothing
+    timer.resume(ticks.now + 5)
+    timer.preempt(ticks.now + 8)
+    ticks.now += 10
+    recorder.finish("r", error="client disconnected")
+    recording = to_recording(finished[0], fixed_domain(ticks))
+    start = 1_000_000_000 + WALL_OFFSET
+    assert recording.preempted == [(start + 1, start + 5), (start + 8, start + 10)]
+    assert recording.error == "client disconnected"
+    assert recording.first_token_ns is None and recording.token_offsets_us == []
+
+
+def test_in_flight_limit_leaves_requests_untraced_and_counts_them() -> None:
+    recorder = Recorder(lambda timer: None, max_in_flight=2)
+    assert recorder.begin("a") and recorder.begin("b")
+    assert recorder.begin("c") is None
+    assert recorder.untraced_requests == 1
+    recorder.finish("c")  # unknown ids are ignored
+    recorder.finish("a")
+    assert recorder.begin("c") is not None
+
+
+def test_clock_domain_follows_a_wall_clock_step_only_after_refresh() -> None:
+    ticks = Ticks()
+    wall = {"offset": WALL_OFFSET}
+    domain = ClockDomain(wall_ns=lambda: ticks.now + wall["offset"], monotonic_ns=ticks)
+    wall["offset"] += 3_000_000_000  # NTP steps the wall clock by 3 s
+    assert domain.to_unix_ns(ticks.now) == ticks.now + WALL_OFFSET  # phases stay consistent
+    ticks.now += 11_000_000_000  # past the refresh interval
+    assert domain.to_unix_ns(ticks.now) == ticks.now + WALL_OFFSET + 3_000_000_000
+
+
+def test_hook_guard_disables_a_failing_hook_and_counts(caplog: pytest.LogCaptureFixture) -> None:
+    guard = HookGuard()
+    calls: list[int] = []
+
+    def flaky(value: int) -> int:
+        calls.append(value)
+        if value == 2:
+            raise RuntimeError("bug in tracing")
+        return value * 10
+
+    with caplog.at_level(logging.WARNING):
+        assert guard.run("flaky", flaky, 1) == 10
+        assert guard.run("flaky", flaky, 2) is None
+        assert guard.run("flaky", flaky, 3) is None  # disabled: not called again
+    assert calls == [1, 2]
+    assert guard.stats() == {"hook_failures.flaky": 1}
+    assert sum("disabled" in record.message for record in caplog.records) == 1
