@@ -5,19 +5,25 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
 VENV_ROOT ?= $(HOME)/.cache/tokentrace/venvs
-DEPS_HASH := $(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+DEPS_FILES := pyproject.toml constraints.txt requirements-vllm-test.txt
+DEPS_HASH := $(shell cat $(DEPS_FILES) | sha256sum | cut -c1-16)
 VENV ?= $(VENV_ROOT)/$(DEPS_HASH)
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: venv install test lint typecheck pytest demo bench docs clean
 
-$(VENV)/.ready: pyproject.toml constraints.txt
-	@echo "==> creating virtual environment $(VENV)"
+$(VENV)/.ready: $(DEPS_FILES)
+	@echo "==> creating virtual environment $(VENV) (first time: a few minutes, vLLM included)"
 	rm -rf "$(VENV)"
 	$(PYTHON) -m venv "$(VENV)"
 	"$(PY)" -m pip install --quiet --upgrade pip 'setuptools>=77' wheel
-	"$(PY)" -m pip install --quiet -c constraints.txt -e '.[dev]'
+	@# The CPU build of torch first, so vLLM's torch requirement is already met.
+	"$(PY)" -m pip install --quiet torch==2.13.0
+	"$(PY)" -c "import torch, sys; sys.exit(0 if '+cpu' in torch.__version__ else 'not the CPU torch build')"
+	"$(PY)" -m pip install --quiet -c constraints.txt -r requirements-vllm-test.txt -e '.[dev]'
+	@# CUDA builds that cannot load against CPU torch, and triton (no CPU backend).
+	"$(PY)" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	touch "$@"
 
 venv: $(VENV)/.ready
