@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -22,6 +23,17 @@ CODE_FOLDERS = {
 
 @pytest.mark.slow
 def test_every_package_folder_is_in_the_wheel(tmp_path: Path) -> None:
+    # Build from a copy: setuptools writes tokentrace.egg-info next to pyproject.toml, and a
+    # stale one in the checkout would shadow the installed entry points.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", *CODE_FOLDERS):
+        if (ROOT / name).is_dir():
+            shutil.copytree(
+                ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        else:
+            shutil.copy(ROOT / name, source / name)
     subprocess.run(
         [
             sys.executable,
@@ -33,7 +45,7 @@ def test_every_package_folder_is_in_the_wheel(tmp_path: Path) -> None:
             "-q",
             "-w",
             str(tmp_path),
-            str(ROOT),
+            str(source),
         ],
         check=True,
     )

@@ -1,0 +1,51 @@
+"""Automatic instrumentation for ``tokentrace run``: instrument each framework when it is imported.
+
+``autoinstrument()`` registers a post-import hook per tokentrace instrumentor (the
+``opentelemetry_instrumentor`` entry points of the tokentrace distribution): nothing is imported
+up front, so a process that never imports vLLM pays nothing, and one that does is instrumented
+before its first request. vLLM's own plugin mechanism (``vllm.general_plugins``) reaches the same
+instrumentor in vLLM's spawned processes; instrumenting twice is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import EntryPoint, entry_points
+
+_log = logging.getLogger(__name__)
+
+INSTRUMENTOR_GROUP = "opentelemetry_instrumentor"
+_DISTRIBUTION = "tokentrace"
+
+registered: list[str] = []
+"""Target modules with a pending or completed tokentrace hook in this process."""
+
+
+def _ours(entry: EntryPoint) -> bool:
+    dist = getattr(entry, "dist", None)
+    return dist is not None and dist.name == _DISTRIBUTION
+
+
+def autoinstrument() -> None:
+    import wrapt
+
+    for entry in entry_points(group=INSTRUMENTOR_GROUP):
+        if not _ours(entry):
+            continue
+        try:
+            instrumentor_class = entry.load()
+            target = instrumentor_class.target_module
+        except Exception:  # a broken entry must not break the host's start-up
+            _log.warning("tokentrace: cannot load instrumentor %s", entry.name, exc_info=True)
+            continue
+        if target in registered:
+            continue
+
+        def instrument(_module: object, cls: type = instrumentor_class) -> None:
+            try:
+                cls().instrument()
+            except Exception:
+                _log.warning("tokentrace: instrumenting %s failed", cls.__name__, exc_info=True)
+
+        wrapt.register_post_import_hook(instrument, target)
+        registered.append(target)

@@ -1,0 +1,129 @@
+"""Agent configuration: the standard ``OTEL_*`` environment variables plus ``TOKENTRACE_*``.
+
+- ``OTEL_SDK_DISABLED`` (false): true turns the agent off, as for any OTel SDK.
+- ``TOKENTRACE_ENABLED`` (true): false turns only tokentrace off.
+- ``OTEL_SERVICE_NAME`` (vllm) and ``OTEL_RESOURCE_ATTRIBUTES`` (``k=v,k2=v2``): the resource.
+- ``OTEL_EXPORTER_OTLP_*`` (node-local ``http://localhost:4317``, gRPC): where spans go.
+- ``TOKENTRACE_MAX_TOKEN_OFFSETS`` (1024): token offsets kept on ``llm.decode``; the rest counted.
+- ``TOKENTRACE_MAX_IN_FLIGHT`` (65536): requests timed at once; beyond, untraced and counted.
+- ``TOKENTRACE_MAX_QUEUE`` (8192): finished requests awaiting span building; beyond, dropped
+  and counted.
+
+The agent runs inside someone else's server, so a bad value never stops it: it is logged once
+and its default used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from urllib.parse import unquote
+
+from tokentrace.agent import semconv
+from tokentrace.agent.otlp_export import PROTOCOL_GRPC, OtlpExporterConfig
+
+_log = logging.getLogger(__name__)
+
+_DEFAULT_SERVICE_NAME = "vllm"
+_DEFAULT_ENDPOINT = "http://localhost:4317"
+"""The node agent's OTLP/gRPC receiver on the same node."""
+_DEFAULT_MAX_TOKEN_OFFSETS = 1024
+_DEFAULT_MAX_IN_FLIGHT = 65_536
+_DEFAULT_MAX_QUEUE = 8192
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentConfig:
+    enabled: bool = True
+    service_name: str = _DEFAULT_SERVICE_NAME
+    resource_attributes: Mapping[str, str] = field(default_factory=dict)
+    exporter: OtlpExporterConfig = field(
+        default_factory=lambda: OtlpExporterConfig(
+            endpoint=_DEFAULT_ENDPOINT, protocol=PROTOCOL_GRPC
+        )
+    )
+    max_token_offsets: int = _DEFAULT_MAX_TOKEN_OFFSETS
+    max_in_flight: int = _DEFAULT_MAX_IN_FLIGHT
+    max_queue: int = _DEFAULT_MAX_QUEUE
+
+    def resource(self) -> dict[str, str | int]:
+        """Resource attributes of every span: identity of this process and its service."""
+        resource: dict[str, str | int] = dict(self.resource_attributes)
+        resource[semconv.SERVICE_NAME] = self.service_name
+        resource.setdefault(semconv.PROCESS_PID, os.getpid())
+        return resource
+
+
+def load_agent_config(environ: Mapping[str, str] | None = None) -> AgentConfig:
+    env = os.environ if environ is None else environ
+    enabled = _flag(env, "TOKENTRACE_ENABLED", True) and not _flag(env, "OTEL_SDK_DISABLED", False)
+    resource = _resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
+    service = (
+        env.get("OTEL_SERVICE_NAME")
+        or resource.pop(semconv.SERVICE_NAME, "")
+        or (_DEFAULT_SERVICE_NAME)
+    )
+    exporter = OtlpExporterConfig(endpoint=_DEFAULT_ENDPOINT, protocol=PROTOCOL_GRPC)
+    try:
+        from_env = OtlpExporterConfig.from_env(env, signal="traces")
+        if from_env is not None:
+            from_env.validate()
+            exporter = from_env
+    except ValueError as error:
+        _log.warning("tokentrace: %s; exporting to %s instead", error, _DEFAULT_ENDPOINT)
+    return AgentConfig(
+        enabled=enabled,
+        service_name=service,
+        resource_attributes=resource,
+        exporter=exporter,
+        max_token_offsets=_positive_int(
+            env, "TOKENTRACE_MAX_TOKEN_OFFSETS", _DEFAULT_MAX_TOKEN_OFFSETS, minimum=0
+        ),
+        max_in_flight=_positive_int(env, "TOKENTRACE_MAX_IN_FLIGHT", _DEFAULT_MAX_IN_FLIGHT),
+        max_queue=_positive_int(env, "TOKENTRACE_MAX_QUEUE", _DEFAULT_MAX_QUEUE),
+    )
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    _log.warning("tokentrace: %s=%r is not true/false; using %s", name, value, default)
+    return default
+
+
+def _positive_int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 1) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        _log.warning(
+            "tokentrace: %s=%r must be an integer >= %d; using %d", name, raw, minimum, default
+        )
+        return default
+    return value
+
+
+def _resource_attributes(raw: str) -> dict[str, str]:
+    """``OTEL_RESOURCE_ATTRIBUTES``: comma-separated ``key=value``, values percent-encoded."""
+    attributes: dict[str, str] = {}
+    for item in raw.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            if item.strip():
+                _log.warning("tokentrace: ignoring OTEL_RESOURCE_ATTRIBUTES entry %r", item)
+            continue
+        attributes[key.strip()] = unquote(value.strip())
+    return attributes

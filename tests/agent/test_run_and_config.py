@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokentrace.agent import semconv
+from tokentrace.agent.config import load_agent_config
+
+TOKENTRACE = [sys.executable, "-m", "tokentrace.agent.cli"]
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*TOKENTRACE, "run", *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def test_run_injects_the_agent_into_the_command_and_its_children() -> None:
+    probe = (
+        "import sys, subprocess;"
+        "print('here', 'tokentrace.agent.bootstrap' in sys.modules);"
+        "child = subprocess.run([sys.executable, '-c', "
+        '\'import sys; print("child", "tokentrace.agent.bootstrap" in sys.modules)\'],'
+        " capture_output=True, text=True); print(child.stdout.strip())"
+    )
+    result = run("--service-name", "svc-x", "--", sys.executable, "-c", probe)
+    assert result.returncode == 0, result.stderr
+    assert "here True" in result.stdout and "child True" in result.stdout
+
+
+def test_run_keeps_an_existing_sitecustomize_working(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text("import builtins\nbuiltins.MARK = 'theirs'\n")
+    import os
+
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    probe = (
+        "import builtins, sys;"
+        "print(getattr(builtins, 'MARK', None), 'tokentrace.agent.bootstrap' in sys.modules)"
+    )
+    result = run("--", sys.executable, "-c", probe, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["theirs", "True"]
+
+
+def test_run_sets_the_standard_variables() -> None:
+    probe = (
+        "import os;"
+        "print(os.environ['OTEL_SERVICE_NAME'], os.environ['OTEL_EXPORTER_OTLP_ENDPOINT'])"
+    )
+    result = run(
+        "--service-name",
+        "svc",
+        "--endpoint",
+        "http://127.0.0.1:9",
+        "--",
+        sys.executable,
+        "-c",
+        probe,
+    )
+    assert result.stdout.split() == ["svc", "http://127.0.0.1:9"]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [((), 2, "nothing to run"), (("--", "no-such-cmd-xyz"), 127, "command not found")],
+)
+def test_run_errors_are_clear(args: tuple[str, ...], code: int, message: str) -> None:
+    result = run(*args)
+    assert result.returncode == code
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_agent_config_defaults_to_the_node_local_collector() -> None:
+    config = load_agent_config({})
+    assert config.enabled
+    assert config.exporter.endpoint == "http://localhost:4317"
+    assert config.exporter.protocol == "grpc"
+    assert config.resource()[semconv.SERVICE_NAME] == "vllm"
+
+
+def test_agent_config_reads_the_otel_variables() -> None:
+    config = load_agent_config(
+        {
+            "OTEL_SERVICE_NAME": "chat",
+            "OTEL_RESOURCE_ATTRIBUTES": "k8s.pod.name=p%201,deployment.environment=prod",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://node:4318",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "TOKENTRACE_MAX_TOKEN_OFFSETS": "64",
+        }
+    )
+    assert config.resource()[semconv.SERVICE_NAME] == "chat"
+    assert config.resource()[semconv.K8S_POD_NAME] == "p 1"
+    assert config.exporter.endpoint == "http://node:4318"
+    assert config.exporter.protocol == "http/protobuf"
+    assert config.max_token_offsets == 64
+
+
+def test_agent_config_is_disabled_by_either_switch() -> None:
+    assert not load_agent_config({"OTEL_SDK_DISABLED": "true"}).enabled
+    assert not load_agent_config({"TOKENTRACE_ENABLED": "false"}).enabled
+
+
+def test_bad_agent_values_fall_back_to_defaults_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        config = load_agent_config(
+            {
+                "TOKENTRACE_MAX_QUEUE": "lots",
+                "TOKENTRACE_ENABLED": "maybe",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon",
+            }
+        )
+    assert config.enabled and config.max_queue == 8192
+    assert config.exporter.endpoint == "http://localhost:4317"
+    messages = " ".join(record.getMessage() for record in caplog.records)
+    assert "TOKENTRACE_MAX_QUEUE" in messages and "TOKENTRACE_ENABLED" in messages
