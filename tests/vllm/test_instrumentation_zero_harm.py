@@ -1,0 +1,92 @@
+"""Zero harm on a real vLLM server: a tokentrace hook that raises costs traces, never requests.
+
+The server runs with the tokentrace plugin and a test-support ``sitecustomize``
+(``tests/vllm/support``) that makes the per-step output hook raise. Every request must still be
+served in full, the failure is logged and counted once (the hook is disabled, not retried), and
+request tracing stops instead of leaving half-built traces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.collector.upstream import UpstreamOtlp
+from tests.vllm.conftest import require_vllm
+from tests.vllm.server import VllmServer, running_vllm_server
+from tests.vllm.test_instrumentation import endpoint, request_body, traced_server_env, usage_of
+from tests.vllm.traces import request_trees
+from tokentrace.agent.frameworks.vllm import HOOK_OUTPUTS
+
+require_vllm()
+
+pytestmark = pytest.mark.slow
+
+_SUPPORT_DIR = Path(__file__).parent / "support"
+_FAILING_METHOD = "_after_outputs"
+_REQUEST_TIMEOUT_S = 60.0
+_EXPORT_SETTLE_S = 1.5
+"""Several emitter intervals: long enough for any span that would be sent to arrive."""
+
+
+@pytest.fixture(scope="module")
+def failing_hook_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[VllmServer, UpstreamOtlp]]:
+    log_path = tmp_path_factory.mktemp("vllm-failing-hook") / "server.log"
+    python_path = os.pathsep.join(filter(None, [str(_SUPPORT_DIR), os.environ.get("PYTHONPATH")]))
+    with UpstreamOtlp() as upstream:
+        env = {
+            **traced_server_env(upstream),
+            "PYTHONPATH": python_path,
+            "TOKENTRACE_TEST_FAIL_HOOK": _FAILING_METHOD,
+        }
+        with running_vllm_server(tiny_model_dir, log_path=log_path, env=env) as server:
+            yield server, upstream
+
+
+def test_server_keeps_serving_when_a_hook_raises(
+    failing_hook_server: tuple[VllmServer, UpstreamOtlp],
+) -> None:
+    server, upstream = failing_hook_server
+    max_tokens, concurrency = 6, 8
+
+    async def one(client: httpx.AsyncClient, *, chat: bool, stream: bool) -> int:
+        response = await client.post(
+            endpoint(server, chat=chat),
+            json=request_body(server, chat=chat, stream=stream, max_tokens=max_tokens),
+        )
+        assert response.status_code == 200, response.text
+        return usage_of(response.text, stream=stream)["completion_tokens"]
+
+    async def load() -> list[int]:
+        async with httpx.AsyncClient(timeout=_REQUEST_TIMEOUT_S) as client:
+            sequential = [
+                await one(client, chat=chat, stream=stream)
+                for chat in (False, True)
+                for stream in (False, True)
+            ]
+            concurrent = await asyncio.gather(
+                *(one(client, chat=i % 2 == 0, stream=True) for i in range(concurrency))
+            )
+        return [*sequential, *concurrent]
+
+    assert asyncio.run(load()) == [max_tokens] * (4 + concurrency)
+    assert server.process.poll() is None
+    with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
+        assert client.get(f"{server.base_url}/health").status_code == 200
+
+    log = server.log_path.read_text(encoding="utf-8", errors="replace")
+    assert "forced failure of _after_outputs" in log
+    # Counted and disabled at the first failure, not raised again for every later step.
+    assert log.count(f"hook {HOOK_OUTPUTS!r} failed and is now disabled") == 1, server.log_tail()
+    assert "EngineDeadError" not in log
+    # The hook failed at the first request's first step: no request is traced after that.
+    time.sleep(_EXPORT_SETTLE_S)
+    assert request_trees(upstream) == {}
