@@ -70,6 +70,8 @@ class RequestTimer:
 
     request_id: str
     arrival_ns: int
+    queued_ns: int | None = None
+    """When the engine queued the request (engine arrival); None: not reported."""
     scheduled_ns: int | None = None
     token_ns: list[int] = field(default_factory=list)
     chunks: list[tuple[int, int, int]] = field(default_factory=list)
@@ -109,6 +111,7 @@ def to_recording(timer: RequestTimer, clock: ClockDomain) -> RequestRecording:
         operation=str(timer.attributes.get("operation", "unknown")),
         arrival_ns=unix(timer.arrival_ns),
         end_ns=unix(end_ns),
+        queued_ns=None if timer.queued_ns is None else unix(timer.queued_ns),
         first_scheduled_ns=None if timer.scheduled_ns is None else unix(timer.scheduled_ns),
         first_token_ns=None if first is None else unix(first),
         last_token_ns=None if first is None else unix(tokens[-1]),

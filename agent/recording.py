@@ -34,9 +34,13 @@ class RequestRecording:
     operation: str
 
     arrival_ns: int
-    """Engine arrival: the start of ``llm.request``."""
+    """Request arrival at the engine client (after tokenisation): the start of ``llm.request``."""
     end_ns: int
     """Response complete: the end of ``llm.request``."""
+    queued_ns: int | None = None
+    """Engine arrival: when the engine queued the request; the start of ``llm.queue``. None: same
+    as ``arrival_ns``. The time between the two (the hand-off to the engine) is part of the
+    collector's ``http`` segment."""
     first_scheduled_ns: int | None = None
     first_token_ns: int | None = None
     last_token_ns: int | None = None

@@ -4,7 +4,7 @@ The agent turns each finished request's ``RequestRecording`` into DESIGN.md's sp
 off the serving thread (``tokentrace replay`` does the same with its simulated requests)::
 
     llm.request             arrival -> response complete; parent: the incoming HTTP server span
-      llm.queue             arrival -> first scheduled
+      llm.queue             engine arrival (queued; else arrival) -> first scheduled
       llm.prefill           first scheduled -> first output token
         llm.prefill.chunk   one per engine step of a chunked prefill (only with > 1 chunk)
       llm.preempted         one per interval the request was evicted
@@ -142,12 +142,16 @@ def plan_spans(
     decode_end = end if last_token is None else last_token
     prefill_end = decode_end if first_token is None else first_token
     queue_end = prefill_end if scheduled is None else scheduled
+    # The engine queues the request after the hand-off from the API server; the gap before it
+    # is the collector's http segment. Clamped into [arrival, queue_end] (clock skew).
+    queued = recording.queued_ns
+    queue_start = arrival if queued is None else min(max(queued, arrival), queue_end)
 
     yield PlannedSpan(
         0, -1, semconv.SPAN_REQUEST, internal, arrival, end,
         _request_attributes(recording), recording.error,
     )  # fmt: skip
-    yield PlannedSpan(1, 0, semconv.SPAN_QUEUE, internal, arrival, queue_end, {})
+    yield PlannedSpan(1, 0, semconv.SPAN_QUEUE, internal, queue_start, queue_end, {})
     local_id = 2
     if scheduled is not None:
         chunks = recording.prefill_chunks

@@ -244,7 +244,7 @@ def _stream_load(base_url: str, model: str, *, requests: int, concurrency: int =
 
     def send(plan: tuple[str, dict[str, object]]) -> bool:
         path, body = plan
-        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=120)
+        connection = http.client.HTTPConnection(address.netloc, timeout=120)
         try:
             connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
             response = connection.getresponse()

@@ -60,11 +60,12 @@ class RequestTimeline:
     client_first_token: int | None = None
 
     # Server view. server_start/server_end come from the incoming HTTP server span when there is
-    # one, else they equal arrival/end.
+    # one, else from the request span (llm.request / llm_request) itself.
     server_start: int | None = None
     server_end: int | None = None
     arrival: int | None = None
-    """Engine arrival: start of ``llm.request``."""
+    """Engine arrival: when the engine queued the request - the start of ``llm.queue`` (else of
+    ``llm.request``); for vLLM's span, first scheduled minus its queue time."""
     ready: int | None = None
     """When the server became ready, for requests that arrived during its cold start."""
     first_scheduled: int | None = None

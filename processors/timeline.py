@@ -5,7 +5,9 @@ Dialects, read straight from the OTLP protobuf spans:
 ``tokentrace``
     tokentrace's own ``llm.request`` span with its phase children (``llm.queue``,
     ``llm.prefill`` and its ``llm.prefill.chunk`` children, ``llm.decode``, ``llm.preempted``,
-    ``llm.postprocess``), matched by ``parent_span_id``.
+    ``llm.postprocess``), matched by ``parent_span_id``. Engine arrival (``arrival``) is the
+    start of ``llm.queue`` (when the engine queued the request), else of ``llm.request``; the
+    time from ``llm.request``'s start to it (the hand-off to the engine) belongs to ``http``.
 ``vllm``
     vLLM's built-in ``llm_request`` span: no children, phase latencies as double seconds. The
     boundaries are reconstructed from the span start (vLLM's arrival) and clamped into the span.
@@ -17,8 +19,8 @@ Dialects, read straight from the OTLP protobuf spans:
     client-only timeline. When several such spans nest, only the innermost one counts.
 
 For server-side requests, the nearest SERVER-kind ancestor (e.g. the HTTP server span) gives
-``server_start``/``server_end`` (else the request span itself), and the nearest CLIENT-kind
-ancestor gives the client view. Spans of no known dialect produce nothing.
+``server_start``/``server_end`` (else the request span itself: its start and end), and the
+nearest CLIENT-kind ancestor gives the client view. Spans of no known dialect produce nothing.
 
 Robustness: nothing here raises on malformed input. Attributes of the wrong type, negative token
 counts, non-finite or negative latencies, zero (unset) timestamps and phase spans that end before
@@ -327,14 +329,16 @@ class _Context:
                 self.client = ref.span
                 break
 
-    def apply(self, timeline: RequestTimeline) -> None:
+    def apply(self, timeline: RequestTimeline, *, request_start: int | None = None) -> None:
+        """Server and client times; without a server span the server view is the request span
+        (``request_start``, default the engine arrival, to its end)."""
         server = self.server
         if server is not None:
             times = _times(server)
             if times is not None:
                 timeline.server_start, timeline.server_end = times
         if timeline.server_start is None:
-            timeline.server_start = timeline.arrival
+            timeline.server_start = timeline.arrival if request_start is None else request_start
             timeline.server_end = timeline.end
         client = self.client
         if client is not None:
@@ -386,7 +390,7 @@ def _tokentrace_timeline(trace_id: bytes, index: _TraceIndex, ref: SpanRef) -> R
         prefix_hash=_as_str(slots[_PREFIX_HASH]),
     )
     _apply_phases(timeline, index, span.span_id)
-    context.apply(timeline)
+    context.apply(timeline, request_start=start)
     return timeline
 
 
@@ -419,6 +423,9 @@ def _apply_phases(timeline: RequestTimeline, index: _TraceIndex, request_id: byt
         timeline.preempted.sort()
 
     if queue is not None:
+        # Engine arrival: the engine queued the request (the request span may start earlier,
+        # at the API server's arrival). Budget clamping keeps it inside the request.
+        timeline.arrival = queue.start_time_unix_nano
         timeline.first_scheduled = queue.end_time_unix_nano
     elif prefill is not None:
         timeline.first_scheduled = prefill.start_time_unix_nano

@@ -13,9 +13,12 @@ is read per token: each token gets the timestamp of the engine step that produce
   comparable across the processes of a host), i.e. exactly vLLM's ``first_token_ts`` /
   ``last_token_ts`` and inter-token latencies.
 - **queue and preemption**: the scheduler events vLLM attaches to outputs (stats logging on, the
-  server default): the first SCHEDULED ends ``llm.queue``; each PREEMPTED until the next SCHEDULED
-  is one ``llm.preempted`` interval, with EngineCore's own timestamps. Without events (offline
-  ``LLM`` with stats logging off) the queue span lasts until the first token.
+  server default): the first QUEUED (EngineCore's ``add_request``, vLLM's
+  ``RequestStateStats.queued_ts``) starts ``llm.queue`` - the engine arrival, so the hand-off
+  from the API server is not counted as queue wait - and the first SCHEDULED ends it; each
+  PREEMPTED until the next SCHEDULED is one ``llm.preempted`` interval, with EngineCore's own
+  timestamps. Without events (offline ``LLM`` with stats logging off) the queue span lasts from
+  arrival until the first token.
 - **finish**: after ``process_outputs``, a traced request whose state vLLM dropped is finished:
   one clock read marks the response complete; output tokens (as many as were timed: vLLM's usage
   count), prompt and cached tokens and the finish reason come from vLLM's ``RequestState``.
@@ -113,6 +116,7 @@ _UNKNOWN_MODEL: Final = "unknown"
 _ERROR_ABORTED: Final = "aborted"
 _ERROR_ENGINE: Final = "engine error"
 # vLLM's EngineCoreEventType and FinishReason values (IntEnums; the unit tests check them).
+_EVENT_QUEUED: Final = 1
 _EVENT_SCHEDULED: Final = 2
 _EVENT_PREEMPTED: Final = 3
 _FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
@@ -537,6 +541,8 @@ def _apply_events(timer: RequestTimer, events: Any) -> None:
                 timer.resume(event_ns)
         elif kind == _EVENT_PREEMPTED:
             timer.preempt(int(event.timestamp * _NS_PER_S))
+        elif kind == _EVENT_QUEUED and timer.queued_ns is None:
+            timer.queued_ns = int(event.timestamp * _NS_PER_S)
 
 
 class _VllmLogHandler(logging.Handler):

@@ -32,6 +32,7 @@ def test_a_request_life_becomes_a_recording_in_unix_time() -> None:
     timer = recorder.begin("req-1")
     assert timer is not None
     timer.attributes.update(model="m", operation="chat", input_tokens=12, output_tokens=3)
+    timer.queued_ns = ticks.now + 2_000_000
     ticks.now += 5_000_000
     timer.scheduled_ns = ticks.now
     for _ in range(3):
@@ -44,6 +45,7 @@ def test_a_request_life_becomes_a_recording_in_unix_time() -> None:
 
     recording = to_recording(done, fixed_domain(ticks))
     assert recording.arrival_ns == 1_000_000_000 + WALL_OFFSET
+    assert recording.queued_ns == recording.arrival_ns + 2_000_000
     assert recording.first_scheduled_ns == recording.arrival_ns + 5_000_000
     assert recording.first_token_ns == recording.first_scheduled_ns + 10_000_000
     assert recording.last_token_ns == recording.first_token_ns + 20_000_000
@@ -69,6 +71,7 @@ def test_preemption_intervals_and_an_abort_while_evicted() -> None:
     assert recording.preempted == [(start + 1, start + 5), (start + 8, start + 10)]
     assert recording.error == "client disconnected"
     assert recording.first_token_ns is None and recording.token_offsets_us == []
+    assert recording.queued_ns is None  # never reported: llm.queue starts at arrival
 
 
 def test_in_flight_limit_leaves_requests_untraced_and_counts_them() -> None:

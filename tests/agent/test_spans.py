@@ -438,6 +438,28 @@ def test_intervals_outside_the_request_are_clamped_into_it() -> None:
     assert_children_inside(spans_of(message))
 
 
+def test_the_queue_starts_when_the_engine_queued_the_request() -> None:
+    recording = minimal_recording(queued_ns=T0 + 300 * US)
+    phases = by_name(spans_of(encode([recording])[0]))
+    assert interval(phases[semconv.SPAN_QUEUE]) == (T0 + 300 * US, recording.first_scheduled_ns)
+    assert interval(phases[semconv.SPAN_REQUEST]) == (recording.arrival_ns, recording.end_ns)
+
+
+@pytest.mark.parametrize(
+    ("queued_offset_ns", "expected_offset_ns"),
+    [(-MS, 0), (5 * MS, MS)],  # before arrival; after first scheduled (T0 + 1 ms)
+    ids=["before_arrival", "after_scheduled"],
+)
+def test_an_engine_arrival_outside_the_queue_phase_is_clamped_into_it(
+    queued_offset_ns: int, expected_offset_ns: int
+) -> None:
+    recording = minimal_recording(queued_ns=T0 + queued_offset_ns)
+    spans = spans_of(encode([recording])[0])
+    queue = by_name(spans)[semconv.SPAN_QUEUE]
+    assert interval(queue) == (T0 + expected_offset_ns, recording.first_scheduled_ns)
+    assert_children_inside(spans)
+
+
 # --- the collector reads back the recording's phases ---------------------------------------------
 
 
@@ -472,12 +494,15 @@ def expected_segments(recording: RequestRecording) -> dict[str, int]:
     scheduled = (
         recording.first_scheduled_ns if recording.first_scheduled_ns is not None else first_token
     )
-    arrival = recording.arrival_ns
+    # Engine arrival: when the engine queued the request; the hand-off before it is http.
+    arrival = recording.queued_ns if recording.queued_ns is not None else recording.arrival_ns
     ready = recording.ready_ns if recording.ready_ns is not None else arrival
+    ready = max(ready, arrival)
     in_prefill = overlap(recording.preempted, scheduled, first_token)
     in_decode = overlap(recording.preempted, first_token, last_token)
     segments = dict.fromkeys(semconv.SEGMENTS, 0)
     segments |= {
+        semconv.SEGMENT_HTTP: arrival - recording.arrival_ns,
         semconv.SEGMENT_COLD_START: ready - arrival,
         semconv.SEGMENT_QUEUE: scheduled - ready,
         semconv.SEGMENT_PREFILL: first_token - scheduled - in_prefill,
@@ -490,8 +515,24 @@ def expected_segments(recording: RequestRecording) -> dict[str, int]:
 
 @pytest.mark.parametrize(
     "recording",
-    [full_recording(), minimal_recording(), aborted_while_queued(), aborted_mid_decode()],
-    ids=["full", "minimal", "aborted_while_queued", "aborted_mid_decode"],
+    [
+        full_recording(),
+        minimal_recording(),
+        aborted_while_queued(),
+        aborted_mid_decode(),
+        minimal_recording(queued_ns=T0 + 300 * US),
+        full_recording(queued_ns=T0 + 10 * MS + 400 * US),  # before ready (+1 ms)
+        full_recording(queued_ns=T0 + 10 * MS + 2 * MS),  # after ready: no cold start
+    ],
+    ids=[
+        "full",
+        "minimal",
+        "aborted_while_queued",
+        "aborted_mid_decode",
+        "minimal_queued_after_handoff",
+        "full_queued_before_ready",
+        "full_queued_after_ready",
+    ],
 )
 def test_collector_reads_back_the_recorded_phase_durations(recording: RequestRecording) -> None:
     (message, _) = encode([recording])

@@ -31,7 +31,7 @@ from tokentrace.agent.frameworks.vllm import (
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import Recorder, RequestTimer
 
-SCHEDULED, PREEMPTED = 2, 3
+QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
 LENGTH, ABORT = 1, 2
 
 
@@ -242,9 +242,12 @@ def run_one_request(
     asyncio.run(engine.add_request(external_id, "prompt", None, arrival, trace_headers=headers))
     internal = f"{external_id}-internal"
     processor = engine.output_processor
-    # Step 1: scheduled and the first token; step 2: two tokens (speculative); step 3: preempted
-    # and resumed, the last token, finished.
-    processor.process_outputs([Output(internal, [7], events=[Event(SCHEDULED, 100.0)])], 100.5)
+    # Step 1: queued, scheduled and the first token; step 2: two tokens (speculative); step 3:
+    # preempted and resumed, a later QUEUED (a streaming-input update re-queues the request:
+    # it does not move the engine arrival), the last token, finished.
+    processor.process_outputs(
+        [Output(internal, [7], events=[Event(QUEUED, 99.75), Event(SCHEDULED, 100.0)])], 100.5
+    )
     processor.process_outputs([Output(internal, [8, 9])], 101.0)
     result = processor.process_outputs(
         [
@@ -252,7 +255,7 @@ def run_one_request(
                 internal,
                 [10],
                 LENGTH,
-                events=[Event(PREEMPTED, 101.2), Event(SCHEDULED, 101.7)],
+                events=[Event(PREEMPTED, 101.2), Event(QUEUED, 101.3), Event(SCHEDULED, 101.7)],
             )
         ],
         102.0,
@@ -269,6 +272,7 @@ def test_a_request_gets_step_timestamps_per_token_and_vllms_own_numbers(
     (timer,) = vllm_stand_in.finished
     assert timer.request_id == "chatcmpl-xyz-internal"
     assert timer.token_ns == [100_500_000_000, 101_000_000_000, 101_000_000_000, 102_000_000_000]
+    assert timer.queued_ns == 99_750_000_000  # the first QUEUED: engine arrival
     assert timer.scheduled_ns == 100_000_000_000
     assert timer.preempted_ns == [(101_200_000_000, 101_700_000_000)]
     # vLLM's wall-clock arrival, moved to the monotonic domain: it converts back to itself.

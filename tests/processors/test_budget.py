@@ -260,6 +260,57 @@ def test_budget_of_a_normalised_tokentrace_request() -> None:
     assert budget.ttft_ns == 30 * MS
 
 
+def test_hand_off_before_the_engine_queue_is_http_not_queue() -> None:
+    # llm.request starts at the API server's arrival, llm.queue 3 ms later when the engine
+    # queued the request; there is no HTTP server span.
+    spans = request_spans(
+        http_ns=None,
+        queue_ns=10 * MS,
+        prefill_ns=25 * MS,
+        token_offsets_us=[0, 10_000],
+        postprocess_ns=MS,
+    )
+    request, queue = spans[0], spans[1]
+    assert queue.name == semconv.SPAN_QUEUE
+    queue.start_time_unix_nano += 3 * MS
+    (timeline,) = normalize(trace(*spans))
+    budget = compute_budget(timeline)
+    assert_partition(budget)
+    assert not budget.skew_clamped
+    assert budget.segments[semconv.SEGMENT_HTTP] == 3 * MS
+    queue_duration = queue.end_time_unix_nano - queue.start_time_unix_nano
+    assert budget.segments[semconv.SEGMENT_QUEUE] == queue_duration == 7 * MS
+    assert budget.e2e_ns == request.end_time_unix_nano - request.start_time_unix_nano
+    # TTFT still counts from the request's arrival, the hand-off included.
+    assert budget.ttft_ns == 3 * MS + 7 * MS + 25 * MS
+    assert budget.ttft_segments[semconv.SEGMENT_HTTP] == 3 * MS
+    assert compute_metrics(timeline, budget).queue == 7 * MS
+
+
+def test_hand_off_adds_to_http_under_a_server_span() -> None:
+    spans = request_spans(http_ns=2 * MS, queue_ns=10 * MS)
+    queue = spans[2]
+    assert queue.name == semconv.SPAN_QUEUE
+    queue.start_time_unix_nano += 3 * MS
+    (timeline,) = normalize(trace(*spans))
+    budget = compute_budget(timeline)
+    assert_partition(budget)
+    assert budget.segments[semconv.SEGMENT_HTTP] == 2 * MS + 3 * MS
+    assert budget.segments[semconv.SEGMENT_QUEUE] == 7 * MS
+
+
+def test_a_queue_span_starting_before_its_request_is_clamped_and_flagged() -> None:
+    spans = request_spans(http_ns=None, queue_ns=10 * MS)
+    queue = spans[1]
+    queue.start_time_unix_nano -= MS  # clock skew between the engine and the API server
+    (timeline,) = normalize(trace(*spans))
+    budget = compute_budget(timeline)
+    assert_partition(budget)
+    assert budget.skew_clamped
+    assert budget.segments[semconv.SEGMENT_HTTP] == 0
+    assert budget.segments[semconv.SEGMENT_QUEUE] == 10 * MS
+
+
 def test_budget_of_a_vllm_span_matches_its_latencies() -> None:
     client = span("client", T0 - 5 * MS, T0 + 1005 * MS, span_id=sid(8), kind=KIND_CLIENT)
     vllm = span(

@@ -95,6 +95,30 @@ def test_without_a_server_span_the_request_span_is_the_server_view() -> None:
     assert timeline.server_end == timeline.end == spans[0].end_time_unix_nano
 
 
+def test_engine_arrival_is_the_queue_span_start_after_the_hand_off() -> None:
+    # The engine queued the request 3 ms after llm.request began (tokenised, handed off).
+    spans = request_spans(http_ns=None, queue_ns=8 * MS)
+    request, queue = spans[0], spans[1]
+    assert queue.name == semconv.SPAN_QUEUE
+    queue.start_time_unix_nano += 3 * MS
+    timeline = only(normalize(trace(*spans)))
+    assert timeline.arrival == request.start_time_unix_nano + 3 * MS
+    assert timeline.first_scheduled == queue.end_time_unix_nano
+    # No HTTP server span: the server view is the request span, from its own start.
+    assert timeline.server_start == request.start_time_unix_nano
+    assert timeline.server_end == timeline.end == request.end_time_unix_nano
+
+
+def test_with_a_server_span_engine_arrival_is_still_the_queue_start() -> None:
+    spans = request_spans(start_ns=T0, http_ns=2 * MS)
+    http, queue = spans[0], spans[2]
+    assert queue.name == semconv.SPAN_QUEUE
+    queue.start_time_unix_nano += MS
+    timeline = only(normalize(trace(*spans)))
+    assert timeline.server_start == http.start_time_unix_nano == T0
+    assert timeline.arrival == T0 + 3 * MS
+
+
 def test_model_falls_back_to_response_model_then_unknown() -> None:
     response_only = request_spans(
         request_attrs={semconv.GEN_AI_REQUEST_MODEL: 5, semconv.GEN_AI_RESPONSE_MODEL: "resp"}

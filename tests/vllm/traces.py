@@ -96,10 +96,11 @@ class Agreement:
 def agreement(tree: RequestTree, vllm_span: Span) -> Agreement:
     """Compare one tokentrace tree with vLLM's span of the same request.
 
-    vLLM's queue runs from EngineCore's QUEUED event; tokentrace's from arrival at the engine
-    client (it includes the hand-off to EngineCore). vLLM's TTFT and E2E are taken when the API
-    server begins processing the step's outputs; tokentrace's first token carries the engine
-    step's own timestamp and its end is read after that processing.
+    Both queues run from EngineCore's QUEUED event to its first SCHEDULED (``llm.request``
+    starts earlier, at arrival: the hand-off to EngineCore lies between the two starts). vLLM's
+    TTFT and E2E are taken when the API server begins processing the step's outputs;
+    tokentrace's first token carries the engine step's own timestamp and its end is read after
+    that processing.
     """
     theirs = attributes_of(vllm_span)
     root = tree.root
@@ -126,7 +127,8 @@ def agreement(tree: RequestTree, vllm_span: Span) -> Agreement:
 
 
 def assert_consistent_tree(tree: RequestTree) -> None:
-    """queue -> prefill -> decode -> postprocess tile ``llm.request`` exactly, in order."""
+    """queue -> prefill -> decode -> postprocess tile ``llm.request`` from engine arrival (the
+    queue's start, at or after the request's) to its end, in order."""
     root = tree.root
     phases = [
         tree.child(name)
@@ -137,7 +139,7 @@ def assert_consistent_tree(tree: RequestTree) -> None:
             semconv.SPAN_POSTPROCESS,
         )
     ]
-    assert phases[0].start_time_unix_nano == root.start_time_unix_nano
+    assert root.start_time_unix_nano <= phases[0].start_time_unix_nano
     assert phases[-1].end_time_unix_nano == root.end_time_unix_nano
     for before, after in pairwise(phases):
         assert before.end_time_unix_nano == after.start_time_unix_nano, (before.name, after.name)
