@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -21,7 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Gauge, Metric, NumberDataPoint
 
-from tests.collector.upstream import UpstreamOtlp, iter_spans
+from tests.collector.upstream import UpstreamOtlp, endpoint_of, iter_spans
 from tokentrace.agent import semconv
 from tokentrace.agent.otlp_export import (
     PROTOCOL_GRPC,
@@ -39,16 +38,6 @@ FLUSH_S = 5.0
 
 
 # --- helpers -----------------------------------------------------------------------------------
-@pytest.fixture
-def upstream() -> Iterator[UpstreamOtlp]:
-    with UpstreamOtlp() as server:
-        yield server
-
-
-def endpoint_of(upstream: UpstreamOtlp, protocol: str) -> str:
-    return upstream.grpc_endpoint if protocol == PROTOCOL_GRPC else upstream.http_endpoint
-
-
 def make_config(endpoint: str, protocol: str, **overrides: Any) -> OtlpExporterConfig:
     options: dict[str, Any] = {
         "endpoint": endpoint,

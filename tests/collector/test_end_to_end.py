@@ -3,7 +3,6 @@ collector on 127.0.0.1; a test-owned upstream OTLP receiver gets the enriched sp
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,6 @@ from tokentrace.collector.service import Collector
 from tokentrace.collector.store.sqlite import RequestStore
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def upstream() -> Iterator[UpstreamOtlp]:
-    server = UpstreamOtlp().start()
-    yield server
-    server.stop()
 
 
 def start_collector(tmp_path: Path, upstream: UpstreamOtlp) -> Collector:

@@ -4,7 +4,7 @@ they form requests (joined traces, data-point batches) and their YAML configurat
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -31,7 +31,7 @@ from tokentrace.collector.exporters.otlp import (
 )
 from tokentrace.processors.model import SpanRef
 
-from .upstream import UpstreamOtlp, iter_spans
+from .upstream import UpstreamOtlp, endpoint_of, iter_spans
 
 PROTOCOLS = [PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF]
 TINY_RETRY = RetryConfig(initial_interval_s=0.01, max_interval_s=0.02, max_elapsed_s=2.0)
@@ -39,16 +39,6 @@ FLUSH_S = 5.0
 
 
 # --- helpers -----------------------------------------------------------------------------------
-@pytest.fixture
-def upstream() -> Iterator[UpstreamOtlp]:
-    with UpstreamOtlp() as server:
-        yield server
-
-
-def endpoint_of(upstream: UpstreamOtlp, protocol: str) -> str:
-    return upstream.grpc_endpoint if protocol == PROTOCOL_GRPC else upstream.http_endpoint
-
-
 def make_config(endpoint: str, protocol: str, **overrides: Any) -> OtlpExporterConfig:
     options: dict[str, Any] = {
         "endpoint": endpoint,

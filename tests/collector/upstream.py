@@ -419,3 +419,8 @@ def iter_spans(
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
                     yield resource_spans.resource, scope_spans.scope, span
+
+
+def endpoint_of(upstream: UpstreamOtlp, protocol: str) -> str:
+    """The receiver's endpoint for an OTLP exporter speaking ``protocol``."""
+    return upstream.grpc_endpoint if protocol == "grpc" else upstream.http_endpoint
