@@ -13,7 +13,9 @@ PYTEST_ARGS ?=
 
 .PHONY: venv install test lint typecheck pytest demo bench docs clean
 
-$(VENV)/.ready: $(DEPS_FILES)
+# No prerequisites: the path already carries the hash of the dependency files' content, and a
+# fresh clone's newer mtimes must not force a rebuild of an identical environment.
+$(VENV)/.ready:
 	@echo "==> creating virtual environment $(VENV) (first time: a few minutes, vLLM included)"
 	rm -rf "$(VENV)"
 	$(PYTHON) -m venv "$(VENV)"
