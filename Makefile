@@ -22,7 +22,7 @@ $(VENV)/.ready:
 	"$(PY)" -m pip install --quiet --upgrade pip 'setuptools>=77' wheel
 	@# The CPU build of torch first, so vLLM's torch requirement is already met.
 	"$(PY)" -m pip install --quiet torch==2.13.0
-	"$(PY)" -c "import torch, sys; sys.exit(0 if '+cpu' in torch.__version__ else 'not the CPU torch build')"
+	"$(PY)" -c "import torch, sys; sys.exit(0 if '+cpu' in torch.__version__ else 'pip installed a CUDA build of torch: make the CPU wheel of torch 2.13.0 reachable for pip (e.g. PIP_FIND_LINKS) and run make again')"
 	"$(PY)" -m pip install --quiet -c constraints.txt -r requirements-vllm-test.txt -e '.[dev]'
 	@# CUDA builds that cannot load against CPU torch, and triton (no CPU backend).
 	"$(PY)" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton

@@ -1,10 +1,11 @@
 """Finished requests -> spans -> OTLP bytes, once per request, on one background thread.
 
 The serving path only calls ``submit`` (a length check and a deque append). The emitter's thread
-wakes every ``interval_s``, converts the finished timers to Unix time, builds and encodes their
-spans in one batch (``spans.encode_recordings``) and hands the bytes to ``send`` (the OTLP
-sender's non-blocking ``submit``). Bounded: a full queue drops the new request and counts it, so
-a stalled exporter never grows the host's memory.
+(started by the first ``submit``) wakes every ``interval_s``, converts the finished timers to Unix
+time, builds and encodes their spans in one batch (``spans.encode_recordings``) and hands the
+bytes to ``send`` (the OTLP sender's non-blocking ``submit``). Bounded: a full queue drops the new
+request and counts it, so a stalled exporter never grows the host's memory; a sender without room
+(``has_room``) makes the emitter drop batches before encoding them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tokentrace.agent.otlp_export import RateLimitedWarning
 from tokentrace.agent.recorder import ClockDomain, RequestTimer, to_recording
 from tokentrace.agent.spans import DEFAULT_MAX_TOKEN_OFFSETS, RecordingEncoder
 
@@ -25,12 +27,21 @@ _log = logging.getLogger(__name__)
 _DEFAULT_MAX_QUEUE = 8192
 _DEFAULT_MAX_BATCH = 256
 _DEFAULT_INTERVAL_S = 0.2
+_DROP_WARNING_INTERVAL_S = 60.0
 
 Send = Callable[[bytes, int], bool]
 """Queue one encoded export request of N spans; False when it could not be queued."""
+HasRoom = Callable[[int], bool]
+"""Whether the sender would take N more spans now (``OtlpSender.has_room``)."""
 
 
 class SpanEmitter:
+    """Turns finished ``RequestTimer``s into encoded OTLP span batches on its own thread.
+
+    The thread starts on the first ``submit`` (in a forked child too, whose queue starts empty):
+    a process that never finishes a request never runs one.
+    """
+
     def __init__(
         self,
         send: Send,
@@ -43,8 +54,12 @@ class SpanEmitter:
         interval_s: float = _DEFAULT_INTERVAL_S,
         max_token_offsets: int = DEFAULT_MAX_TOKEN_OFFSETS,
         clock_domain: ClockDomain | None = None,
+        has_room: HasRoom | None = None,
     ) -> None:
+        """``has_room``: checked before a batch is encoded (with its request count, a lower
+        bound of its spans); when it says no, the batch is dropped unencoded."""
         self._send = send
+        self._has_room = has_room
         self._encoder = RecordingEncoder(
             resource_attributes=resource_attributes,
             scope_name=scope_name,
@@ -55,31 +70,64 @@ class SpanEmitter:
         self._max_batch = max_batch
         self._interval_s = interval_s
         self._clock = clock_domain or ClockDomain()
-        self.emitted_requests = 0
-        self.emitted_spans = 0
-        self.dropped_requests = 0
-        """Finished requests lost: the queue was full, or their export could not be queued."""
+        # Each counter has one writer: the serving path (dropped_queue_full) or the emitter thread.
+        self.handed_to_sender_requests = 0
+        """Requests whose spans the sender accepted for export (not necessarily delivered: the
+        sender's ``sent_spans`` / ``dropped_spans`` say what became of them)."""
+        self.handed_to_sender_spans = 0
+        self.dropped_queue_full = 0
+        """Finished requests dropped on the serving path: ``max_queue`` were already waiting
+        (or the emitter was shut down)."""
+        self.dropped_unsent = 0
+        """Requests dropped because the sender had no room or refused the batch."""
+        self.dropped_unencodable = 0
+        """Requests whose spans could not be built or encoded."""
         self.failed_batches = 0
-        self._start_worker()
-        # A forked child (e.g. a server's worker processes) gets a fresh queue and thread:
+        self._queue_full_warning = RateLimitedWarning(interval_s=_DROP_WARNING_INTERVAL_S, log=_log)
+        self._unsent_warning = RateLimitedWarning(interval_s=_DROP_WARNING_INTERVAL_S, log=_log)
+        self._unencodable_warning = RateLimitedWarning(
+            interval_s=_DROP_WARNING_INTERVAL_S, log=_log
+        )
+        self._init_worker_state()
+        # A forked child (e.g. a server's worker processes) gets a fresh queue and no thread:
         # threads do not survive fork, and the parent's queue is the parent's to send.
         reference = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: _restart_in_child(reference))
+        os.register_at_fork(after_in_child=lambda: _reinit_in_child(reference))
 
-    def _start_worker(self) -> None:
+    def _init_worker_state(self) -> None:
         self._queue: deque[RequestTimer] = deque()
         self._wake = threading.Event()
         self._drained = threading.Event()
+        self._start_lock = threading.Lock()
         self._stopped = False
-        self._worker = threading.Thread(target=self._run, name="tokentrace-emitter", daemon=True)
-        self._worker.start()
+        self._worker: threading.Thread | None = None
+
+    def _ensure_worker(self) -> bool:
+        """Start the thread unless running; False when it could not be started."""
+        with self._start_lock:
+            if self._worker is None:
+                worker = threading.Thread(target=self._run, name="tokentrace-emitter", daemon=True)
+                try:
+                    worker.start()
+                except RuntimeError:  # interpreter shutting down, or out of threads
+                    return False
+                self._worker = worker
+        return True
 
     # --- serving path ------------------------------------------------------------------------
     def submit(self, timer: RequestTimer) -> None:
         if len(self._queue) >= self._max_queue or self._stopped:
-            self.dropped_requests += 1
+            self.dropped_queue_full += 1
+            self._queue_full_warning.warn(
+                "tokentrace: %d finished requests dropped so far (emitter.dropped_queue_full): "
+                "%d were waiting for the emitter (max_queue, TOKENTRACE_MAX_QUEUE)",
+                self.dropped_queue_full,
+                self._max_queue,
+            )
             return
         self._queue.append(timer)
+        if self._worker is None:
+            self._ensure_worker()
 
     # --- emitter thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -94,6 +142,9 @@ class SpanEmitter:
             batch: list[RequestTimer] = []
             while self._queue and len(batch) < self._max_batch:
                 batch.append(self._queue.popleft())
+            if self._has_room is not None and not self._has_room(len(batch)):
+                self._count_unsent(len(batch))  # endpoint down or slow: do not encode for nothing
+                continue
             try:
                 recordings = [to_recording(timer, self._clock) for timer in batch]
                 skipped_before = self._encoder.recordings_skipped
@@ -101,20 +152,41 @@ class SpanEmitter:
                 skipped = self._encoder.recordings_skipped - skipped_before
             except Exception:  # a bad timer must not stop the emitter
                 self.failed_batches += 1
-                self.dropped_requests += len(batch)
-                _log.warning("tokentrace: could not build spans for %d requests", len(batch))
+                self._count_unencodable(len(batch), exc_info=True)
                 continue
-            self.dropped_requests += skipped  # the encoder left out what it could not encode
+            if skipped:  # the encoder left out what it could not encode
+                self._count_unencodable(skipped, exc_info=False)
             if not spans:
                 continue
             if self._send(payload, spans):
-                self.emitted_requests += len(batch) - skipped
-                self.emitted_spans += spans
+                self.handed_to_sender_requests += len(batch) - skipped
+                self.handed_to_sender_spans += spans
             else:
-                self.dropped_requests += len(batch) - skipped
+                self._count_unsent(len(batch) - skipped)
+
+    def _count_unsent(self, requests: int) -> None:
+        self.dropped_unsent += requests
+        self._unsent_warning.warn(
+            "tokentrace: %d finished requests dropped so far (emitter.dropped_unsent): the OTLP "
+            "sender's queue was full or closed (OTLP exporter queue_size; see sender.stats)",
+            self.dropped_unsent,
+        )
+
+    def _count_unencodable(self, requests: int, *, exc_info: bool) -> None:
+        self.dropped_unencodable += requests
+        self._unencodable_warning.warn(
+            "tokentrace: %d finished requests dropped so far (emitter.dropped_unencodable): "
+            "their spans could not be built or encoded",
+            self.dropped_unencodable,
+            exc_info=exc_info,
+        )
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Emit everything queued now (from any thread); True when it was sent in time."""
+        if self._worker is None and not self._queue:
+            return True  # never started: nothing queued, nothing in progress
+        if not self._ensure_worker():
+            return False
         self._drained.clear()
         self._wake.set()
         return self._drained.wait(timeout_s) and not self._queue
@@ -123,19 +195,24 @@ class SpanEmitter:
         self.flush(timeout_s)
         self._stopped = True
         self._wake.set()
-        self._worker.join(timeout_s)
+        if self._worker is not None:
+            self._worker.join(timeout_s)
 
     def stats(self) -> dict[str, int]:
+        """``handed_to_sender_*``: accepted by the sender's queue, not delivered (the sender's
+        own stats count deliveries); ``dropped_*``: finished requests lost, by cause."""
         return {
-            "emitted_requests": self.emitted_requests,
-            "emitted_spans": self.emitted_spans,
-            "dropped_requests": self.dropped_requests,
+            "handed_to_sender_requests": self.handed_to_sender_requests,
+            "handed_to_sender_spans": self.handed_to_sender_spans,
+            "dropped_queue_full": self.dropped_queue_full,
+            "dropped_unsent": self.dropped_unsent,
+            "dropped_unencodable": self.dropped_unencodable,
             "failed_batches": self.failed_batches,
             "queued_requests": len(self._queue),
         }
 
 
-def _restart_in_child(reference: weakref.ref[SpanEmitter]) -> None:
+def _reinit_in_child(reference: weakref.ref[SpanEmitter]) -> None:
     emitter = reference()
     if emitter is not None:
-        emitter._start_worker()
+        emitter._init_worker_state()

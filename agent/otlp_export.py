@@ -634,27 +634,51 @@ def _make_transport(
 
 
 # --- the queue + worker + retry -------------------------------------------------------------------
-class _RateLimitedWarning:
-    """Logs a warning at most once per interval and says how many were suppressed."""
+class RateLimitedWarning:
+    """Logs a warning the first time, then at most once per ``interval_s``, and says how many
+    were suppressed: for drop counters, whose totals travel in ``stats()``. Safe to call from
+    any thread; a forked child gets a fresh lock (the parent's may have been held at fork)."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        interval_s: float = _DROP_WARNING_INTERVAL_S,
+        log: logging.Logger | None = None,
+    ) -> None:
+        """``clock``: seconds, monotonic; ``log``: this module's logger when None."""
         self._clock = clock
+        self._interval_s = interval_s
+        self._log = log or logger
         self._lock = threading.Lock()
         self._last = -math.inf
         self._suppressed = 0
+        if hasattr(os, "register_at_fork"):
+            reference = weakref.ref(self)
 
-    def warn(self, message: str, *args: object) -> None:
+            def after_in_child() -> None:
+                warning = reference()
+                if warning is not None:
+                    warning.reinit_after_fork()
+
+            os.register_at_fork(after_in_child=after_in_child)
+
+    def reinit_after_fork(self) -> None:
+        self._lock = threading.Lock()
+
+    def warn(self, message: str, *args: object, exc_info: bool = False) -> None:
+        """``exc_info``: attach the exception being handled, when this one is logged."""
         with self._lock:
             now = self._clock()
-            if now - self._last < _DROP_WARNING_INTERVAL_S:
+            if now - self._last < self._interval_s:
                 self._suppressed += 1
                 return
             self._last = now
             suppressed, self._suppressed = self._suppressed, 0
         if suppressed:
-            logger.warning(message + " (%d similar warnings suppressed)", *args, suppressed)
-        else:
-            logger.warning(message, *args)
+            message += " (%d similar warnings suppressed)"
+            args += (suppressed,)
+        self._log.warning(message, *args, exc_info=exc_info)
 
 
 class OtlpSender:
@@ -690,7 +714,7 @@ class OtlpSender:
         self._clock = clock or time.monotonic
         self._sleep = sleep or self._interruptible_sleep
         self._random_fraction = random_fraction or random.random
-        self._warning = _RateLimitedWarning(self._clock)
+        self._warning = RateLimitedWarning(self._clock)
         self._sent = 0
         self._dropped = 0
         self._rejected = 0
@@ -724,6 +748,7 @@ class OtlpSender:
     def _after_fork_in_child(self) -> None:
         # The parent's connection and thread do not exist here; never close the inherited channel.
         self._init_runtime_state()
+        # (self._warning re-creates its own lock in the child: see RateLimitedWarning.)
 
     @property
     def endpoint(self) -> str | None:

@@ -14,14 +14,26 @@ to Unix time once per request with an offset it re-measures periodically, so a w
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokentrace.agent.otlp_export import RateLimitedWarning
 from tokentrace.agent.recording import PrefillChunk, RequestRecording
 
+_log = logging.getLogger(__name__)
+
 _DEFAULT_MAX_IN_FLIGHT = 65_536
+_DEFAULT_MAX_AGE_S = 600.0
+_EXPIRY_SWEEP_EVERY = 256
+"""``begin`` looks for expired timers once per this many calls (a power of two)."""
+_EXPIRY_MAX_PER_SWEEP = 4 * _EXPIRY_SWEEP_EVERY
+"""Faster than timers can leak, yet bounds the work any one ``begin`` does."""
+_DROP_WARNING_INTERVAL_S = 60.0
+EXPIRED_ERROR = "expired: no end seen"
+_NS_PER_S = 1_000_000_000
 _OFFSET_REFRESH_NS = 10_000_000_000  # re-measure the wall/monotonic offset every 10 s
 _NS_PER_US = 1_000
 
@@ -126,42 +138,123 @@ def to_recording(timer: RequestTimer, clock: ClockDomain) -> RequestRecording:
     return recording
 
 
+def _last_seen_ns(timer: RequestTimer) -> int:
+    """The latest event recorded for ``timer``."""
+    seen = [timer.arrival_ns]
+    if timer.queued_ns is not None:
+        seen.append(timer.queued_ns)
+    if timer.scheduled_ns is not None:
+        seen.append(timer.scheduled_ns)
+    if timer.token_ns:
+        seen.append(timer.token_ns[-1])
+    if timer.chunks:
+        seen.append(timer.chunks[-1][1])
+    if timer.preempted_ns:
+        seen.append(timer.preempted_ns[-1][1])
+    if timer.preempted_since_ns is not None:
+        seen.append(timer.preempted_since_ns)
+    return max(seen)
+
+
 class Recorder:
     """In-flight requests by id. ``begin`` and ``finish`` run on the serving path: a dict
-    operation each, bounded by ``max_in_flight`` (beyond it requests go untraced, counted)."""
+    operation each, bounded by ``max_in_flight`` (beyond it requests go untraced, counted).
+
+    Timers whose end is never reported (a request dropped outside the instrumented paths, a
+    disabled hook) would otherwise hold a slot for good: every 256th ``begin`` (and any ``begin``
+    that finds the table full) finishes the oldest timers older than ``max_age_s`` with error
+    ``"expired: no end seen"``, counted in ``expired_requests``. Dicts keep insertion order, so
+    the oldest are first and a sweep stops at the first younger one. ``max_age_s`` must exceed
+    the longest request served: a request still running past it is ended (its later events are
+    ignored).
+    """
 
     def __init__(
         self,
         sink: Callable[[RequestTimer], None],
         *,
         max_in_flight: int = _DEFAULT_MAX_IN_FLIGHT,
+        max_age_s: float = _DEFAULT_MAX_AGE_S,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self._sink = sink
         self._max_in_flight = max_in_flight
+        self._max_age_ns = int(max_age_s * _NS_PER_S)
         self.clock = monotonic_ns
         self._in_flight: dict[str, RequestTimer] = {}
+        self._begins = 0
         self.untraced_requests = 0
         """Requests not traced because max_in_flight timers were open."""
+        self.expired_requests = 0
+        """Timers finished by expiry: no end was reported within max_age_s."""
+        seconds = self._seconds
+        self._untraced_warning = RateLimitedWarning(
+            seconds, interval_s=_DROP_WARNING_INTERVAL_S, log=_log
+        )
+        self._expired_warning = RateLimitedWarning(
+            seconds, interval_s=_DROP_WARNING_INTERVAL_S, log=_log
+        )
+
+    def _seconds(self) -> float:
+        return self.clock() / _NS_PER_S
 
     def begin(self, request_id: str, *, arrival_ns: int | None = None) -> RequestTimer | None:
-        if len(self._in_flight) >= self._max_in_flight:
+        self._begins += 1
+        full = len(self._in_flight) >= self._max_in_flight
+        if full or not self._begins & (_EXPIRY_SWEEP_EVERY - 1):
+            self._expire()
+            full = len(self._in_flight) >= self._max_in_flight
+        if full:
             self.untraced_requests += 1
+            self._untraced_warning.warn(
+                "tokentrace: %d requests untraced so far (untraced_requests): %d requests in "
+                "flight reached max_in_flight (TOKENTRACE_MAX_IN_FLIGHT)",
+                self.untraced_requests,
+                self._max_in_flight,
+            )
             return None
         timer = RequestTimer(request_id, self.clock() if arrival_ns is None else arrival_ns)
         self._in_flight[request_id] = timer
         return timer
 
+    def _expire(self) -> None:
+        now = self.clock()
+        deadline = now - self._max_age_ns
+        expired: list[RequestTimer] = []
+        try:
+            for timer in self._in_flight.values():
+                if timer.arrival_ns > deadline or len(expired) >= _EXPIRY_MAX_PER_SWEEP:
+                    break
+                expired.append(timer)
+        except RuntimeError:  # another serving thread changed the dict: expire what was seen
+            pass
+        count = 0
+        for timer in expired:
+            # Only if still there: it may have finished (or been replaced) meanwhile.
+            if self._in_flight.get(timer.request_id) is not timer:
+                continue
+            self._in_flight.pop(timer.request_id, None)
+            timer.end_ns = _last_seen_ns(timer)  # not now: that would add max_age_s of nothing
+            timer.error = EXPIRED_ERROR
+            self._sink(timer)
+            count += 1
+        if count:
+            self.expired_requests += count
+            self._expired_warning.warn(
+                "tokentrace: %d requests expired so far (expired_requests): no end was seen "
+                "within max_age_s=%g s",
+                self.expired_requests,
+                self._max_age_ns / _NS_PER_S,
+            )
+
     def get(self, request_id: str) -> RequestTimer | None:
         return self._in_flight.get(request_id)
 
-    def finish(
-        self, request_id: str, *, end_ns: int | None = None, error: str | None = None
-    ) -> None:
+    def finish(self, request_id: str, *, error: str | None = None) -> None:
         timer = self._in_flight.pop(request_id, None)
         if timer is None:
             return
-        timer.end_ns = self.clock() if end_ns is None else end_ns
+        timer.end_ns = self.clock()
         if error is not None:
             timer.error = error
         self._sink(timer)

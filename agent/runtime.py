@@ -17,7 +17,7 @@ from tokentrace.agent.config import AgentConfig, load_agent_config
 from tokentrace.agent.emit import SpanEmitter
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.otlp_export import OtlpSender
-from tokentrace.agent.recorder import Recorder
+from tokentrace.agent.recorder import ClockDomain, Recorder
 
 _log = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ class AgentRuntime:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.guard = HookGuard()
+        self.clock = ClockDomain()
+        """The process's one monotonic -> Unix mapping: spans and instrumentations share it."""
         self.sender = OtlpSender(config.exporter, signal="traces")
         self.emitter = SpanEmitter(
             self.sender.submit,
@@ -44,6 +46,8 @@ class AgentRuntime:
             scope_version=_package_version(),
             max_queue=config.max_queue,
             max_token_offsets=config.max_token_offsets,
+            clock_domain=self.clock,
+            has_room=self.sender.has_room,
         )
         self.recorder = Recorder(self.emitter.submit, max_in_flight=config.max_in_flight)
 
@@ -51,6 +55,7 @@ class AgentRuntime:
         stats: dict[str, Any] = {
             "in_flight_requests": self.recorder.in_flight,
             "untraced_requests": self.recorder.untraced_requests,
+            "expired_requests": self.recorder.expired_requests,
         }
         stats.update({f"emitter.{k}": v for k, v in self.emitter.stats().items()})
         stats.update({f"sender.{k}": v for k, v in self.sender.stats().items()})

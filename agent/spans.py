@@ -134,10 +134,16 @@ def plan_spans(
         raise ValueError("max_token_offsets must be >= 0")
     internal = KIND_INTERNAL
     arrival = recording.arrival_ns
-    end = recording.end_ns
-    scheduled = recording.first_scheduled_ns
-    first_token = recording.first_token_ns
-    last_token = recording.last_token_ns
+    end = max(recording.end_ns, arrival)
+    # Boundaries from other processes' clocks are clamped into time order inside the request,
+    # so a child span never starts before its parent or before the phase it follows.
+    scheduled, first_token, last_token = _in_order(
+        arrival,
+        end,
+        recording.first_scheduled_ns,
+        recording.first_token_ns,
+        recording.last_token_ns,
+    )
     # Each phase lasts until the next known boundary.
     decode_end = end if last_token is None else last_token
     prefill_end = decode_end if first_token is None else first_token
@@ -184,6 +190,19 @@ def plan_spans(
         local_id += 1
     if last_token is not None:
         yield PlannedSpan(local_id, 0, semconv.SPAN_POSTPROCESS, internal, last_token, end, {})
+
+
+def _in_order(start: int, end: int, *boundaries: int | None) -> list[int | None]:
+    """Each known boundary clamped into [previous known boundary, end]; unknown stay None."""
+    previous = start
+    ordered: list[int | None] = []
+    for boundary in boundaries:
+        if boundary is None:
+            ordered.append(None)
+            continue
+        previous = min(max(boundary, previous), end)
+        ordered.append(previous)
+    return ordered
 
 
 def count_spans(recording: RequestRecording) -> int:

@@ -109,9 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         "--replay", action="store_true", help="simulated traffic instead of the real vLLM"
     )
     args = parser.parse_args(argv)
-    use_vllm = not args.replay and importlib.util.find_spec("vllm") is not None
+    use_vllm = not args.replay and _can_run_vllm()
     if not args.replay and not use_vllm:
-        print("demo: vLLM is not installed here; replaying simulated traffic instead")
+        print(
+            "demo: vLLM (or the checkout's tiny-model builder under tests/) is not available "
+            "here; replaying simulated traffic instead"
+        )
 
     store_path = Path(args.store).resolve()
     for stale in (store_path, Path(f"{store_path}-wal"), Path(f"{store_path}-shm")):
@@ -139,6 +142,17 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 collector.kill()
     return _show(store_path, args.store)
+
+
+def _can_run_vllm() -> bool:
+    """vLLM is installed and the demo runs in a checkout (the tiny-model builder and the server
+    runner live in the test suite)."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    try:
+        return importlib.util.find_spec("tests.vllm.tiny_model") is not None
+    except ImportError:  # no `tests` package on the path: an installed wheel, not a checkout
+        return False
 
 
 def _run_replay(port: int, scenario: str, requests: int) -> int:

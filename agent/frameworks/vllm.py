@@ -49,6 +49,7 @@ import logging
 import multiprocessing
 import os
 import random
+import re
 import weakref
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass
@@ -163,28 +164,26 @@ def _new_trace_id() -> bytes:
     return (_trace_id_random.getrandbits(128) or 1).to_bytes(_TRACE_ID_BYTES, "big")
 
 
-def parse_traceparent(value: str) -> tuple[bytes, bytes] | None:
-    """(trace id, parent span id) of a W3C ``traceparent`` header; None when it is invalid."""
-    parts = value.strip().split("-")
-    if len(parts) < 4:
+# W3C Trace Context: version-traceid-parentid-flags, lowercase hex; version 00 has no more
+# fields, later versions may append "-..." fields.
+_TRACEPARENT: Final = re.compile(
+    r"(?P<version>[0-9a-f]{2})-(?P<trace>[0-9a-f]{32})-(?P<span>[0-9a-f]{16})-[0-9a-f]{2}(?P<rest>-.*)?"
+)
+
+
+def parse_traceparent(value: object) -> tuple[bytes, bytes] | None:
+    """(trace id, parent span id) of a W3C ``traceparent`` header; None when it is invalid (the
+    request then starts a new trace rather than losing its spans)."""
+    if not isinstance(value, str):
         return None
-    version, trace_hex, span_hex, flags = parts[:4]
-    if (
-        len(version) != 2
-        or version == "ff"
-        or (version == "00" and len(parts) != 4)
-        or len(trace_hex) != 2 * _TRACE_ID_BYTES
-        or len(span_hex) != 2 * _SPAN_ID_BYTES
-        or len(flags) != 2
-        or value != value.lower()  # W3C: lowercase hex only
-    ):
+    match = _TRACEPARENT.fullmatch(value.strip())
+    if match is None:
         return None
-    try:
-        trace_id = bytes.fromhex(trace_hex)
-        span_id = bytes.fromhex(span_hex)
-        bytes.fromhex(version + flags)
-    except ValueError:
+    version = match.group("version")
+    if version == "ff" or (version == "00" and match.group("rest")):
         return None
+    trace_id = bytes.fromhex(match.group("trace"))
+    span_id = bytes.fromhex(match.group("span"))
     if not any(trace_id) or not any(span_id):
         return None
     return trace_id, span_id
@@ -286,6 +285,9 @@ class VllmInstrumentor(BaseInstrumentor):
         # The base class logs a dependency conflict as an error on top of our one warning;
         # raising and catching keeps it to that warning unless the caller asked to raise.
         raise_on_conflict = bool(kwargs.pop("raise_exception_on_conflict", False))
+        # `opentelemetry-instrument` asks to skip the check; patching an unsupported vLLM is the
+        # one thing this instrumentor must never do, so the check always runs.
+        kwargs.pop("skip_dep_check", None)
         try:
             return super().instrument(raise_exception_on_conflict=True, **kwargs)
         except DependencyConflictError:
@@ -306,9 +308,13 @@ class VllmInstrumentor(BaseInstrumentor):
             if runtime is None:
                 return
             recorder, guard = runtime.recorder, runtime.guard
+            clock = runtime.clock
+        else:
+            clock = kwargs.get("clock") or ClockDomain()
         self._recorder = recorder
         self._guard = guard
-        self._clock = ClockDomain()
+        # The emitter converts back to Unix time with the same offset: one clock domain.
+        self._clock = clock
         self._model_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._applied: list[tuple[Any, str, Any, Any]] = []
         self._generation += 1

@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import logging
 import os
+import threading
+from typing import Any
 
+import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokentrace.agent import semconv
@@ -54,7 +58,7 @@ def test_finished_requests_are_encoded_in_batches_off_the_serving_path() -> None
     assert sent.payloads == []  # nothing built on the serving path
     assert emitter.flush(5.0)
     assert sent.request_spans() == [semconv.SPAN_REQUEST] * 3
-    assert emitter.stats()["emitted_requests"] == 3
+    assert emitter.stats()["handed_to_sender_requests"] == 3
     emitter.shutdown(1.0)
 
 
@@ -65,7 +69,7 @@ def test_a_full_queue_drops_new_requests_and_counts_them() -> None:
     )
     for index in range(5):
         emitter.submit(finished_timer(f"r{index}"))
-    assert emitter.dropped_requests == 3
+    assert emitter.stats()["dropped_queue_full"] == 3
     assert emitter.flush(5.0)
     assert len(sent.request_spans()) == 2
     emitter.shutdown(1.0)
@@ -76,22 +80,121 @@ def test_an_export_that_cannot_be_queued_is_counted_as_dropped() -> None:
     emitter = SpanEmitter(sent, resource_attributes=RESOURCE, scope_name="t", interval_s=60)
     emitter.submit(finished_timer("r"))
     emitter.flush(5.0)
-    assert emitter.stats()["dropped_requests"] == 1
-    assert emitter.stats()["emitted_requests"] == 0
+    stats = emitter.stats()
+    assert stats["dropped_unsent"] == 1
+    assert stats["handed_to_sender_requests"] == 0
+    assert stats["dropped_queue_full"] == stats["dropped_unencodable"] == 0
     emitter.shutdown(1.0)
 
 
 def test_a_forked_child_gets_its_own_working_emitter() -> None:
     sent = Sent()
     emitter = SpanEmitter(sent, resource_attributes=RESOURCE, scope_name="t", interval_s=60)
+    emitter.submit(finished_timer("parent"))  # the parent's thread is running at fork
+    assert emitter.flush(5.0)
     pid = os.fork()
     if pid == 0:  # child: the parent's thread is gone; a new one must serve this process
         code = 1
         try:
+            if emitter_threads():
+                os._exit(2)  # nothing to emit yet: no thread either
             emitter.submit(finished_timer("child"))
-            code = 0 if emitter.flush(5.0) and len(sent.request_spans()) == 1 else 3
+            code = 0 if emitter.flush(5.0) and len(sent.request_spans()) == 2 else 3
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+    emitter.shutdown(1.0)
+
+
+def emitter_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "tokentrace-emitter"]
+
+
+def test_the_thread_starts_on_the_first_submit() -> None:
+    before = len(emitter_threads())
+    emitter = SpanEmitter(Sent(), resource_attributes=RESOURCE, scope_name="t", interval_s=60)
+    assert len(emitter_threads()) == before
+    assert emitter.flush(1.0)  # nothing queued: nothing to start for
+    assert len(emitter_threads()) == before
+    emitter.submit(finished_timer("r"))
+    assert len(emitter_threads()) == before + 1
+    emitter.submit(finished_timer("s"))
+    assert len(emitter_threads()) == before + 1
+    emitter.shutdown(1.0)
+
+
+def test_no_room_in_the_sender_drops_batches_without_encoding_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent = Sent()
+    room = {"free": False}
+    asked: list[int] = []
+
+    def has_room(items: int) -> bool:
+        asked.append(items)
+        return room["free"]
+
+    emitter = SpanEmitter(
+        sent,
+        resource_attributes=RESOURCE,
+        scope_name="t",
+        interval_s=60,
+        max_batch=2,
+        has_room=has_room,
+    )
+    encoded: list[int] = []
+    encode = emitter._encoder.encode
+
+    def counting_encode(recordings: list[Any]) -> tuple[bytes, int]:
+        encoded.append(1)
+        return encode(recordings)
+
+    monkeypatch.setattr(emitter._encoder, "encode", counting_encode)
+    for index in range(3):
+        emitter.submit(finished_timer(f"r{index}"))
+    assert emitter.flush(5.0)
+    assert asked == [2, 1]  # asked per batch, with its request count
+    assert encoded == [] and sent.payloads == []
+    assert emitter.stats()["dropped_unsent"] == 3
+    room["free"] = True
+    emitter.submit(finished_timer("later"))
+    assert emitter.flush(5.0)
+    assert encoded == [1] and len(sent.request_spans()) == 1
+    assert emitter.stats()["handed_to_sender_requests"] == 1
+    emitter.shutdown(1.0)
+
+
+def test_an_unencodable_batch_is_counted_and_warned_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    emitter = SpanEmitter(
+        Sent(), resource_attributes=RESOURCE, scope_name="t", interval_s=60, max_batch=1
+    )
+    for index in range(3):
+        broken = finished_timer(f"r{index}")
+        broken.chunks = [(1,)]  # not (start, end, tokens)
+        emitter.submit(broken)
+    with caplog.at_level(logging.WARNING, logger="tokentrace.agent.emit"):
+        assert emitter.flush(5.0)
+    stats = emitter.stats()
+    assert stats["dropped_unencodable"] == 3 and stats["failed_batches"] == 3
+    warnings = [r for r in caplog.records if "dropped_unencodable" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].exc_info is not None
+    emitter.shutdown(1.0)
+
+
+def test_queue_drops_are_warned_once_naming_the_counter_and_setting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    emitter = SpanEmitter(
+        Sent(), resource_attributes=RESOURCE, scope_name="t", interval_s=60, max_queue=1
+    )
+    with caplog.at_level(logging.WARNING, logger="tokentrace.agent.emit"):
+        for index in range(50):
+            emitter.submit(finished_timer(f"r{index}"))
+    (warning,) = [r for r in caplog.records if r.name == "tokentrace.agent.emit"]
+    assert "dropped_queue_full" in warning.getMessage()
+    assert "TOKENTRACE_MAX_QUEUE" in warning.getMessage()
+    assert emitter.stats()["dropped_queue_full"] == 49
     emitter.shutdown(1.0)

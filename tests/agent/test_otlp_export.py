@@ -3,6 +3,7 @@ delivery over both transports, the bounded queue, retry, shutdown, fork, and con
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from tokentrace.agent.otlp_export import (
     PROTOCOL_HTTP_PROTOBUF,
     OtlpExporterConfig,
     OtlpSender,
+    RateLimitedWarning,
     RetryConfig,
     Signal,
     options_from_env,
@@ -628,3 +630,46 @@ def test_unknown_signal_is_refused() -> None:
     logs: Any = "logs"
     with pytest.raises(ValueError, match=r"^signal:"):
         OtlpSender(config, signal=logs)
+
+
+def test_rate_limited_warning_logs_first_then_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = {"s": 100.0}
+    log = logging.getLogger("tests.rate_limited")
+    warning = RateLimitedWarning(lambda: now["s"], interval_s=60.0, log=log)
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        for count in range(1, 6):
+            warning.warn("dropped %d", count)
+        now["s"] += 59.0
+        warning.warn("dropped %d", 6)
+        now["s"] += 1.0
+        warning.warn("dropped %d", 7)
+    assert [r.getMessage() for r in caplog.records] == [
+        "dropped 1",
+        "dropped 7 (5 similar warnings suppressed)",
+    ]
+
+
+def test_rate_limited_warning_works_in_a_child_forked_while_its_lock_was_held() -> None:
+    warning = RateLimitedWarning(interval_s=60.0, log=logging.getLogger("tests.rate_limited"))
+    warning._lock.acquire()  # as if another thread was warning at fork time
+    try:
+        pid = os.fork()
+        if pid == 0:  # child: the inherited lock would never be released here
+            code = 1
+            try:
+                done = threading.Event()
+
+                def warn() -> None:
+                    warning.warn("x")
+                    done.set()
+
+                threading.Thread(target=warn).start()
+                code = 0 if done.wait(5.0) else 2
+            finally:
+                os._exit(code)
+    finally:
+        warning._lock.release()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

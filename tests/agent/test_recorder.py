@@ -111,3 +111,63 @@ def test_hook_guard_disables_a_failing_hook_and_counts(caplog: pytest.LogCapture
     assert calls == [1, 2]
     assert guard.stats() == {"hook_failures.flaky": 1}
     assert sum("disabled" in record.message for record in caplog.records) == 1
+
+
+S = 1_000_000_000
+
+
+def test_timers_without_an_end_expire_after_max_age_on_a_later_begin() -> None:
+    ticks = Ticks()
+    finished: list[RequestTimer] = []
+    recorder = Recorder(finished.append, max_age_s=600, monotonic_ns=ticks)
+    leaked = recorder.begin("leaked")
+    assert leaked is not None
+    leaked.token_ns.append(ticks.now + 7 * S)  # the last thing ever seen of it
+    ticks.now += 300 * S
+    young = recorder.begin("young")
+    ticks.now += 301 * S  # "leaked" is 601 s old, "young" 301 s
+    for index in range(254):  # begins 3..256: the 256th looks for expired timers
+        assert recorder.get("leaked") is leaked
+        recorder.begin(f"r{index}")
+    assert finished == [leaked]
+    assert leaked.error == "expired: no end seen"
+    assert leaked.end_ns == leaked.token_ns[-1]  # not the expiry time: no phantom 600 s tail
+    assert recorder.expired_requests == 1
+    assert recorder.get("leaked") is None and recorder.get("young") is young
+    recorder.finish("leaked")  # a late end for an expired timer is ignored
+    assert finished == [leaked]
+
+
+def test_a_full_table_expires_old_timers_before_refusing() -> None:
+    ticks = Ticks()
+    finished: list[RequestTimer] = []
+    recorder = Recorder(finished.append, max_in_flight=2, max_age_s=10, monotonic_ns=ticks)
+    recorder.begin("a")
+    recorder.begin("b")
+    assert recorder.begin("c") is None  # full, and nothing is old enough to expire
+    ticks.now += 11 * S
+    assert recorder.begin("d") is not None
+    assert [timer.request_id for timer in finished] == ["a", "b"]
+    assert (recorder.expired_requests, recorder.untraced_requests) == (2, 1)
+
+
+def test_untraced_and_expired_requests_are_warned_at_most_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ticks = Ticks()
+    recorder = Recorder(lambda timer: None, max_in_flight=1, max_age_s=3600, monotonic_ns=ticks)
+    recorder.begin("open")
+    with caplog.at_level(logging.WARNING, logger="tokentrace.agent.recorder"):
+        for _ in range(100):
+            recorder.begin("refused")
+        ticks.now += 61 * S
+        recorder.begin("refused")
+        ticks.now += 3600 * S
+        recorder.begin("expires the open one")
+    messages = [record.getMessage() for record in caplog.records]
+    untraced = [m for m in messages if "untraced_requests" in m]
+    assert len(untraced) == 2
+    assert "TOKENTRACE_MAX_IN_FLIGHT" in untraced[0]
+    assert "99 similar warnings suppressed" in untraced[1]
+    (expired,) = [m for m in messages if "expired_requests" in m]
+    assert "max_age_s" in expired

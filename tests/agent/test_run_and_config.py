@@ -119,3 +119,18 @@ def test_bad_agent_values_fall_back_to_defaults_with_a_warning(
     assert config.exporter.endpoint == "http://localhost:4317"
     messages = " ".join(record.getMessage() for record in caplog.records)
     assert "TOKENTRACE_MAX_QUEUE" in messages and "TOKENTRACE_ENABLED" in messages
+
+
+def test_runtime_shares_one_clock_domain_and_checks_sender_room() -> None:
+    from tokentrace.agent.runtime import AgentRuntime
+
+    config = load_agent_config({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})
+    runtime = AgentRuntime(config)
+    try:
+        assert runtime.emitter._clock is runtime.clock
+        assert runtime.emitter._has_room == runtime.sender.has_room
+        stats = runtime.stats()
+        assert stats["expired_requests"] == stats["untraced_requests"] == 0
+        assert stats["emitter.handed_to_sender_requests"] == 0
+    finally:
+        runtime.shutdown(1.0)

@@ -748,3 +748,25 @@ def test_planned_spans_are_numbered_in_order_with_parents_first() -> None:
         assert planned[0].parent_local_id == -1 and planned[0].name == semconv.SPAN_REQUEST
         assert all(0 <= p.parent_local_id < p.local_id for p in planned[1:])
         assert all(p.kind == KIND_INTERNAL for p in planned)
+
+
+def test_boundaries_from_skewed_clocks_are_clamped_inside_the_request() -> None:
+    from tokentrace.agent.recording import RequestRecording
+    from tokentrace.agent.spans import plan_spans
+
+    recording = RequestRecording(
+        trace_id=b"\x01" * 16,
+        request_id="r",
+        model="m",
+        operation="chat",
+        arrival_ns=1_000,
+        end_ns=2_000,
+        first_scheduled_ns=900,  # before arrival: another process's clock
+        first_token_ns=1_500,
+        last_token_ns=2_500,  # after the end
+        token_offsets_us=[0],
+    )
+    spans = list(plan_spans(recording))
+    request = spans[0]
+    for span in spans[1:]:
+        assert request.start_ns <= span.start_ns <= span.end_ns <= request.end_ns, span.name

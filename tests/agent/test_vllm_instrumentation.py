@@ -381,6 +381,9 @@ def test_either_distribution_name_satisfies_the_dependency_check(
         ("00-0af7651916cd43dd8448eb211c80319z-b7ad6b7169203331-01", False),
         ("01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-future", True),
         ("", False),
+        # bytes.fromhex skips spaces: an id with one inside must not parse to a short id
+        ("00-0a f7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", False),
+        ("00-0af7651916cd43dd8448eb211c80319c-b7ad 6b716920333-01", False),
     ],
 )
 def test_parse_traceparent(header: str, expected: bool) -> None:
@@ -388,6 +391,23 @@ def test_parse_traceparent(header: str, expected: bool) -> None:
     assert (parsed is not None) == expected
     if parsed is not None:
         assert parsed == (bytes.fromhex(header[3:35]), bytes.fromhex(header[36:52]))
+
+
+def test_parse_traceparent_ignores_values_that_are_not_strings() -> None:
+    assert parse_traceparent(None) is None
+    assert parse_traceparent(b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01") is None
+
+
+def test_opentelemetry_instrument_cannot_skip_the_version_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(instrumentation, "installed_vllm", lambda: ("vllm", "0.40.0"))
+    instrumentor = VllmInstrumentor()
+    instrumentor.instrument(skip_dep_check=True)  # what opentelemetry-instrument passes
+    try:
+        assert not instrumentor.is_instrumented_by_opentelemetry
+    finally:
+        instrumentor.uninstrument()
 
 
 def test_importing_the_instrumentation_does_not_import_vllm() -> None:
