@@ -8,6 +8,8 @@
 - ``TOKENTRACE_MAX_IN_FLIGHT`` (65536): requests timed at once; beyond, untraced and counted.
 - ``TOKENTRACE_MAX_QUEUE`` (8192): finished requests awaiting span building; beyond, dropped
   and counted.
+- ``TOKENTRACE_MAX_REQUEST_AGE`` (600 s): a request with no end reported for this long is
+  finished as expired and counted (requests the framework dropped without telling us).
 
 The agent runs inside someone else's server, so a bad value never stops it: it is logged once
 and its default used.
@@ -32,6 +34,7 @@ _DEFAULT_ENDPOINT = "http://localhost:4317"
 _DEFAULT_MAX_TOKEN_OFFSETS = 1024
 _DEFAULT_MAX_IN_FLIGHT = 65_536
 _DEFAULT_MAX_QUEUE = 8192
+_DEFAULT_MAX_REQUEST_AGE_S = 600
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -49,6 +52,7 @@ class AgentConfig:
     max_token_offsets: int = _DEFAULT_MAX_TOKEN_OFFSETS
     max_in_flight: int = _DEFAULT_MAX_IN_FLIGHT
     max_queue: int = _DEFAULT_MAX_QUEUE
+    max_request_age_s: float = _DEFAULT_MAX_REQUEST_AGE_S
 
     def resource(self) -> dict[str, str | int]:
         """Resource attributes of every span: identity of this process and its service."""
@@ -85,6 +89,9 @@ def load_agent_config(environ: Mapping[str, str] | None = None) -> AgentConfig:
         ),
         max_in_flight=_positive_int(env, "TOKENTRACE_MAX_IN_FLIGHT", _DEFAULT_MAX_IN_FLIGHT),
         max_queue=_positive_int(env, "TOKENTRACE_MAX_QUEUE", _DEFAULT_MAX_QUEUE),
+        max_request_age_s=_positive_int(
+            env, "TOKENTRACE_MAX_REQUEST_AGE", _DEFAULT_MAX_REQUEST_AGE_S
+        ),
     )
 
 

@@ -49,7 +49,11 @@ class AgentRuntime:
             clock_domain=self.clock,
             has_room=self.sender.has_room,
         )
-        self.recorder = Recorder(self.emitter.submit, max_in_flight=config.max_in_flight)
+        self.recorder = Recorder(
+            self.emitter.submit,
+            max_in_flight=config.max_in_flight,
+            max_age_s=config.max_request_age_s,
+        )
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {

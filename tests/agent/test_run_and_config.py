@@ -90,8 +90,10 @@ def test_agent_config_reads_the_otel_variables() -> None:
             "OTEL_EXPORTER_OTLP_ENDPOINT": "http://node:4318",
             "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
             "TOKENTRACE_MAX_TOKEN_OFFSETS": "64",
+            "TOKENTRACE_MAX_REQUEST_AGE": "30",
         }
     )
+    assert config.max_request_age_s == 30
     assert config.resource()[semconv.SERVICE_NAME] == "chat"
     assert config.resource()[semconv.K8S_POD_NAME] == "p 1"
     assert config.exporter.endpoint == "http://node:4318"
