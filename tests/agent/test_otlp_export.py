@@ -21,7 +21,14 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Gauge, Metric, NumberDataPoint
 
-from tests.collector.upstream import UpstreamOtlp, endpoint_of, iter_spans
+from tests.collector.upstream import (
+    FLUSH_S,
+    PROTOCOLS,
+    UpstreamOtlp,
+    endpoint_of,
+    iter_spans,
+    make_config,
+)
 from tokentrace.agent import semconv
 from tokentrace.agent.otlp_export import (
     PROTOCOL_GRPC,
@@ -34,21 +41,7 @@ from tokentrace.agent.otlp_export import (
     options_from_env,
 )
 
-PROTOCOLS = [PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF]
-TINY_RETRY = RetryConfig(initial_interval_s=0.01, max_interval_s=0.02, max_elapsed_s=2.0)
-FLUSH_S = 5.0
-
-
 # --- helpers -----------------------------------------------------------------------------------
-def make_config(endpoint: str, protocol: str, **overrides: Any) -> OtlpExporterConfig:
-    options: dict[str, Any] = {
-        "endpoint": endpoint,
-        "protocol": protocol,
-        "timeout_s": 2.0,
-        "retry": TINY_RETRY,
-    }
-    options.update(overrides)
-    return OtlpExporterConfig(**options)
 
 
 def make_sender(

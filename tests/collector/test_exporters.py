@@ -27,27 +27,23 @@ from tokentrace.collector.exporters.otlp import (
     OtlpExporterConfig,
     OtlpMetricExporter,
     OtlpTraceExporter,
-    RetryConfig,
 )
 from tokentrace.processors.model import SpanRef
 
-from .upstream import UpstreamOtlp, endpoint_of, iter_spans
-
-PROTOCOLS = [PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF]
-TINY_RETRY = RetryConfig(initial_interval_s=0.01, max_interval_s=0.02, max_elapsed_s=2.0)
-FLUSH_S = 5.0
+from .upstream import (
+    FLUSH_S,
+    PROTOCOLS,
+    UpstreamOtlp,
+    endpoint_of,
+    exporter_options,
+    iter_spans,
+)
 
 
 # --- helpers -----------------------------------------------------------------------------------
 def make_config(endpoint: str, protocol: str, **overrides: Any) -> OtlpExporterConfig:
-    options: dict[str, Any] = {
-        "endpoint": endpoint,
-        "protocol": protocol,
-        "timeout_s": 2.0,
-        "retry": TINY_RETRY,
-    }
-    options.update(overrides)
-    return OtlpExporterConfig(**options)
+    """The collector's exporter config (a subclass of the agent's), with the tests' timings."""
+    return OtlpExporterConfig(**exporter_options(endpoint, protocol, **overrides))
 
 
 def resource(service: str) -> Resource:

@@ -36,6 +36,8 @@ from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from tokentrace.agent.otlp_export import OtlpExporterConfig, RetryConfig
+
 _TRACES_PATH = "/v1/traces"
 _METRICS_PATH = "/v1/metrics"
 _WAIT_TIMEOUT_S = 5.0
@@ -424,3 +426,24 @@ def iter_spans(
 def endpoint_of(upstream: UpstreamOtlp, protocol: str) -> str:
     """The receiver's endpoint for an OTLP exporter speaking ``protocol``."""
     return upstream.grpc_endpoint if protocol == "grpc" else upstream.http_endpoint
+
+
+PROTOCOLS = ["grpc", "http/protobuf"]
+TINY_RETRY = RetryConfig(initial_interval_s=0.01, max_interval_s=0.02, max_elapsed_s=2.0)
+"""Retry timings short enough that retry tests take milliseconds."""
+FLUSH_S = 5.0
+
+
+def exporter_options(endpoint: str, protocol: str, **overrides: Any) -> dict[str, Any]:
+    """Keyword options of an OTLP exporter config aimed at this receiver, with test timings."""
+    return {
+        "endpoint": endpoint,
+        "protocol": protocol,
+        "timeout_s": 2.0,
+        "retry": TINY_RETRY,
+        **overrides,
+    }
+
+
+def make_config(endpoint: str, protocol: str, **overrides: Any) -> OtlpExporterConfig:
+    return OtlpExporterConfig(**exporter_options(endpoint, protocol, **overrides))
