@@ -10,6 +10,12 @@
   and counted.
 - ``TOKENTRACE_MAX_REQUEST_AGE`` (600 s): a request with no end reported for this long is
   finished as expired and counted (requests the framework dropped without telling us).
+- ``TOKENTRACE_ENGINE_STEPS`` (4096): engine steps kept in the engine's ring buffer; a request's
+  inter-token outliers older than that find no steps to export.
+- ``TOKENTRACE_STEP_SAMPLE_RATE`` (0.01): fraction of all engine steps exported on their own
+  (each its own trace), besides those overlapping requests' inter-token outliers.
+- ``TOKENTRACE_ITL_OUTLIER_RATIO`` (3.0): an inter-token gap above this many times the request's
+  median gap is an outlier; the engine steps inside it are exported under the request.
 
 The agent runs inside someone else's server, so a bad value never stops it: it is logged once
 and its default used.
@@ -18,13 +24,15 @@ and its default used.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from urllib.parse import unquote
+from typing import Final
+from urllib.parse import unquote, urlsplit
 
 from tokentrace.agent import semconv
-from tokentrace.agent.otlp_export import PROTOCOL_GRPC, OtlpExporterConfig
+from tokentrace.agent.otlp_export import PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF, OtlpExporterConfig
 
 _log = logging.getLogger(__name__)
 
@@ -35,6 +43,9 @@ _DEFAULT_MAX_TOKEN_OFFSETS = 1024
 _DEFAULT_MAX_IN_FLIGHT = 65_536
 _DEFAULT_MAX_QUEUE = 8192
 _DEFAULT_MAX_REQUEST_AGE_S = 600
+_DEFAULT_ENGINE_STEPS = 4096
+_DEFAULT_STEP_SAMPLE_RATE = 0.01
+_DEFAULT_ITL_OUTLIER_RATIO = 3.0
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -53,6 +64,9 @@ class AgentConfig:
     max_in_flight: int = _DEFAULT_MAX_IN_FLIGHT
     max_queue: int = _DEFAULT_MAX_QUEUE
     max_request_age_s: float = _DEFAULT_MAX_REQUEST_AGE_S
+    engine_steps: int = _DEFAULT_ENGINE_STEPS
+    step_sample_rate: float = _DEFAULT_STEP_SAMPLE_RATE
+    itl_outlier_ratio: float = _DEFAULT_ITL_OUTLIER_RATIO
 
     def resource(self) -> dict[str, str | int]:
         """Resource attributes of every span: identity of this process and its service."""
@@ -79,6 +93,7 @@ def load_agent_config(environ: Mapping[str, str] | None = None) -> AgentConfig:
             exporter = from_env
     except ValueError as error:
         _log.warning("tokentrace: %s; exporting to %s instead", error, _DEFAULT_ENDPOINT)
+    _warn_on_port_protocol_mismatch(exporter)
     return AgentConfig(
         enabled=enabled,
         service_name=service,
@@ -92,7 +107,38 @@ def load_agent_config(environ: Mapping[str, str] | None = None) -> AgentConfig:
         max_request_age_s=_positive_int(
             env, "TOKENTRACE_MAX_REQUEST_AGE", _DEFAULT_MAX_REQUEST_AGE_S
         ),
+        engine_steps=_positive_int(env, "TOKENTRACE_ENGINE_STEPS", _DEFAULT_ENGINE_STEPS),
+        step_sample_rate=_number(
+            env, "TOKENTRACE_STEP_SAMPLE_RATE", _DEFAULT_STEP_SAMPLE_RATE, low=0.0, high=1.0
+        ),
+        itl_outlier_ratio=_number(
+            env, "TOKENTRACE_ITL_OUTLIER_RATIO", _DEFAULT_ITL_OUTLIER_RATIO, low=1.0
+        ),
     )
+
+
+_CONVENTIONAL_PORTS: Final = {PROTOCOL_GRPC: 4317, PROTOCOL_HTTP_PROTOBUF: 4318}
+
+
+def _warn_on_port_protocol_mismatch(exporter: OtlpExporterConfig) -> None:
+    """The OTLP default protocol is http/protobuf: an endpoint on 4317 (the gRPC port) without
+    ``OTEL_EXPORTER_OTLP_PROTOCOL=grpc`` is a common slip that loses every span silently."""
+    endpoint = exporter.endpoint_for("traces") or ""
+    try:
+        port = urlsplit(endpoint if "://" in endpoint else f"//{endpoint}").port
+    except ValueError:
+        return
+    for protocol, conventional in _CONVENTIONAL_PORTS.items():
+        if port == conventional and exporter.protocol != protocol:
+            _log.warning(
+                "tokentrace: exporting with %s to %s, the conventional OTLP %s port; set "
+                "OTEL_EXPORTER_OTLP_PROTOCOL=%s if the endpoint speaks %s",
+                exporter.protocol,
+                endpoint,
+                protocol,
+                protocol,
+                protocol,
+            )
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -119,6 +165,23 @@ def _positive_int(env: Mapping[str, str], name: str, default: int, *, minimum: i
         _log.warning(
             "tokentrace: %s=%r must be an integer >= %d; using %d", name, raw, minimum, default
         )
+        return default
+    return value
+
+
+def _number(
+    env: Mapping[str, str], name: str, default: float, *, low: float, high: float = math.inf
+) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not low <= value <= high:  # NaN fails too
+        bounds = f"between {low:g} and {high:g}" if math.isfinite(high) else f">= {low:g}"
+        _log.warning("tokentrace: %s=%r must be a number %s; using %g", name, raw, bounds, default)
         return default
     return value
 

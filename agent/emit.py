@@ -15,12 +15,17 @@ import os
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tokentrace.agent.otlp_export import RateLimitedWarning
 from tokentrace.agent.recorder import ClockDomain, RequestTimer, to_recording
-from tokentrace.agent.spans import DEFAULT_MAX_TOKEN_OFFSETS, RecordingEncoder
+from tokentrace.agent.spans import (
+    DEFAULT_MAX_TOKEN_OFFSETS,
+    DeferredSpans,
+    RecordingEncoder,
+    SpanJob,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -95,7 +100,7 @@ class SpanEmitter:
         os.register_at_fork(after_in_child=lambda: _reinit_in_child(reference))
 
     def _init_worker_state(self) -> None:
-        self._queue: deque[RequestTimer] = deque()
+        self._queue: deque[RequestTimer | SpanJob | DeferredSpans] = deque()
         self._wake = threading.Event()
         self._drained = threading.Event()
         self._start_lock = threading.Lock()
@@ -115,7 +120,9 @@ class SpanEmitter:
         return True
 
     # --- serving path ------------------------------------------------------------------------
-    def submit(self, timer: RequestTimer) -> None:
+    def submit(self, timer: RequestTimer | SpanJob | DeferredSpans) -> None:
+        """Queue a finished request's timer, or other spans (engine steps, cold start) planned
+        already or, deferred, planned on the emitter's thread; each counts as one request."""
         if len(self._queue) >= self._max_queue or self._stopped:
             self.dropped_queue_full += 1
             self._queue_full_warning.warn(
@@ -139,16 +146,24 @@ class SpanEmitter:
 
     def _drain(self) -> None:
         while self._queue:
-            batch: list[RequestTimer] = []
+            batch: list[RequestTimer | SpanJob | DeferredSpans] = []
             while self._queue and len(batch) < self._max_batch:
                 batch.append(self._queue.popleft())
             if self._has_room is not None and not self._has_room(len(batch)):
                 self._count_unsent(len(batch))  # endpoint down or slow: do not encode for nothing
                 continue
             try:
-                recordings = [to_recording(timer, self._clock) for timer in batch]
+                recordings = []
+                jobs: list[SpanJob] = []
+                for item in batch:
+                    if type(item) is RequestTimer:
+                        recordings.append(to_recording(item, self._clock))
+                    elif type(item) is SpanJob:
+                        jobs.append(item)
+                    else:
+                        jobs += self._plan(item)  # type: ignore[arg-type]
                 skipped_before = self._encoder.recordings_skipped
-                payload, spans = self._encoder.encode(recordings)
+                payload, spans = self._encoder.encode(recordings, jobs)
                 skipped = self._encoder.recordings_skipped - skipped_before
             except Exception:  # a bad timer must not stop the emitter
                 self.failed_batches += 1
@@ -163,6 +178,13 @@ class SpanEmitter:
                 self.handed_to_sender_spans += spans
             else:
                 self._count_unsent(len(batch) - skipped)
+
+    def _plan(self, deferred: DeferredSpans) -> Sequence[SpanJob]:
+        try:
+            return deferred()
+        except Exception:  # one bad job must not cost the batch its spans
+            self._count_unencodable(1, exc_info=True)
+            return ()
 
     def _count_unsent(self, requests: int) -> None:
         self.dropped_unsent += requests

@@ -283,11 +283,23 @@ def options_from_env(
     }
     if not any(options.values()):
         return None
+    # ``grpc://host:port`` (vLLM's --otlp-traces-endpoint convention, which vLLM also writes to
+    # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT in its processes): plaintext OTLP/gRPC.
+    grpc_scheme = [key for key, value in options.items() if _scheme(value) == _GRPC_SCHEME]
+    for key in grpc_scheme:
+        options[key] = "http://" + options[key].split("://", 1)[1]
     protocol, variable = read("PROTOCOL")
     if protocol:
         if protocol not in PROTOCOLS:
             raise ValueError(f"{variable}: {protocol!r} is not one of {PROTOCOLS}")
+        if grpc_scheme and protocol != PROTOCOL_GRPC:
+            raise ValueError(
+                f"{variable}: {protocol!r} contradicts the grpc:// endpoint in "
+                f"{_ENV_PREFIX}{grpc_scheme[0].upper()}"
+            )
         options["protocol"] = protocol
+    elif grpc_scheme:
+        options["protocol"] = PROTOCOL_GRPC
     headers, variable = read("HEADERS")
     if headers:
         options["headers"] = _parse_headers(variable, headers)
@@ -327,6 +339,9 @@ def _parse_headers(variable: str, value: str) -> dict[str, str]:
             raise ValueError(f"{variable}: {item.strip()!r} is not key=value")
         headers[key] = unquote(header_value.strip())
     return headers
+
+
+_GRPC_SCHEME: Final = "grpc"
 
 
 def _scheme(endpoint: str) -> str:

@@ -94,6 +94,11 @@ class RequestTimer:
     error: str | None = None
     trace_id: bytes = b""
     parent_span_id: bytes = b""
+    span_id: bytes = b""
+    """``llm.request``'s id when chosen in advance (see ``RequestRecording.span_id``)."""
+    prefill_span_id: bytes = b""
+    ready_ns: int | None = None
+    """When the server became ready, for a request that arrived during its cold start."""
     attributes: dict[str, Any] = field(default_factory=dict)
     """RequestRecording field values known to the instrumentation (model, tokens, ...)."""
 
@@ -118,6 +123,8 @@ def to_recording(timer: RequestTimer, clock: ClockDomain) -> RequestRecording:
     recording = RequestRecording(
         trace_id=timer.trace_id,
         parent_span_id=timer.parent_span_id,
+        span_id=timer.span_id,
+        prefill_span_id=timer.prefill_span_id,
         request_id=timer.request_id,
         model=str(timer.attributes.get("model", "unknown")),
         operation=str(timer.attributes.get("operation", "unknown")),
@@ -131,6 +138,7 @@ def to_recording(timer: RequestTimer, clock: ClockDomain) -> RequestRecording:
         prefill_chunks=[PrefillChunk(unix(s), unix(e), n) for s, e, n in timer.chunks],
         preempted=[(unix(s), unix(e)) for s, e in timer.preempted_ns],
         error=timer.error,
+        ready_ns=None if timer.ready_ns is None else unix(timer.ready_ns),
     )
     for name, value in timer.attributes.items():
         if name not in ("model", "operation") and hasattr(recording, name):

@@ -29,6 +29,11 @@ class RequestRecording:
     """16 bytes: the incoming ``traceparent``'s trace id, or a new one."""
     parent_span_id: bytes = b""
     """8 bytes of the incoming HTTP server span / ``traceparent`` parent; empty for a root."""
+    span_id: bytes = b""
+    """8 bytes chosen in advance for ``llm.request`` (another process parents spans under it);
+    empty: a new random id."""
+    prefill_span_id: bytes = b""
+    """The same for ``llm.prefill`` (the engine's ``llm.prefill.chunk`` spans are its children)."""
     request_id: str
     model: str
     operation: str

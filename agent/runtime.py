@@ -10,14 +10,18 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+from collections.abc import Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokentrace.agent.config import AgentConfig, load_agent_config
 from tokentrace.agent.emit import SpanEmitter
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.otlp_export import OtlpSender
 from tokentrace.agent.recorder import ClockDomain, Recorder
+
+if TYPE_CHECKING:
+    from tokentrace.agent.frameworks.vllm_engine import EngineStepTracer
 
 _log = logging.getLogger(__name__)
 
@@ -54,6 +58,29 @@ class AgentRuntime:
             max_in_flight=config.max_in_flight,
             max_age_s=config.max_request_age_s,
         )
+        self._engine_step_tracer: EngineStepTracer | None = None
+        self._stats_sources: list[Callable[[], Mapping[str, Any]]] = []
+
+    def add_stats_source(self, source: Callable[[], Mapping[str, Any]]) -> None:
+        """An instrumentation's counters, merged into ``stats()`` (once per source)."""
+        if source not in self._stats_sources:
+            self._stats_sources.append(source)
+
+    def engine_step_tracer(self) -> EngineStepTracer:
+        """This process's engine-step tracer (created on first call: only engine processes)."""
+        if self._engine_step_tracer is None:
+            from tokentrace.agent.frameworks.vllm_engine import EngineStepTracer
+
+            self._engine_step_tracer = EngineStepTracer(
+                self.emitter.submit,
+                guard=self.guard,
+                clock_domain=self.clock,
+                ring_steps=self.config.engine_steps,
+                sample_rate=self.config.step_sample_rate,
+                outlier_ratio=self.config.itl_outlier_ratio,
+            )
+            self.add_stats_source(self._engine_step_tracer.stats)
+        return self._engine_step_tracer
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {
@@ -64,6 +91,8 @@ class AgentRuntime:
         stats.update({f"emitter.{k}": v for k, v in self.emitter.stats().items()})
         stats.update({f"sender.{k}": v for k, v in self.sender.stats().items()})
         stats.update(self.guard.stats())
+        for source in self._stats_sources:
+            stats.update(source())
         return stats
 
     def flush(self, timeout_s: float = _EXIT_FLUSH_TIMEOUT_S) -> bool:

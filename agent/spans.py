@@ -43,11 +43,14 @@ __all__ = [
     "KIND_CLIENT",
     "KIND_INTERNAL",
     "KIND_SERVER",
+    "PREFILL_LOCAL_ID",
     "AttrValue",
+    "DeferredSpans",
     "PlannedSpan",
     "RecordingEncoder",
     "ResourceScope",
     "SpanIdSource",
+    "SpanJob",
     "count_spans",
     "encode_recordings",
     "encode_span",
@@ -55,6 +58,7 @@ __all__ = [
     "export_request",
     "plan_spans",
     "random_span_id",
+    "random_trace_id",
 ]
 
 _log = logging.getLogger(__name__)
@@ -77,8 +81,13 @@ _DEFAULT_MAX_TOKEN_OFFSETS: Final = DEFAULT_MAX_TOKEN_OFFSETS
 _DEFAULT_SCOPE_VERSION: Final = ""
 _ATTRIBUTE_CACHE_ENTRIES: Final = 4096
 """Bound of the cache of whole encoded string/bool attributes (cleared when full)."""
-_UNCACHED_STRING_KEYS: Final = frozenset({semconv.REQUEST_ID, semconv.PROMPT_PREFIX_HASH})
-"""String attributes unique (or nearly) per request: caching them would only churn the cache."""
+_UNCACHED_STRING_KEYS: Final = frozenset(
+    {semconv.REQUEST_ID, semconv.PROMPT_PREFIX_HASH, semconv.ENGINE_STEP_REQUEST_IDS}
+)
+"""String (array) attributes unique (or nearly) per span: caching them would only churn the
+cache."""
+PREFILL_LOCAL_ID: Final = 2
+"""``plan_spans`` numbers ``llm.prefill`` 2 when the request has one (after request and queue)."""
 
 
 class PlannedSpan(NamedTuple):
@@ -100,6 +109,22 @@ class PlannedSpan(NamedTuple):
     """Set: the span ends with an ERROR status and this message."""
 
 
+DeferredSpans: TypeAlias = "Callable[[], Sequence[SpanJob]]"
+"""Plans ``SpanJob``s when called: the serving path hands the emitter this, not the spans."""
+
+
+class SpanJob(NamedTuple):
+    """Spans planned outside a request recording (engine steps, cold start phases), for the
+    emitter: ``spans`` numbered like ``plan_spans``' output; each root (``parent_local_id`` -1)
+    is a child of ``parent_span_id`` (empty: a trace root); ``fixed_ids`` gives some spans an id
+    chosen in advance (another process parents its spans under it), by ``local_id``."""
+
+    trace_id: bytes
+    parent_span_id: bytes
+    spans: Sequence[PlannedSpan]
+    fixed_ids: Mapping[int, bytes] | None = None
+
+
 # --- span ids -------------------------------------------------------------------------------------
 # One generator per process, seeded from the OS and re-seeded in forked children so that forked
 # workers never repeat each other's ids. ``getrandbits`` is one C call: safe across threads.
@@ -117,6 +142,11 @@ os.register_at_fork(after_in_child=_reseed_span_ids)
 def random_span_id() -> int:
     """A random non-zero 64-bit span id (the default ``SpanIdSource``)."""
     return _random_bits(64) or 1
+
+
+def random_trace_id() -> bytes:
+    """A random non-zero 16-byte trace id (W3C: random, never all zeros)."""
+    return (_random_bits(128) or 1).to_bytes(_TRACE_ID_BYTES, "big")
 
 
 # --- the layout ---------------------------------------------------------------------------------
@@ -164,7 +194,7 @@ def plan_spans(
         prefill_attributes: dict[str, AttrValue] = {}
         if chunks:
             prefill_attributes[semconv.PREFILL_CHUNK_TOKENS] = sum(chunk.tokens for chunk in chunks)
-        prefill_id = local_id
+        prefill_id = local_id  # == PREFILL_LOCAL_ID
         yield PlannedSpan(
             prefill_id, 0, semconv.SPAN_PREFILL, internal, scheduled, prefill_end,
             prefill_attributes,
@@ -346,32 +376,46 @@ class RecordingEncoder:
         self._max_token_offsets = max_token_offsets
         self._span_ids = span_ids
         self.recordings_skipped = 0
-        """Recordings left out because they could not be encoded."""
+        """Recordings (and span jobs) left out because they could not be encoded."""
 
-    def encode(self, recordings: Iterable[RequestRecording]) -> tuple[bytes, int]:
-        """One serialised ``ExportTraceServiceRequest`` and its span count (``b""``, 0 when
-        there is nothing to send)."""
+    def encode(
+        self, recordings: Iterable[RequestRecording], jobs: Iterable[SpanJob] = ()
+    ) -> tuple[bytes, int]:
+        """One serialised ``ExportTraceServiceRequest`` of the recordings' and the jobs' spans,
+        and its span count (``b""``, 0 when there is nothing to send)."""
         spans: list[bytes] = []
         max_token_offsets = self._max_token_offsets
         span_ids = self._span_ids
         tree = _WRITER.tree
         for recording in recordings:
             try:
+                fixed_ids = None
+                if recording.span_id:
+                    fixed_ids = {0: recording.span_id}
+                    if recording.prefill_span_id and recording.first_scheduled_ns is not None:
+                        fixed_ids[PREFILL_LOCAL_ID] = recording.prefill_span_id
                 spans += tree(
                     plan_spans(recording, max_token_offsets=max_token_offsets),
                     recording.trace_id,
                     recording.parent_span_id,
                     span_ids,
+                    fixed_ids,
                 )
             except Exception:  # a malformed recording must not cost the others their spans
-                if not self.recordings_skipped:
-                    _log.warning(
-                        "tokentrace: a request recording could not be encoded", exc_info=True
-                    )
-                self.recordings_skipped += 1
+                self._skip("a request recording")
+        for job in jobs:
+            try:
+                spans += tree(job.spans, job.trace_id, job.parent_span_id, span_ids, job.fixed_ids)
+            except Exception:
+                self._skip("a span job")
         if not spans:
             return b"", 0
         return export_request(((self._head, spans),)), len(spans)
+
+    def _skip(self, what: str) -> None:
+        if not self.recordings_skipped:
+            _log.warning("tokentrace: %s could not be encoded", what, exc_info=True)
+        self.recordings_skipped += 1
 
 
 def encode_recordings(
@@ -420,11 +464,12 @@ def encode_span_tree(
     trace_id: bytes,
     parent_span_id: bytes = b"",
     span_ids: SpanIdSource | None = None,
+    fixed_ids: Mapping[int, bytes] | None = None,
 ) -> list[bytes]:
     """A planned subtree (``plan_spans``' numbering) as ``ScopeSpans.spans`` entries, each span
-    with a new id from ``span_ids`` (default ``random_span_id``); the root's parent is
-    ``parent_span_id``."""
-    return _WRITER.tree(planned, trace_id, parent_span_id, span_ids)
+    with a new id from ``span_ids`` (default ``random_span_id``) unless ``fixed_ids`` has one
+    for its ``local_id``; the root's parent is ``parent_span_id``."""
+    return _WRITER.tree(planned, trace_id, parent_span_id, span_ids, fixed_ids)
 
 
 # --- protobuf wire format -----------------------------------------------------------------------
@@ -535,6 +580,7 @@ class _SpanWriter:
         trace_id: bytes,
         parent_span_id: bytes,
         span_ids: SpanIdSource | None,
+        fixed_ids: Mapping[int, bytes] | None = None,
     ) -> list[bytes]:
         if len(trace_id) != _TRACE_ID_BYTES:
             raise ValueError("trace ids are 16 bytes")
@@ -548,10 +594,16 @@ class _SpanWriter:
         for planned_span in planned:
             if planned_span.local_id != len(ids):
                 raise ValueError("planned spans must be numbered 0, 1, ... in order")
-            number = next_id()
-            if not number:
-                raise ValueError("a span id source returned 0 (the invalid span id)")
-            span_id = number.to_bytes(8, "big")
+            fixed = None if fixed_ids is None else fixed_ids.get(planned_span.local_id)
+            if fixed is not None:
+                if len(fixed) != _SPAN_ID_BYTES or not any(fixed):
+                    raise ValueError("fixed span ids are 8 bytes, not all zero")
+                span_id = fixed
+            else:
+                number = next_id()
+                if not number:
+                    raise ValueError("a span id source returned 0 (the invalid span id)")
+                span_id = number.to_bytes(8, "big")
             ids.append(span_id)
             parent = planned_span.parent_local_id
             parent_id = ids[parent] if parent >= 0 else parent_span_id
@@ -594,6 +646,8 @@ class _SpanWriter:
             elif kind is str and key in _UNCACHED_STRING_KEYS:
                 text: str = value  # type: ignore[assignment]
                 append(_attribute(key, _length_delimited(_TAG_STRING, text.encode())))
+            elif kind is tuple and key in _UNCACHED_STRING_KEYS:
+                append(_attribute(key, _any_value(value)))
             elif kind is str or kind is bool or kind is tuple:  # values that repeat
                 entry_key = (key, value)
                 entry = self._entries.get(entry_key)

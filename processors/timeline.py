@@ -62,6 +62,7 @@ _PHASE_SPANS: Final = frozenset(
         semconv.SPAN_DECODE,
         semconv.SPAN_PREEMPTED,
         semconv.SPAN_POSTPROCESS,
+        semconv.SPAN_ENGINE_STEP,
     }
 )
 
@@ -402,6 +403,8 @@ def _apply_phases(timeline: RequestTimeline, index: _TraceIndex, request_id: byt
     queue: Span | None = None
     prefill: Span | None = None
     decode: Span | None = None
+    # The engine exports, under the request, the steps inside its inter-token outliers.
+    outlier_steps = outlier_steps_with_prefill = 0
     for child in index.phases_by_parent.get(request_id, ()):
         start = child.start_time_unix_nano
         end = child.end_time_unix_nano
@@ -419,6 +422,10 @@ def _apply_phases(timeline: RequestTimeline, index: _TraceIndex, request_id: byt
                 decode = child
         elif name == semconv.SPAN_PREEMPTED:
             timeline.preempted.append((start, end))
+        elif name == semconv.SPAN_ENGINE_STEP:
+            outlier_steps += 1
+            if (_int_attribute(child, semconv.ENGINE_STEP_PREFILL_TOKENS) or 0) > 0:
+                outlier_steps_with_prefill += 1
     if len(timeline.preempted) > 1:
         timeline.preempted.sort()
 
@@ -439,6 +446,8 @@ def _apply_phases(timeline: RequestTimeline, index: _TraceIndex, request_id: byt
         _apply_decode_attributes(timeline, decode)
     elif timeline.output_tokens == 1:
         timeline.last_token = timeline.first_token
+    if outlier_steps and timeline.outlier_steps_with_prefill is None:
+        timeline.outlier_steps_with_prefill = outlier_steps_with_prefill
 
 
 def _apply_prefill_chunks(timeline: RequestTimeline, index: _TraceIndex, span: Span) -> None:

@@ -1,8 +1,9 @@
 """vLLM (V1 engine, 0.32.x): every request's queue, prefill, tokens and finish, from the frontend.
 
-Everything below runs in vLLM's API server process (the frontend: ``AsyncLLM`` or offline
-``LLMEngine``), where vLLM's output processor already sees every request's whole life. No clock
-is read per token: each token gets the timestamp of the engine step that produced it.
+Everything below but the last paragraph runs in vLLM's API server process (the frontend:
+``AsyncLLM`` or offline ``LLMEngine``), where vLLM's output processor already sees every
+request's whole life. No clock is read per token: each token gets the timestamp of the engine
+step that produced it.
 
 - **arrival** (``OutputProcessor.add_request``): the timer begins. Its arrival is vLLM's own
   ``arrival_time`` (wall clock, taken by the input processor) converted once to monotonic ns with
@@ -30,16 +31,20 @@ is read per token: each token gets the timestamp of the engine step that produce
 - **traceparent**: vLLM forwards the caller's trace headers to ``AsyncLLM.add_request`` but drops
   them there when its own tracing is off; the wrapper of that coroutine hands them to the output
   processor's ``add_request`` (same task) through a context variable. ``llm.request`` is then a
-  child of the caller's span; without one it starts a new random trace.
+  child of the caller's span; without one it starts a new random trace. The ids of
+  ``llm.request`` and ``llm.prefill`` are chosen here and travel to EngineCore in the request's
+  ``trace_headers`` (``vllm_engine.ENGINE_PARENT_HEADER``), so that the engine's step and chunk
+  spans join the request's tree.
 
 Prompt and completion text are never read. Each hook body runs through the runtime's
 ``HookGuard``: an exception is counted and logged once and the hook is disabled (a disabled
 per-request hook stops request tracing as a whole), while vLLM's own call always runs outside it.
 
 Processes: ``register`` (the ``vllm.general_plugins`` entry point) runs in every vLLM process and
-instruments only the frontend (``MainProcess`` or ``ApiServer_N``); in EngineCore and worker
-processes it does nothing for now. Patches are applied when their vLLM module is imported (or at
-once when it already is), so importing this module never imports vLLM.
+instruments the frontend (``MainProcess`` or ``ApiServer_N``), EngineCore (``EngineCore``,
+``EngineCore_DPn``: engine steps, ``vllm_engine.py``) and the workers (``VllmWorker-N``); the
+cold start (``vllm_cold_start.py``) has a part in each. Patches are applied when their vLLM
+module is imported (or at once when it already is), so importing this module never imports vLLM.
 """
 
 from __future__ import annotations
@@ -47,8 +52,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import multiprocessing
-import os
-import random
 import re
 import weakref
 from collections.abc import Callable, Collection, Coroutine, Mapping
@@ -71,8 +74,26 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from tokentrace.agent import semconv
+from tokentrace.agent.frameworks.vllm_cold_start import (
+    HOOK_COLD_START_ENGINE,
+    HOOK_COLD_START_IMPORT,
+    HOOK_COLD_START_KV_CACHE,
+    HOOK_COLD_START_WARMUP,
+    HOOK_COLD_START_WARMUP_DISPATCH,
+    HOOK_COLD_START_WEIGHT_LOAD,
+    ColdStartTracer,
+    process_cold_start_tracer,
+)
+from tokentrace.agent.frameworks.vllm_engine import (
+    ENGINE_PARENT_HEADER,
+    HOOK_STEP_DONE,
+    HOOK_STEP_SCHEDULED,
+    EngineStepTracer,
+    engine_parent_header,
+)
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import ClockDomain, Recorder, RequestTimer
+from tokentrace.agent.spans import random_span_id, random_trace_id
 
 __all__ = [
     "HOOK_ABORT",
@@ -106,8 +127,13 @@ HOOK_ABORT: Final = "vllm.abort"
 _REQUEST_HOOKS: Final = frozenset({HOOK_ADD_REQUEST, HOOK_OUTPUTS, HOOK_ABORT})
 """One request's life spans these hooks: when one is disabled, requests are no longer traced."""
 
-_FRONTEND_PROCESS_NAMES: Final = ("MainProcess", "ApiServer")
-"""``multiprocessing`` names of vLLM's frontend processes (API servers are ``ApiServer_N``)."""
+# ``multiprocessing`` process names: API servers are ``ApiServer_N``, engines ``EngineCore`` or
+# ``EngineCore_DPn``.
+_MAIN_PROCESS_NAME: Final = "MainProcess"
+_API_SERVER_PROCESS_NAME: Final = "ApiServer"
+_ENGINE_PROCESS_NAME: Final = "EngineCore"
+_WORKER_PROCESS_NAME: Final = "VllmWorker"
+"""``multiproc_executor``'s worker processes: ``VllmWorker-{rank}``."""
 _TRACE_HEADERS_ARGUMENT: Final = 6
 """Position of ``trace_headers`` in ``AsyncLLM.add_request``'s arguments (after ``self``)."""
 _CHAT_REQUEST_PREFIX: Final = "chatcmpl-"
@@ -124,23 +150,36 @@ _FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
 _FINISH_STOP: Final = "stop"
 _FINISH_ABORT: Final = 2
 _NS_PER_S: Final = 1_000_000_000
-_TRACE_ID_BYTES: Final = 16
 _SPAN_ID_BYTES: Final = 8
 
 _Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 _T = TypeVar("_T")
 
 
+ROLE_FRONTEND: Final = "frontend"
+"""API server / offline engine client: requests, tokens, finish (this module)."""
+ROLE_ENGINE: Final = "engine"
+"""EngineCore: the scheduler's steps (``vllm_engine.py``)."""
+ROLE_WORKER: Final = "worker"
+"""Where the model runs: weight load and warm-up (``vllm_cold_start.py``); a worker process, or
+EngineCore (the main process) when the executor runs the worker in-process."""
+
+
 @dataclass(frozen=True, slots=True)
 class Patch:
     """One reversible patch: ``module``'s ``qualname`` is wrapped by the instrumentor's method
-    ``wrapper`` (a ``wrapt`` wrapper: ``(wrapped, instance, args, kwargs)``)."""
+    ``wrapper`` (a ``wrapt`` wrapper: ``(wrapped, instance, args, kwargs)``), in the processes
+    that play ``role``."""
 
     module: str
     qualname: str
     wrapper: str
+    role: str = ROLE_FRONTEND
 
 
+_SCHEDULER: Final = "vllm.v1.core.sched.scheduler"
+_GPU_WORKER: Final = "vllm.v1.worker.gpu_worker"
+_CPU_WORKER: Final = "vllm.v1.worker.cpu_worker"
 PATCHES: Final = (
     Patch("vllm.v1.engine.async_llm", "AsyncLLM.__init__", "_wrap_engine_init"),
     Patch("vllm.v1.engine.llm_engine", "LLMEngine.__init__", "_wrap_engine_init"),
@@ -148,22 +187,37 @@ PATCHES: Final = (
     Patch("vllm.v1.engine.output_processor", "OutputProcessor.add_request", "_wrap_add_request"),
     Patch("vllm.v1.engine.output_processor", "OutputProcessor.process_outputs", "_wrap_outputs"),
     Patch("vllm.v1.engine.output_processor", "OutputProcessor.abort_requests", "_wrap_abort"),
+    Patch(_SCHEDULER, "Scheduler.schedule", "_wrap_schedule", ROLE_ENGINE),
+    Patch(_SCHEDULER, "Scheduler.update_from_output", "_wrap_update_from_output", ROLE_ENGINE),
+    # The cold start (vllm_cold_start.py).
+    Patch("vllm.v1.engine.core", "EngineCore._initialize_kv_caches", "_wrap_kv_cache", ROLE_ENGINE),
+    Patch(
+        "vllm.v1.executor.abstract",
+        "Executor.compile_or_warm_up_model",
+        "_wrap_warmup_dispatch",
+        ROLE_ENGINE,
+    ),
+    Patch(_GPU_WORKER, "Worker.load_model", "_wrap_weight_load", ROLE_WORKER),
+    Patch(_GPU_WORKER, "Worker.compile_or_warm_up_model", "_wrap_warmup", ROLE_WORKER),
+    Patch(_CPU_WORKER, "CPUWorker.compile_or_warm_up_model", "_wrap_warmup", ROLE_WORKER),
+    Patch(
+        "vllm.v1.worker.cpu_model_runner",
+        "CPUModelRunner.warming_up_model",
+        "_wrap_warmup",
+        ROLE_WORKER,
+    ),
 )
 """Every patch this instrumentation makes, in one place."""
+_COLD_START_WRAPPERS: Final = frozenset(
+    {"_wrap_kv_cache", "_wrap_warmup_dispatch", "_wrap_weight_load", "_wrap_warmup"}
+)
+"""Patches applied only with a cold-start tracer."""
 
 
 # --- trace context --------------------------------------------------------------------------------
 _incoming_trace_headers: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "tokentrace_vllm_trace_headers", default=None
 )
-_trace_id_random: Final = random.Random(os.urandom(32))
-os.register_at_fork(after_in_child=lambda: _trace_id_random.seed(os.urandom(32)))
-
-
-def _new_trace_id() -> bytes:
-    return (_trace_id_random.getrandbits(128) or 1).to_bytes(_TRACE_ID_BYTES, "big")
-
-
 # W3C Trace Context: version-traceid-parentid-flags, lowercase hex; version 00 has no more
 # fields, later versions may append "-..." fields.
 _TRACEPARENT: Final = re.compile(
@@ -238,8 +292,20 @@ def _warn_unsupported(distribution: str, found_version: str) -> None:
     )
 
 
-def _is_frontend_process() -> bool:
-    return multiprocessing.current_process().name.startswith(_FRONTEND_PROCESS_NAMES)
+def _process_roles() -> frozenset[str]:
+    """What this vLLM process does: the main process is the frontend and, when vLLM runs its
+    engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the engine too; EngineCore runs
+    the worker itself with vLLM's in-process executor (one GPU)."""
+    name = multiprocessing.current_process().name
+    if name == _MAIN_PROCESS_NAME:
+        return frozenset({ROLE_FRONTEND, ROLE_ENGINE, ROLE_WORKER})
+    if name.startswith(_API_SERVER_PROCESS_NAME):
+        return frozenset({ROLE_FRONTEND})
+    if name.startswith(_ENGINE_PROCESS_NAME):
+        return frozenset({ROLE_ENGINE, ROLE_WORKER})
+    if name.startswith(_WORKER_PROCESS_NAME):
+        return frozenset({ROLE_WORKER})
+    return frozenset()
 
 
 def _finish_reason(reason: Any) -> str:
@@ -254,10 +320,10 @@ def _finish_reason(reason: Any) -> str:
 class VllmInstrumentor(BaseInstrumentor):
     """Traces vLLM requests; ``instrument()`` is idempotent and ``uninstrument()`` reverses it.
 
-    ``instrument(recorder=..., guard=...)`` uses the given recorder and guard (tests); without
-    them it uses the process's agent runtime (``get_runtime()``), and does nothing when the agent
-    is disabled, in a vLLM process other than the frontend, or for an unsupported vLLM version
-    (one warning).
+    ``instrument(recorder=..., guard=...)`` uses the given recorder and guard (tests; also
+    ``step_tracer=``, ``cold_start_tracer=``); without them it uses the process's agent runtime
+    (``get_runtime()``), and does nothing when the agent is disabled, in a process that is no
+    vLLM process, or for an unsupported vLLM version (one warning).
     """
 
     target_module: Final = "vllm"
@@ -298,9 +364,12 @@ class VllmInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs: Any) -> None:
         recorder: Recorder | None = kwargs.get("recorder")
         guard: HookGuard | None = kwargs.get("guard")
+        step_tracer: EngineStepTracer | None = kwargs.get("step_tracer")
+        cold_start: ColdStartTracer | None = kwargs.get("cold_start_tracer")
         if recorder is None or guard is None:
-            if not _is_frontend_process():
-                _log.debug("tokentrace: not a vLLM frontend process; nothing to instrument")
+            roles = _process_roles()
+            if not roles:
+                _log.debug("tokentrace: not a vLLM process; nothing to instrument")
                 return
             from tokentrace.agent.runtime import get_runtime
 
@@ -309,17 +378,46 @@ class VllmInstrumentor(BaseInstrumentor):
                 return
             recorder, guard = runtime.recorder, runtime.guard
             clock = runtime.clock
+            if ROLE_ENGINE in roles:
+                step_tracer = runtime.engine_step_tracer()
+            frontend = ROLE_FRONTEND in roles
+            # The process the user started begins a new cold start; vLLM's children join it.
+            top_level = multiprocessing.current_process().name == _MAIN_PROCESS_NAME
+            cold_start = guard.run(
+                HOOK_COLD_START_IMPORT,
+                partial(
+                    process_cold_start_tracer,
+                    frontend=frontend,
+                    inherit=not top_level,
+                    clock_domain=runtime.clock,
+                ),
+                runtime.emitter.submit,
+            )
+            if cold_start is not None:
+                runtime.add_stats_source(cold_start.stats)
+                if not frontend:  # vLLM loads plugins after its imports
+                    guard.run(HOOK_COLD_START_IMPORT, cold_start.import_done)
         else:
+            roles = frozenset({ROLE_FRONTEND, ROLE_ENGINE, ROLE_WORKER})
             clock = kwargs.get("clock") or ClockDomain()
         self._recorder = recorder
         self._guard = guard
         # The emitter converts back to Unix time with the same offset: one clock domain.
         self._clock = clock
+        self._step_tracer = step_tracer
+        self._cold_start_tracer = cold_start
         self._model_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._applied: list[tuple[Any, str, Any, Any]] = []
         self._generation += 1
         self._active = True
         for patch in PATCHES:
+            if patch.role not in roles:
+                continue
+            if patch.wrapper in _COLD_START_WRAPPERS:
+                if cold_start is None:
+                    continue
+            elif patch.role == ROLE_ENGINE and step_tracer is None:
+                continue
             wrapt.register_post_import_hook(
                 partial(self._apply, patch, self._generation), patch.module
             )
@@ -361,7 +459,20 @@ class VllmInstrumentor(BaseInstrumentor):
     def _wrap_engine_init(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
-        result = wrapped(*args, **kwargs)
+        # The cold start ends when the process's first engine is built.
+        cold_start = self._cold_start_tracer if self._active else None
+        if cold_start is not None and not self._guard.run(
+            HOOK_COLD_START_ENGINE, cold_start.engine_init_started
+        ):
+            cold_start = None
+        try:
+            result = wrapped(*args, **kwargs)
+        except BaseException as exc:
+            if cold_start is not None:
+                self._guard.run(HOOK_COLD_START_ENGINE, cold_start.engine_ready, type(exc).__name__)
+            raise
+        if cold_start is not None:
+            self._guard.run(HOOK_COLD_START_ENGINE, cold_start.engine_ready)
         if self._active:
             self._guard.run(HOOK_ENGINE_INIT, self._on_engine_init, instance)
         return result
@@ -406,6 +517,82 @@ class VllmInstrumentor(BaseInstrumentor):
             self._guard.run(HOOK_ABORT, self._after_abort, instance, pending)
         return result
 
+    def _wrap_schedule(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        tracer = self._step_tracer
+        if not self._active or tracer is None or HOOK_STEP_SCHEDULED in self._guard.disabled:
+            return wrapped(*args, **kwargs)
+        start_ns = tracer.clock()
+        output = wrapped(*args, **kwargs)
+        self._guard.run(HOOK_STEP_SCHEDULED, tracer.on_scheduled, instance, output, start_ns)
+        return output
+
+    def _wrap_update_from_output(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        result = wrapped(*args, **kwargs)
+        tracer = self._step_tracer
+        if self._active and tracer is not None:
+            scheduler_output = args[0] if args else kwargs["scheduler_output"]
+            self._guard.run(HOOK_STEP_DONE, tracer.on_step_done, instance, scheduler_output, result)
+        return result
+
+    def _wrap_kv_cache(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        return self._cold_start_phase(
+            HOOK_COLD_START_KV_CACHE, semconv.SPAN_COLD_START_KV_CACHE, wrapped, args, kwargs
+        )
+
+    def _wrap_weight_load(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        return self._cold_start_phase(
+            HOOK_COLD_START_WEIGHT_LOAD, semconv.SPAN_COLD_START_WEIGHT_LOAD, wrapped, args, kwargs
+        )
+
+    def _wrap_warmup(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        return self._cold_start_phase(
+            HOOK_COLD_START_WARMUP, semconv.SPAN_COLD_START_WARMUP, wrapped, args, kwargs
+        )
+
+    def _wrap_warmup_dispatch(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        """EngineCore asks the workers to warm up: its KV-cache phase is over."""
+        cold_start = self._cold_start_tracer
+        if self._active and cold_start is not None:
+            self._guard.run(
+                HOOK_COLD_START_WARMUP_DISPATCH,
+                cold_start.cut_phase,
+                semconv.SPAN_COLD_START_KV_CACHE,
+            )
+        return wrapped(*args, **kwargs)
+
+    def _cold_start_phase(
+        self,
+        hook: str,
+        name: str,
+        wrapped: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: Any,
+    ) -> Any:
+        cold_start = self._cold_start_tracer
+        if not self._active or cold_start is None or hook in self._guard.disabled:
+            return wrapped(*args, **kwargs)
+        if self._guard.run(hook, cold_start.phase_started, name) is None:
+            return wrapped(*args, **kwargs)
+        try:
+            result = wrapped(*args, **kwargs)
+        except BaseException as exc:
+            self._guard.run(hook, cold_start.phase_ended, name, type(exc).__name__)
+            raise
+        self._guard.run(hook, cold_start.phase_ended, name)
+        return result
+
     # --- hook bodies (each runs inside HookGuard.run) ---------------------------------------------
     def _on_engine_init(self, engine: Any) -> None:
         name = engine.model_config.served_model_name
@@ -427,6 +614,9 @@ class VllmInstrumentor(BaseInstrumentor):
         timer = recorder.begin(request_id, arrival_ns=arrival_ns)
         if timer is None:
             return
+        cold_start = self._cold_start_tracer
+        if cold_start is not None:
+            cold_start.on_request(timer)
         headers = request.trace_headers or _incoming_trace_headers.get()
         context = None
         if headers:
@@ -434,9 +624,19 @@ class VllmInstrumentor(BaseInstrumentor):
             if traceparent:
                 context = parse_traceparent(traceparent)
         if context is None:
-            timer.trace_id = _new_trace_id()
+            timer.trace_id = random_trace_id()
         else:
             timer.trace_id, timer.parent_span_id = context
+        # Ids chosen now so that EngineCore can parent its spans (engine steps, prefill chunks)
+        # under this request's; vLLM ships trace_headers to EngineCore with the request.
+        timer.span_id = random_span_id().to_bytes(_SPAN_ID_BYTES, "big")
+        timer.prefill_span_id = random_span_id().to_bytes(_SPAN_ID_BYTES, "big")
+        request.trace_headers = {
+            **(request.trace_headers or {}),
+            ENGINE_PARENT_HEADER: engine_parent_header(
+                timer.trace_id, timer.span_id, timer.prefill_span_id
+            ),
+        }
         external_id = request.external_req_id or request_id
         attributes = timer.attributes
         attributes["request_id"] = external_id
@@ -580,7 +780,7 @@ def _share_vllm_log_handlers() -> None:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: vLLM calls it once in each of its processes.
 
-    Instruments the frontend (API server / offline engine); EngineCore and workers: nothing yet.
+    Instruments the frontend (API server / offline engine), EngineCore and the workers.
     """
     try:
         _share_vllm_log_handlers()

@@ -504,6 +504,10 @@ ENV = "OTEL_EXPORTER_OTLP_"
             {f"{ENV}ENDPOINT": "h:4317", f"{ENV}PROTOCOL": "grpc", f"{ENV}INSECURE": "TRUE"},
             {"traces": "h:4317", "tls": False},
         ),
+        (  # vLLM's --otlp-traces-endpoint convention: plaintext gRPC, protocol implied
+            {f"{ENV}TRACES_ENDPOINT": "grpc://h:4317"},
+            {"traces": "http://h:4317", "protocol": "grpc", "tls": False},
+        ),
         (
             {f"{ENV}ENDPOINT": "https://h", f"{ENV}HEADERS": "api-key=a%20b%2Cc , tenant=t1,"},
             {"headers": {"api-key": "a b,c", "tenant": "t1"}, "tls": True},
@@ -578,6 +582,10 @@ def test_from_env_for_a_signal_prefers_its_own_variables() -> None:
             f"{ENV}INSECURE",
         ),
         ({f"{ENV}ENDPOINT": "ftp://h"}, "endpoint"),
+        (
+            {f"{ENV}ENDPOINT": "grpc://h:4317", f"{ENV}PROTOCOL": "http/protobuf"},
+            f"{ENV}PROTOCOL",
+        ),
         ({f"{ENV}TRACES_ENDPOINT": "http://h:port"}, "traces_endpoint"),
     ],
 )

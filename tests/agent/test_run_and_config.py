@@ -123,6 +123,53 @@ def test_bad_agent_values_fall_back_to_defaults_with_a_warning(
     assert "TOKENTRACE_MAX_QUEUE" in messages and "TOKENTRACE_ENABLED" in messages
 
 
+def test_engine_step_settings_are_read_and_bad_ones_fall_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = load_agent_config(
+        {
+            "TOKENTRACE_ENGINE_STEPS": "128",
+            "TOKENTRACE_STEP_SAMPLE_RATE": "0.5",
+            "TOKENTRACE_ITL_OUTLIER_RATIO": "4",
+        }
+    )
+    assert (config.engine_steps, config.step_sample_rate, config.itl_outlier_ratio) == (128, 0.5, 4)
+    with caplog.at_level(logging.WARNING):
+        config = load_agent_config(
+            {"TOKENTRACE_STEP_SAMPLE_RATE": "1.5", "TOKENTRACE_ITL_OUTLIER_RATIO": "nan"}
+        )
+    assert (config.step_sample_rate, config.itl_outlier_ratio) == (0.01, 3.0)
+    messages = " ".join(record.getMessage() for record in caplog.records)
+    assert "between 0 and 1" in messages and "TOKENTRACE_ITL_OUTLIER_RATIO" in messages
+
+
+@pytest.mark.parametrize(
+    ("environ", "warned"),
+    [
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://agent:4317"}, True),  # http/protobuf default
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://agent:4317",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            },
+            False,
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "agent:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            True,
+        ),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://agent:4318"}, False),
+        ({}, False),  # the default: gRPC to localhost:4317
+    ],
+)
+def test_an_endpoint_on_the_other_protocols_port_is_warned_about(
+    environ: dict[str, str], warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        load_agent_config(environ)
+    assert any("OTEL_EXPORTER_OTLP_PROTOCOL=" in r.getMessage() for r in caplog.records) is warned
+
+
 def test_runtime_shares_one_clock_domain_and_checks_sender_room() -> None:
     from tokentrace.agent.runtime import AgentRuntime
 

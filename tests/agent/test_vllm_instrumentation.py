@@ -1,9 +1,5 @@
-"""The vLLM instrumentation without vLLM: its patch table applied to stand-in modules.
-
-The stand-ins have the shape of vLLM 0.32's frontend classes (``AsyncLLM``, ``LLMEngine``,
-``OutputProcessor``) and are installed in ``sys.modules`` under vLLM's module names for one test
-at a time, so the real patch table, the hooks' timing logic and the guard are all exercised.
-"""
+"""The vLLM frontend instrumentation without vLLM: its patch table applied to stand-in modules
+(``vllm_stand_ins.py``), so the real patches, the hooks' timing logic and the guard all run."""
 
 from __future__ import annotations
 
@@ -12,192 +8,30 @@ import logging
 import subprocess
 import sys
 import time
-import types
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import wrapt
 
+from tests.agent.vllm_stand_ins import (
+    LENGTH,
+    PREEMPTED,
+    QUEUED,
+    SCHEDULED,
+    AsyncLLM,
+    Event,
+    Output,
+    OutputProcessor,
+    Setup,
+    patched_attributes,
+    stand_in_modules,
+)
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks import vllm as instrumentation
 from tokentrace.agent.frameworks.vllm import (
     HOOK_OUTPUTS,
-    PATCHES,
     VllmInstrumentor,
     parse_traceparent,
 )
-from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import Recorder, RequestTimer
-
-QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
-LENGTH, ABORT = 1, 2
-
-
-# --- stand-ins for vLLM's frontend ----------------------------------------------------------------
-@dataclass
-class Event:
-    type: int
-    timestamp: float
-
-
-@dataclass
-class Output:
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: int | None = None
-    events: list[Event] | None = None
-
-
-@dataclass
-class Params:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    external_req_id: str
-    arrival_time: float
-    prompt_len: int = 5
-    sampling_params: Params = field(default_factory=Params)
-    trace_headers: dict[str, str] | None = None
-
-
-@dataclass
-class State:
-    request_id: str
-    external_req_id: str
-    prompt_len: int
-    max_tokens_param: int
-    temperature: float
-    top_p: float
-    num_cached_tokens: int = 0
-
-
-class OutputProcessor:
-    def __init__(self) -> None:
-        self.request_states: dict[str, State] = {}
-        self.external_req_ids: dict[str, list[str]] = {}
-        self.parent_requests: dict[str, Any] = {}
-
-    def add_request(self, request: EngineRequest, prompt: str | None = None) -> None:
-        params = request.sampling_params
-        self.request_states[request.request_id] = State(
-            request.request_id,
-            request.external_req_id,
-            request.prompt_len,
-            params.max_tokens,
-            params.temperature,
-            params.top_p,
-        )
-        self.external_req_ids.setdefault(request.external_req_id, []).append(request.request_id)
-
-    def process_outputs(
-        self, outputs: list[Output], engine_core_timestamp: float | None = None
-    ) -> str:
-        for output in outputs:
-            if output.finish_reason is not None:
-                self._drop(output.request_id)
-        return "vllm-result"
-
-    def abort_requests(self, request_ids: list[str], internal: bool) -> list[str]:
-        ids = request_ids if internal else [i for e in request_ids for i in self._external(e)]
-        for request_id in ids:
-            self._drop(request_id)
-        return ids
-
-    def _external(self, external_id: str) -> list[str]:
-        return list(self.external_req_ids.get(external_id, []))
-
-    def _drop(self, request_id: str) -> None:
-        state = self.request_states.pop(request_id)
-        self.external_req_ids[state.external_req_id].remove(request_id)
-
-
-class ModelConfig:
-    served_model_name = "served-name"
-
-
-class AsyncLLM:
-    def __init__(self) -> None:
-        self.model_config = ModelConfig()
-        self.output_processor = OutputProcessor()
-
-    async def add_request(
-        self,
-        request_id: str,
-        prompt: Any,
-        params: Any,
-        arrival_time: float | None = None,
-        lora_request: Any = None,
-        tokenization_kwargs: Any = None,
-        trace_headers: dict[str, str] | None = None,
-    ) -> None:
-        # Like vLLM with its own tracing off: the headers stop here.
-        self.output_processor.add_request(
-            EngineRequest(f"{request_id}-internal", request_id, arrival_time or time.time())
-        )
-
-
-class LLMEngine(AsyncLLM):
-    def __init__(self) -> None:  # own __init__: the patch table wraps LLMEngine.__init__
-        super().__init__()
-
-
-def stand_in_modules() -> dict[str, types.ModuleType]:
-    modules = {}
-    for name, classes in (
-        ("vllm.v1.engine.async_llm", {"AsyncLLM": AsyncLLM}),
-        ("vllm.v1.engine.llm_engine", {"LLMEngine": LLMEngine}),
-        ("vllm.v1.engine.output_processor", {"OutputProcessor": OutputProcessor}),
-    ):
-        module = types.ModuleType(name)
-        for class_name, cls in classes.items():
-            setattr(module, class_name, cls)
-        modules[name] = module
-    return modules
-
-
-def patched_attributes() -> dict[tuple[type, str], Any]:
-    owners: dict[str, type] = {
-        "AsyncLLM": AsyncLLM,
-        "LLMEngine": LLMEngine,
-        "OutputProcessor": OutputProcessor,
-    }
-    result: dict[tuple[type, str], Any] = {}
-    for patch in PATCHES:
-        owner_name, _, attribute = patch.qualname.rpartition(".")
-        owner = owners[owner_name]
-        result[(owner, attribute)] = vars(owner)[attribute]
-    return result
-
-
-@dataclass
-class Setup:
-    instrumentor: VllmInstrumentor
-    finished: list[RequestTimer]
-    recorder: Recorder
-    guard: HookGuard
-
-    def instrument(self) -> None:
-        self.instrumentor.instrument(skip_dep_check=True, recorder=self.recorder, guard=self.guard)
-
-
-@pytest.fixture
-def vllm_stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[Setup]:
-    for name, module in stand_in_modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    finished: list[RequestTimer] = []
-    setup = Setup(VllmInstrumentor(), finished, Recorder(finished.append), HookGuard())
-    originals = patched_attributes()
-    yield setup
-    if setup.instrumentor.is_instrumented_by_opentelemetry:
-        setup.instrumentor.uninstrument()
-    assert patched_attributes() == originals
 
 
 # --- tests ----------------------------------------------------------------------------------------

@@ -219,6 +219,32 @@ def test_decode_details_and_preemptions() -> None:
     assert timeline.preempted == [(T0 + 30 * MS, T0 + 32 * MS), (T0 + 90 * MS, T0 + 95 * MS)]
 
 
+def test_engine_steps_under_the_request_count_the_outlier_steps_that_carried_prefill() -> None:
+    spans = request_spans(token_offsets_us=[0, 5, 90])
+    request_id = spans[1].span_id
+
+    def step(number: int, prefill_tokens: int) -> Span:
+        return span(
+            semconv.SPAN_ENGINE_STEP,
+            T0 + (60 + number) * MS,
+            T0 + (61 + number) * MS,
+            span_id=sid(30 + number),
+            parent_span_id=request_id,
+            attrs={semconv.ENGINE_STEP_PREFILL_TOKENS: prefill_tokens},
+        )
+
+    timeline = only(normalize(trace(*spans, step(0, 0), step(1, 512), step(2, 64))))
+    assert timeline.outlier_steps_with_prefill == 2
+    # No steps exported: unknown, not zero.
+    assert only(normalize(trace(*request_spans()))).outlier_steps_with_prefill is None
+    # The agent's own count on llm.decode wins.
+    counted = request_spans(decode_attrs={semconv.DECODE_OUTLIER_STEPS_WITH_PREFILL: 7})
+    step_under = span(
+        semconv.SPAN_ENGINE_STEP, T0, T0 + MS, span_id=sid(40), parent_span_id=counted[1].span_id
+    )
+    assert only(normalize(trace(*counted, step_under))).outlier_steps_with_prefill == 7
+
+
 def test_first_token_from_decode_start_without_prefill_span() -> None:
     request = span(semconv.SPAN_REQUEST, T0, T0 + 50 * MS, span_id=sid(1))
     decode = span(

@@ -1,9 +1,11 @@
 """Zero harm on a real vLLM server: a tokentrace hook that raises costs traces, never requests.
 
-The server runs with the tokentrace plugin and a test-support ``sitecustomize``
-(``tests/vllm/support``) that makes the per-step output hook raise. Every request must still be
-served in full, the failure is logged and counted once (the hook is disabled, not retried), and
-request tracing stops instead of leaving half-built traces.
+Each server runs with the tokentrace plugin and a test-support ``sitecustomize``
+(``tests/vllm/support``) that makes one hook raise: the API server's per-step output hook, or
+the engine-step hook inside EngineCore (where an exception escaping into vLLM kills the engine).
+Every request must still be served in full and the failure is logged and counted once (the hook
+is disabled, not retried). A failed frontend hook stops request tracing instead of leaving
+half-built traces; a failed engine hook costs the engine steps only: requests are still traced.
 """
 
 from __future__ import annotations
@@ -21,40 +23,47 @@ from tests.collector.upstream import UpstreamOtlp
 from tests.vllm.conftest import require_vllm
 from tests.vllm.server import VllmServer, running_vllm_server
 from tests.vllm.test_instrumentation import endpoint, request_body, traced_server_env, usage_of
-from tests.vllm.traces import request_trees
+from tests.vllm.traces import exported_spans, request_trees
+from tokentrace.agent import semconv
 from tokentrace.agent.frameworks.vllm import HOOK_OUTPUTS
+from tokentrace.agent.frameworks.vllm_engine import HOOK_STEP_DONE
 
 require_vllm()
 
 pytestmark = pytest.mark.slow
 
 _SUPPORT_DIR = Path(__file__).parent / "support"
-_FAILING_METHOD = "_after_outputs"
+_FRONTEND_HOOK = ("_after_outputs", HOOK_OUTPUTS)
+_ENGINE_HOOK = ("EngineStepTracer.on_step_done", HOOK_STEP_DONE)
 _REQUEST_TIMEOUT_S = 60.0
 _EXPORT_SETTLE_S = 1.5
 """Several emitter intervals: long enough for any span that would be sent to arrive."""
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[_FRONTEND_HOOK, _ENGINE_HOOK], ids=["frontend", "engine"])
 def failing_hook_server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[VllmServer, UpstreamOtlp]]:
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[VllmServer, UpstreamOtlp, str, str]]:
+    method, hook = request.param
     log_path = tmp_path_factory.mktemp("vllm-failing-hook") / "server.log"
     python_path = os.pathsep.join(filter(None, [str(_SUPPORT_DIR), os.environ.get("PYTHONPATH")]))
     with UpstreamOtlp() as upstream:
         env = {
             **traced_server_env(upstream),
             "PYTHONPATH": python_path,
-            "TOKENTRACE_TEST_FAIL_HOOK": _FAILING_METHOD,
+            "TOKENTRACE_TEST_FAIL_HOOK": method,
+            "TOKENTRACE_STEP_SAMPLE_RATE": "1",  # every step would be exported
         }
         with running_vllm_server(tiny_model_dir, log_path=log_path, env=env) as server:
-            yield server, upstream
+            yield server, upstream, method, hook
 
 
 def test_server_keeps_serving_when_a_hook_raises(
-    failing_hook_server: tuple[VllmServer, UpstreamOtlp],
+    failing_hook_server: tuple[VllmServer, UpstreamOtlp, str, str],
 ) -> None:
-    server, upstream = failing_hook_server
+    server, upstream, method, hook = failing_hook_server
     max_tokens, concurrency = 6, 8
 
     async def one(client: httpx.AsyncClient, *, chat: bool, stream: bool) -> int:
@@ -83,10 +92,16 @@ def test_server_keeps_serving_when_a_hook_raises(
         assert client.get(f"{server.base_url}/health").status_code == 200
 
     log = server.log_path.read_text(encoding="utf-8", errors="replace")
-    assert "forced failure of _after_outputs" in log
+    assert f"forced failure of {method}" in log
     # Counted and disabled at the first failure, not raised again for every later step.
-    assert log.count(f"hook {HOOK_OUTPUTS!r} failed and is now disabled") == 1, server.log_tail()
+    assert log.count(f"hook {hook!r} failed and is now disabled") == 1, server.log_tail()
     assert "EngineDeadError" not in log
-    # The hook failed at the first request's first step: no request is traced after that.
     time.sleep(_EXPORT_SETTLE_S)
-    assert request_trees(upstream) == {}
+    steps = [span for _, span in exported_spans(upstream) if span.name == semconv.SPAN_ENGINE_STEP]
+    if hook == HOOK_OUTPUTS:
+        # The hook failed at the first request's first step: no request is traced after that.
+        assert request_trees(upstream) == {}
+    else:
+        # The engine's failure costs the engine steps; the frontend still traces every request.
+        assert len(request_trees(upstream)) == 4 + concurrency
+        assert steps == []

@@ -1,0 +1,400 @@
+"""vLLM's EngineCore process: every scheduler iteration in a ring buffer, exported when it matters.
+
+The frontend (``vllm.py``) sees tokens, not batches. This half runs in the EngineCore process,
+where the scheduler decides each step's batch, and answers what the frontend cannot: which other
+requests shared the step that made a token late, and how much prefill they brought.
+
+- **a step** is one ``Scheduler.schedule`` -> ``Scheduler.update_from_output`` pair (both the
+  plain and the batch-queue busy loops call them once per step). The schedule wrapper reads one
+  clock before scheduling and, per scheduled request, appends the step's index to that request's
+  list (the per-request cost: one append per step, like a token); the update wrapper closes the
+  step at the timestamp vLLM stamps on the step's outputs (the very timestamp the frontend
+  gives the step's tokens) and stores one tuple in a fixed-size ring buffer
+  (``TOKENTRACE_ENGINE_STEPS``): start, end, prefill/decode requests and tokens (vLLM's own
+  split: a request without output tokens yet is in prefill), KV-cache usage, waiting and
+  running requests, and the batch's request ids.
+- **a finished request** (its output carries a finish reason) is handed to the emitter's thread
+  as a deferred job: there its token steps give its inter-token gaps, every gap above
+  ``TOKENTRACE_ITL_OUTLIER_RATIO`` x its median gap is an outlier, and the steps inside each
+  outlier gap still in the ring become ``llm.engine.step`` spans under the request's
+  ``llm.request`` (at most ``_MAX_OUTLIER_STEPS`` per request, the latest of the largest gaps).
+  A request prefilled in more than one step also gets one ``llm.prefill.chunk`` span per step
+  under its ``llm.prefill``. The collector counts the outlier steps that carried prefill.
+- **sampled steps**: ``TOKENTRACE_STEP_SAMPLE_RATE`` of all steps are also exported on their
+  own (each the root of its own trace), for a view of the engine that does not depend on slow
+  requests.
+- **trace context**: the frontend chooses the ``llm.request`` and ``llm.prefill`` span ids in
+  advance and passes them with the trace id in the request's ``trace_headers`` (which vLLM
+  ships to EngineCore) under ``ENGINE_PARENT_HEADER``. A request without it (traced by no
+  frontend) is counted in steps but never tracked.
+
+Clock: EngineCore's ``time.monotonic()``, the domain of the frontend's token times too; the
+emitter converts to Unix time with the runtime's ``ClockDomain``. Requests aborted inside the
+engine never show a finish reason here: their step lists are dropped by a sweep every
+``_SWEEP_EVERY_STEPS`` steps, so the table stays bounded by the requests the scheduler holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Final, NamedTuple
+
+from tokentrace.agent import semconv
+from tokentrace.agent.hooks import HookGuard
+from tokentrace.agent.recorder import ClockDomain
+from tokentrace.agent.spans import (
+    KIND_INTERNAL,
+    AttrValue,
+    PlannedSpan,
+    SpanJob,
+    random_trace_id,
+)
+
+__all__ = [
+    "ENGINE_PARENT_HEADER",
+    "HOOK_STEP_DONE",
+    "HOOK_STEP_SCHEDULED",
+    "EngineStepTracer",
+    "StepRecord",
+    "engine_parent_header",
+    "outlier_gap_ends",
+    "parse_engine_parent",
+]
+
+_log = logging.getLogger(__name__)
+
+ENGINE_PARENT_HEADER: Final = "x-tokentrace-parent"
+"""``trace_headers`` key: ``<trace id>-<llm.request span id>-<llm.prefill span id>`` in hex."""
+HOOK_STEP_SCHEDULED: Final = "vllm.engine.schedule"
+HOOK_STEP_DONE: Final = "vllm.engine.update_from_output"
+
+_DEFAULT_RING_STEPS: Final = 4096
+_DEFAULT_SAMPLE_RATE: Final = 0.01
+_DEFAULT_OUTLIER_RATIO: Final = 3.0
+_MAX_OUTLIER_STEPS: Final = 32
+"""Engine step spans per request at most: a pathological request cannot flood the exporter."""
+_MIN_GAPS_FOR_OUTLIERS: Final = 2
+_SWEEP_EVERY_STEPS: Final = 1024
+_NS_PER_S: Final = 1_000_000_000
+_TRACE_ID_HEX: Final = 32
+_SPAN_ID_HEX: Final = 16
+_EVENT_SCHEDULED: Final = 2  # vLLM's EngineCoreEventType.SCHEDULED
+
+
+class StepRecord(NamedTuple):
+    """One engine step (monotonic ns)."""
+
+    number: int
+    """The step's position in the engine's sequence of steps (0, 1, ...)."""
+    start_ns: int
+    end_ns: int
+    prefill_requests: int
+    decode_requests: int
+    prefill_tokens: int
+    decode_tokens: int
+    kv_cache_usage: float
+    waiting: int
+    running: int
+    request_ids: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class _TrackedRequest:
+    trace_id: bytes
+    request_span_id: bytes
+    prefill_span_id: bytes
+    scheduled_ns: int | None
+    """vLLM's SCHEDULED event time (the start of the frontend's ``llm.prefill``), when known."""
+    prefill_steps: list[tuple[int, int]] = field(default_factory=list)
+    """(step index, prompt tokens) per step that computed part of the prompt."""
+    decode_steps: list[int] = field(default_factory=list)
+
+
+def engine_parent_header(trace_id: bytes, request_span_id: bytes, prefill_span_id: bytes) -> str:
+    return f"{trace_id.hex()}-{request_span_id.hex()}-{prefill_span_id.hex()}"
+
+
+def parse_engine_parent(value: object) -> tuple[bytes, bytes, bytes] | None:
+    """(trace id, request span id, prefill span id) of an ``ENGINE_PARENT_HEADER`` value."""
+    if not isinstance(value, str):
+        return None
+    parts = value.split("-")
+    if len(parts) != 3 or [len(p) for p in parts] != [_TRACE_ID_HEX, _SPAN_ID_HEX, _SPAN_ID_HEX]:
+        return None
+    try:
+        trace_id, request_span, prefill_span = (bytes.fromhex(p) for p in parts)
+    except ValueError:
+        return None
+    if not (any(trace_id) and any(request_span) and any(prefill_span)):
+        return None
+    return trace_id, request_span, prefill_span
+
+
+def outlier_gap_ends(token_step_ends: Sequence[tuple[int, int]], ratio: float) -> list[int]:
+    """Positions ``i`` (>= 1) in ``token_step_ends`` ((step index, end ns) of each step that gave
+    the request a token, in order) whose gap from ``i - 1`` exceeds ``ratio`` x the median gap."""
+    gaps = [
+        token_step_ends[i][1] - token_step_ends[i - 1][1] for i in range(1, len(token_step_ends))
+    ]
+    if len(gaps) < _MIN_GAPS_FOR_OUTLIERS:
+        return []
+    ordered = sorted(gaps)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    threshold = ratio * median
+    return [i + 1 for i, gap in enumerate(gaps) if gap > threshold]
+
+
+class EngineStepTracer:
+    """Records engine steps (serving path: the EngineCore busy loop) and plans their spans
+    (emitter thread). ``submit`` is the emitter's non-blocking ``submit``: it gets deferred jobs
+    (callables returning ``SpanJob``s) that the emitter runs on its thread."""
+
+    def __init__(
+        self,
+        submit: Callable[[Any], None],
+        *,
+        guard: HookGuard,
+        clock_domain: ClockDomain,
+        ring_steps: int = _DEFAULT_RING_STEPS,
+        sample_rate: float = _DEFAULT_SAMPLE_RATE,
+        outlier_ratio: float = _DEFAULT_OUTLIER_RATIO,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,
+        seed: int | None = None,
+    ) -> None:
+        if ring_steps < 1:
+            raise ValueError("ring_steps must be >= 1")
+        if not 0.0 <= sample_rate <= 1.0:
+            raise ValueError("sample_rate must be between 0 and 1")
+        self._submit = submit
+        self.guard = guard
+        self._clock_domain = clock_domain
+        self._ring: list[StepRecord | None] = [None] * ring_steps
+        self._ring_steps = ring_steps
+        self._sample_rate = sample_rate
+        self._outlier_ratio = outlier_ratio
+        self.clock = monotonic_ns
+        self._random = random.Random(os.urandom(16) if seed is None else seed).random
+        self._next_index = 0
+        self._open: dict[int, tuple[int, int, int, int, int, int, tuple[str, ...]]] = {}
+        """id(scheduler output) -> the step's schedule-time facts, until its update."""
+        self._requests: dict[str, _TrackedRequest | None] = {}
+        """Requests the scheduler holds: None for those with no trace context (not tracked)."""
+        self.steps = 0
+        self.sampled_steps = 0
+        self.requests_with_outliers = 0
+        self.outlier_steps = 0
+        self.outlier_steps_evicted = 0
+        """Outlier steps already overwritten in the ring when their request finished."""
+        self.swept_requests = 0
+        """Request step lists dropped without a finish reason (aborted inside the engine)."""
+
+    # --- serving path (EngineCore busy loop) ---------------------------------------------------
+    def on_scheduled(self, scheduler: Any, output: Any, start_ns: int) -> None:
+        scheduled = output.num_scheduled_tokens
+        if not scheduled:
+            return
+        index = self._next_index
+        self._next_index = index + 1
+        new_requests = output.scheduled_new_reqs
+        new_ids = {new.req_id for new in new_requests} if new_requests else ()
+        in_context = output.scheduled_cached_reqs.is_context_phase
+        requests = self._requests
+        prefill_requests = prefill_tokens = decode_requests = decode_tokens = 0
+        for request_id, tokens in scheduled.items():
+            prefill = request_id in new_ids or in_context(request_id)
+            if request_id in requests:
+                tracked = requests[request_id]
+            else:
+                tracked = requests[request_id] = _track(scheduler.requests.get(request_id))
+            if prefill:
+                prefill_requests += 1
+                prefill_tokens += tokens
+                if tracked is not None:
+                    tracked.prefill_steps.append((index, tokens))
+            else:
+                decode_requests += 1
+                decode_tokens += tokens
+                if tracked is not None:
+                    tracked.decode_steps.append(index)
+        self._open[id(output)] = (
+            index,
+            start_ns,
+            prefill_requests,
+            decode_requests,
+            prefill_tokens,
+            decode_tokens,
+            tuple(scheduled),
+        )
+
+    def on_step_done(self, scheduler: Any, output: Any, outputs_by_client: Any) -> None:
+        opened = self._open.pop(id(output), None)
+        if opened is None:
+            return
+        index, start_ns, prefill_requests, decode_requests, prefill_tokens, decode_tokens, ids = (
+            opened
+        )
+        end_ns = 0
+        finished: list[str] = []
+        for client_outputs in outputs_by_client.values():
+            if not end_ns and client_outputs.timestamp:
+                end_ns = int(client_outputs.timestamp * _NS_PER_S)
+            for request_output in client_outputs.outputs:
+                if request_output.finish_reason is not None:
+                    finished.append(request_output.request_id)
+        if not end_ns:
+            end_ns = self.clock()
+        running, waiting = scheduler.get_request_counts()
+        step = StepRecord(
+            index,
+            start_ns,
+            max(end_ns, start_ns),
+            prefill_requests,
+            decode_requests,
+            prefill_tokens,
+            decode_tokens,
+            float(scheduler.kv_cache_manager.usage),
+            waiting,
+            running,
+            ids,
+        )
+        self._ring[index % self._ring_steps] = step
+        self.steps += 1
+        if self._sample_rate and self._random() < self._sample_rate:
+            self.sampled_steps += 1
+            self._submit(partial(self.plan_sampled_step, step))
+        requests = self._requests
+        for request_id in finished:
+            tracked = requests.pop(request_id, None)
+            if tracked is not None:
+                self._submit(partial(self.plan_request, tracked))
+        if not (index + 1) % _SWEEP_EVERY_STEPS:
+            self._sweep(scheduler.requests)
+
+    def _sweep(self, held: Any) -> None:
+        gone = [request_id for request_id in self._requests if request_id not in held]
+        for request_id in gone:
+            del self._requests[request_id]
+        self.swept_requests += len(gone)
+
+    # --- emitter thread ------------------------------------------------------------------------
+    def _step_at(self, index: int) -> StepRecord | None:
+        step = self._ring[index % self._ring_steps]
+        return step if step is not None and step.number == index else None
+
+    def plan_sampled_step(self, step: StepRecord) -> list[SpanJob]:
+        """A sampled step: the root of a trace of its own (emitter thread)."""
+        return [SpanJob(random_trace_id(), b"", [self._step_span(0, -1, step)])]
+
+    def plan_request(self, tracked: _TrackedRequest) -> list[SpanJob]:
+        """The chunk and outlier-step spans of one finished request (emitter thread)."""
+        jobs: list[SpanJob] = []
+        unix = self._clock_domain.to_unix_ns
+        chunks = tracked.prefill_steps
+        if len(chunks) > 1:
+            planned: list[PlannedSpan] = []
+            previous_end = tracked.scheduled_ns
+            for index, tokens in chunks:
+                step = self._step_at(index)
+                if step is None:
+                    continue
+                start = step.start_ns if previous_end is None else max(step.start_ns, previous_end)
+                chunk = PlannedSpan(
+                    len(planned), -1, semconv.SPAN_PREFILL_CHUNK, KIND_INTERNAL,
+                    unix(start), unix(max(step.end_ns, start)),
+                    {semconv.PREFILL_CHUNK_TOKENS: tokens},
+                )  # fmt: skip
+                planned.append(chunk)
+                previous_end = step.end_ns
+            if planned:
+                jobs.append(SpanJob(tracked.trace_id, tracked.prefill_span_id, planned))
+        steps = self._outlier_steps(tracked)
+        if steps:
+            self.requests_with_outliers += 1
+            self.outlier_steps += len(steps)
+            jobs.append(
+                SpanJob(
+                    tracked.trace_id,
+                    tracked.request_span_id,
+                    [self._step_span(i, -1, step) for i, step in enumerate(steps)],
+                )
+            )
+        return jobs
+
+    def _outlier_steps(self, tracked: _TrackedRequest) -> list[StepRecord]:
+        token_steps = tracked.decode_steps
+        if tracked.prefill_steps:  # the last prefill step gives the first token
+            token_steps = [tracked.prefill_steps[-1][0], *token_steps]
+        ends: list[tuple[int, int]] = []
+        for index in token_steps:
+            step = self._step_at(index)
+            if step is None:  # evicted: gaps across it would be wrong
+                ends.clear()
+                continue
+            ends.append((index, step.end_ns))
+        positions = outlier_gap_ends(ends, self._outlier_ratio)
+        if not positions:
+            return []
+        # The largest gaps first, then as many of their steps as the cap allows.
+        positions.sort(key=lambda i: ends[i][1] - ends[i - 1][1], reverse=True)
+        chosen: dict[int, StepRecord] = {}
+        for position in positions:
+            for index in range(ends[position - 1][0] + 1, ends[position][0] + 1):
+                if len(chosen) >= _MAX_OUTLIER_STEPS:
+                    break
+                step = self._step_at(index)
+                if step is None:
+                    self.outlier_steps_evicted += 1
+                    continue
+                chosen[index] = step
+        return [chosen[index] for index in sorted(chosen)]
+
+    def _step_span(self, local_id: int, parent: int, step: StepRecord) -> PlannedSpan:
+        unix = self._clock_domain.to_unix_ns
+        attributes: dict[str, AttrValue] = {
+            semconv.ENGINE_STEP_BATCH_SIZE: len(step.request_ids),
+            semconv.ENGINE_STEP_PREFILL_REQUESTS: step.prefill_requests,
+            semconv.ENGINE_STEP_DECODE_REQUESTS: step.decode_requests,
+            semconv.ENGINE_STEP_PREFILL_TOKENS: step.prefill_tokens,
+            semconv.ENGINE_STEP_DECODE_TOKENS: step.decode_tokens,
+            semconv.ENGINE_STEP_KV_CACHE_USAGE: step.kv_cache_usage,
+            semconv.ENGINE_STEP_WAITING: step.waiting,
+            semconv.ENGINE_STEP_RUNNING: step.running,
+            semconv.ENGINE_STEP_REQUEST_IDS: step.request_ids,
+        }
+        return PlannedSpan(
+            local_id, parent, semconv.SPAN_ENGINE_STEP, KIND_INTERNAL,
+            unix(step.start_ns), unix(step.end_ns), attributes,
+        )  # fmt: skip
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "engine.steps": self.steps,
+            "engine.sampled_steps": self.sampled_steps,
+            "engine.tracked_requests": sum(1 for r in self._requests.values() if r is not None),
+            "engine.requests_with_outliers": self.requests_with_outliers,
+            "engine.outlier_steps": self.outlier_steps,
+            "engine.outlier_steps_evicted": self.outlier_steps_evicted,
+            "engine.swept_requests": self.swept_requests,
+        }
+
+
+def _track(request: Any) -> _TrackedRequest | None:
+    headers = getattr(request, "trace_headers", None)
+    if not headers:
+        return None
+    parent = parse_engine_parent(headers.get(ENGINE_PARENT_HEADER))
+    if parent is None:
+        return None
+    scheduled_ns = None
+    for event in reversed(getattr(request, "events", None) or ()):
+        if event.type == _EVENT_SCHEDULED:
+            scheduled_ns = int(event.timestamp * _NS_PER_S)
+            break
+    return _TrackedRequest(*parent, scheduled_ns)

@@ -1,0 +1,335 @@
+"""The EngineCore half of the vLLM instrumentation, on a stand-in scheduler with vLLM's shape.
+
+The stand-in (``test_vllm_instrumentation.Scheduler``) runs chunked prefill and decode with
+EngineCore-like timestamps; the real patch table wraps it, so these tests exercise the wrappers,
+the ring buffer, the outlier rule, the deferred planning and the encoding end to end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from tests.agent.vllm_stand_ins import (
+    CLOCK,
+    SCHEDULED,
+    AsyncLLM,
+    CoreRequest,
+    EngineRequest,
+    Event,
+    Scheduler,
+    Setup,
+    engine_monotonic_ns,
+)
+from tokentrace.agent import semconv
+from tokentrace.agent.frameworks.vllm_engine import (
+    ENGINE_PARENT_HEADER,
+    HOOK_STEP_DONE,
+    EngineStepTracer,
+    engine_parent_header,
+    outlier_gap_ends,
+    parse_engine_parent,
+)
+from tokentrace.agent.hooks import HookGuard
+from tokentrace.agent.spans import RecordingEncoder, SpanJob
+
+NS = 1_000_000_000
+TRACE = bytes(range(1, 17))
+REQUEST_SPAN = bytes(range(21, 29))
+PREFILL_SPAN = bytes(range(31, 39))
+
+
+def traced(request_id: str, prompt_tokens: int, number: int = 0) -> CoreRequest:
+    trace = bytes([number + 1]) * 16
+    header = engine_parent_header(trace, bytes([number + 2]) * 8, bytes([number + 3]) * 8)
+    return CoreRequest(request_id, prompt_tokens, trace_headers={ENGINE_PARENT_HEADER: header})
+
+
+def run_until_idle(scheduler: Scheduler, limit: int = 100) -> None:
+    for _ in range(limit):
+        if not scheduler.requests:
+            return
+        scheduler.step()
+    raise AssertionError("the stand-in scheduler did not finish its requests")
+
+
+def planned_jobs(jobs: list[Any]) -> list[SpanJob]:
+    """What the emitter's thread does with the deferred jobs."""
+    planned: list[SpanJob] = []
+    for job in jobs:
+        planned += job() if callable(job) else [job]
+    return planned
+
+
+def encoded_spans(jobs: list[SpanJob]) -> list[Span]:
+    encoder = RecordingEncoder(resource_attributes={"service.name": "t"}, scope_name="t")
+    payload, count = encoder.encode([], jobs)
+    message = ExportTraceServiceRequest.FromString(payload)
+    spans = [span for rs in message.resource_spans for ss in rs.scope_spans for span in ss.spans]
+    assert len(spans) == count
+    return spans
+
+
+def attributes(span: Span) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for kv in span.attributes:
+        value = kv.value
+        kind = value.WhichOneof("value")
+        if kind == "array_value":
+            result[kv.key] = tuple(v.string_value for v in value.array_value.values)
+        else:
+            result[kv.key] = getattr(value, kind)
+    return result
+
+
+def test_steps_are_recorded_with_vllms_prefill_decode_split(vllm_stand_in: Setup) -> None:
+    vllm_stand_in.instrument()
+    scheduler = Scheduler(token_budget=8, max_tokens=3)
+    scheduler.add(traced("a", 5))
+    scheduler.add(traced("b", 6, number=4))
+    run_until_idle(scheduler)
+    tracer = vllm_stand_in.tracer
+    steps = [tracer._step_at(i) for i in range(tracer.steps)]
+    assert all(step is not None for step in steps)
+    first = steps[0]
+    assert first is not None
+    # Step 0: a's whole prompt (5) and 3 of b's 6; step 1: a decodes, b's last 3 prompt tokens.
+    assert (first.prefill_requests, first.prefill_tokens, first.decode_requests) == (2, 8, 0)
+    second = steps[1]
+    assert second is not None
+    assert (second.prefill_requests, second.prefill_tokens) == (1, 3)
+    assert (second.decode_requests, second.decode_tokens) == (1, 1)
+    assert second.request_ids == ("a", "b")
+    assert second.kv_cache_usage == 0.25
+    # EngineCore's output timestamp ends each step; the next step starts after it.
+    assert second.end_ns == int(scheduler.clock * NS) - (len(steps) - 2) * int(0.01 * NS)
+    assert tracer.stats()["engine.tracked_requests"] == 0  # both finished
+
+
+def test_a_chunked_prefill_becomes_chunk_spans_under_the_prefill_span(
+    vllm_stand_in: Setup,
+) -> None:
+    vllm_stand_in.instrument()
+    scheduler = Scheduler(token_budget=4, max_tokens=2)
+    scheduler.add(traced("long", 10))  # 4 + 4 + 2 prompt tokens
+    run_until_idle(scheduler)
+    spans = encoded_spans(planned_jobs(vllm_stand_in.engine_jobs))
+    chunks = [span for span in spans if span.name == semconv.SPAN_PREFILL_CHUNK]
+    assert [attributes(c)[semconv.PREFILL_CHUNK_TOKENS] for c in chunks] == [4, 4, 2]
+    assert {c.parent_span_id for c in chunks} == {bytes([3]) * 8}
+    assert {c.trace_id for c in chunks} == {bytes([1]) * 16}
+    # Back to back, the first from vLLM's SCHEDULED event (the start of llm.prefill).
+    scheduled_ns = int(1000.0 * NS) + CLOCK.to_unix_ns(0)
+    assert chunks[0].start_time_unix_nano == scheduled_ns
+    for before, after in itertools.pairwise(chunks):
+        assert before.end_time_unix_nano <= after.start_time_unix_nano
+    assert not [span for span in spans if span.name == semconv.SPAN_ENGINE_STEP]
+
+
+def test_the_steps_inside_an_outlier_gap_are_exported_under_the_request(
+    vllm_stand_in: Setup,
+) -> None:
+    vllm_stand_in.instrument()
+    scheduler = Scheduler(token_budget=8, max_tokens=8, step_s=0.01)
+    scheduler.add(traced("steady", 2))
+    # A long prompt arrives later; the step that prefills it takes 10x longer.
+    scheduler.step()
+    scheduler.step()
+    scheduler.step()
+    scheduler.add(traced("intruder", 7, number=4))
+    scheduler.slow_steps[3] = 0.1
+    run_until_idle(scheduler)
+    jobs = planned_jobs(vllm_stand_in.engine_jobs)
+    steady = [job for job in jobs if job.trace_id == bytes([1]) * 16]
+    (step_job,) = steady
+    assert step_job.parent_span_id == bytes([2]) * 8
+    spans = encoded_spans(steady)
+    (slow,) = spans
+    assert slow.name == semconv.SPAN_ENGINE_STEP
+    assert slow.parent_span_id == bytes([2]) * 8
+    attrs = attributes(slow)
+    assert attrs[semconv.ENGINE_STEP_PREFILL_TOKENS] == 7
+    assert attrs[semconv.ENGINE_STEP_PREFILL_REQUESTS] == 1
+    assert attrs[semconv.ENGINE_STEP_REQUEST_IDS] == ("steady", "intruder")
+    assert slow.end_time_unix_nano - slow.start_time_unix_nano >= 0.1 * NS - 1
+    stats = vllm_stand_in.tracer.stats()
+    assert stats["engine.requests_with_outliers"] == 1 and stats["engine.outlier_steps"] == 1
+
+
+def test_untraced_requests_are_counted_in_steps_but_never_tracked(vllm_stand_in: Setup) -> None:
+    vllm_stand_in.instrument()
+    scheduler = Scheduler(token_budget=4, max_tokens=3)
+    scheduler.add(CoreRequest("plain", 9))
+    scheduler.add(CoreRequest("bad-header", 3, trace_headers={ENGINE_PARENT_HEADER: "nonsense"}))
+    run_until_idle(scheduler)
+    assert vllm_stand_in.tracer.steps > 3
+    assert vllm_stand_in.engine_jobs == []
+
+
+def test_requests_that_vanish_without_a_finish_reason_are_swept(vllm_stand_in: Setup) -> None:
+    vllm_stand_in.instrument()
+    scheduler = Scheduler(token_budget=4, max_tokens=10_000)
+    scheduler.add(traced("aborted", 2))
+    scheduler.step()
+    tracer = vllm_stand_in.tracer
+    assert tracer.stats()["engine.tracked_requests"] == 1
+    scheduler.running.remove("aborted")
+    del scheduler.requests["aborted"]  # vLLM freed it (an abort): no output says so
+    scheduler.add(CoreRequest("filler", 1))
+    scheduler.max_tokens = 1
+    for _ in range(1100):
+        if not scheduler.requests:
+            scheduler.add(CoreRequest(f"filler{scheduler.step_index}", 1))
+        scheduler.step()
+    assert tracer.stats()["engine.tracked_requests"] == 0
+    assert tracer.swept_requests >= 1
+    assert len(tracer._requests) < 3
+
+
+def test_a_sampled_step_is_the_root_of_its_own_trace() -> None:
+    jobs: list[Any] = []
+    tracer = EngineStepTracer(
+        jobs.append,
+        guard=HookGuard(),
+        clock_domain=CLOCK,
+        sample_rate=1.0,
+        monotonic_ns=engine_monotonic_ns,
+    )
+    scheduler = Scheduler(max_tokens=2)
+    scheduler.add(CoreRequest("x", 3))
+    while scheduler.requests:
+        start = tracer.clock()
+        output = scheduler.schedule()
+        tracer.on_scheduled(scheduler, output, start)
+        tracer.on_step_done(scheduler, output, scheduler.update_from_output(output, None))
+    spans = encoded_spans(planned_jobs(jobs))
+    assert len(spans) == tracer.steps == tracer.sampled_steps == 2
+    assert all(span.parent_span_id == b"" for span in spans)
+    assert len({span.trace_id for span in spans}) == 2
+
+
+def test_the_ring_keeps_only_the_latest_steps_and_gaps_across_evicted_steps_are_not_judged() -> (
+    None
+):
+    jobs: list[Any] = []
+    tracer = EngineStepTracer(
+        jobs.append,
+        guard=HookGuard(),
+        clock_domain=CLOCK,
+        ring_steps=4,
+        sample_rate=0.0,
+        monotonic_ns=engine_monotonic_ns,
+    )
+    scheduler = Scheduler(max_tokens=20)
+    scheduler.slow_steps[2] = 1.0  # an outlier early on, long evicted when the request ends
+    scheduler.add(traced("r", 1))
+    while scheduler.requests:
+        start = tracer.clock()
+        output = scheduler.schedule()
+        tracer.on_scheduled(scheduler, output, start)
+        tracer.on_step_done(scheduler, output, scheduler.update_from_output(output, None))
+    assert tracer._step_at(0) is None and tracer._step_at(tracer.steps - 1) is not None
+    assert planned_jobs(jobs) == []
+
+
+def test_a_raising_engine_hook_is_disabled_and_the_scheduler_keeps_working(
+    vllm_stand_in: Setup, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    vllm_stand_in.instrument()
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(vllm_stand_in.tracer, "on_step_done", broken)
+    scheduler = Scheduler(max_tokens=3)
+    scheduler.add(traced("a", 2))
+    with caplog.at_level(logging.WARNING, logger="tokentrace"):
+        run_until_idle(scheduler)
+    assert not scheduler.requests  # served in full
+    assert vllm_stand_in.guard.failures == {HOOK_STEP_DONE: 1}
+    assert HOOK_STEP_DONE in vllm_stand_in.guard.disabled
+
+
+def test_the_frontend_hands_its_ids_to_the_engine_in_trace_headers(vllm_stand_in: Setup) -> None:
+    vllm_stand_in.instrument()
+    traceparent = f"00-{TRACE.hex()}-{REQUEST_SPAN.hex()}-01"
+    # As with vLLM's own tracing on: the caller's headers reach the output processor.
+    request = EngineRequest(
+        "r-internal", "r", time.time(), trace_headers={"traceparent": traceparent}
+    )
+    AsyncLLM().output_processor.add_request(request)
+    timer = vllm_stand_in.recorder.get("r-internal")
+    assert timer is not None
+    headers = request.trace_headers
+    assert headers is not None
+    assert headers["traceparent"] == traceparent  # vLLM's own tracing still sees the caller's
+    parent = parse_engine_parent(headers[ENGINE_PARENT_HEADER])
+    assert parent == (timer.trace_id, timer.span_id, timer.prefill_span_id)
+    assert timer.trace_id == TRACE and len(set(parent)) == 3
+
+
+@pytest.mark.parametrize(
+    ("gaps_ms", "expected"),
+    [
+        ([10, 10, 10, 50, 10], [4]),  # 50 > 3 x median 10
+        ([10, 10, 30, 10], []),  # exactly 3x is not above it
+        ([10, 100], []),  # the median of two gaps is their mean: 100 < 3 x 55
+        ([10, 10, 100, 200], [4]),  # median 55: only 200 is above 165
+        ([10], []),  # one gap: no median to compare with
+    ],
+)
+def test_outlier_gap_ends(gaps_ms: list[int], expected: list[int]) -> None:
+    ends = [(0, 0)]
+    for index, gap in enumerate(gaps_ms, start=1):
+        ends.append((index, ends[-1][1] + gap))
+    assert outlier_gap_ends(ends, 3.0) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        "",
+        f"{'0' * 32}-{'1' * 16}-{'2' * 16}",  # zero trace id
+        f"{'a' * 32}-{'1' * 16}",
+        f"{'a' * 32}-{'1' * 16}-{'2' * 15}",
+        f"{'g' * 32}-{'1' * 16}-{'2' * 16}",
+        42,
+    ],
+)
+def test_parse_engine_parent_refuses_malformed_values(value: object) -> None:
+    assert parse_engine_parent(value) is None
+
+
+def test_engine_parent_header_round_trips() -> None:
+    value = engine_parent_header(TRACE, REQUEST_SPAN, PREFILL_SPAN)
+    assert parse_engine_parent(value) == (TRACE, REQUEST_SPAN, PREFILL_SPAN)
+
+
+def test_scheduled_event_is_read_from_the_request() -> None:
+    jobs: list[Any] = []
+    tracer = EngineStepTracer(
+        jobs.append,
+        guard=HookGuard(),
+        clock_domain=CLOCK,
+        sample_rate=0.0,
+        monotonic_ns=engine_monotonic_ns,
+    )
+    scheduler = Scheduler(token_budget=2, max_tokens=1)
+    request = traced("r", 5)
+    request.events.append(Event(SCHEDULED, 990.0))  # an earlier schedule (preempted since)
+    scheduler.add(request)
+    while scheduler.requests:
+        start = tracer.clock()
+        output = scheduler.schedule()
+        tracer.on_scheduled(scheduler, output, start)
+        tracer.on_step_done(scheduler, output, scheduler.update_from_output(output, None))
+    (chunk_job,) = planned_jobs(jobs)
+    # The latest SCHEDULED event (the stand-in appended one at 1000.0) starts the first chunk.
+    assert chunk_job.spans[0].start_ns == CLOCK.to_unix_ns(1000 * NS)
