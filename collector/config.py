@@ -50,7 +50,9 @@ _DEFAULT_MAX_BODY_MIB = 20
 # Above the OpenTelemetry SDK's default export delay (5 s): a client and a server export their
 # spans of one trace independently, and the later half must still find the trace open.
 _DEFAULT_QUIET_PERIOD_S = 6.0
-_DEFAULT_ROOT_GRACE_S = 0.2
+_DEFAULT_ROOT_GRACE_S = 1.0
+"""Spans of one request come from several processes (vLLM's EngineCore exports its step and
+chunk spans on its own ~0.2 s emitter cycle): wait this long after the root before finishing."""
 _DEFAULT_MAX_TRACES = 20_000
 _DEFAULT_MAX_SPANS_PER_TRACE = 5_000
 _DEFAULT_MAX_PENDING_SPANS = 500_000

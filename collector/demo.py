@@ -28,7 +28,7 @@ receivers:
       grpc: {endpoint: "127.0.0.1:0"}
       http: {endpoint: "127.0.0.1:0"}
 processors:
-  assembly: {quiet_period: 1s, root_grace: 200ms}
+  assembly: {quiet_period: 2s, root_grace: 1s}
   slo:
     targets:
       - {name: chat-ttft-p95, metric: ttft, percentile: 95, threshold: 500ms,

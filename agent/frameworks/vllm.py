@@ -151,6 +151,7 @@ _FINISH_STOP: Final = "stop"
 _FINISH_ABORT: Final = 2
 _NS_PER_S: Final = 1_000_000_000
 _SPAN_ID_BYTES: Final = 8
+_NO_FAN_OUT: Final[tuple[Any, bytes]] = (None, b"")
 
 _Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 _T = TypeVar("_T")
@@ -407,6 +408,7 @@ class VllmInstrumentor(BaseInstrumentor):
         self._step_tracer = step_tracer
         self._cold_start_tracer = cold_start
         self._model_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._last_fan_out: tuple[Any, bytes] = _NO_FAN_OUT
         self._applied: list[tuple[Any, str, Any, Any]] = []
         self._generation += 1
         self._active = True
@@ -624,7 +626,15 @@ class VllmInstrumentor(BaseInstrumentor):
             if traceparent:
                 context = parse_traceparent(traceparent)
         if context is None:
-            timer.trace_id = random_trace_id()
+            # The n sequences of one parallel-sampling request (n > 1) are one API request: one
+            # trace. vLLM adds them one after another, so the last parent suffices.
+            parent = args[2] if len(args) > 2 else kwargs.get("parent_req")
+            last_parent, last_trace_id = self._last_fan_out
+            if parent is not None and parent is last_parent:
+                timer.trace_id = last_trace_id
+            else:
+                timer.trace_id = random_trace_id()
+                self._last_fan_out = (parent, timer.trace_id) if parent is not None else _NO_FAN_OUT
         else:
             timer.trace_id, timer.parent_span_id = context
         # Ids chosen now so that EngineCore can parent its spans (engine steps, prefill chunks)

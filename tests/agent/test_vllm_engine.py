@@ -274,6 +274,22 @@ def test_the_frontend_hands_its_ids_to_the_engine_in_trace_headers(vllm_stand_in
     assert timer.trace_id == TRACE and len(set(parent)) == 3
 
 
+def test_the_sequences_of_a_parallel_sampling_request_share_one_trace(
+    vllm_stand_in: Setup,
+) -> None:
+    vllm_stand_in.instrument()
+    processor = AsyncLLM().output_processor
+    first_parent, second_parent = object(), object()
+    for index, parent in enumerate([first_parent, first_parent, first_parent, second_parent, None]):
+        processor.add_request(EngineRequest(f"seq{index}", "api", time.time()), None, parent)
+    timers = [vllm_stand_in.recorder.get(f"seq{index}") for index in range(5)]
+    trace_ids = [timer.trace_id for timer in timers if timer is not None]
+    assert len(trace_ids) == 5
+    assert trace_ids[0] == trace_ids[1] == trace_ids[2]
+    assert len({trace_ids[0], trace_ids[3], trace_ids[4]}) == 3
+    assert len({timer.span_id for timer in timers if timer is not None}) == 5
+
+
 @pytest.mark.parametrize(
     ("gaps_ms", "expected"),
     [

@@ -78,7 +78,9 @@ class OutputProcessor:
         self.external_req_ids: dict[str, list[str]] = {}
         self.parent_requests: dict[str, Any] = {}
 
-    def add_request(self, request: EngineRequest, prompt: str | None = None) -> None:
+    def add_request(
+        self, request: EngineRequest, prompt: str | None = None, parent_req: Any = None
+    ) -> None:
         params = request.sampling_params
         self.request_states[request.request_id] = State(
             request.request_id,

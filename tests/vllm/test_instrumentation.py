@@ -423,6 +423,47 @@ def test_engine_steps_and_prefill_chunks_match_the_requests(traced: TracedServer
         assert step.end_time_unix_nano <= long_tree.root.end_time_unix_nano
 
 
+def test_parallel_sampling_traces_each_sequence_as_a_request(traced: TracedServer) -> None:
+    """``n`` > 1: vLLM fans one API request out into n engine requests; each gets its own
+    llm.request tree with its own tokens, all in one trace (one API request)."""
+    n, max_tokens = 3, 5
+    marker = uuid.uuid4().hex
+    body = request_body(traced.server, chat=False, stream=False, max_tokens=max_tokens)
+    body.update(n=n, temperature=1.0, seed=7)
+    with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
+        response = client.post(
+            endpoint(traced.server, chat=False), json=body, headers={"X-Request-Id": marker}
+        )
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["completion_tokens"] == n * max_tokens
+
+    # request_trees keys by request id: the n sequences share it, so gather them by span.
+    def sequences() -> list[Any]:
+        return [
+            span
+            for _, span in exported_spans(traced.upstream)
+            if span.name == semconv.SPAN_REQUEST
+            and marker in str(attributes_of(span)[semconv.REQUEST_ID])
+        ]
+
+    assert traced.upstream.wait_for(lambda: len(sequences()) >= n, _SPAN_TIMEOUT_S)
+    spans = sequences()
+    assert len(spans) == n
+    assert len({span.trace_id for span in spans}) == 1
+    assert len({span.span_id for span in spans}) == n
+    everything = [span for _, span in exported_spans(traced.upstream)]
+    for span in spans:
+        attributes = attributes_of(span)
+        assert attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] == max_tokens
+        assert attributes[semconv.GEN_AI_USAGE_INPUT_TOKENS] == usage["prompt_tokens"]
+        tree = RequestTree(span)
+        for child in everything:
+            if child.parent_span_id == span.span_id and child.trace_id == span.trace_id:
+                tree.children.setdefault(child.name, []).append(child)
+        assert_consistent_tree(tree)
+
+
 def test_client_that_disconnects_mid_stream_gets_an_error_span(traced: TracedServer) -> None:
     max_tokens, events_before_leaving = 400, 3
     marker = uuid.uuid4().hex

@@ -22,7 +22,13 @@ import pytest
 from tests.collector.upstream import UpstreamOtlp
 from tests.vllm.conftest import require_vllm
 from tests.vllm.server import VllmServer, running_vllm_server
-from tests.vllm.test_instrumentation import endpoint, request_body, traced_server_env, usage_of
+from tests.vllm.test_instrumentation import (
+    endpoint,
+    new_traceparent,
+    request_body,
+    traced_server_env,
+    usage_of,
+)
 from tests.vllm.traces import exported_spans, request_trees
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks.vllm import HOOK_OUTPUTS
@@ -66,10 +72,16 @@ def test_server_keeps_serving_when_a_hook_raises(
     server, upstream, method, hook = failing_hook_server
     max_tokens, concurrency = 6, 8
 
+    # One caller with a traceparent: this server runs without vLLM's own tracing, so the
+    # headers reach tokentrace only through the AsyncLLM.add_request wrapper.
+    traceparent, trace_id, parent_span_id = new_traceparent()
+
     async def one(client: httpx.AsyncClient, *, chat: bool, stream: bool) -> int:
+        headers = {"traceparent": traceparent} if chat and not stream else {}
         response = await client.post(
             endpoint(server, chat=chat),
             json=request_body(server, chat=chat, stream=stream, max_tokens=max_tokens),
+            headers=headers,
         )
         assert response.status_code == 200, response.text
         return usage_of(response.text, stream=stream)["completion_tokens"]
@@ -103,5 +115,8 @@ def test_server_keeps_serving_when_a_hook_raises(
         assert request_trees(upstream) == {}
     else:
         # The engine's failure costs the engine steps; the frontend still traces every request.
-        assert len(request_trees(upstream)) == 4 + concurrency
+        trees = request_trees(upstream)
+        assert len(trees) == 4 + concurrency
         assert steps == []
+        (joined,) = [tree for tree in trees.values() if tree.root.trace_id == trace_id]
+        assert joined.root.parent_span_id == parent_span_id
