@@ -99,6 +99,8 @@ class RequestTimer:
     prefill_span_id: bytes = b""
     ready_ns: int | None = None
     """When the server became ready, for a request that arrived during its cold start."""
+    cold_start_link: tuple[bytes, bytes] | None = None
+    """(trace id, span id) of the ``llm.cold_start`` the request waited for."""
     attributes: dict[str, Any] = field(default_factory=dict)
     """RequestRecording field values known to the instrumentation (model, tokens, ...)."""
 
@@ -139,6 +141,7 @@ def to_recording(timer: RequestTimer, clock: ClockDomain) -> RequestRecording:
         preempted=[(unix(s), unix(e)) for s, e in timer.preempted_ns],
         error=timer.error,
         ready_ns=None if timer.ready_ns is None else unix(timer.ready_ns),
+        cold_start_link=timer.cold_start_link,
     )
     for name, value in timer.attributes.items():
         if name not in ("model", "operation") and hasattr(recording, name):

@@ -56,6 +56,9 @@ class RequestRecording:
     preempted: list[tuple[int, int]] = field(default_factory=list)
     ready_ns: int | None = None
     """When the server became ready, for requests that arrived during its cold start."""
+    cold_start_link: tuple[bytes, bytes] | None = None
+    """(trace id, span id) of the ``llm.cold_start`` span the request waited for: ``llm.request``
+    links to it (a span link: the cold start is its own trace)."""
 
     input_tokens: int | None = None
     output_tokens: int | None = None

@@ -107,6 +107,8 @@ class PlannedSpan(NamedTuple):
     attributes: dict[str, AttrValue]
     error: str | None = None
     """Set: the span ends with an ERROR status and this message."""
+    links: tuple[tuple[bytes, bytes], ...] = ()
+    """(trace id, span id) of each span this one links to."""
 
 
 DeferredSpans: TypeAlias = "Callable[[], Sequence[SpanJob]]"
@@ -186,6 +188,7 @@ def plan_spans(
     yield PlannedSpan(
         0, -1, semconv.SPAN_REQUEST, internal, arrival, end,
         _request_attributes(recording), recording.error,
+        () if recording.cold_start_link is None else (recording.cold_start_link,),
     )  # fmt: skip
     yield PlannedSpan(1, 0, semconv.SPAN_QUEUE, internal, queue_start, queue_end, {})
     local_id = 2
@@ -493,6 +496,8 @@ _TAG_KIND: Final = b"\x30"  # Span.kind = 6 (varint)
 _TAG_START: Final = b"\x39"  # Span.start_time_unix_nano = 7 (fixed64)
 _TAG_END: Final = b"\x41"  # Span.end_time_unix_nano = 8 (fixed64)
 _TAG_ATTRIBUTE: Final = b"\x4a"  # Span.attributes = 9
+_TAG_LINK: Final = b"\x6a"  # Span.links = 13
+_TAG_LINK_SPAN_ID: Final = b"\x12\x08"  # Span.Link.span_id = 2, 8 bytes (trace_id = 1 as Span's)
 _TAG_STATUS: Final = b"\x7a"  # Span.status = 15
 _TAG_STATUS_MESSAGE: Final = b"\x12"  # Status.message = 2
 _STATUS_CODE_ERROR: Final = b"\x18\x02"  # Status.code = 3: STATUS_CODE_ERROR (2)
@@ -659,6 +664,8 @@ class _SpanWriter:
                 append(entry)
             else:  # int/float/str subclasses and the like
                 append(_attribute(key, _any_value(value)))
+        for linked_trace_id, linked_span_id in planned.links:
+            append(_link(linked_trace_id, linked_span_id))
         if planned.error is not None:
             append(_status_error(planned.error))
         body = b"".join(parts)
@@ -682,6 +689,12 @@ _WRITER: Final = _SpanWriter()
 def _attribute(key: str, any_value: bytes) -> bytes:
     """One ``Span.attributes`` entry (tag included) from its ``AnyValue``'s content."""
     return _length_delimited(_TAG_ATTRIBUTE, _key_value(key, any_value))
+
+
+def _link(trace_id: bytes, span_id: bytes) -> bytes:
+    if len(trace_id) != _TRACE_ID_BYTES or len(span_id) != _SPAN_ID_BYTES:
+        raise ValueError("linked trace ids are 16 bytes and span ids 8 bytes")
+    return _length_delimited(_TAG_LINK, _TAG_TRACE_ID + trace_id + _TAG_LINK_SPAN_ID + span_id)
 
 
 def _status_error(message: str) -> bytes:

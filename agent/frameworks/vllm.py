@@ -125,6 +125,7 @@ HOOK_ADD_REQUEST: Final = "vllm.add_request"
 HOOK_OUTPUTS: Final = "vllm.process_outputs"
 HOOK_ABORT: Final = "vllm.abort"
 _REQUEST_HOOKS: Final = frozenset({HOOK_ADD_REQUEST, HOOK_OUTPUTS, HOOK_ABORT})
+_STEP_HOOKS: Final = frozenset({HOOK_STEP_SCHEDULED, HOOK_STEP_DONE})
 """One request's life spans these hooks: when one is disabled, requests are no longer traced."""
 
 # ``multiprocessing`` process names: API servers are ``ApiServer_N``, engines ``EngineCore`` or
@@ -523,7 +524,8 @@ class VllmInstrumentor(BaseInstrumentor):
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
         tracer = self._step_tracer
-        if not self._active or tracer is None or HOOK_STEP_SCHEDULED in self._guard.disabled:
+        # Either engine hook disabled stops both: what one records, the other releases.
+        if not self._active or tracer is None or not self._guard.disabled.isdisjoint(_STEP_HOOKS):
             return wrapped(*args, **kwargs)
         start_ns = tracer.clock()
         output = wrapped(*args, **kwargs)

@@ -43,8 +43,9 @@ A process's start comes from ``/proc/self/stat`` (``starttime``, in clock ticks 
 the frontend was instrumented.
 
 **Requests that wait on the cold start** get ``tokentrace.cold_start.ready_time`` (the root's
-end) on their ``llm.request``. vLLM's HTTP server listens only after the engine is ready and
-the offline ``LLM`` adds requests after its constructor returns, so this is rare: a request
+end) and a span link to ``llm.cold_start`` on their ``llm.request``. vLLM's HTTP server listens
+only after the engine is ready and the offline ``LLM`` adds requests after its constructor
+returns, so this is rare: a request
 given an ``arrival_time`` before the engine was ready, or one added while a second engine is
 still being built.
 
@@ -259,7 +260,7 @@ class ColdStartTracer:
                 waiting, self._waiting = self._waiting, []
             for timer in waiting:
                 if timer.arrival_ns < now:
-                    timer.ready_ns = now
+                    self._stamp(timer, now)
         if self.owns_root:
             start = self.instrumented_ns if self.process_start_ns is None else self.process_start_ns
             self._submit(partial(self._plan_root, start, now, error))
@@ -301,7 +302,7 @@ class ColdStartTracer:
         ready = self.ready_ns
         if ready is not None:
             if timer.arrival_ns < ready:
-                timer.ready_ns = ready
+                self._stamp(timer, ready)
             return
         with self._lock:
             if self.ready_ns is None:
@@ -311,6 +312,12 @@ class ColdStartTracer:
                     self.waiting_requests_unstamped += 1
                 return
         self.on_request(timer)  # ready came meanwhile
+
+    def _stamp(self, timer: RequestTimer, ready_ns: int) -> None:
+        """The request waited for this cold start: its ready time, and a link to the root."""
+        timer.ready_ns = ready_ns
+        if self.root_span_id:
+            timer.cold_start_link = (self.trace_id, self.root_span_id)
 
     def stats(self) -> dict[str, int]:
         return {

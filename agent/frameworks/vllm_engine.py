@@ -81,6 +81,8 @@ _MAX_OUTLIER_STEPS: Final = 32
 """Engine step spans per request at most: a pathological request cannot flood the exporter."""
 _MIN_GAPS_FOR_OUTLIERS: Final = 2
 _SWEEP_EVERY_STEPS: Final = 1024
+_MAX_OPEN_STEPS: Final = 64
+"""Scheduled steps awaiting their update; vLLM has at most its batch queue's size (1-2)."""
 _NS_PER_S: Final = 1_000_000_000
 _TRACE_ID_HEX: Final = 32
 _SPAN_ID_HEX: Final = 16
@@ -223,6 +225,8 @@ class EngineStepTracer:
                 decode_tokens += tokens
                 if tracked is not None:
                     tracked.decode_steps.append(index)
+        if len(self._open) >= _MAX_OPEN_STEPS:  # updates that never came (cannot happen in
+            self._open.clear()  # vLLM 0.32: at most the batch queue's size are in flight)
         self._open[id(output)] = (
             index,
             start_ns,

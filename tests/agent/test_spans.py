@@ -289,6 +289,16 @@ def test_a_recording_without_parent_is_a_root_and_several_recordings_share_one_r
     assert request_span(by_trace[trace_id(1)]).parent_span_id == PARENT
 
 
+def test_a_request_that_waited_for_the_cold_start_links_to_it() -> None:
+    link = (trace_id(9), bytes(range(1, 9)))
+    message, _ = encode([full_recording(cold_start_link=link), minimal_recording()])
+    spans = spans_of(message)
+    linked, plain = [span for span in spans if span.name == semconv.SPAN_REQUEST]
+    assert [(item.trace_id, item.span_id) for item in linked.links] == [link]
+    assert not plain.links
+    assert all(not span.links for span in spans if span.name != semconv.SPAN_REQUEST)
+
+
 def test_attributes_are_absent_when_unknown() -> None:
     (message, _) = encode([minimal_recording()])
     spans = by_name(spans_of(message))

@@ -281,6 +281,11 @@ def test_requests_that_arrive_before_ready_carry_the_ready_time(
     assert early.ready_ns == marks["ready"] and late.ready_ns is None
     assert to_recording(early, CLOCK).ready_ns == marks["ready"] + UNIX_OFFSET
     assert to_recording(late, CLOCK).ready_ns is None
+    # ...and a link to the cold start's root span (its own trace).
+    cold_start = vllm_stand_in.cold_start
+    assert early.cold_start_link == (cold_start.trace_id, cold_start.root_span_id)
+    assert late.cold_start_link is None
+    assert to_recording(early, CLOCK).cold_start_link == early.cold_start_link
     monkeypatch.setattr(stand_ins, "ENGINE_START_UP", [])
     asyncio.run(AsyncLLM().add_request("after", "prompt", None, 1e9 + 1e-3))  # given arrival
     after = vllm_stand_in.recorder.get("after-internal")

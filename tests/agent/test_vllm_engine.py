@@ -254,6 +254,11 @@ def test_a_raising_engine_hook_is_disabled_and_the_scheduler_keeps_working(
     assert not scheduler.requests  # served in full
     assert vllm_stand_in.guard.failures == {HOOK_STEP_DONE: 1}
     assert HOOK_STEP_DONE in vllm_stand_in.guard.disabled
+    # The schedule hook stops too: nothing accumulates that the disabled hook would release.
+    tracer = vllm_stand_in.tracer
+    scheduler.add(traced("b", 2))
+    run_until_idle(scheduler)
+    assert len(tracer._open) <= 1 and tracer.stats()["engine.tracked_requests"] <= 1
 
 
 def test_the_frontend_hands_its_ids_to_the_engine_in_trace_headers(vllm_stand_in: Setup) -> None:
