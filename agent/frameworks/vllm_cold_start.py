@@ -45,9 +45,8 @@ the frontend was instrumented.
 **Requests that wait on the cold start** get ``tokentrace.cold_start.ready_time`` (the root's
 end) and a span link to ``llm.cold_start`` on their ``llm.request``. vLLM's HTTP server listens
 only after the engine is ready and the offline ``LLM`` adds requests after its constructor
-returns, so this is rare: a request
-given an ``arrival_time`` before the engine was ready, or one added while a second engine is
-still being built.
+returns, so this is rare: a request given an ``arrival_time`` before the engine was ready, or
+one added while a second engine is still being built.
 
 The hooks run on vLLM's start-up path, once each: a clock read and a deque append (the spans
 are planned on the emitter's thread). ``VllmInstrumentor`` runs each through its
