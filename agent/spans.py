@@ -44,6 +44,8 @@ __all__ = [
     "KIND_INTERNAL",
     "KIND_SERVER",
     "PREFILL_LOCAL_ID",
+    "SPAN_ID_BYTES",
+    "TRACE_ID_BYTES",
     "AttrValue",
     "DeferredSpans",
     "PlannedSpan",
@@ -56,8 +58,11 @@ __all__ = [
     "encode_span",
     "encode_span_tree",
     "export_request",
+    "format_ids",
+    "parse_ids",
     "plan_spans",
     "random_span_id",
+    "random_span_id_bytes",
     "random_trace_id",
 ]
 
@@ -149,6 +154,29 @@ def random_span_id() -> int:
 def random_trace_id() -> bytes:
     """A random non-zero 16-byte trace id (W3C: random, never all zeros)."""
     return (_random_bits(128) or 1).to_bytes(_TRACE_ID_BYTES, "big")
+
+
+def random_span_id_bytes() -> bytes:
+    """``random_span_id`` as the 8 bytes of a span id chosen in advance."""
+    return random_span_id().to_bytes(_SPAN_ID_BYTES, "big")
+
+
+def format_ids(*ids: bytes) -> str:
+    """Trace/span ids as ``-``-joined lowercase hex: how they travel between processes."""
+    return "-".join(item.hex() for item in ids)
+
+
+def parse_ids(value: object, *sizes: int) -> tuple[bytes, ...] | None:
+    """``format_ids``' output back to ids of the given byte ``sizes``; None when malformed."""
+    if not isinstance(value, str):
+        return None
+    parts = value.strip().split("-")
+    if len(parts) != len(sizes) or any(len(p) != 2 * n for p, n in zip(parts, sizes, strict=True)):
+        return None
+    try:
+        return tuple(bytes.fromhex(part) for part in parts)
+    except ValueError:
+        return None
 
 
 # --- the layout ---------------------------------------------------------------------------------
@@ -478,8 +506,10 @@ def encode_span_tree(
 # --- protobuf wire format -----------------------------------------------------------------------
 # Field numbers of opentelemetry/proto/{collector/trace,trace,common,resource}/v1/*.proto; tests
 # check the output against spans built through the protobuf API and against the SDK path.
-_TRACE_ID_BYTES: Final = 16
-_SPAN_ID_BYTES: Final = 8
+TRACE_ID_BYTES: Final = 16
+SPAN_ID_BYTES: Final = 8
+_TRACE_ID_BYTES: Final = TRACE_ID_BYTES
+_SPAN_ID_BYTES: Final = SPAN_ID_BYTES
 _TAG_REQUEST_RESOURCE_SPANS: Final = b"\x0a"  # ExportTraceServiceRequest.resource_spans = 1
 _TAG_RESOURCE_SPANS_RESOURCE: Final = b"\x0a"  # ResourceSpans.resource = 1
 _TAG_RESOURCE_SPANS_SCOPE_SPANS: Final = b"\x12"  # ResourceSpans.scope_spans = 2

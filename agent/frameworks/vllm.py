@@ -86,6 +86,9 @@ from tokentrace.agent.frameworks.vllm_cold_start import (
 )
 from tokentrace.agent.frameworks.vllm_engine import (
     ENGINE_PARENT_HEADER,
+    EVENT_PREEMPTED,
+    EVENT_QUEUED,
+    EVENT_SCHEDULED,
     HOOK_STEP_DONE,
     HOOK_STEP_SCHEDULED,
     EngineStepTracer,
@@ -93,7 +96,7 @@ from tokentrace.agent.frameworks.vllm_engine import (
 )
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import ClockDomain, Recorder, RequestTimer
-from tokentrace.agent.spans import random_span_id, random_trace_id
+from tokentrace.agent.spans import random_span_id_bytes, random_trace_id
 
 __all__ = [
     "HOOK_ABORT",
@@ -143,15 +146,11 @@ _VLLM_LOGGER: Final = "vllm"
 _UNKNOWN_MODEL: Final = "unknown"
 _ERROR_ABORTED: Final = "aborted"
 _ERROR_ENGINE: Final = "engine error"
-# vLLM's EngineCoreEventType and FinishReason values (IntEnums; the unit tests check them).
-_EVENT_QUEUED: Final = 1
-_EVENT_SCHEDULED: Final = 2
-_EVENT_PREEMPTED: Final = 3
+# vLLM's FinishReason values (an IntEnum; a real-vLLM test checks them).
 _FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
 _FINISH_STOP: Final = "stop"
 _FINISH_ABORT: Final = 2
 _NS_PER_S: Final = 1_000_000_000
-_SPAN_ID_BYTES: Final = 8
 _NO_FAN_OUT: Final[tuple[Any, bytes]] = (None, b"")
 
 _Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -167,16 +166,23 @@ ROLE_WORKER: Final = "worker"
 EngineCore (the main process) when the executor runs the worker in-process."""
 
 
+# What a patch's wrapper records into: it is applied only when the instrumentor has it.
+USES_RECORDER: Final = "recorder"
+USES_STEP_TRACER: Final = "step_tracer"
+USES_COLD_START: Final = "cold_start_tracer"
+
+
 @dataclass(frozen=True, slots=True)
 class Patch:
     """One reversible patch: ``module``'s ``qualname`` is wrapped by the instrumentor's method
     ``wrapper`` (a ``wrapt`` wrapper: ``(wrapped, instance, args, kwargs)``), in the processes
-    that play ``role``."""
+    that play ``role``, when the instrumentor has what the wrapper ``uses``."""
 
     module: str
     qualname: str
     wrapper: str
     role: str = ROLE_FRONTEND
+    uses: str = USES_RECORDER
 
 
 _SCHEDULER: Final = "vllm.v1.core.sched.scheduler"
@@ -189,31 +195,54 @@ PATCHES: Final = (
     Patch("vllm.v1.engine.output_processor", "OutputProcessor.add_request", "_wrap_add_request"),
     Patch("vllm.v1.engine.output_processor", "OutputProcessor.process_outputs", "_wrap_outputs"),
     Patch("vllm.v1.engine.output_processor", "OutputProcessor.abort_requests", "_wrap_abort"),
-    Patch(_SCHEDULER, "Scheduler.schedule", "_wrap_schedule", ROLE_ENGINE),
-    Patch(_SCHEDULER, "Scheduler.update_from_output", "_wrap_update_from_output", ROLE_ENGINE),
+    # Engine steps (vllm_engine.py).
+    Patch(_SCHEDULER, "Scheduler.schedule", "_wrap_schedule", ROLE_ENGINE, USES_STEP_TRACER),
+    Patch(
+        _SCHEDULER,
+        "Scheduler.update_from_output",
+        "_wrap_update_from_output",
+        ROLE_ENGINE,
+        USES_STEP_TRACER,
+    ),
     # The cold start (vllm_cold_start.py).
-    Patch("vllm.v1.engine.core", "EngineCore._initialize_kv_caches", "_wrap_kv_cache", ROLE_ENGINE),
+    Patch(
+        "vllm.v1.engine.core",
+        "EngineCore._initialize_kv_caches",
+        "_wrap_kv_cache",
+        ROLE_ENGINE,
+        USES_COLD_START,
+    ),
     Patch(
         "vllm.v1.executor.abstract",
         "Executor.compile_or_warm_up_model",
         "_wrap_warmup_dispatch",
         ROLE_ENGINE,
+        USES_COLD_START,
     ),
-    Patch(_GPU_WORKER, "Worker.load_model", "_wrap_weight_load", ROLE_WORKER),
-    Patch(_GPU_WORKER, "Worker.compile_or_warm_up_model", "_wrap_warmup", ROLE_WORKER),
-    Patch(_CPU_WORKER, "CPUWorker.compile_or_warm_up_model", "_wrap_warmup", ROLE_WORKER),
+    Patch(_GPU_WORKER, "Worker.load_model", "_wrap_weight_load", ROLE_WORKER, USES_COLD_START),
+    Patch(
+        _GPU_WORKER,
+        "Worker.compile_or_warm_up_model",
+        "_wrap_warmup",
+        ROLE_WORKER,
+        USES_COLD_START,
+    ),
+    Patch(
+        _CPU_WORKER,
+        "CPUWorker.compile_or_warm_up_model",
+        "_wrap_warmup",
+        ROLE_WORKER,
+        USES_COLD_START,
+    ),
     Patch(
         "vllm.v1.worker.cpu_model_runner",
         "CPUModelRunner.warming_up_model",
         "_wrap_warmup",
         ROLE_WORKER,
+        USES_COLD_START,
     ),
 )
 """Every patch this instrumentation makes, in one place."""
-_COLD_START_WRAPPERS: Final = frozenset(
-    {"_wrap_kv_cache", "_wrap_warmup_dispatch", "_wrap_weight_load", "_wrap_warmup"}
-)
-"""Patches applied only with a cold-start tracer."""
 
 
 # --- trace context --------------------------------------------------------------------------------
@@ -413,13 +442,17 @@ class VllmInstrumentor(BaseInstrumentor):
         self._applied: list[tuple[Any, str, Any, Any]] = []
         self._generation += 1
         self._active = True
+        available = {
+            uses
+            for uses, tracer in (
+                (USES_RECORDER, recorder),
+                (USES_STEP_TRACER, step_tracer),
+                (USES_COLD_START, cold_start),
+            )
+            if tracer is not None
+        }
         for patch in PATCHES:
-            if patch.role not in roles:
-                continue
-            if patch.wrapper in _COLD_START_WRAPPERS:
-                if cold_start is None:
-                    continue
-            elif patch.role == ROLE_ENGINE and step_tracer is None:
+            if patch.role not in roles or patch.uses not in available:
                 continue
             wrapt.register_post_import_hook(
                 partial(self._apply, patch, self._generation), patch.module
@@ -641,8 +674,8 @@ class VllmInstrumentor(BaseInstrumentor):
             timer.trace_id, timer.parent_span_id = context
         # Ids chosen now so that EngineCore can parent its spans (engine steps, prefill chunks)
         # under this request's; vLLM ships trace_headers to EngineCore with the request.
-        timer.span_id = random_span_id().to_bytes(_SPAN_ID_BYTES, "big")
-        timer.prefill_span_id = random_span_id().to_bytes(_SPAN_ID_BYTES, "big")
+        timer.span_id = random_span_id_bytes()
+        timer.prefill_span_id = random_span_id_bytes()
         request.trace_headers = {
             **(request.trace_headers or {}),
             ENGINE_PARENT_HEADER: engine_parent_header(
@@ -751,15 +784,15 @@ class VllmInstrumentor(BaseInstrumentor):
 def _apply_events(timer: RequestTimer, events: Any) -> None:
     for event in events:
         kind = event.type
-        if kind == _EVENT_SCHEDULED:
+        if kind == EVENT_SCHEDULED:
             event_ns = int(event.timestamp * _NS_PER_S)
             if timer.scheduled_ns is None:
                 timer.scheduled_ns = event_ns
             else:  # scheduled again: resumed after a preemption
                 timer.resume(event_ns)
-        elif kind == _EVENT_PREEMPTED:
+        elif kind == EVENT_PREEMPTED:
             timer.preempt(int(event.timestamp * _NS_PER_S))
-        elif kind == _EVENT_QUEUED and timer.queued_ns is None:
+        elif kind == EVENT_QUEUED and timer.queued_ns is None:
             timer.queued_ns = int(event.timestamp * _NS_PER_S)
 
 

@@ -67,9 +67,13 @@ from tokentrace.agent import semconv
 from tokentrace.agent.recorder import ClockDomain, RequestTimer
 from tokentrace.agent.spans import (
     KIND_INTERNAL,
+    SPAN_ID_BYTES,
+    TRACE_ID_BYTES,
     PlannedSpan,
     SpanJob,
-    random_span_id,
+    format_ids,
+    parse_ids,
+    random_span_id_bytes,
     random_trace_id,
 )
 
@@ -102,9 +106,6 @@ HOOK_COLD_START_WARMUP: Final = "vllm.cold_start.warmup"
 
 _DEFAULT_MAX_WAITING_REQUESTS: Final = 4096
 """Requests remembered until ready (to stamp their ready time); beyond, counted and left."""
-_TRACE_ID_HEX: Final = 32
-_SPAN_ID_HEX: Final = 16
-_SPAN_ID_BYTES: Final = 8
 _NS_PER_S: Final = 1_000_000_000
 _PROC_STAT: Final = "/proc/self/stat"
 _STAT_STARTTIME_INDEX: Final = 19
@@ -116,23 +117,16 @@ _ROOT_LOCAL_ID: Final = 0
 def cold_start_parent(trace_id: bytes, span_id: bytes) -> str:
     """``COLD_START_PARENT_ENV``'s value for the root span ``span_id`` (empty: none) of trace
     ``trace_id``."""
-    return f"{trace_id.hex()}-{(span_id or bytes(_SPAN_ID_BYTES)).hex()}"
+    return format_ids(trace_id, span_id or bytes(SPAN_ID_BYTES))
 
 
 def parse_cold_start_parent(value: object) -> tuple[bytes, bytes] | None:
     """(trace id, root span id; empty: no root) of a ``COLD_START_PARENT_ENV`` value; None when
     malformed."""
-    if not isinstance(value, str):
+    ids = parse_ids(value, TRACE_ID_BYTES, SPAN_ID_BYTES)
+    if ids is None or not any(ids[0]):
         return None
-    trace_hex, _, span_hex = value.strip().partition("-")
-    if len(trace_hex) != _TRACE_ID_HEX or len(span_hex) != _SPAN_ID_HEX:
-        return None
-    try:
-        trace_id, span_id = bytes.fromhex(trace_hex), bytes.fromhex(span_hex)
-    except ValueError:
-        return None
-    if not any(trace_id):
-        return None
+    trace_id, span_id = ids
     return trace_id, span_id if any(span_id) else b""
 
 
@@ -212,9 +206,7 @@ class ColdStartTracer:
         else:
             self.trace_id = random_trace_id()
             # Without a frontend (an engine started on its own) the phases are the trace's roots.
-            self.root_span_id = (
-                random_span_id().to_bytes(_SPAN_ID_BYTES, "big") if frontend else b""
-            )
+            self.root_span_id = random_span_id_bytes() if frontend else b""
             env[COLD_START_PARENT_ENV] = cold_start_parent(self.trace_id, self.root_span_id)
         self.ready_ns: int | None = None
         """When this frontend's first engine was built (monotonic ns); None before."""

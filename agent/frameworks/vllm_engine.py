@@ -17,7 +17,7 @@ requests shared the step that made a token late, and how much prefill they broug
   as a deferred job: there its token steps give its inter-token gaps, every gap above
   ``TOKENTRACE_ITL_OUTLIER_RATIO`` x its median gap is an outlier, and the steps inside each
   outlier gap still in the ring become ``llm.engine.step`` spans under the request's
-  ``llm.request`` (at most ``_MAX_OUTLIER_STEPS`` per request, the latest of the largest gaps).
+  ``llm.request`` (at most ``_MAX_OUTLIER_STEPS`` per request, from the largest gaps first).
   A request prefilled in more than one step also gets one ``llm.prefill.chunk`` span per step
   under its ``llm.prefill``. The collector counts the outlier steps that carried prefill.
 - **sampled steps**: ``TOKENTRACE_STEP_SAMPLE_RATE`` of all steps are also exported on their
@@ -50,14 +50,21 @@ from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import ClockDomain
 from tokentrace.agent.spans import (
     KIND_INTERNAL,
+    SPAN_ID_BYTES,
+    TRACE_ID_BYTES,
     AttrValue,
     PlannedSpan,
     SpanJob,
+    format_ids,
+    parse_ids,
     random_trace_id,
 )
 
 __all__ = [
     "ENGINE_PARENT_HEADER",
+    "EVENT_PREEMPTED",
+    "EVENT_QUEUED",
+    "EVENT_SCHEDULED",
     "HOOK_STEP_DONE",
     "HOOK_STEP_SCHEDULED",
     "EngineStepTracer",
@@ -84,9 +91,11 @@ _SWEEP_EVERY_STEPS: Final = 1024
 _MAX_OPEN_STEPS: Final = 64
 """Scheduled steps awaiting their update; vLLM has at most its batch queue's size (1-2)."""
 _NS_PER_S: Final = 1_000_000_000
-_TRACE_ID_HEX: Final = 32
-_SPAN_ID_HEX: Final = 16
-_EVENT_SCHEDULED: Final = 2  # vLLM's EngineCoreEventType.SCHEDULED
+# vLLM's EngineCoreEventType values: EngineCore's scheduler events, which the frontend reads
+# too (a real-vLLM test checks them).
+EVENT_QUEUED: Final = 1
+EVENT_SCHEDULED: Final = 2
+EVENT_PREEMPTED: Final = 3
 
 
 class StepRecord(NamedTuple):
@@ -119,23 +128,16 @@ class _TrackedRequest:
 
 
 def engine_parent_header(trace_id: bytes, request_span_id: bytes, prefill_span_id: bytes) -> str:
-    return f"{trace_id.hex()}-{request_span_id.hex()}-{prefill_span_id.hex()}"
+    return format_ids(trace_id, request_span_id, prefill_span_id)
 
 
 def parse_engine_parent(value: object) -> tuple[bytes, bytes, bytes] | None:
     """(trace id, request span id, prefill span id) of an ``ENGINE_PARENT_HEADER`` value."""
-    if not isinstance(value, str):
+    ids = parse_ids(value, TRACE_ID_BYTES, SPAN_ID_BYTES, SPAN_ID_BYTES)
+    if ids is None or not all(any(item) for item in ids):
         return None
-    parts = value.split("-")
-    if len(parts) != 3 or [len(p) for p in parts] != [_TRACE_ID_HEX, _SPAN_ID_HEX, _SPAN_ID_HEX]:
-        return None
-    try:
-        trace_id, request_span, prefill_span = (bytes.fromhex(p) for p in parts)
-    except ValueError:
-        return None
-    if not (any(trace_id) and any(request_span) and any(prefill_span)):
-        return None
-    return trace_id, request_span, prefill_span
+    trace_id, request_span_id, prefill_span_id = ids
+    return trace_id, request_span_id, prefill_span_id
 
 
 def outlier_gap_ends(token_step_ends: Sequence[tuple[int, int]], ratio: float) -> list[int]:
@@ -398,7 +400,7 @@ def _track(request: Any) -> _TrackedRequest | None:
         return None
     scheduled_ns = None
     for event in reversed(getattr(request, "events", None) or ()):
-        if event.type == _EVENT_SCHEDULED:
+        if event.type == EVENT_SCHEDULED:
             scheduled_ns = int(event.timestamp * _NS_PER_S)
             break
     return _TrackedRequest(*parent, scheduled_ns)

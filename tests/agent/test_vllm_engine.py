@@ -59,6 +59,26 @@ def run_until_idle(scheduler: Scheduler, limit: int = 100) -> None:
     raise AssertionError("the stand-in scheduler did not finish its requests")
 
 
+def direct_tracer(jobs: list[Any], **options: Any) -> EngineStepTracer:
+    """A tracer called directly (no patches), on the stand-in engine's clock."""
+    return EngineStepTracer(
+        jobs.append,
+        guard=HookGuard(),
+        clock_domain=CLOCK,
+        monotonic_ns=engine_monotonic_ns,
+        **options,
+    )
+
+
+def drive(tracer: EngineStepTracer, scheduler: Scheduler) -> None:
+    """EngineCore's busy loop around the two hooks, until every request finished."""
+    while scheduler.requests:
+        start = tracer.clock()
+        output = scheduler.schedule()
+        tracer.on_scheduled(scheduler, output, start)
+        tracer.on_step_done(scheduler, output, scheduler.update_from_output(output, None))
+
+
 def planned_jobs(jobs: list[Any]) -> list[SpanJob]:
     """What the emitter's thread does with the deferred jobs."""
     planned: list[SpanJob] = []
@@ -194,20 +214,10 @@ def test_requests_that_vanish_without_a_finish_reason_are_swept(vllm_stand_in: S
 
 def test_a_sampled_step_is_the_root_of_its_own_trace() -> None:
     jobs: list[Any] = []
-    tracer = EngineStepTracer(
-        jobs.append,
-        guard=HookGuard(),
-        clock_domain=CLOCK,
-        sample_rate=1.0,
-        monotonic_ns=engine_monotonic_ns,
-    )
+    tracer = direct_tracer(jobs, sample_rate=1.0)
     scheduler = Scheduler(max_tokens=2)
     scheduler.add(CoreRequest("x", 3))
-    while scheduler.requests:
-        start = tracer.clock()
-        output = scheduler.schedule()
-        tracer.on_scheduled(scheduler, output, start)
-        tracer.on_step_done(scheduler, output, scheduler.update_from_output(output, None))
+    drive(tracer, scheduler)
     spans = encoded_spans(planned_jobs(jobs))
     assert len(spans) == tracer.steps == tracer.sampled_steps == 2
     assert all(span.parent_span_id == b"" for span in spans)
@@ -218,22 +228,11 @@ def test_the_ring_keeps_only_the_latest_steps_and_gaps_across_evicted_steps_are_
     None
 ):
     jobs: list[Any] = []
-    tracer = EngineStepTracer(
-        jobs.append,
-        guard=HookGuard(),
-        clock_domain=CLOCK,
-        ring_steps=4,
-        sample_rate=0.0,
-        monotonic_ns=engine_monotonic_ns,
-    )
+    tracer = direct_tracer(jobs, ring_steps=4, sample_rate=0.0)
     scheduler = Scheduler(max_tokens=20)
     scheduler.slow_steps[2] = 1.0  # an outlier early on, long evicted when the request ends
     scheduler.add(traced("r", 1))
-    while scheduler.requests:
-        start = tracer.clock()
-        output = scheduler.schedule()
-        tracer.on_scheduled(scheduler, output, start)
-        tracer.on_step_done(scheduler, output, scheduler.update_from_output(output, None))
+    drive(tracer, scheduler)
     assert tracer._step_at(0) is None and tracer._step_at(tracer.steps - 1) is not None
     assert planned_jobs(jobs) == []
 
@@ -335,22 +334,12 @@ def test_engine_parent_header_round_trips() -> None:
 
 def test_scheduled_event_is_read_from_the_request() -> None:
     jobs: list[Any] = []
-    tracer = EngineStepTracer(
-        jobs.append,
-        guard=HookGuard(),
-        clock_domain=CLOCK,
-        sample_rate=0.0,
-        monotonic_ns=engine_monotonic_ns,
-    )
+    tracer = direct_tracer(jobs, sample_rate=0.0)
     scheduler = Scheduler(token_budget=2, max_tokens=1)
     request = traced("r", 5)
     request.events.append(Event(SCHEDULED, 990.0))  # an earlier schedule (preempted since)
     scheduler.add(request)
-    while scheduler.requests:
-        start = tracer.clock()
-        output = scheduler.schedule()
-        tracer.on_scheduled(scheduler, output, start)
-        tracer.on_step_done(scheduler, output, scheduler.update_from_output(output, None))
+    drive(tracer, scheduler)
     (chunk_job,) = planned_jobs(jobs)
     # The latest SCHEDULED event (the stand-in appended one at 1000.0) starts the first chunk.
     assert chunk_job.spans[0].start_ns == CLOCK.to_unix_ns(1000 * NS)

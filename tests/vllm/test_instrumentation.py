@@ -513,14 +513,19 @@ def test_patch_table_and_constants_match_the_installed_vllm() -> None:
 
     from tokentrace.agent.frameworks import vllm as instrumentation
     from tokentrace.agent.frameworks.vllm_cold_start import ColdStartTracer
-    from tokentrace.agent.frameworks.vllm_engine import EngineStepTracer
+    from tokentrace.agent.frameworks.vllm_engine import (
+        EVENT_PREEMPTED,
+        EVENT_QUEUED,
+        EVENT_SCHEDULED,
+        EngineStepTracer,
+    )
     from tokentrace.agent.hooks import HookGuard
     from tokentrace.agent.recorder import ClockDomain, Recorder
 
     engine = importlib.import_module("vllm.v1.engine")
-    assert engine.EngineCoreEventType.QUEUED == instrumentation._EVENT_QUEUED
-    assert engine.EngineCoreEventType.SCHEDULED == instrumentation._EVENT_SCHEDULED
-    assert engine.EngineCoreEventType.PREEMPTED == instrumentation._EVENT_PREEMPTED
+    assert engine.EngineCoreEventType.QUEUED == EVENT_QUEUED
+    assert engine.EngineCoreEventType.SCHEDULED == EVENT_SCHEDULED
+    assert engine.EngineCoreEventType.PREEMPTED == EVENT_PREEMPTED
     assert [str(reason) for reason in engine.FinishReason] == list(instrumentation._FINISH_REASONS)
 
     def targets() -> list[object]:
