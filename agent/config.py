@@ -16,6 +16,10 @@
   (each its own trace), besides those overlapping requests' inter-token outliers.
 - ``TOKENTRACE_ITL_OUTLIER_RATIO`` (3.0): an inter-token gap above this many times the request's
   median gap is an outlier; the engine steps inside it are exported under the request.
+- ``TOKENTRACE_GPU_UUIDS``: the process's GPUs, comma-separated, for the node agent; by default
+  from ``CUDA_VISIBLE_DEVICES`` / ``NVIDIA_VISIBLE_DEVICES`` (UUIDs) or NVML (indices).
+- ``K8S_POD_NAME`` / ``K8S_NAMESPACE_NAME`` / ``K8S_NODE_NAME`` (or ``POD_NAME`` /
+  ``POD_NAMESPACE`` / ``NODE_NAME``): the pod's identity from the Kubernetes downward API.
 
 The agent runs inside someone else's server, so a bad value never stops it: it is logged once
 and its default used.
@@ -32,7 +36,9 @@ from typing import Final
 from urllib.parse import unquote, urlsplit
 
 from tokentrace.agent import semconv
+from tokentrace.agent.identity import kubernetes_resource, visible_gpu_uuids
 from tokentrace.agent.otlp_export import PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF, OtlpExporterConfig
+from tokentrace.agent.spans import AttrValue
 
 _log = logging.getLogger(__name__)
 
@@ -67,19 +73,28 @@ class AgentConfig:
     engine_steps: int = _DEFAULT_ENGINE_STEPS
     step_sample_rate: float = _DEFAULT_STEP_SAMPLE_RATE
     itl_outlier_ratio: float = _DEFAULT_ITL_OUTLIER_RATIO
+    gpu_uuids: tuple[str, ...] = ()
+    """The GPUs this process may use (``identity.visible_gpu_uuids``)."""
 
-    def resource(self) -> dict[str, str | int]:
-        """Resource attributes of every span: identity of this process and its service."""
-        resource: dict[str, str | int] = dict(self.resource_attributes)
+    def resource(self) -> dict[str, AttrValue]:
+        """Resource attributes of every span: identity of this process, its service, its pod
+        and its GPUs (what the node agent maps spans to GPUs by)."""
+        resource: dict[str, AttrValue] = dict(self.resource_attributes)
         resource[semconv.SERVICE_NAME] = self.service_name
         resource.setdefault(semconv.PROCESS_PID, os.getpid())
+        if self.gpu_uuids and semconv.GPU_UUIDS not in resource:
+            resource[semconv.GPU_UUIDS] = self.gpu_uuids
         return resource
 
 
 def load_agent_config(environ: Mapping[str, str] | None = None) -> AgentConfig:
     env = os.environ if environ is None else environ
     enabled = _flag(env, "TOKENTRACE_ENABLED", True) and not _flag(env, "OTEL_SDK_DISABLED", False)
-    resource = _resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
+    # The pod's downward-API identity, unless OTEL_RESOURCE_ATTRIBUTES says otherwise.
+    resource = {
+        **kubernetes_resource(env),
+        **_resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES", "")),
+    }
     service = (
         env.get("OTEL_SERVICE_NAME")
         or resource.pop(semconv.SERVICE_NAME, "")
@@ -114,6 +129,7 @@ def load_agent_config(environ: Mapping[str, str] | None = None) -> AgentConfig:
         itl_outlier_ratio=_number(
             env, "TOKENTRACE_ITL_OUTLIER_RATIO", _DEFAULT_ITL_OUTLIER_RATIO, low=1.0
         ),
+        gpu_uuids=tuple(visible_gpu_uuids(env)) if enabled else (),
     )
 
 

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokentrace.collector.consumer import Overloaded
+from tokentrace.agent.consumer import Overloaded
 from tokentrace.processors.model import AssembledTrace, SpanRef
 
 _RECENTLY_FINISHED_CAP = 100_000

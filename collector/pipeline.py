@@ -26,9 +26,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from tokentrace.agent import semconv
+from tokentrace.agent.consumer import Unavailable
 from tokentrace.collector.assembly import TraceAssembler
 from tokentrace.collector.config import CollectorConfig
-from tokentrace.collector.consumer import Unavailable
 from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.processors.budget import compute_budget, compute_metrics, prompt_bucket
 from tokentrace.processors.diagnosis import DiagnosisConfig, diagnose_request

@@ -81,8 +81,8 @@ class Collector:
             raise
 
     def _start_receivers(self, pipeline: Pipeline) -> None:
-        from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
-        from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
+        from tokentrace.agent.receivers.otlp_grpc import OtlpGrpcReceiver
+        from tokentrace.agent.receivers.otlp_http import OtlpHttpReceiver
 
         config = self.config
         receivers: list[OtlpGrpcReceiver | OtlpHttpReceiver] = []

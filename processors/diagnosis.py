@@ -263,6 +263,10 @@ def _plural(count: int, noun: str) -> str:
     return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
 
 
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
 def _ms(ns: int | float) -> float:
     return round(ns / 1e6, 3)
 
@@ -522,10 +526,20 @@ def _decode(record: RequestRecord, config: DiagnosisConfig) -> _Finding:
         per_token_parts.append(f"{format_duration(metrics.tpot)} TPOT")
     per_token = " at ".join(per_token_parts)
 
-    ratio = timeline.decode_bandwidth_peak_ratio
-    if ratio is not None and math.isfinite(ratio) and ratio >= config.bandwidth_bound_ratio:
-        numbers["bandwidth_peak_ratio"] = round(ratio, 4)
-        detail = f"memory bandwidth at {ratio:.0%} of peak (bandwidth-bound)"
+    ratio = _finite(timeline.decode_bandwidth_peak_ratio)
+    roofline = _finite(timeline.decode_roofline_ratio)
+    threshold = config.bandwidth_bound_ratio
+    # Measured bandwidth decides; without it, the roofline (weights read per token) does.
+    measured = ratio if ratio is not None else roofline
+    if measured is not None and measured >= threshold:
+        parts = []
+        if ratio is not None:
+            numbers["bandwidth_peak_ratio"] = round(ratio, 4)
+            parts.append(f"memory bandwidth at {ratio:.0%} of peak")
+        if roofline is not None:
+            numbers["roofline_ratio"] = round(roofline, 4)
+            parts.append(f"tokens at {roofline:.0%} of the weight-read limit")
+        detail = f"{', '.join(parts)} (bandwidth-bound)"
         if per_token:
             detail = f"{detail}; {per_token}"
         return _Finding(CAUSE_BANDWIDTH_BOUND_DECODE, semconv.SEGMENT_DECODE, detail, numbers)

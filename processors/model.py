@@ -97,6 +97,9 @@ class RequestTimeline:
     outlier_steps_with_prefill: int | None = None
     decode_bandwidth_peak_ratio: float | None = None
     """Mean GPU memory bandwidth during decode as a fraction of peak (node agent)."""
+    decode_roofline_ratio: float | None = None
+    """Weight bytes / peak bandwidth over the measured time per token (node agent): 1 is the
+    memory-bandwidth limit of decode."""
 
 
 @dataclass(slots=True)

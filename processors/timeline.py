@@ -487,6 +487,8 @@ def _apply_decode_attributes(timeline: RequestTimeline, decode: Span) -> None:
             timeline.token_offsets_dropped = _as_int(kv.value) or 0
         elif key == semconv.GPU_MEMORY_BANDWIDTH_PEAK_RATIO:
             timeline.decode_bandwidth_peak_ratio = _as_float(kv.value)
+        elif key == semconv.DECODE_ROOFLINE_RATIO:
+            timeline.decode_roofline_ratio = _as_float(kv.value)
         elif key == semconv.DECODE_OUTLIER_STEPS_WITH_PREFILL:
             timeline.outlier_steps_with_prefill = _as_int(kv.value)
 

@@ -96,7 +96,7 @@ from tokentrace.agent.frameworks.vllm_engine import (
 )
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import ClockDomain, Recorder, RequestTimer
-from tokentrace.agent.spans import random_span_id_bytes, random_trace_id
+from tokentrace.agent.spans import AttrValue, random_span_id_bytes, random_trace_id
 
 __all__ = [
     "HOOK_ABORT",
@@ -586,7 +586,12 @@ class VllmInstrumentor(BaseInstrumentor):
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
         return self._cold_start_phase(
-            HOOK_COLD_START_WEIGHT_LOAD, semconv.SPAN_COLD_START_WEIGHT_LOAD, wrapped, args, kwargs
+            HOOK_COLD_START_WEIGHT_LOAD,
+            semconv.SPAN_COLD_START_WEIGHT_LOAD,
+            wrapped,
+            args,
+            kwargs,
+            attributes=partial(_weight_attributes, instance),
         )
 
     def _wrap_warmup(
@@ -616,7 +621,10 @@ class VllmInstrumentor(BaseInstrumentor):
         wrapped: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: Any,
+        *,
+        attributes: Callable[[], Mapping[str, AttrValue]] | None = None,
     ) -> Any:
+        """``attributes``: read once the phase returned, for its span (inside the guard)."""
         cold_start = self._cold_start_tracer
         if not self._active or cold_start is None or hook in self._guard.disabled:
             return wrapped(*args, **kwargs)
@@ -627,7 +635,9 @@ class VllmInstrumentor(BaseInstrumentor):
         except BaseException as exc:
             self._guard.run(hook, cold_start.phase_ended, name, type(exc).__name__)
             raise
-        self._guard.run(hook, cold_start.phase_ended, name)
+        # Its own hook name: a failure here must not cost the phase's span.
+        known = None if attributes is None else self._guard.run(f"{hook}.attributes", attributes)
+        self._guard.run(hook, cold_start.phase_ended, name, None, known)
         return result
 
     # --- hook bodies (each runs inside HookGuard.run) ---------------------------------------------
@@ -834,3 +844,18 @@ def register() -> None:
             instrumentor.instrument()
     except Exception:  # a plugin that raises would stop vLLM's start-up
         _log.warning("tokentrace: could not instrument vLLM; it runs untraced", exc_info=True)
+
+
+def _weight_attributes(worker: Any) -> dict[str, AttrValue]:
+    """The loaded model's weight bytes in this worker (its shard under tensor parallelism): what
+    each decode step reads at least once, for the node agent's decode roofline.
+
+    On a GPU, vLLM's own measure (device memory taken by loading, what it logs as "Model
+    loading took ..."); else the parameters' bytes, which on CPU miss the linear weights that
+    vLLM repacks for oneDNN (CPU decode has no GPU roofline anyway)."""
+    runner = worker.model_runner
+    total = getattr(runner, "model_memory_usage", 0) or sum(
+        parameter.numel() * parameter.element_size()
+        for parameter in runner.get_model().parameters()
+    )
+    return {semconv.MODEL_WEIGHT_BYTES: int(total)} if total > 0 else {}

@@ -58,7 +58,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
@@ -69,6 +69,7 @@ from tokentrace.agent.spans import (
     KIND_INTERNAL,
     SPAN_ID_BYTES,
     TRACE_ID_BYTES,
+    AttrValue,
     PlannedSpan,
     SpanJob,
     format_ids,
@@ -267,8 +268,14 @@ class ColdStartTracer:
             phase.depth += 1
         return now
 
-    def phase_ended(self, name: str, error: str | None = None) -> None:
-        """A phase's call returned (``error``: it raised); the outermost one emits the span."""
+    def phase_ended(
+        self,
+        name: str,
+        error: str | None = None,
+        attributes: Mapping[str, AttrValue] | None = None,
+    ) -> None:
+        """A phase's call returned (``error``: it raised); the outermost one emits the span,
+        with ``attributes`` when given."""
         now = self.clock()
         phase = self._open.get(name)
         if phase is None:
@@ -278,7 +285,9 @@ class ColdStartTracer:
             return
         del self._open[name]
         end = now if phase.cut_ns is None else phase.cut_ns
-        self._emit_phase(name, phase.start_ns, end, error if phase.cut_ns is None else None)
+        self._emit_phase(
+            name, phase.start_ns, end, error if phase.cut_ns is None else None, attributes
+        )
 
     def cut_phase(self, name: str) -> None:
         """``name`` is over now although its call has not returned (EngineCore's KV-cache
@@ -317,9 +326,16 @@ class ColdStartTracer:
         }
 
     # --- emitter thread --------------------------------------------------------------------
-    def _emit_phase(self, name: str, start_ns: int, end_ns: int, error: str | None) -> None:
+    def _emit_phase(
+        self,
+        name: str,
+        start_ns: int,
+        end_ns: int,
+        error: str | None,
+        attributes: Mapping[str, AttrValue] | None = None,
+    ) -> None:
         self.phases_emitted += 1
-        self._submit(partial(self._plan_phase, name, start_ns, end_ns, error))
+        self._submit(partial(self._plan_phase, name, start_ns, end_ns, error, attributes))
 
     def _to_unix(self, monotonic_ns: int) -> int:
         """Unix ns; the process start is converted once, so that the root and the import phase
@@ -331,12 +347,18 @@ class ColdStartTracer:
         return self._process_start_unix_ns
 
     def _plan_phase(
-        self, name: str, start_ns: int, end_ns: int, error: str | None
+        self,
+        name: str,
+        start_ns: int,
+        end_ns: int,
+        error: str | None,
+        attributes: Mapping[str, AttrValue] | None = None,
     ) -> list[SpanJob]:
         unix = self._to_unix
         start = unix(start_ns)
         span = PlannedSpan(
-            0, -1, name, KIND_INTERNAL, start, max(unix(end_ns), start), {}, error
+            0, -1, name, KIND_INTERNAL, start, max(unix(end_ns), start), dict(attributes or {}),
+            error,
         )  # fmt: skip
         return [SpanJob(self.trace_id, self.root_span_id, [span])]
 

@@ -60,6 +60,7 @@ _CONTEXT_FIELDS: Final = (
     "max_running",
     "outlier_steps_with_prefill",
     "decode_bandwidth_peak_ratio",
+    "decode_roofline_ratio",
     "prefix_hash",
 )
 

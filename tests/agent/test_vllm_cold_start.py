@@ -423,3 +423,20 @@ def test_the_root_and_the_import_phase_start_at_the_same_nanosecond() -> None:
     imported, root = encoded_spans(planned_jobs(jobs))
     assert root.name == semconv.SPAN_COLD_START
     assert imported.start_time_unix_nano == root.start_time_unix_nano
+
+
+def test_weight_load_reports_the_weight_bytes_and_survives_a_model_it_cannot_read(
+    vllm_stand_in: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    instrument(vllm_stand_in)
+    Worker().load_model()
+    (span,) = encoded_spans(planned_jobs(vllm_stand_in.cold_start_jobs))
+    weight_bytes = {kv.key: kv.value.int_value for kv in span.attributes}
+    assert weight_bytes == {semconv.MODEL_WEIGHT_BYTES: stand_ins.MODEL_WEIGHT_BYTES}
+    # A runner whose model cannot be read: the phase's span still comes, without the bytes.
+    vllm_stand_in.cold_start_jobs.clear()
+    monkeypatch.delattr(stand_ins.CPUModelRunner, "get_model")
+    Worker().load_model()
+    (span,) = encoded_spans(planned_jobs(vllm_stand_in.cold_start_jobs))
+    assert span.name == semconv.SPAN_COLD_START_WEIGHT_LOAD and not span.attributes
+    assert vllm_stand_in.guard.failures == {f"{HOOK_COLD_START_WEIGHT_LOAD}.attributes": 1}

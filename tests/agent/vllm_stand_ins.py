@@ -308,9 +308,34 @@ def advance_startup_clock(ns: int) -> None:
     _startup_clock_ns[0] += ns
 
 
+class _Parameter:
+    def __init__(self, elements: int, element_size: int) -> None:
+        self._elements = elements
+        self._element_size = element_size
+
+    def numel(self) -> int:
+        return self._elements
+
+    def element_size(self) -> int:
+        return self._element_size
+
+
+class _Model:
+    """Two bf16 parameters: the weight bytes the worker reports."""
+
+    def parameters(self) -> list[_Parameter]:
+        return [_Parameter(1000, 2), _Parameter(24, 2)]
+
+
+MODEL_WEIGHT_BYTES = 2048
+
+
 class CPUModelRunner:
     def warming_up_model(self) -> None:
         advance_startup_clock(COMPILE_NS)
+
+    def get_model(self) -> _Model:
+        return _Model()
 
 
 class Worker:

@@ -186,7 +186,7 @@ def test_env_references_are_substituted_and_missing_ones_named(tmp_path: Path) -
 
 
 def test_the_shipped_deploy_configs_are_valid() -> None:
-    deploy = Path(__file__).resolve().parents[2] / "deploy"
+    deploy = Path(__file__).resolve().parents[2] / "deploy" / "collector"
     configs = sorted(deploy.rglob("*.yaml"))
     assert configs
     for path in configs:

@@ -700,3 +700,22 @@ def test_single_request_window() -> None:
 def test_invalid_config_is_rejected(overrides: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         DiagnosisConfig(**overrides)
+
+
+def test_the_decode_roofline_decides_when_bandwidth_was_not_measured() -> None:
+    bound = diagnose_request(
+        _decode_record(decode_bandwidth_peak_ratio=None, decode_roofline_ratio=0.9)
+    )
+    assert bound.cause == CAUSE_BANDWIDTH_BOUND_DECODE
+    assert bound.numbers["roofline_ratio"] == 0.9
+    assert "90% of the weight-read limit" in bound.sentence
+    # A measured bandwidth well below peak wins over the roofline estimate.
+    measured = diagnose_request(
+        _decode_record(decode_bandwidth_peak_ratio=0.4, decode_roofline_ratio=0.9)
+    )
+    assert measured.cause != CAUSE_BANDWIDTH_BOUND_DECODE
+    both = diagnose_request(
+        _decode_record(decode_bandwidth_peak_ratio=0.85, decode_roofline_ratio=0.7)
+    )
+    assert both.cause == CAUSE_BANDWIDTH_BOUND_DECODE
+    assert "85% of peak, tokens at 70% of the weight-read limit" in both.sentence

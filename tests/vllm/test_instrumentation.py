@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import uuid
 from collections.abc import Iterator
@@ -585,7 +586,7 @@ def cold_start_spans(upstream: UpstreamOtlp) -> list[tuple[int, Any]]:
 
 
 def test_the_server_start_is_one_cold_start_trace_across_its_processes(
-    traced: TracedServer,
+    traced: TracedServer, tiny_model_dir: Path
 ) -> None:
     """The API server, EngineCore and the CPU worker each report their phases of the start-up
     under the API server's ``llm.cold_start`` (process start -> engine ready)."""
@@ -614,6 +615,24 @@ def test_the_server_start_is_one_cold_start_trace_across_its_processes(
     ((worker_pid, weight_load),) = phases[semconv.SPAN_COLD_START_WEIGHT_LOAD]
     assert frontend_pid not in (engine_pid, worker_pid)
     assert {pid for pid, _ in phases[semconv.SPAN_COLD_START_WARMUP]} == {worker_pid}
+    # The worker reports its weights' bytes (for the node agent's decode roofline). On CPU
+    # vLLM repacks the linear layers' weights for oneDNN, out of the parameters, so only the
+    # embeddings and norms are counted: more than nothing, never more than the checkpoint.
+    from safetensors import safe_open
+
+    elements = 0
+    embedding_elements = 0
+    for checkpoint in tiny_model_dir.glob("*.safetensors"):
+        with safe_open(str(checkpoint), "np") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                count = math.prod(tensors.get_slice(name).get_shape())
+                elements += count
+                if "embed_tokens" in name or "lm_head" in name:
+                    embedding_elements += count
+    weight_bytes = next(
+        kv.value.int_value for kv in weight_load.attributes if kv.key == semconv.MODEL_WEIGHT_BYTES
+    )
+    assert 2 * embedding_elements <= weight_bytes <= 2 * elements  # bf16
     frontend_import = next(
         s for p, s in phases[semconv.SPAN_COLD_START_IMPORT] if p == frontend_pid
     )

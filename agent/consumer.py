@@ -1,4 +1,7 @@
-"""The one-method consumer every collector component hands data to (as in the OTel Collector)."""
+"""The one-method consumer every pipeline component hands data to (as in the OTel Collector).
+
+Shared by the collector and the node agent, which both receive OTLP; it lives on the agent side
+because the agent never imports the collector."""
 
 from __future__ import annotations
 

@@ -1,0 +1,183 @@
+"""Identity (downward API, visible GPUs) and the ``tokentrace node-agent`` command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.node.node_agent_process import start_node_agent
+from tests.node.nvml_stand_in import library_env
+from tests.node.test_node_agent import ListConsumer, _attributes, _request, _span
+from tokentrace.agent import semconv
+from tokentrace.agent.config import load_agent_config
+from tokentrace.agent.identity import kubernetes_resource, visible_gpu_uuids
+from tokentrace.agent.otlp_export import OtlpExporterConfig, OtlpSender
+from tokentrace.agent.receivers.otlp_grpc import OtlpGrpcReceiver
+
+UUID_A = "GPU-0c0ffee0-0000-0000-0000-00000000000a"
+UUID_B = "GPU-0c0ffee0-0000-0000-0000-00000000000b"
+
+
+class RecordingNvml:
+    def __init__(self) -> None:
+        self.asked: list[list[int] | None] = []
+
+    def __call__(self, indices: list[int] | None) -> list[str]:
+        self.asked.append(indices)
+        every = [UUID_A, UUID_B]
+        return every if indices is None else [every[i] for i in indices]
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected", "asked"),
+    [
+        ({"TOKENTRACE_GPU_UUIDS": f"{UUID_B}, {UUID_A}"}, [UUID_B, UUID_A], []),
+        ({"TOKENTRACE_GPU_UUIDS": ""}, [], []),
+        ({"CUDA_VISIBLE_DEVICES": UUID_A}, [UUID_A], []),
+        ({"CUDA_VISIBLE_DEVICES": "1"}, [UUID_B], [[1]]),
+        ({"CUDA_VISIBLE_DEVICES": ""}, [], []),
+        ({"CUDA_VISIBLE_DEVICES": "-1"}, [], []),
+        # Device-plugin containers: UUIDs, or the host's indices of what NVML here sees.
+        ({"NVIDIA_VISIBLE_DEVICES": f"{UUID_A},{UUID_B}"}, [UUID_A, UUID_B], []),
+        ({"NVIDIA_VISIBLE_DEVICES": "3"}, [UUID_A, UUID_B], [None]),
+        ({"NVIDIA_VISIBLE_DEVICES": "void"}, [], []),
+        ({}, [UUID_A, UUID_B], [None]),
+        ({"CUDA_VISIBLE_DEVICES": "0,GPU-x"}, [], []),
+    ],
+)
+def test_visible_gpu_uuids(
+    environ: dict[str, str], expected: list[str], asked: list[list[int] | None]
+) -> None:
+    nvml = RecordingNvml()
+    assert visible_gpu_uuids(environ, nvml_uuids=nvml) == expected
+    assert nvml.asked == asked
+
+
+def test_kubernetes_identity_from_the_downward_api() -> None:
+    environ = {"POD_NAME": "vllm-0", "K8S_NAMESPACE_NAME": "llm", "NODE_NAME": "n1"}
+    assert kubernetes_resource(environ) == {
+        semconv.K8S_POD_NAME: "vllm-0",
+        semconv.K8S_NAMESPACE_NAME: "llm",
+        semconv.K8S_NODE_NAME: "n1",
+    }
+    assert kubernetes_resource({}) == {}
+    config = load_agent_config(
+        {**environ, "CUDA_VISIBLE_DEVICES": UUID_A, "OTEL_RESOURCE_ATTRIBUTES": "k8s.pod.name=x"}
+    )
+    resource = config.resource()
+    assert resource[semconv.K8S_POD_NAME] == "x"  # OTEL_RESOURCE_ATTRIBUTES wins
+    assert resource[semconv.K8S_NODE_NAME] == "n1"
+    assert resource[semconv.GPU_UUIDS] == (UUID_A,)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_nvml", [True, False])
+def test_the_node_agent_command_relays_with_and_without_nvml(
+    with_nvml: bool, nvml_library_dir: Path, tmp_path: Path
+) -> None:
+    consumer = ListConsumer()
+    upstream = OtlpGrpcReceiver(consumer, endpoint="127.0.0.1:0")
+    upstream.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.pop("LD_LIBRARY_PATH", None)
+    if with_nvml:  # the library path the binding loads from
+        env["LD_LIBRARY_PATH"] = library_env(nvml_library_dir)["LD_LIBRARY_PATH"]
+    process, port, startup = start_node_agent(
+        "--upstream",
+        f"http://127.0.0.1:{upstream.port}",
+        "--max-hold",
+        "0.2",
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        assert process.stdout is not None
+        sender = OtlpSender(
+            OtlpExporterConfig(endpoint=f"http://127.0.0.1:{port}", protocol="grpc"),
+            signal="traces",
+        )
+        time.sleep(0.5)  # a few samples
+        now = time.time_ns()
+        uuid = "GPU-00000000-0000-0000-0000-000000000000"  # the stand-in's first GPU
+        request = _request(
+            [_span(semconv.SPAN_REQUEST, now - 300_000_000, now)],
+            resource={semconv.GPU_UUIDS: [uuid], semconv.PROCESS_PID: 1},
+        )
+        assert sender.submit(request.SerializeToString(), 1)
+        assert sender.force_flush(5.0)
+        consumer.wait_for(lambda: len(consumer.spans()) == 1)
+        sender.shutdown(1.0)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=10)
+        upstream.shutdown(1.0)
+    output = startup + output
+    assert process.returncode == 0, output
+    _, span = consumer.spans()[0]
+    attributes = _attributes(span.attributes)
+    if with_nvml:
+        assert attributes[semconv.GPU_SAMPLES] >= 1
+        assert attributes[semconv.GPU_UTILIZATION_MEAN] == pytest.approx(0.5)
+    else:
+        assert semconv.GPU_SAMPLES not in attributes
+        assert "NVML is not available" in output
+
+
+def test_bad_configuration_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tokentrace.agent.cli", "node-agent", "--sample-interval", "0"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert "configuration error: sample_interval_s: must be > 0" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_shipped_daemonset_runs_a_valid_node_agent() -> None:
+    """The manifest's args and environment (downward API and secret filled in as Kubernetes
+    would) make a valid node agent configuration with node identity."""
+    import argparse
+    import re
+
+    import yaml
+
+    from tokentrace.agent.identity import host_resource
+    from tokentrace.agent.node_cli import NodeAgentCommand, config_from_args
+
+    manifest = Path(__file__).resolve().parents[2] / "deploy" / "node-agent" / "daemonset.yaml"
+    documents = {doc["kind"]: doc for doc in yaml.safe_load_all(manifest.read_text())}
+    pod = documents["DaemonSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    filled = {"spec.nodeName": "gpu-node-1", "metadata.name": "na-1", "metadata.namespace": "tt"}
+    environ: dict[str, str] = {}
+    for variable in container["env"]:
+        if "value" in variable:  # Kubernetes expands $(NAME) from earlier variables
+            environ[variable["name"]] = re.sub(
+                r"\$\((\w+)\)", lambda m: environ[m.group(1)], variable["value"]
+            )
+        elif "fieldRef" in variable["valueFrom"]:
+            environ[variable["name"]] = filled[variable["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            environ[variable["name"]] = "secret-token"
+    parser = argparse.ArgumentParser()
+    command = NodeAgentCommand()
+    assert container["args"][0] == command.name
+    command.add_arguments(parser)
+    config = config_from_args(parser.parse_args(container["args"][1:]), environ)
+    assert config.grpc_endpoint == "0.0.0.0:4317"
+    assert config.exporter.headers == {"authorization": "Bearer secret-token"}
+    assert config.exporter.endpoint_for("traces").startswith("http://tokentrace-collector")
+    assert host_resource(environ)[semconv.K8S_NODE_NAME] == "gpu-node-1"
+    ports = {p["containerPort"] for p in container["ports"]}
+    service_ports = {p["port"] for p in documents["Service"]["spec"]["ports"]}
+    assert ports == service_ports == {4317, 4318}
+    assert documents["Service"]["spec"]["internalTrafficPolicy"] == "Local"
