@@ -178,7 +178,7 @@ def test_each_phase_span_carries_the_aggregates_of_the_samples_inside_its_window
             assert attributes[key] == pytest.approx(value), (name, key)
         assert attributes[semconv.GPU_MEMORY_BANDWIDTH_SOURCE] == "gpm"
         assert attributes[semconv.GPU_MEMORY_BANDWIDTH_PEAK_RATIO] == pytest.approx(
-            attributes[semconv.GPU_MEMORY_BANDWIDTH_GBPS] * 1e9 / gpu.peak_bandwidth_bps  # type: ignore[operator]
+            attributes[semconv.GPU_MEMORY_BANDWIDTH_GBPS] * 1e9 / gpu.peak_bandwidth_bps  # type: ignore[operator,unused-ignore]
         )
         assert resource[semconv.GPU_UUIDS] == [gpu.uuid]
         assert resource[semconv.K8S_NODE_NAME] == "gpu-node-7"
@@ -213,6 +213,7 @@ def _request(
 
 
 def _span(name: str, start: int, end: int, *, trace: bytes = b"t" * 16, **attrs: Any) -> Span:
+    """A span with int (or int-array) attributes; ``trace`` is its trace id."""
     span = Span(
         name=name,
         trace_id=trace,
@@ -330,7 +331,7 @@ def test_tensor_parallel_spans_sum_bandwidth_and_roofline_uses_the_weights(
         semconv.SPAN_DECODE,
         1_150_000_000,
         1_650_000_000,
-        **{semconv.DECODE_TOKEN_OFFSETS: list(range(0, 500_001, 50_000))},
+        **{semconv.DECODE_TOKEN_OFFSETS: list(range(0, 500_001, 50_000))},  # type: ignore[arg-type]
     )
     request = _request([decode], resource={semconv.GPU_UUIDS: uuids, semconv.PROCESS_PID: 100})
     enricher.enrich(request)
@@ -398,7 +399,7 @@ def test_without_nvml_spans_are_relayed_unchanged(
     agent = _node_agent(port, NvmlSampler())
     try:
         assert not agent.sampler.available
-        span = _span(semconv.SPAN_DECODE, 1, 2, **{semconv.DECODE_TOKEN_OFFSETS: [0, 5]})
+        span = _span(semconv.SPAN_DECODE, 1, 2, **{semconv.DECODE_TOKEN_OFFSETS: [0, 5]})  # type: ignore[arg-type]
         agent.consume_traces(_request([span], resource={semconv.PROCESS_PID: 1}))
         consumer.wait_for(lambda: len(consumer.spans()) == 1)
     finally:

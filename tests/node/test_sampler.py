@@ -69,7 +69,7 @@ def test_without_gpm_bandwidth_falls_back_to_the_memory_controller(nvml: NvmlSta
         gpm, fallback = sampler.devices
         assert gpm.gpm_supported and not fallback.gpm_supported
         sampler.sample_once()
-        sample = sampler.ring(fallback.uuid).latest()  # type: ignore[union-attr]
+        sample = sampler.ring(fallback.uuid).latest()  # type: ignore[union-attr,unused-ignore]
         assert sample is not None and fallback.peak_bandwidth_bps is not None
         assert sample.memory_bandwidth_bps == pytest.approx(0.30 * fallback.peak_bandwidth_bps)
     finally:

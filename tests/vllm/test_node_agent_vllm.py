@@ -120,7 +120,9 @@ def test_vllm_phase_spans_arrive_with_the_gpu_samples_of_their_windows(
     (weight_bytes,) = [w[semconv.MODEL_WEIGHT_BYTES] for w in weight_loads]
     decode = spans[semconv.SPAN_DECODE]
     attributes = attributes_of(decode)
-    tokens = len(attributes[semconv.DECODE_TOKEN_OFFSETS])
+    offsets = attributes[semconv.DECODE_TOKEN_OFFSETS]
+    assert isinstance(offsets, list) and isinstance(weight_bytes, int)
+    tokens = len(offsets)
     per_token_s = (decode.end_time_unix_nano - decode.start_time_unix_nano) / 1e9 / (tokens - 1)
     assert attributes[semconv.DECODE_ROOFLINE_RATIO] == pytest.approx(
         weight_bytes / _STAND_IN_PEAK_BPS / per_token_s
