@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import Callable, Mapping
 from typing import Final
@@ -50,8 +51,14 @@ def host_resource(environ: Mapping[str, str]) -> dict[str, str]:
     return resource
 
 
+_NVIDIA_CONTROL_DEVICE: Final = "/dev/nvidiactl"
+"""Present wherever the NVIDIA driver is usable (host or GPU container); NVML needs it."""
+
+
 def _nvml_uuids(indices: list[int] | None) -> list[str]:
     """UUIDs of the given NVML device indices (all when None); [] without NVML."""
+    if not os.path.exists(_NVIDIA_CONTROL_DEVICE):
+        return []  # no driver here: skip importing pynvml (~30 ms at every process start)
     try:
         import pynvml
 

@@ -18,6 +18,7 @@ from typing import Any
 _OFF = ("", "off", "none")
 _ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
 _TRACES_ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+_METRICS_ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
 
 
 class NodeAgentCommand:
@@ -153,12 +154,16 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> An
         traces["endpoint"], traces["traces_endpoint"] = args.upstream, ""
     protocol = args.protocol or traces.get("protocol") or PROTOCOL_GRPC
     traces["protocol"] = protocol
-    metrics_endpoint = args.metrics_endpoint or environ.get(
-        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", ""
-    )
+    # GPU metrics only to a metrics endpoint of their own (the collector takes traces only),
+    # with the same headers, timeout and compression variables as any OTLP exporter.
+    if args.metrics_endpoint:
+        variables[_METRICS_ENDPOINT_VARIABLE] = args.metrics_endpoint
     metrics = None
-    if metrics_endpoint:
-        metrics = OtlpExporterConfig(metrics_endpoint=metrics_endpoint, protocol=protocol)
+    if variables.get(_METRICS_ENDPOINT_VARIABLE):
+        options = options_from_env(variables, signal="metrics") or {}
+        options.update(endpoint="", traces_endpoint="")
+        options["protocol"] = args.protocol or options.get("protocol") or protocol
+        metrics = OtlpExporterConfig(**options)
 
     def number(flag: float | None, variable: str, default: float) -> float:
         if flag is not None:

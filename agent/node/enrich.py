@@ -151,13 +151,6 @@ def _add(total: float | None, value: float | None) -> float | None:
     return value if total is None else total + value
 
 
-def _attribute_value(value: AnyValue) -> object:
-    kind = value.WhichOneof("value")
-    if kind == "array_value":
-        return [_attribute_value(item) for item in value.array_value.values]
-    return None if kind is None else getattr(value, kind)
-
-
 def _set_value(target: AnyValue, value: int | float | str) -> None:
     if isinstance(value, str):
         target.string_value = value
@@ -184,30 +177,30 @@ class SpanEnricher:
         """Phase spans whose window has no sample at all (older than the ring, or not yet)."""
         self.roofline_spans = 0
 
-    def gpus_of(self, resource_attributes: Sequence[KeyValue]) -> tuple[str, ...]:
-        pid: int | None = None
+    def process_gpus(
+        self, resource_attributes: Sequence[KeyValue]
+    ) -> tuple[tuple[str, ...], int, bool]:
+        """(the process's GPUs, its pid or 0, whether its resource names GPUs) in one scan."""
+        pid = 0
+        named: tuple[str, ...] = ()
         for kv in resource_attributes:
             if kv.key == semconv.GPU_UUIDS:
-                uuids = _attribute_value(kv.value)
-                if isinstance(uuids, list):
-                    known = tuple(u for u in uuids if self._sampler.device(str(u)) is not None)
-                    if known:
-                        return known
-            elif kv.key == semconv.PROCESS_PID and kv.value.HasField("int_value"):
+                named = tuple(item.string_value for item in kv.value.array_value.values)
+            elif kv.key == semconv.PROCESS_PID:
                 pid = kv.value.int_value
-        return () if pid is None else self._sampler.gpus_of_pid(pid)
+        known = tuple(uuid for uuid in named if self._sampler.device(uuid) is not None)
+        if known or not pid:
+            return known, pid, bool(named)
+        return self._sampler.gpus_of_pid(pid), pid, bool(named)
 
     def enrich(self, request: ExportTraceServiceRequest) -> None:
         for resource_spans in request.resource_spans:
             attributes = resource_spans.resource.attributes
-            gpus = self.gpus_of(attributes)
-            if gpus and not any(kv.key == semconv.GPU_UUIDS for kv in attributes):
+            gpus, pid, named = self.process_gpus(attributes)
+            if gpus and not named:  # mapped through NVML's process list: say which GPUs
                 entry = attributes.add(key=semconv.GPU_UUIDS)
                 for uuid in gpus:
                     entry.value.array_value.values.add(string_value=uuid)
-            pid = next(
-                (kv.value.int_value for kv in attributes if kv.key == semconv.PROCESS_PID), 0
-            )
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
                     name = span.name

@@ -11,7 +11,6 @@ integrated from NVML's PCIe throughput.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
@@ -25,12 +24,6 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import (
 
 from tokentrace.agent import semconv
 from tokentrace.agent.node.sampler import GpuSample, NvmlSampler
-
-_GPU: Final = "gpu"
-_VENDOR: Final = "NVIDIA"
-_TASK_GENERAL: Final = "general"
-_TRANSMIT: Final = "transmit"
-_RECEIVE: Final = "receive"
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -95,7 +88,7 @@ class GpuMetrics:
             if ring is None:
                 continue
             since = self._last_ns.get(device.uuid, 0)
-            samples = [s for s in ring.window(since + 1, now_ns)[0]]
+            samples, _ = ring.window(since + 1, now_ns)
             if not samples:
                 continue
             previous_ns = since or samples[0].time_ns
@@ -103,15 +96,15 @@ class GpuMetrics:
             gpu = {
                 semconv.HW_ID: device.uuid,
                 semconv.HW_NAME: device.name,
-                semconv.HW_TYPE: _GPU,
-                semconv.HW_VENDOR: _VENDOR,
+                semconv.HW_TYPE: semconv.HW_TYPE_GPU,
+                semconv.HW_VENDOR: semconv.HW_VENDOR_NVIDIA,
             }
             latest = samples[-1]
             add(
                 semconv.METRIC_HW_GPU_UTILIZATION,
                 "1",
                 _field_mean(samples, lambda s: s.utilization),
-                {**gpu, semconv.HW_GPU_TASK: _TASK_GENERAL},
+                {**gpu, semconv.HW_GPU_TASK: semconv.HW_GPU_TASK_GENERAL},
             )
             memory_controller = _field_mean(samples, lambda s: s.memory_controller_utilization)
             add(semconv.METRIC_GPU_MEMORY_CONTROLLER_UTILIZATION, "1", memory_controller, gpu)
@@ -165,8 +158,8 @@ class GpuMetrics:
                 gpu,
             )
             for direction, read in (
-                (_TRANSMIT, lambda s: s.pcie_tx_bytes_per_s),
-                (_RECEIVE, lambda s: s.pcie_rx_bytes_per_s),
+                (semconv.NETWORK_IO_DIRECTION_TRANSMIT, lambda s: s.pcie_tx_bytes_per_s),
+                (semconv.NETWORK_IO_DIRECTION_RECEIVE, lambda s: s.pcie_rx_bytes_per_s),
             ):
                 key = (device.uuid, direction)
                 # Each sample's rate holds since the sample before it.

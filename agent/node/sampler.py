@@ -304,13 +304,13 @@ class NvmlSampler:
                 self.read_errors += 1
                 _log.exception("tokentrace node agent: GPU sampling failed")
             self.tick_cpu_ns += time.thread_time_ns() - started
-            # Fixed rate, not fixed delay: a slow tick does not shift every later sample.
+            # Fixed rate, not fixed delay: a slow tick does not shift every later sample. Ticks
+            # missed in a stall are skipped, not caught up (two samples of one period are noise).
             deadline += self._interval_s
-            delay = deadline - time.monotonic()
-            if delay < 0:
-                deadline = time.monotonic()
-                delay = 0
-            self._stop.wait(delay)
+            now = time.monotonic()
+            if deadline < now:
+                deadline = now + self._interval_s
+            self._stop.wait(deadline - now)
 
     # --- sampling --------------------------------------------------------------------------------
     def sample_once(self) -> None:

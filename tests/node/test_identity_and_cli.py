@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.collector.upstream import UpstreamOtlp
 from tests.node.node_agent_process import start_node_agent
-from tests.node.nvml_stand_in import library_env
-from tests.node.test_node_agent import ListConsumer, _attributes, _request, _span
+from tests.node.nvml_stand_in import NvmlStandIn, library_env
+from tests.node.test_node_agent import _attributes, _request, _span, relayed
 from tokentrace.agent import semconv
 from tokentrace.agent.config import load_agent_config
 from tokentrace.agent.identity import kubernetes_resource, visible_gpu_uuids
 from tokentrace.agent.otlp_export import OtlpExporterConfig, OtlpSender
-from tokentrace.agent.receivers.otlp_grpc import OtlpGrpcReceiver
 
 UUID_A = "GPU-0c0ffee0-0000-0000-0000-00000000000a"
 UUID_B = "GPU-0c0ffee0-0000-0000-0000-00000000000b"
@@ -79,18 +79,15 @@ def test_kubernetes_identity_from_the_downward_api() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("with_nvml", [True, False])
 def test_the_node_agent_command_relays_with_and_without_nvml(
-    with_nvml: bool, nvml_library_dir: Path, tmp_path: Path
+    with_nvml: bool, nvml_library_dir: Path, tmp_path: Path, upstream: UpstreamOtlp
 ) -> None:
-    consumer = ListConsumer()
-    upstream = OtlpGrpcReceiver(consumer, endpoint="127.0.0.1:0")
-    upstream.start()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.pop("LD_LIBRARY_PATH", None)
     if with_nvml:  # the library path the binding loads from
         env["LD_LIBRARY_PATH"] = library_env(nvml_library_dir)["LD_LIBRARY_PATH"]
     process, port, startup = start_node_agent(
         "--upstream",
-        f"http://127.0.0.1:{upstream.port}",
+        upstream.grpc_endpoint,
         "--max-hold",
         "0.2",
         env=env,
@@ -111,15 +108,14 @@ def test_the_node_agent_command_relays_with_and_without_nvml(
         )
         assert sender.submit(request.SerializeToString(), 1)
         assert sender.force_flush(5.0)
-        consumer.wait_for(lambda: len(consumer.spans()) == 1)
+        assert upstream.wait_for(lambda: len(relayed(upstream)) == 1)
         sender.shutdown(1.0)
     finally:
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=10)
-        upstream.shutdown(1.0)
     output = startup + output
     assert process.returncode == 0, output
-    _, span = consumer.spans()[0]
+    _, span = relayed(upstream)[0]
     attributes = _attributes(span.attributes)
     if with_nvml:
         assert attributes[semconv.GPU_SAMPLES] >= 1
@@ -181,3 +177,46 @@ def test_the_shipped_daemonset_runs_a_valid_node_agent() -> None:
     service_ports = {p["port"] for p in documents["Service"]["spec"]["ports"]}
     assert ports == service_ports == {4317, 4318}
     assert documents["Service"]["spec"]["internalTrafficPolicy"] == "Local"
+
+
+def test_gpu_metrics_go_only_to_their_own_endpoint_with_the_exporter_variables() -> None:
+    import argparse
+
+    from tokentrace.agent.node_cli import NodeAgentCommand, config_from_args
+
+    parser = argparse.ArgumentParser()
+    NodeAgentCommand().add_arguments(parser)
+    environ = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
+        "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer t",
+        "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
+    }
+    # The collector takes traces only: its endpoint alone does not turn metrics on.
+    assert config_from_args(parser.parse_args([]), environ).metrics_exporter is None
+    config = config_from_args(
+        parser.parse_args(["--metrics-endpoint", "http://metrics:4318/v1/metrics"]), environ
+    )
+    metrics = config.metrics_exporter
+    assert metrics is not None
+    assert metrics.endpoint_for("metrics") == "http://metrics:4318/v1/metrics"
+    assert metrics.endpoint_for("traces") is None
+    assert metrics.protocol == "http/protobuf"
+    assert metrics.headers == {"authorization": "Bearer t"}
+    assert config.exporter.protocol == "grpc"
+
+
+def test_gpu_indices_resolve_through_the_real_pynvml_only_where_a_driver_is(
+    nvml: NvmlStandIn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokentrace.agent import identity
+
+    control_device = tmp_path / "nvidiactl"
+    monkeypatch.setattr(identity, "_NVIDIA_CONTROL_DEVICE", str(control_device))
+    # No driver device: NVML is not even initialised.
+    assert visible_gpu_uuids({"CUDA_VISIBLE_DEVICES": "1"}) == []
+    assert nvml.calls("nvmlInitWithFlags") == 0
+    control_device.touch()
+    assert visible_gpu_uuids({"CUDA_VISIBLE_DEVICES": "1"}) == [
+        "GPU-00000000-0000-0000-0000-000000000001"
+    ]
+    assert len(visible_gpu_uuids({})) == 2

@@ -8,19 +8,16 @@ phase span against the samples inside its own window.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import Callable
 from typing import Any
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from tests.collector.upstream import UpstreamOtlp
 from tests.node.nvml_stand_in import NvmlStandIn
 from tests.spanbuild import decode_value
 from tokentrace.agent import semconv
@@ -30,57 +27,30 @@ from tokentrace.agent.node.enrich import ENRICHED_SPANS
 from tokentrace.agent.node.sampler import GpuSample, NvmlSampler
 from tokentrace.agent.node.service import NodeAgent, NodeAgentConfig
 from tokentrace.agent.otlp_export import OtlpExporterConfig
-from tokentrace.agent.receivers.otlp_grpc import OtlpGrpcReceiver
 from tokentrace.agent.runtime import AgentRuntime
 from tokentrace.agent.spans import random_trace_id
 
 
-class ListConsumer:
-    def __init__(self) -> None:
-        self.requests: list[ExportTraceServiceRequest] = []
-        self.arrived = threading.Condition()
-
-    def consume_traces(self, request: ExportTraceServiceRequest) -> None:
-        with self.arrived:
-            self.requests.append(request)
-            self.arrived.notify_all()
-
-    def spans(self) -> list[tuple[dict[str, Any], Span]]:
-        return [
-            (_attributes(rs.resource.attributes), span)
-            for request in self.requests
-            for rs in request.resource_spans
-            for ss in rs.scope_spans
-            for span in ss.spans
-        ]
-
-    def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        with self.arrived:
-            while not predicate():
-                remaining = deadline - time.monotonic()
-                assert remaining > 0, "timed out waiting for relayed spans"
-                self.arrived.wait(remaining)
+def relayed(upstream: UpstreamOtlp) -> list[tuple[dict[str, Any], Span]]:
+    """(resource attributes, span) of every span the upstream receiver got."""
+    return [
+        (_attributes(rs.resource.attributes), span)
+        for request in upstream.trace_requests
+        for rs in request.resource_spans
+        for ss in rs.scope_spans
+        for span in ss.spans
+    ]
 
 
 def _attributes(attributes: Any) -> dict[str, Any]:
     return {kv.key: decode_value(kv.value) for kv in attributes}
 
 
-@pytest.fixture
-def upstream() -> Iterator[tuple[ListConsumer, int]]:
-    consumer = ListConsumer()
-    receiver = OtlpGrpcReceiver(consumer, endpoint="127.0.0.1:0")
-    receiver.start()
-    yield consumer, receiver.port
-    receiver.shutdown(1.0)
-
-
-def _node_agent(upstream_port: int, sampler: NvmlSampler, **options: Any) -> NodeAgent:
+def _node_agent(upstream: UpstreamOtlp, sampler: NvmlSampler, **options: Any) -> NodeAgent:
     config = NodeAgentConfig(
         grpc_endpoint="127.0.0.1:0",
         http_endpoint="127.0.0.1:0",
-        exporter=OtlpExporterConfig(endpoint=f"http://127.0.0.1:{upstream_port}", protocol="grpc"),
+        exporter=OtlpExporterConfig(endpoint=upstream.grpc_endpoint, protocol="grpc"),
         **options,
     )
     agent = NodeAgent(
@@ -106,9 +76,8 @@ def _expected(samples: list[GpuSample]) -> dict[str, float]:
 
 
 def test_each_phase_span_carries_the_aggregates_of_the_samples_inside_its_window(
-    nvml: NvmlStandIn, upstream: tuple[ListConsumer, int]
+    nvml: NvmlStandIn, upstream: UpstreamOtlp
 ) -> None:
-    consumer, port = upstream
     # Values that change every read, so every window has its own mean and max.
     nvml.set_ramp(0, "gpu_util", 5, 3)
     nvml.set_ramp(0, "dram_bw_util", 10, 2)
@@ -117,7 +86,7 @@ def test_each_phase_span_carries_the_aggregates_of_the_samples_inside_its_window
     sampler = NvmlSampler()
     assert sampler.open()
     gpu = sampler.devices[0]
-    agent = _node_agent(port, sampler)
+    agent = _node_agent(upstream, sampler)
     runtime = AgentRuntime(
         load_agent_config(
             {
@@ -151,9 +120,9 @@ def test_each_phase_span_carries_the_aggregates_of_the_samples_inside_its_window
         assert runtime.flush(5.0)
         # The spans end after the newest sample: the node agent holds them for the next one.
         time.sleep(0.3)
-        assert consumer.spans() == []
+        assert relayed(upstream) == []
         tick(1)
-        consumer.wait_for(lambda: len(consumer.spans()) >= 4)
+        assert upstream.wait_for(lambda: len(relayed(upstream)) >= 4)
     finally:
         runtime.shutdown(1.0)
         agent.shutdown(2.0)
@@ -161,7 +130,7 @@ def test_each_phase_span_carries_the_aggregates_of_the_samples_inside_its_window
     ring = sampler.ring(gpu.uuid)
     assert ring is not None
     samples = ring.snapshot()
-    by_name = {span.name: (resource, span) for resource, span in consumer.spans()}
+    by_name = {span.name: (resource, span) for resource, span in relayed(upstream)}
     assert ENRICHED_SPANS & set(by_name) == {
         semconv.SPAN_REQUEST,
         semconv.SPAN_PREFILL,
@@ -191,7 +160,7 @@ def test_each_phase_span_carries_the_aggregates_of_the_samples_inside_its_window
     # The queue span is not a GPU phase.
     queue = _attributes(by_name[semconv.SPAN_QUEUE][1].attributes)
     assert semconv.GPU_SAMPLES not in queue
-    assert agent.stats()["relayed_spans"] == len(consumer.spans())
+    assert agent.stats()["relayed_spans"] == len(relayed(upstream))
 
 
 def _request(
@@ -242,15 +211,14 @@ def _fake_clock(start: int = 1_000_000_000) -> Callable[[], int]:
 
 
 def test_process_list_maps_a_process_without_gpu_uuids(
-    nvml: NvmlStandIn, upstream: tuple[ListConsumer, int]
+    nvml: NvmlStandIn, upstream: UpstreamOtlp
 ) -> None:
-    consumer, port = upstream
     nvml.add_process(1, pid=31337, used_memory_bytes=1 << 30, sm_util=10, mem_util=5)
     sampler = NvmlSampler(clock=_fake_clock())
     assert sampler.open()
     for _ in range(10):
         sampler.sample_once()
-    agent = _node_agent(port, sampler)
+    agent = _node_agent(upstream, sampler)
     try:
         agent.consume_traces(
             _request(
@@ -264,10 +232,10 @@ def test_process_list_maps_a_process_without_gpu_uuids(
                 resource={semconv.PROCESS_PID: 4},  # not on a GPU
             )
         )
-        consumer.wait_for(lambda: len(consumer.spans()) == 2)
+        assert upstream.wait_for(lambda: len(relayed(upstream)) == 2)
     finally:
         agent.shutdown(2.0)
-    (mapped_resource, mapped), (unmapped_resource, unmapped) = consumer.spans()
+    (mapped_resource, mapped), (unmapped_resource, unmapped) = relayed(upstream)
     assert mapped_resource[semconv.GPU_UUIDS] == [sampler.devices[1].uuid]
     assert _attributes(mapped.attributes)[semconv.GPU_SAMPLES] == 6  # 1.1 s ... 1.6 s
     assert semconv.GPU_UUIDS not in unmapped_resource
@@ -363,13 +331,12 @@ def test_tensor_parallel_spans_sum_bandwidth_and_roofline_uses_the_weights(
 
 
 def test_held_spans_go_on_after_max_hold_and_a_full_hold_queue_refuses(
-    nvml: NvmlStandIn, upstream: tuple[ListConsumer, int]
+    nvml: NvmlStandIn, upstream: UpstreamOtlp
 ) -> None:
-    consumer, port = upstream
     sampler = NvmlSampler()
     assert sampler.open()
     sampler.sample_once()
-    agent = _node_agent(port, sampler, max_hold_s=0.3, max_held_spans=2)
+    agent = _node_agent(upstream, sampler, max_hold_s=0.3, max_held_spans=2)
     try:
         future = time.time_ns() + 60 * 10**9  # a window the sampler will not reach in time
         uuid = sampler.devices[0].uuid
@@ -382,7 +349,7 @@ def test_held_spans_go_on_after_max_hold_and_a_full_hold_queue_refuses(
                 _request([_span(semconv.SPAN_REQUEST, future - 10, future)], resource=resource)
             )
         started = time.monotonic()
-        consumer.wait_for(lambda: len(consumer.spans()) == 2)
+        assert upstream.wait_for(lambda: len(relayed(upstream)) == 2)
         assert time.monotonic() - started >= 0.2
         stats = agent.stats()
         assert stats["released_unsampled"] == 1
@@ -392,50 +359,34 @@ def test_held_spans_go_on_after_max_hold_and_a_full_hold_queue_refuses(
 
 
 def test_without_nvml_spans_are_relayed_unchanged(
-    nvml: NvmlStandIn, upstream: tuple[ListConsumer, int]
+    nvml: NvmlStandIn, upstream: UpstreamOtlp
 ) -> None:
-    consumer, port = upstream
     nvml.set_init_error(9)  # NVML_ERROR_DRIVER_NOT_LOADED: a CPU node
-    agent = _node_agent(port, NvmlSampler())
+    agent = _node_agent(upstream, NvmlSampler())
     try:
         assert not agent.sampler.available
         span = _span(semconv.SPAN_DECODE, 1, 2, **{semconv.DECODE_TOKEN_OFFSETS: [0, 5]})  # type: ignore[arg-type]
         agent.consume_traces(_request([span], resource={semconv.PROCESS_PID: 1}))
-        consumer.wait_for(lambda: len(consumer.spans()) == 1)
+        assert upstream.wait_for(lambda: len(relayed(upstream)) == 1)
     finally:
         agent.shutdown(2.0)
-    resource, relayed = consumer.spans()[0]
-    assert relayed.attributes == span.attributes
+    resource, passed = relayed(upstream)[0]
+    assert passed.attributes == span.attributes
     assert resource == {semconv.PROCESS_PID: 1, **agent.identity}
 
 
-class MetricsSink(metrics_service_pb2_grpc.MetricsServiceServicer):
-    def __init__(self) -> None:
-        self.requests: list[metrics_service_pb2.ExportMetricsServiceRequest] = []
-
-    def Export(self, request: Any, context: Any) -> Any:
-        self.requests.append(request)
-        return metrics_service_pb2.ExportMetricsServiceResponse()
-
-
 def test_gpu_metrics_use_hardware_convention_names_and_window_means(
-    nvml: NvmlStandIn, upstream: tuple[ListConsumer, int]
+    nvml: NvmlStandIn, upstream: UpstreamOtlp
 ) -> None:
-    _, port = upstream
-    sink = MetricsSink()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(sink, server)
-    metrics_port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
     nvml.set_ramp(0, "gpu_util", 20, 10)
     nvml.add_process(0, pid=555, used_memory_bytes=7 << 30, sm_util=60, mem_util=30)
     sampler = NvmlSampler()
     assert sampler.open()
     agent = _node_agent(
-        port,
+        upstream,
         sampler,
         metrics_exporter=OtlpExporterConfig(
-            metrics_endpoint=f"http://127.0.0.1:{metrics_port}", protocol="grpc"
+            metrics_endpoint=upstream.grpc_endpoint, protocol="grpc"
         ),
     )
     try:
@@ -445,10 +396,9 @@ def test_gpu_metrics_use_hardware_convention_names_and_window_means(
         assert agent.metric_sender is not None and agent.metric_sender.force_flush(5.0)
     finally:
         agent.shutdown(2.0)
-        server.stop(0)
     metrics = {
         metric.name: metric
-        for request in sink.requests
+        for request in upstream.metric_requests
         for rm in request.resource_metrics
         for sm in rm.scope_metrics
         for metric in sm.metrics
@@ -465,21 +415,20 @@ def test_gpu_metrics_use_hardware_convention_names_and_window_means(
     io = metrics[semconv.METRIC_HW_GPU_IO].sum
     assert io.is_monotonic
     assert {_attributes(p.attributes)[semconv.NETWORK_IO_DIRECTION] for p in io.data_points} == {
-        "transmit",
-        "receive",
+        semconv.NETWORK_IO_DIRECTION_TRANSMIT,
+        semconv.NETWORK_IO_DIRECTION_RECEIVE,
     }
     process = metrics[semconv.METRIC_GPU_PROCESS_MEMORY_USAGE].sum.data_points[0]
     assert _attributes(process.attributes)[semconv.PROCESS_PID] == 555
     assert process.as_int == 7 << 30
     assert semconv.METRIC_HW_POWER in metrics
-    resource = _attributes(sink.requests[0].resource_metrics[0].resource.attributes)
+    resource = _attributes(upstream.metric_requests[0].resource_metrics[0].resource.attributes)
     assert resource[semconv.K8S_NODE_NAME] == "gpu-node-7"
 
 
 def test_when_every_gpu_is_lost_spans_are_not_held(
-    nvml: NvmlStandIn, upstream: tuple[ListConsumer, int]
+    nvml: NvmlStandIn, upstream: UpstreamOtlp
 ) -> None:
-    consumer, port = upstream
     sampler = NvmlSampler()
     assert sampler.open()
     sampler.sample_once()
@@ -487,12 +436,12 @@ def test_when_every_gpu_is_lost_spans_are_not_held(
     nvml.lose_gpu(1)
     sampler.sample_once()
     assert sampler.sampled_gpus == 0
-    agent = _node_agent(port, sampler, max_hold_s=30.0)
+    agent = _node_agent(upstream, sampler, max_hold_s=30.0)
     try:
         future = time.time_ns() + 60 * 10**9
         started = time.monotonic()
         agent.consume_traces(_request([_span(semconv.SPAN_REQUEST, future - 10, future)]))
-        consumer.wait_for(lambda: len(consumer.spans()) == 1, timeout_s=5.0)
+        assert upstream.wait_for(lambda: len(relayed(upstream)) == 1, timeout_s=5.0)
         assert time.monotonic() - started < 5.0  # not the 30 s hold
     finally:
         agent.shutdown(2.0)
