@@ -11,7 +11,7 @@ VENV ?= $(VENV_ROOT)/$(DEPS_HASH)
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv install test lint typecheck pytest demo bench docs clean
+.PHONY: venv install browser test lint typecheck pytest demo bench docs clean
 
 # No prerequisites: the path already carries the hash of the dependency files' content, and a
 # fresh clone's newer mtimes must not force a rebuild of an identical environment.
@@ -47,7 +47,11 @@ typecheck: install
 		-p tokentrace.agent -p tokentrace.collector -p tokentrace.processors 2>&1 \
 		| sed -e 's#^tokentrace/##'
 
-pytest: install
+# The web UI's browser tests drive the system's Chromium (Debian's package; no browser download).
+browser:
+	@bash tests/ui/install_browser.sh
+
+pytest: install browser
 	"$(PY)" -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest

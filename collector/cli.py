@@ -1,4 +1,4 @@
-"""``tokentrace collector``, ``tokentrace explain`` and ``tokentrace top``.
+"""``tokentrace collector``, ``explain``, ``top`` and ``ui``.
 
 Registered under the ``tokentrace.commands`` entry-point group. Only argparse, the standard
 library and the duration parser (itself standard library only) are imported here at module
@@ -29,6 +29,9 @@ _EXIT_USAGE: Final = 2
 _CLEAR_SCREEN: Final = "\x1b[H\x1b[2J"
 _EXPLAIN_METRICS: Final = ("e2e", "ttft", "tpot")
 _NS_PER_S: Final = 1_000_000_000
+_DEFAULT_UI_LISTEN: Final = "127.0.0.1:8700"
+UI_TOKEN_ENV: Final = "TOKENTRACE_UI_TOKEN"
+_EXIT_CANNOT_START: Final = 1
 
 
 def parse_duration(text: str) -> float:
@@ -255,22 +258,13 @@ class TopCommand:
             META_SLO_TARGETS,
             window_report,
         )
+        from tokentrace.collector.store.codec import load_slo_targets
 
         now_s = time.time()
         slices = store.sketches_since(now_s - window_s)
-        targets: list[dict[str, Any]] = []
-        raw_targets = store.meta(META_SLO_TARGETS)
-        if raw_targets:
-            try:
-                loaded = json.loads(raw_targets)
-            except json.JSONDecodeError:
-                loaded = None
-            if isinstance(loaded, list):
-                targets = [t for t in loaded if isinstance(t, dict)]
-            else:
-                print(
-                    "tokentrace top: ignoring unreadable SLO targets in the store", file=sys.stderr
-                )
+        targets, problems = load_slo_targets(store.meta(META_SLO_TARGETS))
+        for problem in problems:
+            print(f"tokentrace top: ignoring SLO targets: {problem}", file=sys.stderr)
         report: dict[str, Any] = window_report(
             slices, window_s=window_s, now_s=now_s, slo_targets=targets
         )
@@ -279,3 +273,85 @@ class TopCommand:
             with contextlib.suppress(json.JSONDecodeError):
                 report["collector"] = json.loads(raw_stats)
         return report
+
+
+class UiCommand:
+    name = "ui"
+    help = "serve the drill-down web UI and API over a request store (open it in a browser)"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--store",
+            metavar="PATH",
+            default=_DEFAULT_STORE,
+            help=f"the collector's request store (default: {_DEFAULT_STORE})",
+        )
+        parser.add_argument(
+            "--listen",
+            metavar="HOST:PORT",
+            default=_DEFAULT_UI_LISTEN,
+            help=f"where to serve (default: {_DEFAULT_UI_LISTEN}; port 0 picks a free one)",
+        )
+        parser.add_argument(
+            "--trace-link",
+            metavar="URL",
+            help="link to a trace in your tracing backend, with {trace_id} where the id goes",
+        )
+        parser.add_argument(
+            "--open", action="store_true", help="open the UI in the default web browser"
+        )
+        parser.epilog = (
+            f"Set {UI_TOKEN_ENV} to require that bearer token on the API (the page asks for it)."
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        import signal
+        import threading
+
+        from tokentrace.collector.api import ApiSettings, create_app
+        from tokentrace.collector.api.server import ApiServer, ApiServerStartError
+        from tokentrace.collector.config import validate_trace_link
+        from tokentrace.collector.store import RequestStore, StoreError
+
+        if args.trace_link is not None:
+            try:
+                validate_trace_link(args.trace_link)
+            except ValueError as error:
+                return _fail(self.name, f"--trace-link {error}")
+        try:
+            RequestStore.open_readonly(args.store)  # fail now, not on the first page view
+            server = ApiServer(
+                create_app(
+                    ApiSettings(
+                        store_path=args.store,
+                        auth_token=os.environ.get(UI_TOKEN_ENV) or None,
+                        trace_link=args.trace_link,
+                    )
+                ),
+                endpoint=args.listen,
+            )
+        except (StoreError, ValueError) as error:
+            return _fail(self.name, str(error))
+        try:
+            server.start()
+        except ApiServerStartError as error:
+            print(f"tokentrace {self.name}: {error}", file=sys.stderr)
+            return _EXIT_CANNOT_START
+        auth = (
+            f" (bearer token from {UI_TOKEN_ENV} required)" if os.environ.get(UI_TOKEN_ENV) else ""
+        )
+        print(f"tokentrace ui: serving {args.store} at {server.url}/{auth}", flush=True)
+        if args.open:
+            import webbrowser
+
+            webbrowser.open(f"{server.url}/")
+        stop = threading.Event()
+
+        def request_stop(_signum: int, _frame: object) -> None:
+            stop.set()
+
+        signal.signal(signal.SIGINT, request_stop)
+        signal.signal(signal.SIGTERM, request_stop)
+        stop.wait()
+        server.shutdown()
+        return _EXIT_OK

@@ -15,6 +15,8 @@ processors:
 exporters:
   store: {path: ./tokentrace.db, retention: 7d}
   otlp: {endpoint: http://tempo:4317}
+extensions:
+  ui: {endpoint: 127.0.0.1:8700, trace_link: "http://tempo:3200/trace/{trace_id}"}
 service:
   pipelines:
     traces: {receivers: [otlp], processors: [assembly, diagnosis, slo, percentiles],
@@ -59,11 +61,13 @@ _DEFAULT_MAX_PENDING_SPANS = 500_000
 _DEFAULT_RETENTION_S = 7 * 24 * 3600.0
 _DEFAULT_MAX_REQUESTS = 1_000_000
 _DEFAULT_METRICS_INTERVAL_S = 15.0
+_DEFAULT_UI_ENDPOINT = "127.0.0.1:8700"
 
 PROCESSOR_TYPES = ("assembly", "diagnosis", "slo", "percentiles")
 """Processor types in the only order they can run: each needs what the earlier ones derived."""
 EXPORTER_TYPES = ("store", "otlp")
 RECEIVER_TYPES = ("otlp",)
+EXTENSION_TYPES = ("ui",)
 _DEFAULT_PROCESSORS = PROCESSOR_TYPES
 _DEFAULT_EXPORTERS = ("store",)
 
@@ -125,6 +129,29 @@ class UpstreamConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class UiConfig:
+    """The ``ui`` extension: the drill-down API and web UI over the request store."""
+
+    endpoint: str = _DEFAULT_UI_ENDPOINT
+    auth_token: str | None = None
+    """Bearer token the API requires (the UI asks for it); None: no auth (loopback default)."""
+    trace_link: str | None = None
+    """URL of one trace in the tracing backend, with ``{trace_id}`` where the id goes."""
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+
+def validate_trace_link(template: str) -> str:
+    """A trace-link template must be an http(s) URL containing ``{trace_id}``."""
+    if "{trace_id}" not in template:
+        raise ValueError("must contain {trace_id} where the trace id goes")
+    scheme = template.split(":", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        raise ValueError(f"must be an http:// or https:// URL, got {template!r}")
+    return template
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CollectorConfig:
     grpc: ReceiverConfig | None = field(
         default_factory=lambda: ReceiverConfig(
@@ -145,6 +172,7 @@ class CollectorConfig:
     store: StoreConfig | None = field(default_factory=StoreConfig)
     upstream: tuple[UpstreamConfig, ...] = ()
     processors: tuple[str, ...] = _DEFAULT_PROCESSORS
+    ui: UiConfig | None = None
 
 
 def load_config(
@@ -213,7 +241,7 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
     processors_raw = root.section("processors")
     exporters_raw = root.section("exporters")
     service = root.section("service")
-    service.allow_keys("pipelines", "telemetry")
+    service.allow_keys("pipelines", "telemetry", "extensions")
     pipelines = service.section("pipelines")
     pipelines.allow_keys("traces")
     traces = pipelines.section("traces")
@@ -362,6 +390,8 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
             raise ConfigError(f"exporters.{name}.{error}") from None
         upstream.append(UpstreamConfig(name=name, exporter=exporter, metrics_interval_s=interval))
 
+    ui_config = _parse_ui(root.section("extensions"), service, store_config)
+
     return CollectorConfig(
         grpc=receivers["grpc"],
         http=receivers["http"],
@@ -372,6 +402,42 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
         store=store_config,
         upstream=tuple(upstream),
         processors=tuple(wanted_processors),
+        ui=ui_config,
+    )
+
+
+def _parse_ui(
+    extensions: _Section, service: _Section, store: StoreConfig | None
+) -> UiConfig | None:
+    """Extensions defined under ``extensions`` run, or only those ``service.extensions`` names
+    (as in the OpenTelemetry Collector)."""
+    defined = _component_names(extensions, EXTENSION_TYPES)
+    enabled = service.name_list("extensions", defined, EXTENSION_TYPES, default=defined)
+    by_kind = _one_per_kind(enabled, service.path("extensions"))
+    if "ui" not in by_kind:
+        return None
+    ui = extensions.section(by_kind["ui"])
+    ui.allow_keys("endpoint", "auth_token", "trace_link", "tls")
+    tls = ui.section("tls")
+    tls.allow_keys("cert_file", "key_file")
+    tls.require_pair("cert_file", "key_file")
+    if store is None:
+        raise ConfigError(
+            f"{ui.path('endpoint')}: the ui extension serves the request store; "
+            "add a store exporter to the pipeline"
+        )
+    trace_link = ui.optional_str("trace_link")
+    if trace_link is not None:
+        try:
+            validate_trace_link(trace_link)
+        except ValueError as error:
+            raise ConfigError(f"{ui.path('trace_link')}: {error}") from None
+    return UiConfig(
+        endpoint=ui.endpoint("endpoint", _DEFAULT_UI_ENDPOINT),
+        auth_token=ui.optional_str("auth_token"),
+        trace_link=trace_link,
+        tls_cert_file=tls.optional_str("cert_file"),
+        tls_key_file=tls.optional_str("key_file"),
     )
 
 

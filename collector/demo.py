@@ -50,7 +50,7 @@ def _tokentrace(*args: str) -> list[str]:
     return [sys.executable, "-m", "tokentrace.agent.cli", *args]
 
 
-def _start_collector(config_path: Path) -> tuple[subprocess.Popen[str], int]:
+def start_collector(config_path: Path) -> tuple[subprocess.Popen[str], int]:
     process = subprocess.Popen(
         _tokentrace("collector", "--config", str(config_path)),
         stdout=subprocess.PIPE,
@@ -82,7 +82,7 @@ def _drain(process: subprocess.Popen[str]) -> None:
             print(f"  collector | {line.rstrip()}")
 
 
-def _wait_for_requests(store_path: Path, expected: int) -> int:
+def wait_for_requests(store_path: Path, expected: int) -> int:
     from tokentrace.collector.store.sqlite import RequestStore
 
     deadline = time.monotonic() + _DRAIN_TIMEOUT_S
@@ -123,17 +123,17 @@ def main(argv: list[str] | None = None) -> int:
         config_path = Path(tmp) / "collector.yaml"
         config_path.write_text(DEMO_CONFIG.replace("STORE_PATH", str(store_path)), "utf-8")
         print("==> starting tokentrace collector (embedded SQLite store)")
-        collector, port = _start_collector(config_path)
+        collector, port = start_collector(config_path)
         try:
             if use_vllm:
                 requests = args.requests or _DEFAULT_VLLM_REQUESTS
-                expected = _run_vllm_load(port, Path(tmp), requests=requests)
+                expected = run_vllm_load(port, Path(tmp), requests=requests)
             else:
                 requests = args.requests or _DEFAULT_REPLAY_REQUESTS
-                expected = _run_replay(port, args.scenario, requests)
+                expected = run_replay(port, args.scenario, requests)
             if expected == 0:
                 return 1
-            count = _wait_for_requests(store_path, expected)
+            count = wait_for_requests(store_path, expected)
             print(f"\n==> the collector derived {count} request records\n")
         finally:
             collector.send_signal(signal.SIGTERM)
@@ -155,7 +155,7 @@ def _can_run_vllm() -> bool:
         return False
 
 
-def _run_replay(port: int, scenario: str, requests: int) -> int:
+def run_replay(port: int, scenario: str, requests: int) -> int:
     print(
         f"\n==> replaying {requests} simulated requests ({scenario!r}) "
         "through the OpenTelemetry SDK's OTLP/gRPC exporter"
@@ -180,7 +180,7 @@ def _run_replay(port: int, scenario: str, requests: int) -> int:
     return requests
 
 
-def _run_vllm_load(collector_port: int, workdir: Path, *, requests: int) -> int:
+def run_vllm_load(collector_port: int, workdir: Path, *, requests: int) -> int:
     """Real vLLM under ``tokentrace run`` and a concurrent streaming load; returns requests done."""
     # The tiny-model builder and the server runner are the test suite's (make demo runs in the
     # checkout); they build a random-weight Llama without downloads and start vLLM on loopback.
@@ -298,6 +298,7 @@ def _show(store_path: Path, store_arg: str) -> int:
         f"  tokentrace explain --slowest --store {store_arg}      # slowest end to end\n"
         f"  tokentrace explain --slowest --metric ttft --store {store_arg} --json\n"
         f"  tokentrace top --store {store_arg} --window 1h\n"
+        f"  tokentrace ui --store {store_arg} --open             # the web UI, http://127.0.0.1:8700/\n"
     )
     return 0
 

@@ -47,6 +47,8 @@ class Collector:
         self.sinks: list[TraceSink] = []
         self.pipeline: Pipeline | None = None
         self.receivers: list[Any] = []
+        self.ui: Any = None
+        """The ``ui`` extension's ApiServer when configured (``ui_url``)."""
 
     @property
     def grpc_port(self) -> int | None:
@@ -55,6 +57,10 @@ class Collector:
     @property
     def http_port(self) -> int | None:
         return self._receiver_port("OtlpHttpReceiver")
+
+    @property
+    def ui_url(self) -> str | None:
+        return None if self.ui is None else str(self.ui.url)
 
     def _receiver_port(self, kind: str) -> int | None:
         for receiver in self.receivers:
@@ -75,10 +81,31 @@ class Collector:
                 self.sinks.append(UpstreamSink(upstream))
             self.pipeline = Pipeline(config, sinks=self.sinks)
             self.pipeline.start()
+            self._start_ui()
             self._start_receivers(self.pipeline)
         except Exception:
             self.shutdown(timeout_s=1.0)
             raise
+
+    def _start_ui(self) -> None:
+        """The drill-down API + web UI over the store the store sink has just opened."""
+        ui, store = self.config.ui, self.config.store
+        if ui is None or store is None:
+            return
+        from tokentrace.collector.api import ApiSettings, create_app
+        from tokentrace.collector.api.server import ApiServer
+
+        app = create_app(
+            ApiSettings(store_path=store.path, auth_token=ui.auth_token, trace_link=ui.trace_link)
+        )
+        server = ApiServer(
+            app,
+            endpoint=ui.endpoint,
+            tls_cert_file=ui.tls_cert_file,
+            tls_key_file=ui.tls_key_file,
+        )
+        server.start()
+        self.ui = server
 
     def _start_receivers(self, pipeline: Pipeline) -> None:
         from tokentrace.agent.receivers.otlp_grpc import OtlpGrpcReceiver
@@ -122,6 +149,12 @@ class Collector:
             except Exception:
                 _log.exception("stopping %s failed", type(receiver).__name__)
         self.receivers.clear()
+        if self.ui is not None:
+            try:
+                self.ui.shutdown()
+            except Exception:
+                _log.exception("stopping the ui extension failed")
+            self.ui = None
         if self.pipeline is not None:
             self.pipeline.shutdown(timeout_s)
             self.pipeline = None
@@ -182,7 +215,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def describe_config(
-    config: CollectorConfig, *, ports: Mapping[str, int | None] | None = None
+    config: CollectorConfig, *, ports: Mapping[str, Any] | None = None
 ) -> list[str]:
     """What a configuration runs: before anything binds, or with the ports it bound."""
     lines = []
@@ -210,9 +243,18 @@ def describe_config(
         lines.append(f"{upstream.name}: enriched spans and metrics to {target} ({protocol})")
     if not config.upstream:
         lines.append("no upstream export (set OTEL_EXPORTER_OTLP_ENDPOINT or an otlp exporter)")
+    if config.ui is not None:
+        ui = config.ui
+        address = (ports or {}).get(
+            "UI"
+        ) or f"{'https' if ui.tls_cert_file else 'http'}://{ui.endpoint}"
+        auth = ", bearer token required" if ui.auth_token else ""
+        lines.append(f"web UI and API {'at' if ports else 'on'} {address}/{auth}")
     return lines
 
 
 def describe(collector: Collector) -> list[str]:
-    ports = {"gRPC": collector.grpc_port, "HTTP": collector.http_port}
+    ports: dict[str, Any] = {"gRPC": collector.grpc_port, "HTTP": collector.http_port}
+    if collector.ui_url is not None:
+        ports["UI"] = collector.ui_url
     return describe_config(collector.config, ports=ports)

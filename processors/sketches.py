@@ -28,6 +28,8 @@ histograms of several collector replicas gets the same answer as one replica wou
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -561,6 +563,37 @@ class LatencySketch:
     @property
     def zero_count(self) -> int:
         return int(self._sketch.zero_count)
+
+    def histogram(self, bounds_s: Sequence[float]) -> list[int]:
+        """Counts of the recorded values in the bins of ``bounds_s`` (ascending, >= 2 bounds):
+        bin ``j`` is ``(bounds_s[j], bounds_s[j + 1]]``, the first bin also takes everything
+        at or below ``bounds_s[0]`` and the last everything above ``bounds_s[-1]``, so the
+        counts always sum to ``count``.
+
+        Each sketch bucket counts wholly at the value ``quantile`` estimates for it (its
+        relative midpoint, clamped to the exact ``[min, max]``); zero-bucket values count at 0.
+        A bin narrower than the sketch's buckets can therefore stay empty beside a full one.
+        """
+        bounds = [float(bound) for bound in bounds_s]
+        if len(bounds) < 2 or any(low > high for low, high in itertools.pairwise(bounds)):
+            raise ValueError("histogram bounds must be at least 2 ascending values")
+        counts = [0] * (len(bounds) - 1)
+        if not self._sketch.count:
+            return counts
+        inner = bounds[1:-1]
+        lowest, highest = self._sketch.lowest, self._sketch.highest
+        zeros = int(self._sketch.zero_count)
+        if zeros:
+            counts[bisect.bisect_left(inner, 0.0)] += zeros
+        store = self._sketch.positive_store
+        if store.count:
+            value_of, offset, bins = self._mapping.value, store.offset, store.bins
+            for key in range(store.min_key, store.max_key + 1):
+                weight = int(bins[key - offset])
+                if weight:
+                    value = min(max(value_of(key), lowest), highest)
+                    counts[bisect.bisect_left(inner, value)] += weight
+        return counts
 
     def __repr__(self) -> str:
         return (

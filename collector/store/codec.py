@@ -86,9 +86,37 @@ REQUEST_COLUMNS: Final = (
     "cause",
     "verdict",
     "slo_breached",
+    "request_id",
     "detail",
 )
-"""The ``requests`` columns in the order of a ``request_row`` tuple (and of the store's SELECTs)."""
+"""The ``requests`` columns in the order of a ``request_row`` tuple (and of the store's SELECTs).
+``detail`` stays last (the store sums its sizes as ``row[-1]``)."""
+
+SUMMARY_COLUMNS: Final = (
+    "trace_id",
+    "span_id",
+    "request_id",
+    "start_ns",
+    "service",
+    "model",
+    "operation",
+    "prompt_bucket",
+    "e2e_ns",
+    "ttft_ns",
+    "tpot_ns",
+    "queue_ns",
+    "prefill_ns",
+    "decode_ns",
+    "network_ns",
+    "input_tokens",
+    "output_tokens",
+    "segment",
+    "cause",
+    "verdict",
+    "slo_breached",
+)
+"""The columns ``summary_from_row`` reads, in its row's order: no ``detail``, so a list of
+summaries never decodes JSON."""
 
 TOP_QUANTILES: Final = ((0.5, "p50"), (0.95, "p95"), (0.99, "p99"))
 """The quantiles ``window_report`` reports for every metric."""
@@ -119,7 +147,6 @@ _D_CHUNKS: Final = "chunks"
 _D_OFFSETS: Final = "offsets"
 _D_CACHED: Final = "cached"
 _D_FINISH: Final = "finish"
-_D_REQUEST_ID: Final = "rid"
 _D_ERROR: Final = "error"
 _D_CONTEXT: Final = "ctx"
 _D_ADVICE: Final = "advice"
@@ -242,7 +269,6 @@ def request_row(record: RequestRecord) -> tuple[Any, ...]:
         _D_OFFSETS: (len(timeline.token_offsets_us), int(timeline.token_offsets_dropped)),
         _D_CACHED: timeline.cached_tokens,
         _D_FINISH: timeline.finish_reason,
-        _D_REQUEST_ID: timeline.request_id,
         _D_ERROR: timeline.status_error,
         _D_CONTEXT: _context_of(timeline),
         _D_SLO: slo,
@@ -273,6 +299,7 @@ def request_row(record: RequestRecord) -> tuple[Any, ...]:
         None if verdict is None else str(verdict.cause),
         None if verdict is None else str(verdict.sentence),
         len(slo) - sum(map(bool, slo.values())) if slo else 0,
+        None if timeline.request_id is None else str(timeline.request_id),
         _encode_detail(detail),
     )
 
@@ -373,6 +400,7 @@ def document_from_row(
         cause,
         sentence,
         _slo_breached,
+        request_id,
         detail_json,
     ) = row
     detail = _decode_detail(detail_json)
@@ -424,7 +452,7 @@ def document_from_row(
         "operation": operation,
         "dialect": dialect,
         "prompt_bucket": bucket,
-        "request_id": detail.get(_D_REQUEST_ID),
+        "request_id": request_id,
         "start": {"iso": iso_utc(start_ns), "unix_ns": start_ns},
         "tokens": {
             "input": input_tokens,
@@ -469,6 +497,76 @@ def record_to_dict(record: RequestRecord) -> dict[str, Any]:
     return document_from_row(request_row(record), load_token_offsets=lambda: offsets)
 
 
+def summary_from_row(row: Sequence[Any]) -> dict[str, Any]:
+    """The list API's ``RequestSummary`` (``docs/api.md``) of a row in ``SUMMARY_COLUMNS`` order.
+
+    Columns only: no JSON decoding, no span reads (a list page builds up to 500 of these).
+    Durations in ms as in the document (exact µs); ``slo_breached`` is true when any SLO target
+    the request was judged against was missed.
+    """
+    (
+        trace_id,
+        span_id,
+        request_id,
+        start_ns,
+        service,
+        model,
+        operation,
+        bucket,
+        e2e_ns,
+        ttft_ns,
+        tpot_ns,
+        queue_ns,
+        prefill_ns,
+        decode_ns,
+        network_ns,
+        input_tokens,
+        output_tokens,
+        segment,
+        cause,
+        sentence,
+        slo_breached,
+    ) = row
+    start_ns = int(start_ns)
+    return {
+        "trace_id": bytes(trace_id).hex(),
+        "span_id": bytes(span_id).hex(),
+        "request_id": request_id,
+        "start_unix_ns": start_ns,
+        "start_iso": iso_utc(start_ns),
+        "service": service,
+        "model": model,
+        "operation": operation,
+        "prompt_bucket": bucket,
+        "e2e_ms": ns_to_ms(int(e2e_ns)),
+        "ttft_ms": ns_to_ms(ttft_ns),
+        "tpot_ms": ns_to_ms(tpot_ns),
+        "queue_ms": ns_to_ms(queue_ns),
+        "prefill_ms": ns_to_ms(prefill_ns),
+        "decode_ms": ns_to_ms(decode_ns),
+        "network_ms": ns_to_ms(network_ns),
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "segment": segment,
+        "cause": cause,
+        "verdict": sentence,
+        "slo_breached": bool(slo_breached),
+    }
+
+
+def budget_segments_ns(detail_json: str) -> dict[str, int]:
+    """The budget segments (ns) stored in a row's ``detail``; raises ValueError/KeyError/
+    TypeError on a detail that is not a stored request's."""
+    segments = _decode_detail(detail_json)[_D_SEGMENTS]
+    return {str(name): int(value) for name, value in segments.items()}
+
+
+def budget_segments_ms(segments_ns: Mapping[str, int]) -> dict[str, float]:
+    """Segments in ms exactly as a document's ``budget`` shows them (every known segment, in
+    ``semconv.SEGMENTS`` order, rounded on cumulative boundaries)."""
+    return _partition_ms(segments_ns)
+
+
 def budget_segments(budget_doc: Mapping[str, Any]) -> dict[str, float]:
     """The segment entries of a document's ``budget``/``ttft_budget`` (without the total)."""
     return {k: float(v) for k, v in budget_doc.items() if k not in ("e2e_ms", "ttft_ms")}
@@ -487,6 +585,31 @@ def _ms_from_s(value_s: float | None) -> float | None:
     if value_s is None or not math.isfinite(value_s):
         return None
     return round(value_s * _US_PER_MS, 3)
+
+
+def load_slo_targets(raw: str | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """(target dicts, problems) from the store's ``META_SLO_TARGETS`` text.
+
+    No text means no targets. Text that is not a JSON list gives no targets and one problem;
+    entries that are not objects are left out, each with a problem. ``window_report`` checks
+    the targets themselves (and reports bad ones in ``slo_errors``).
+    """
+    if not raw:
+        return [], []
+    try:
+        loaded = json.loads(raw)
+    except ValueError as error:
+        return [], [f"the store's SLO targets are not JSON ({error}); none are evaluated"]
+    if not isinstance(loaded, list):
+        return [], [f"the store's SLO targets are a {type(loaded).__name__}, not a list"]
+    targets: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for entry in loaded:
+        if isinstance(entry, dict):
+            targets.append(entry)
+        else:
+            problems.append(f"{entry!r}: not an SLO target object")
+    return targets, problems
 
 
 def window_report(

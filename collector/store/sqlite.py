@@ -32,16 +32,30 @@ from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.collector.store.codec import (
     REQUEST_COLUMNS,
     SketchSlice,
+    budget_segments_ms,
+    budget_segments_ns,
     document_from_row,
     request_row,
     token_offsets_from_otlp,
 )
+from tokentrace.collector.store.query import (
+    START_INDEX_COLUMNS,
+    TEXT_INDEX_COLUMNS,
+    RequestFilter,
+    RequestPage,
+    RequestPageQuery,
+    UnreadableRowError,
+    run_page,
+    run_rows,
+    trace_prefix_range,
+)
 from tokentrace.processors.model import AssembledTrace, RequestRecord
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 """``PRAGMA user_version`` of the schema below; a store with another one is refused.
 
-1: one JSON document per request, built at write time. 2: columns + compact ``detail``."""
+1: one JSON document per request, built at write time. 2: columns + compact ``detail``.
+3: a ``request_id`` column and the list API's indexes."""
 
 _DEFAULT_RETENTION_S: Final = 7 * 24 * 3600.0
 _DEFAULT_MAX_REQUESTS: Final = 1_000_000
@@ -58,6 +72,8 @@ _DEFAULT_CHECKPOINT_IDLE_S: Final = 1.0
 _BACKSTOP_AUTOCHECKPOINT_PAGES: Final = 16_384
 """The writer checkpoints itself past this many WAL pages (64 MiB of 4 KiB pages): only when
 the background checkpoints fall behind, which bounds the log either way."""
+_DEFAULT_SEGMENT_MEANS_ROWS: Final = 500
+_MAX_SEGMENT_MEANS_ROWS: Final = 10_000
 _MIN_PREFIX_HEX: Final = 8
 _AMBIGUOUS_CANDIDATES_SHOWN: Final = 5
 _NS_PER_S: Final = 1_000_000_000
@@ -76,9 +92,44 @@ WriteItem: TypeAlias = (
 """One trace to store: its spans, its request records and, when the caller has it, the trace
 already serialised as an ``ExportTraceServiceRequest`` (else the store encodes it)."""
 
-# Indexes only where a query needs one: the primary key serves `get` (trace id prefix ranges),
-# start_ns serves `prune` and `--since`, e2e/ttft serve the usual `slowest` orders; other
-# `slowest` metrics scan (a rare read; an index would cost every write).
+REQUEST_INDEXES: Final = {
+    # Orders. requests_start carries every filter column, so a walk in start order checks any
+    # mix of filters inside the index (a table read per checked row costs ~10x more); it is
+    # written in start order, so the width costs bytes, not extra pages per batch. The request
+    # ids, for substring search, are in a narrow index of their own in start order too.
+    "requests_start": "CREATE INDEX IF NOT EXISTS requests_start ON requests "
+    f"({', '.join(START_INDEX_COLUMNS)})",
+    "requests_request_id": "CREATE INDEX IF NOT EXISTS requests_request_id ON requests "
+    f"({', '.join(TEXT_INDEX_COLUMNS)})",
+    "requests_e2e": "CREATE INDEX IF NOT EXISTS requests_e2e ON requests (e2e_ns)",
+    "requests_ttft": "CREATE INDEX IF NOT EXISTS requests_ttft ON requests (ttft_ns)",
+    # Seeks: the matches of one filter value, in start order.
+    "requests_service": "CREATE INDEX IF NOT EXISTS requests_service ON requests "
+    "(service, start_ns)",
+    "requests_model": "CREATE INDEX IF NOT EXISTS requests_model ON requests (model, start_ns)",
+    "requests_operation": "CREATE INDEX IF NOT EXISTS requests_operation ON requests "
+    "(operation, start_ns)",
+    "requests_bucket": "CREATE INDEX IF NOT EXISTS requests_bucket ON requests "
+    "(prompt_bucket, start_ns)",
+    "requests_cause": "CREATE INDEX IF NOT EXISTS requests_cause ON requests (cause, start_ns)",
+    "requests_segment": "CREATE INDEX IF NOT EXISTS requests_segment ON requests "
+    "(segment, start_ns)",
+    "requests_breached": "CREATE INDEX IF NOT EXISTS requests_breached ON requests (start_ns) "
+    "WHERE slo_breached > 0",
+}
+"""The ``requests`` indexes by name; ``query.py`` says which query uses which.
+
+The primary key serves ``get`` (trace id prefix ranges). ``requests_start`` serves ``prune``,
+``--since`` and the list in start order, and the list's mixed filters (a scan of it reads a
+tenth of the table); ``requests_request_id`` its request id search (a scan of it, a twentieth;
+an index on the request id alone would be written at random places). ``requests_e2e`` and
+``requests_ttft`` serve ``slowest`` and the list in those orders; they are written at random
+places, so they stay narrow (carrying the filter columns too measured +20 us per stored
+request). Other ``slowest`` metrics scan: an index costs every write. The (filter column,
+start_ns) indexes and the partial ``requests_breached`` (only the few breaching requests) find
+and count the matches of one rare value directly; they are written at a few places per batch
+(one per value)."""
+
 _SCHEMA: Final = (
     """CREATE TABLE IF NOT EXISTS requests (
         trace_id BLOB NOT NULL,
@@ -101,13 +152,12 @@ _SCHEMA: Final = (
         segment TEXT,
         cause TEXT,
         verdict TEXT,
-        slo_breached INTEGER NOT NULL,
+        slo_breached INTEGER NOT NULL,  -- SLO targets missed (0: none)
+        request_id TEXT,
         detail TEXT NOT NULL,  -- codec.request_row: the rest of the record, compact JSON
         PRIMARY KEY (trace_id, span_id)
     )""",
-    "CREATE INDEX IF NOT EXISTS requests_start ON requests (start_ns)",
-    "CREATE INDEX IF NOT EXISTS requests_e2e ON requests (e2e_ns)",
-    "CREATE INDEX IF NOT EXISTS requests_ttft ON requests (ttft_ns)",
+    *REQUEST_INDEXES.values(),
     """CREATE TABLE IF NOT EXISTS traces (
         trace_id BLOB PRIMARY KEY,
         received_ns INTEGER NOT NULL,
@@ -184,21 +234,6 @@ class StoreWriteError(StoreError):
 
 def _readonly_uri(path: str) -> str:
     return "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
-
-
-def _prefix_range(prefix_hex: str) -> tuple[bytes, bytes | None]:
-    """Byte range [low, high) of every id that starts with ``prefix_hex`` (any id length)."""
-    padded = prefix_hex if len(prefix_hex) % 2 == 0 else prefix_hex + "0"
-    low = bytes.fromhex(padded)
-    top = prefix_hex if len(prefix_hex) % 2 == 0 else prefix_hex + "f"
-    high = bytearray(bytes.fromhex(top))
-    # The smallest byte string greater than every string starting with `top`.
-    while high and high[-1] == 0xFF:
-        high.pop()
-    if not high:
-        return low, None
-    high[-1] += 1
-    return low, bytes(high)
 
 
 def _parse_id(text: str, *, what: str) -> str:
@@ -671,7 +706,7 @@ class RequestStore:
             raise ValueError(
                 f"trace id {trace_id!r} is too short: give at least {_MIN_PREFIX_HEX} hex digits"
             )
-        low, high = _prefix_range(prefix)
+        low, high = trace_prefix_range(prefix)
         query = "SELECT DISTINCT trace_id FROM requests WHERE trace_id >= ?"
         params: list[Any] = [low]
         if high is not None:
@@ -771,14 +806,71 @@ class RequestStore:
                 f"({type(error).__name__}: {error})"
             ) from error
 
+    def list_requests(self, query: RequestPageQuery) -> RequestPage:
+        """One page of the request list (``query.py``): summaries, the next page's cursor and
+        the number of matches (capped).
+
+        Raises ValueError for a cursor that is not one of this order's, ``QueryTimeoutError``
+        for a query that runs too long, StoreError when the store cannot be read.
+        """
+        with self._reader() as connection:
+            try:
+                return run_page(connection, query)
+            except UnreadableRowError as error:
+                raise StoreError(f"store {self.path}: {error}") from error
+
+    def segment_means(
+        self, filter: RequestFilter, *, limit: int = _DEFAULT_SEGMENT_MEANS_ROWS
+    ) -> tuple[int, dict[str, float]]:
+        """Mean budget segments (ms) over up to ``limit`` matching requests, slowest E2E first:
+        (requests averaged, {segment: mean ms}).
+
+        Each request's segments are the ones its document's ``budget`` shows (exact µs, every
+        known segment in ``semconv.SEGMENTS`` order, zeros included); the means are rounded to
+        the µs. ``(0, {})`` when nothing matches. Rows that cannot be read are left out.
+        """
+        if not 1 <= limit <= _MAX_SEGMENT_MEANS_ROWS:
+            raise ValueError(f"limit must be between 1 and {_MAX_SEGMENT_MEANS_ROWS}, not {limit}")
+        with self._reader() as connection:
+            rows = run_rows(
+                connection,
+                filter,
+                columns=("detail",),
+                sort=semconv.METRIC_E2E,
+                descending=True,
+                limit=limit,
+            )
+        sums: dict[str, float] = {}
+        averaged = 0
+        for (detail,) in rows:
+            try:
+                segments_ms = budget_segments_ms(budget_segments_ns(detail))
+            except (TypeError, ValueError, KeyError, AttributeError):
+                continue  # one unreadable row must not hide the others' budget
+            averaged += 1
+            for name, value_ms in segments_ms.items():
+                sums[name] = sums.get(name, 0.0) + value_ms
+        if not averaged:
+            return 0, {}
+        return averaged, {name: round(total / averaged, 3) for name, total in sums.items()}
+
     def sketches_since(self, since_s: float) -> list[SketchSlice]:
         """Stored sketch slices starting at or after ``since_s`` (unix seconds)."""
+        return self.sketches_between(since_s, None)
+
+    def sketches_between(self, since_s: float, until_s: float | None) -> list[SketchSlice]:
+        """Stored sketch slices starting in [``since_s``, ``until_s``) (unix seconds; None:
+        no upper end), oldest first."""
+        query = (
+            "SELECT slice_start_s, service, model, operation, prompt_bucket, metric, sketch "
+            "FROM sketch_slices WHERE slice_start_s >= ?"
+        )
+        params: list[float] = [float(since_s)]
+        if until_s is not None:
+            query += " AND slice_start_s < ?"
+            params.append(float(until_s))
         with self._reader() as connection:
-            rows = connection.execute(
-                "SELECT slice_start_s, service, model, operation, prompt_bucket, metric, sketch "
-                "FROM sketch_slices WHERE slice_start_s >= ? ORDER BY slice_start_s",
-                (float(since_s),),
-            ).fetchall()
+            rows = connection.execute(query + " ORDER BY slice_start_s", params).fetchall()
         return [
             (start, (service, model, operation, bucket), metric, json.loads(sketch))
             for start, service, model, operation, bucket, metric, sketch in rows

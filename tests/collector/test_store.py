@@ -659,12 +659,22 @@ def test_an_older_schema_is_refused_with_what_to_do(tmp_path: Path) -> None:
 
 def test_every_index_serves_a_query(store: RequestStore) -> None:
     queries = {
-        "requests_start": "SELECT rowid FROM requests WHERE start_ns < 5 ORDER BY start_ns LIMIT 3",
+        "requests_start": "SELECT e2e_ns FROM requests WHERE start_ns < 5 ORDER BY start_ns "
+        "LIMIT 3",
         "requests_e2e": "SELECT * FROM requests WHERE e2e_ns IS NOT NULL ORDER BY e2e_ns DESC "
         "LIMIT 3",
         "requests_ttft": "SELECT * FROM requests WHERE ttft_ns IS NOT NULL ORDER BY ttft_ns DESC "
         "LIMIT 3",
         "traces_received": "SELECT rowid FROM traces WHERE received_ns < 5 LIMIT 3",
+        # The list API's seeks (tests/api/test_store_queries.py checks which query uses which).
+        "requests_service": "SELECT COUNT(*) FROM requests WHERE service = 'a'",
+        "requests_model": "SELECT COUNT(*) FROM requests WHERE model = 'a'",
+        "requests_operation": "SELECT COUNT(*) FROM requests WHERE operation = 'a'",
+        "requests_bucket": "SELECT COUNT(*) FROM requests WHERE prompt_bucket = 'a'",
+        "requests_cause": "SELECT COUNT(*) FROM requests WHERE cause = 'a'",
+        "requests_segment": "SELECT COUNT(*) FROM requests WHERE segment = 'a'",
+        "requests_breached": "SELECT COUNT(*) FROM requests WHERE slo_breached > 0",
+        "requests_request_id": "SELECT COUNT(*) FROM requests WHERE instr(request_id, 'a') > 0",
     }
     with sqlite3.connect(store.path) as raw:
         indexes = {

@@ -1,0 +1,1 @@
+"""The web UI's static files (``static/``): one page, no build step, no CDN."""
