@@ -92,6 +92,18 @@ REQUEST_COLUMNS: Final = (
 """The ``requests`` columns in the order of a ``request_row`` tuple (and of the store's SELECTs).
 ``detail`` stays last (the store sums its sizes as ``row[-1]``)."""
 
+METRIC_COLUMNS: Final = {
+    semconv.METRIC_E2E: "e2e_ns",
+    semconv.METRIC_TTFT: "ttft_ns",
+    semconv.METRIC_TPOT: "tpot_ns",
+    semconv.METRIC_QUEUE: "queue_ns",
+    semconv.METRIC_PREFILL: "prefill_ns",
+    semconv.METRIC_DECODE: "decode_ns",
+    semconv.METRIC_NETWORK: "network_ns",
+}
+"""Per-request metrics -> their ``requests`` column: the only column names a metric ordering
+(``slowest``, the list's sorts) puts into SQL."""
+
 SUMMARY_COLUMNS: Final = (
     "trace_id",
     "span_id",

@@ -42,20 +42,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from tokentrace.agent import semconv
-from tokentrace.collector.store.codec import SUMMARY_COLUMNS, summary_from_row
+from tokentrace.collector.store.codec import METRIC_COLUMNS, SUMMARY_COLUMNS, summary_from_row
 
 SORT_START: Final = "start"
-SORT_KEYS: Final = {
-    SORT_START: "start_ns",
-    semconv.METRIC_E2E: "e2e_ns",
-    semconv.METRIC_TTFT: "ttft_ns",
-    semconv.METRIC_TPOT: "tpot_ns",
-    semconv.METRIC_QUEUE: "queue_ns",
-    semconv.METRIC_PREFILL: "prefill_ns",
-    semconv.METRIC_DECODE: "decode_ns",
-    semconv.METRIC_NETWORK: "network_ns",
-}
+SORT_KEYS: Final = {SORT_START: "start_ns", **METRIC_COLUMNS}
 """Sort keys -> their column: the only column names a sort puts into SQL."""
 
 MAX_PAGE_LIMIT: Final = 500

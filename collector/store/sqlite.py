@@ -30,6 +30,7 @@ from typing import Any, Final, TypeAlias
 from tokentrace.agent import semconv
 from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.collector.store.codec import (
+    METRIC_COLUMNS,
     REQUEST_COLUMNS,
     SketchSlice,
     budget_segments_ms,
@@ -199,16 +200,8 @@ _UPSERT_TRACE: Final = (
     f"WHEN {_TRACE_REPLACED_FUNCTION}() THEN excluded.otlp ELSE excluded.otlp END"
 )
 
-SLOWEST_METRIC_COLUMNS: Final = {
-    semconv.METRIC_E2E: "e2e_ns",
-    semconv.METRIC_TTFT: "ttft_ns",
-    semconv.METRIC_TPOT: "tpot_ns",
-    semconv.METRIC_QUEUE: "queue_ns",
-    semconv.METRIC_PREFILL: "prefill_ns",
-    semconv.METRIC_DECODE: "decode_ns",
-    semconv.METRIC_NETWORK: "network_ns",
-}
-"""Metrics ``slowest`` can order by -> their column (the only column names put into SQL)."""
+SLOWEST_METRIC_COLUMNS: Final = METRIC_COLUMNS
+"""Metrics ``slowest`` can order by -> their column."""
 
 
 class StoreError(Exception):
