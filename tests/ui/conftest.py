@@ -62,9 +62,11 @@ def artifacts_dir() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    """One headless Chromium for the session (each test gets fresh contexts: own storage)."""
+    """One headless Chromium per module (each test gets fresh contexts: own storage). Not per
+    session: the sync API keeps its event loop running in this thread until it stops, and
+    later tests that call asyncio.run() would fail."""
     if not CHROMIUM.exists():
         pytest.skip(INSTALL_HINT)
     try:
