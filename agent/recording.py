@@ -11,8 +11,25 @@ request). ``None`` means the request never reached that point (e.g. aborted whil
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Final, NamedTuple
+
+MIN_GAPS_FOR_OUTLIERS: Final = 2
+"""Fewer inter-token gaps than this have no median to compare with: no outliers."""
+
+
+def gap_median(gaps: Sequence[int]) -> float | None:
+    """The median inter-token gap (the mean of the two middle ones for an even count), or None
+    below ``MIN_GAPS_FOR_OUTLIERS`` gaps. A gap above ``ratio`` x this is an outlier: the one
+    rule by which the agent exports the engine steps around slow tokens and the UI marks them."""
+    if len(gaps) < MIN_GAPS_FOR_OUTLIERS:
+        return None
+    ordered = sorted(gaps)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return float(ordered[middle])
+    return (ordered[middle - 1] + ordered[middle]) / 2
 
 
 class PrefillChunk(NamedTuple):

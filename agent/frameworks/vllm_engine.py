@@ -48,6 +48,7 @@ from typing import Any, Final, NamedTuple
 from tokentrace.agent import semconv
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import ClockDomain
+from tokentrace.agent.recording import gap_median
 from tokentrace.agent.spans import (
     KIND_INTERNAL,
     SPAN_ID_BYTES,
@@ -86,7 +87,6 @@ _DEFAULT_SAMPLE_RATE: Final = 0.01
 _DEFAULT_OUTLIER_RATIO: Final = 3.0
 _MAX_OUTLIER_STEPS: Final = 32
 """Engine step spans per request at most: a pathological request cannot flood the exporter."""
-_MIN_GAPS_FOR_OUTLIERS: Final = 2
 _SWEEP_EVERY_STEPS: Final = 1024
 _MAX_OPEN_STEPS: Final = 64
 """Scheduled steps awaiting their update; vLLM has at most its batch queue's size (1-2)."""
@@ -146,11 +146,9 @@ def outlier_gap_ends(token_step_ends: Sequence[tuple[int, int]], ratio: float) -
     gaps = [
         token_step_ends[i][1] - token_step_ends[i - 1][1] for i in range(1, len(token_step_ends))
     ]
-    if len(gaps) < _MIN_GAPS_FOR_OUTLIERS:
+    median = gap_median(gaps)
+    if median is None:
         return []
-    ordered = sorted(gaps)
-    middle = len(ordered) // 2
-    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
     threshold = ratio * median
     return [i + 1 for i, gap in enumerate(gaps) if gap > threshold]
 

@@ -9,8 +9,8 @@ response (``docs/api.md``). Nothing here does I/O.
   the document: the same phases and sentence ``tokentrace explain`` draws.
 - ``tokens``: the token ticks exactly as ``render.waterfall_rows`` places them (first token +
   offset), the gaps between consecutive ticks, and which gaps are outliers by the diagnosis'
-  rule: a gap larger than ``itl_spike_ratio`` x the request's median gap (nearest-rank median of
-  the gaps, as ``diagnosis`` and the document's ITL summary take it).
+  rule: a gap larger than ``itl_spike_ratio`` x the request's median gap
+  (``recording.gap_median``: the agent exports the engine steps of exactly these gaps).
 - ``spans``: the request span and its descendants (breadth first, at most ``max_spans``).
 - ``engine_steps``: ``llm.engine.step`` spans under the request span, plus any step span of the
   trace whose ``ENGINE_STEP_REQUEST_IDS`` lists the request's id; ``outlier`` when the step
@@ -34,10 +34,10 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
+from tokentrace.agent.recording import gap_median
 from tokentrace.collector.render import verdict_text, waterfall_rows
 from tokentrace.collector.store.codec import ns_to_ms
 from tokentrace.processors.diagnosis import DiagnosisConfig
-from tokentrace.processors.stats import nearest_rank
 
 DEFAULT_MAX_SPANS: Final = 500
 """Spans of one request the view lists at most (the request span first)."""
@@ -50,7 +50,6 @@ TRACE_ID_PLACEHOLDER: Final = "{trace_id}"
 
 _US_PER_MS: Final = 1_000
 _NS_PER_US: Final = 1_000
-_MIN_GAPS_FOR_OUTLIERS: Final = 2
 """With one gap there is no median to compare against."""
 
 _PHASE_OF_SPAN: Final = {
@@ -204,12 +203,8 @@ def token_gaps(
         }
     ticks = [first_token + offset_us / _US_PER_MS for offset_us in offsets]
     gaps_us = [offsets[i] - offsets[i - 1] for i in range(1, len(offsets))]
-    valid = sorted(gap for gap in gaps_us if gap >= 0)
-    median_us: int | None = None
-    threshold_us: float | None = None
-    if len(valid) >= _MIN_GAPS_FOR_OUTLIERS:
-        median_us = nearest_rank(valid, 50)
-        threshold_us = itl_spike_ratio * median_us
+    median_us = gap_median([gap for gap in gaps_us if gap >= 0])
+    threshold_us = None if median_us is None else itl_spike_ratio * median_us
     gaps = [
         {
             "index": i,

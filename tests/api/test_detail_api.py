@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from tests.spanbuild import T0, key_value, request_spans, span, trace
 from tokentrace.agent import semconv
+from tokentrace.agent.frameworks.vllm_engine import outlier_gap_ends
 from tokentrace.collector.api.app import ApiSettings, create_app
 from tokentrace.collector.api.request_view import request_view, token_gaps
 from tokentrace.collector.config import parse_config
@@ -374,3 +375,19 @@ def test_openapi_describes_the_detail_response(client: TestClient) -> None:
     assert {"waterfall", "tokens", "engine_steps", "gpu", "spans", "links"} <= set(
         detail_schema["properties"]
     )
+
+
+@pytest.mark.parametrize(
+    "gaps_ms",
+    [[10, 100], [10, 10, 100, 200], [10, 10, 10, 50, 10], [10, 10, 30, 10], [5, 9, 40, 41]],
+)
+def test_marked_gaps_are_the_ones_the_agent_exports_steps_for(gaps_ms: list[int]) -> None:
+    """One outlier rule: the UI marks exactly the gaps whose engine steps the agent exported
+    (an even count of gaps is where a nearest-rank median would differ)."""
+    offsets_us = [0]
+    for gap in gaps_ms:
+        offsets_us.append(offsets_us[-1] + gap * 1000)
+    doc = {"timeline": {"boundaries_ms": {"first_token": 0.0}}, "token_offsets_us": offsets_us}
+    marked = [g["index"] for g in token_gaps(doc, itl_spike_ratio=3.0)["gaps"] if g["outlier"]]
+    step_ends = [(index, offset * 1000) for index, offset in enumerate(offsets_us)]
+    assert marked == outlier_gap_ends(step_ends, 3.0)

@@ -19,6 +19,8 @@ import httpx
 import pytest
 
 from tests.ui.stores import CraftedStore, RealStore, crafted_store, real_trace_store
+from tests.vllm.conftest import INSTALL_HINT as VLLM_INSTALL_HINT
+from tests.vllm.conftest import vllm_available
 from tokentrace.collector.api import ApiSettings, create_app
 from tokentrace.collector.api.server import ApiServer
 
@@ -210,7 +212,9 @@ def open_ui(browser: Browser) -> Iterator[Callable[[ServedApp], UiPage]]:
 
 @pytest.fixture(scope="session")
 def real_store(tmp_path_factory: pytest.TempPathFactory) -> RealStore:
-    """A store filled by real traces (real vLLM when installed) through a real collector."""
+    """A store filled by real traces: the real vLLM through a real collector process."""
+    if not vllm_available():
+        pytest.skip(VLLM_INSTALL_HINT)
     return real_trace_store(tmp_path_factory.mktemp("ui-real-traces"))
 
 

@@ -12,7 +12,6 @@ every string a span or the configuration can carry.
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import subprocess
 import time
@@ -34,7 +33,6 @@ from tokentrace.processors.percentiles import PercentileStore
 _NS_PER_MS: Final = 1_000_000
 _NS_PER_S: Final = 1_000_000_000
 _DEFAULT_VLLM_REQUESTS: Final = 48
-_DEFAULT_REPLAY_REQUESTS: Final = 240
 _COLLECTOR_STOP_TIMEOUT_S: Final = 30.0
 _LATE_TOKEN: Final = 1000
 """The token of the long request that came 200 ms late (within the store's token cap)."""
@@ -305,21 +303,13 @@ def crafted_store(
 @dataclass(frozen=True, slots=True)
 class RealStore:
     path: Path
-    source: str
-    """``vllm`` (the real server) or ``replay`` (no vLLM in this interpreter)."""
     requests: int
-
-
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
 
 
 def real_trace_store(workdir: Path, *, requests: int | None = None) -> RealStore:
     """The store a real collector process writes while the real vLLM (through ``tokentrace
     run``) serves a concurrent streaming load; ``make demo``'s flow, reused from
-    ``collector/demo.py``. Without vLLM in this interpreter, the traffic is ``tokentrace
-    replay``'s (the OpenTelemetry SDK exporting a simulated server's spans) into the same
-    real collector."""
+    ``collector/demo.py``."""
     from tokentrace.collector import demo
 
     store_path = workdir / "store.db"
@@ -327,14 +317,9 @@ def real_trace_store(workdir: Path, *, requests: int | None = None) -> RealStore
     config_path.write_text(demo.DEMO_CONFIG.replace("STORE_PATH", str(store_path)), "utf-8")
     collector, port = demo.start_collector(config_path)
     try:
-        if vllm_available():
-            source = "vllm"
-            sent = demo.run_vllm_load(port, workdir, requests=requests or _DEFAULT_VLLM_REQUESTS)
-        else:
-            source = "replay"
-            sent = demo.run_replay(port, "mixed", requests or _DEFAULT_REPLAY_REQUESTS)
+        sent = demo.run_vllm_load(port, workdir, requests=requests or _DEFAULT_VLLM_REQUESTS)
         if sent == 0:
-            raise RuntimeError(f"no request completed ({source})")
+            raise RuntimeError("no request completed")
         count = demo.wait_for_requests(store_path, sent)
     finally:
         collector.send_signal(signal.SIGTERM)
@@ -345,4 +330,4 @@ def real_trace_store(workdir: Path, *, requests: int | None = None) -> RealStore
             collector.wait()
     if count < sent:
         raise RuntimeError(f"the collector stored {count} of {sent} requests")
-    return RealStore(path=store_path, source=source, requests=count)
+    return RealStore(path=store_path, requests=count)
