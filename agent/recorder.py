@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokentrace.agent.otlp_export import RateLimitedWarning
-from tokentrace.agent.recording import PrefillChunk, RequestRecording
+from tokentrace.agent.recording import PrefillChunk, RequestRecording, prompt_prefix_hash
 
 _log = logging.getLogger(__name__)
 
@@ -36,6 +36,9 @@ EXPIRED_ERROR = "expired: no end seen"
 _NS_PER_S = 1_000_000_000
 _OFFSET_REFRESH_NS = 10_000_000_000  # re-measure the wall/monotonic offset every 10 s
 _NS_PER_US = 1_000
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+"""``RequestTimer.attributes`` key of the prompt's token ids (a reference the instrumentation
+hands over, not a copy): the emitter's thread hashes their prefix, the serving path does not."""
 
 
 class ClockDomain:
@@ -146,6 +149,9 @@ def to_recording(timer: RequestTimer, clock: ClockDomain) -> RequestRecording:
     for name, value in timer.attributes.items():
         if name not in ("model", "operation") and hasattr(recording, name):
             setattr(recording, name, value)
+    prompt_ids = timer.attributes.get(PROMPT_TOKEN_IDS)
+    if prompt_ids is not None and recording.prefix_hash is None:
+        recording.prefix_hash = prompt_prefix_hash(prompt_ids)
     return recording
 
 

@@ -11,6 +11,8 @@ request). ``None`` means the request never reached that point (e.g. aborted whil
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
@@ -30,6 +32,25 @@ def gap_median(gaps: Sequence[int]) -> float | None:
     if len(ordered) % 2:
         return float(ordered[middle])
     return (ordered[middle - 1] + ordered[middle]) / 2
+
+
+PREFIX_HASH_TOKENS: Final = 256
+"""Prompt tokens the prefix hash covers. Shorter prompts get no hash: recomputing fewer tokens
+is cheap, and a short prompt's first tokens (a chat template's header) say nothing about a
+shared system prompt."""
+_PREFIX_HASH_BYTES: Final = 8
+
+
+def prompt_prefix_hash(token_ids: Sequence[int] | None) -> str | None:
+    """A hash of the prompt's first ``PREFIX_HASH_TOKENS`` token ids (never the text), so that
+    requests sharing a long prefix are recognisable; None for shorter or unknown prompts."""
+    if token_ids is None or len(token_ids) < PREFIX_HASH_TOKENS:
+        return None
+    try:
+        data = array("q", token_ids[:PREFIX_HASH_TOKENS]).tobytes()
+    except (TypeError, OverflowError):  # not a list of ints: say nothing rather than guess
+        return None
+    return hashlib.blake2b(data, digest_size=_PREFIX_HASH_BYTES).hexdigest()
 
 
 class PrefillChunk(NamedTuple):

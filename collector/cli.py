@@ -1,4 +1,4 @@
-"""``tokentrace collector``, ``explain``, ``top`` and ``ui``.
+"""``tokentrace collector``, ``explain``, ``top``, ``ui``, ``diagnose`` and ``compare``.
 
 Registered under the ``tokentrace.commands`` entry-point group. Only argparse, the standard
 library and the duration parser (itself standard library only) are imported here at module
@@ -22,6 +22,8 @@ from tokentrace.processors.durations import parse_duration_ns
 
 _DEFAULT_STORE: Final = "./tokentrace.db"
 _DEFAULT_WINDOW_S: Final = 60.0
+_DEFAULT_DIAGNOSE_WINDOW_S: Final = 900.0
+_DEFAULT_RUN_WAIT_S: Final = 15.0
 _DEFAULT_INTERVAL_S: Final = 2.0
 _DEFAULT_TERMINAL: Final = (100, 24)
 _EXIT_OK: Final = 0
@@ -44,6 +46,17 @@ def parse_duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
     if duration_ns <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a duration must be positive")
+    return duration_ns / _NS_PER_S
+
+
+def _non_negative_duration(text: str) -> float:
+    """A duration that may be 0 (``--wait 0``: do not wait)."""
+    try:
+        duration_ns = parse_duration_ns(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if duration_ns < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration cannot be negative")
     return duration_ns / _NS_PER_S
 
 
@@ -354,4 +367,155 @@ class UiCommand:
         signal.signal(signal.SIGTERM, request_stop)
         stop.wait()
         server.shutdown()
+        return _EXIT_OK
+
+
+def _slo_targets_for(command: str, args: argparse.Namespace, store: Any) -> list[Any]:
+    """Targets from ``--slo FILE``, else the ones the collector wrote into the store."""
+    from tokentrace.collector.config import ConfigError, load_slo_file
+    from tokentrace.collector.store import META_SLO_TARGETS
+    from tokentrace.collector.store.codec import load_slo_targets
+    from tokentrace.processors.slo import parse_targets
+
+    if args.slo:
+        try:
+            return load_slo_file(args.slo)
+        except ConfigError as error:
+            raise ValueError(f"--slo: {error}") from None
+    if store is None:
+        return []
+    raw_targets, problems = load_slo_targets(store.meta(META_SLO_TARGETS))
+    for problem in problems:
+        print(f"tokentrace {command}: ignoring SLO targets: {problem}", file=sys.stderr)
+    try:
+        return parse_targets(raw_targets, path="the store's SLO targets")
+    except ValueError as error:
+        print(f"tokentrace {command}: ignoring SLO targets: {error}", file=sys.stderr)
+        return []
+
+
+class DiagnoseCommand:
+    name = "diagnose"
+    help = (
+        "for a load run or a time window: percentiles per metric and budget segment, the "
+        "dominant cost at p50 and in the tail, its cause and advice, and SLO status"
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        source = parser.add_mutually_exclusive_group()
+        source.add_argument("--run", metavar="FILE", help="a run record of tokentrace load")
+        source.add_argument(
+            "--since", type=parse_duration, help="requests that started this long ago or later"
+        )
+        parser.add_argument(
+            "--until",
+            type=parse_duration,
+            help="with --since: up to this long ago (default: now)",
+        )
+        parser.add_argument("--slo", metavar="FILE", help="SLO targets (default: the store's)")
+        parser.add_argument(
+            "--wait",
+            type=_non_negative_duration,
+            default=_DEFAULT_RUN_WAIT_S,
+            help="for a run that just ended: wait this long for its last requests to reach the "
+            "store (default: 15s)",
+        )
+        _add_store_arguments(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from tokentrace.agent.load.record import RunRecordError, load
+        from tokentrace.collector.diagnose import diagnose_range, diagnose_run, render_diagnosis
+        from tokentrace.collector.store import RequestStore, StoreError
+
+        if args.until is not None and args.since is None:
+            return _fail(self.name, "--until needs --since")
+        store = None
+        try:
+            store = RequestStore.open_readonly(args.store)
+            targets = _slo_targets_for(self.name, args, store)
+            if args.run:
+                record = load(args.run)
+                analysis = diagnose_run(store, record, targets=targets, wait_s=args.wait)
+                title = f"run {args.run}"
+            else:
+                since_s = args.since if args.since is not None else _DEFAULT_DIAGNOSE_WINDOW_S
+                now_ns = time.time_ns()
+                until_ns = None if args.until is None else now_ns - int(args.until * _NS_PER_S)
+                analysis = diagnose_range(
+                    store,
+                    since_ns=now_ns - int(since_s * _NS_PER_S),
+                    until_ns=until_ns,
+                    targets=targets,
+                )
+                title = f"{args.store}, from {since_s:g} s ago"
+                title += " to now" if args.until is None else f" to {args.until:g} s ago"
+        except (StoreError, RunRecordError, ValueError) as error:
+            return _fail(self.name, str(error))
+        finally:
+            if store is not None:
+                store.close()
+        if args.json:
+            _emit(json.dumps(analysis, indent=2) + "\n")
+        else:
+            _emit(render_diagnosis(analysis, title=title) + "\n")
+        return _EXIT_OK
+
+
+class CompareCommand:
+    name = "compare"
+    help = (
+        "compare two runs of the same load: percentiles side by side with deltas, SLO targets, "
+        "which segments shrank or grew, and a warning when the loads differ"
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("run_a", metavar="RUN_A", help="run record of the first run (before)")
+        parser.add_argument("run_b", metavar="RUN_B", help="run record of the second run (after)")
+        parser.add_argument("--slo", metavar="FILE", help="SLO targets (default: the store's)")
+        parser.add_argument(
+            "--store",
+            metavar="PATH",
+            help="the collector's request store, for server-side numbers and segments "
+            "(without it: the client's numbers only)",
+        )
+        parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        parser.add_argument(
+            "--wait",
+            type=_non_negative_duration,
+            default=_DEFAULT_RUN_WAIT_S,
+            help="for a run that just ended: wait this long for its last requests to reach the "
+            "store (default: 15s)",
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        from tokentrace.agent.load.record import RunRecordError, load
+        from tokentrace.collector.diagnose import compare_runs, diagnose_run, render_comparison
+        from tokentrace.collector.store import RequestStore, StoreError
+
+        store = None
+        try:
+            record_a, record_b = load(args.run_a), load(args.run_b)
+            analysis_a = analysis_b = None
+            store = RequestStore.open_readonly(args.store) if args.store else None
+            targets = _slo_targets_for(self.name, args, store)
+            if store is not None:
+                analysis_a = diagnose_run(store, record_a, targets=targets, wait_s=args.wait)
+                analysis_b = diagnose_run(store, record_b, targets=targets, wait_s=args.wait)
+            elif targets:
+                from tokentrace.agent.load.report import client_slo
+
+                record_a.slo = client_slo(record_a.results, targets, model=record_a.model)
+                record_b.slo = client_slo(record_b.results, targets, model=record_b.model)
+            comparison = compare_runs(
+                record_a, record_b, analysis_a=analysis_a, analysis_b=analysis_b
+            )
+        except (StoreError, RunRecordError, ValueError) as error:
+            return _fail(self.name, str(error))
+        finally:
+            if store is not None:
+                store.close()
+        if args.json:
+            _emit(json.dumps(comparison, indent=2) + "\n")
+        else:
+            _emit(render_comparison(comparison, name_a=args.run_a, name_b=args.run_b) + "\n")
         return _EXIT_OK

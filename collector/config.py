@@ -184,9 +184,11 @@ def load_config(
     """Read, validate and default the configuration (``path`` None: no file, all defaults)."""
     environ = os.environ if environ is None else environ
     raw: Any = {}
+    base_dir = None
     if path is not None:
         raw = _read_yaml(Path(path), environ)
-    config = parse_config(raw, environ=environ)
+        base_dir = Path(path).parent
+    config = parse_config(raw, environ=environ, base_dir=base_dir)
     if store_path is not None:
         if config.store is None:
             raise ConfigError("--store given, but the configuration has no store exporter")
@@ -233,7 +235,33 @@ def _expand_env(value: Any, environ: Mapping[str, str], path: str) -> Any:
     return value
 
 
-def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
+def load_slo_file(path: str | os.PathLike[str]) -> list[SloTarget]:
+    """The SLO targets of an SLO file: YAML with a ``targets`` list in the format of
+    ``processors.slo.targets`` (``name, metric, percentile, threshold, selector``). The one place
+    targets are declared for the collector, ``tokentrace load``, ``diagnose`` and ``compare``.
+    Errors are ``ConfigError`` naming the file and the entry."""
+    raw = _read_yaml(Path(path), os.environ)
+    if not isinstance(raw, Mapping) or set(raw) - {"targets"}:
+        raise ConfigError(
+            f"{path}: expected a mapping with one key, targets (a list of "
+            "{name, metric, percentile, threshold, selector})"
+        )
+    try:
+        return parse_targets(raw.get("targets"), path=f"{path}: targets")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _relative_to(path: str, base_dir: Path | None) -> Path:
+    """A path from a config file, relative to that file's directory (as written there)."""
+    candidate = Path(path).expanduser()
+    return candidate if candidate.is_absolute() or base_dir is None else base_dir / candidate
+
+
+def parse_config(
+    raw: Any, *, environ: Mapping[str, str], base_dir: Path | None = None
+) -> CollectorConfig:
+    """``base_dir``: the config file's directory, against which relative file paths resolve."""
     root = _Section(raw, "")
     root.allow_keys("receivers", "processors", "exporters", "service", "extensions")
 
@@ -337,14 +365,25 @@ def parse_config(raw: Any, *, environ: Mapping[str, str]) -> CollectorConfig:
     targets: tuple[SloTarget, ...] = ()
     if "slo" in processor_by_kind:
         slo = processors_raw.section(processor_by_kind["slo"])
-        slo.allow_keys("targets")
-        raw_targets = slo.raw.get("targets", [])
-        if not isinstance(raw_targets, list):
-            raise ConfigError(f"{slo.path('targets')}: expected a list of targets")
-        try:
-            targets = tuple(parse_targets(raw_targets))
-        except ValueError as error:
-            raise ConfigError(f"processors.{error}") from None
+        slo.allow_keys("targets", "file")
+        if "file" in slo.raw:
+            if "targets" in slo.raw:
+                raise ConfigError(
+                    f"{slo.path('file')}: give targets or a file of targets, not both "
+                    "(declare each target once)"
+                )
+            slo_file = slo.raw["file"]
+            if not isinstance(slo_file, str) or not slo_file:
+                raise ConfigError(f"{slo.path('file')}: expected the path of an SLO file")
+            targets = tuple(load_slo_file(_relative_to(slo_file, base_dir)))
+        else:
+            raw_targets = slo.raw.get("targets", [])
+            if not isinstance(raw_targets, list):
+                raise ConfigError(f"{slo.path('targets')}: expected a list of targets")
+            try:
+                targets = tuple(parse_targets(raw_targets))
+            except ValueError as error:
+                raise ConfigError(f"processors.{error}") from None
 
     percentile_config: PercentileConfig | None = None
     if "percentiles" in processor_by_kind:

@@ -30,7 +30,7 @@ from tokentrace.agent.consumer import Unavailable
 from tokentrace.collector.assembly import TraceAssembler
 from tokentrace.collector.config import CollectorConfig
 from tokentrace.collector.encoding import encode_trace_request
-from tokentrace.processors.budget import compute_budget, compute_metrics, prompt_bucket
+from tokentrace.processors.budget import request_record
 from tokentrace.processors.diagnosis import DiagnosisConfig, diagnose_request
 from tokentrace.processors.enrich import enrich_span
 from tokentrace.processors.model import AssembledTrace, RequestRecord, SpanRef
@@ -208,14 +208,7 @@ class Pipeline:
             return ProcessedTrace(trace, records, encode_trace_request(trace.spans))
         for timeline in timelines:
             try:
-                budget = compute_budget(timeline)
-                metrics = compute_metrics(timeline, budget)
-                record = RequestRecord(
-                    timeline=timeline,
-                    budget=budget,
-                    metrics=metrics,
-                    prompt_bucket=prompt_bucket(timeline.input_tokens),
-                )
+                record = request_record(timeline)
             except Exception:
                 self._count_error(self.stats.processor_errors, "budget")
                 _log.exception("budget of trace %s failed", trace.trace_id.hex())

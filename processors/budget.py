@@ -43,7 +43,7 @@ from itertools import pairwise
 from typing import Final
 
 from tokentrace.agent import semconv
-from tokentrace.processors.model import Budget, RequestMetrics, RequestTimeline
+from tokentrace.processors.model import Budget, RequestMetrics, RequestRecord, RequestTimeline
 
 PROMPT_BUCKET_BOUNDS: Final = (128, 512, 2048, 8192)
 """Lower bounds (input tokens) of every prompt-length bucket after the first, ascending."""
@@ -299,3 +299,15 @@ def prompt_bucket(input_tokens: int | None) -> str:
     if input_tokens is None or input_tokens < 0:
         return PROMPT_BUCKET_UNKNOWN
     return PROMPT_BUCKETS[bisect_right(PROMPT_BUCKET_BOUNDS, input_tokens)]
+
+
+def request_record(timeline: RequestTimeline) -> RequestRecord:
+    """The record of one normalised request: its budget, metrics and prompt bucket (verdict and
+    SLO marks are the diagnosis and SLO processors' to add)."""
+    budget = compute_budget(timeline)
+    return RequestRecord(
+        timeline=timeline,
+        budget=budget,
+        metrics=compute_metrics(timeline, budget),
+        prompt_bucket=prompt_bucket(timeline.input_tokens),
+    )

@@ -16,5 +16,6 @@ def nearest_rank(sorted_values: Sequence[_T], percentile: float) -> _T:
     values, never an interpolation (p0 is the smallest value, p100 the largest).
     """
     count = len(sorted_values)
-    rank = math.ceil(percentile / 100 * count)
+    # Rounded first: 99.9 / 100 * 1000 is 999.0000000000001 in floating point, not 999.
+    rank = math.ceil(round(percentile / 100 * count, 9))
     return sorted_values[min(max(rank, 1), count) - 1]

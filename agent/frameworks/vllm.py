@@ -95,7 +95,7 @@ from tokentrace.agent.frameworks.vllm_engine import (
     engine_parent_header,
 )
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import ClockDomain, Recorder, RequestTimer
+from tokentrace.agent.recorder import PROMPT_TOKEN_IDS, ClockDomain, Recorder, RequestTimer
 from tokentrace.agent.spans import AttrValue, random_span_id_bytes, random_trace_id
 
 __all__ = [
@@ -774,6 +774,8 @@ class VllmInstrumentor(BaseInstrumentor):
         if state is not None:
             attributes["input_tokens"] = state.prompt_len
             attributes["cached_tokens"] = state.num_cached_tokens
+            # A reference, hashed off the serving path (``recorder.to_recording``).
+            attributes[PROMPT_TOKEN_IDS] = getattr(state, "prompt_token_ids", None)
             for name, value in (
                 ("max_tokens", state.max_tokens_param),
                 ("temperature", state.temperature),

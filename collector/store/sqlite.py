@@ -79,6 +79,8 @@ _MIN_PREFIX_HEX: Final = 8
 _AMBIGUOUS_CANDIDATES_SHOWN: Final = 5
 _NS_PER_S: Final = 1_000_000_000
 
+_IN_BATCH: Final = 500
+"""Ids per ``IN (...)`` query: well under SQLite's bound-parameter limit."""
 META_SLO_TARGETS: Final = "slo_targets"
 """Meta key: the collector's SLO targets as a JSON list of target dicts."""
 META_COLLECTOR_STARTED_NS: Final = "collector_started_ns"
@@ -744,6 +746,36 @@ class RequestStore:
                 "SELECT otlp FROM traces WHERE trace_id = ?", (key,)
             ).fetchone()
         return None if row is None else bytes(row[0])
+
+    def traces_otlp(self, trace_ids: Iterable[bytes]) -> Iterator[tuple[bytes, bytes]]:
+        """(trace id, stored spans as a serialised ``ExportTraceServiceRequest``) of each
+        given trace that the store holds, read in batches of ``_IN_BATCH`` ids."""
+        ids = list(dict.fromkeys(bytes(trace_id) for trace_id in trace_ids))
+        for offset in range(0, len(ids), _IN_BATCH):
+            batch = ids[offset : offset + _IN_BATCH]
+            marks = ", ".join("?" * len(batch))
+            with self._reader() as connection:
+                rows = connection.execute(
+                    f"SELECT trace_id, otlp FROM traces WHERE trace_id IN ({marks})", batch
+                ).fetchall()
+            for trace_id, otlp in rows:
+                yield bytes(trace_id), bytes(otlp)
+
+    def trace_ids_between(
+        self, since_ns: int, until_ns: int | None, *, limit: int
+    ) -> tuple[list[bytes], bool]:
+        """Ids of the traces whose requests started in [``since_ns``, ``until_ns``), the most
+        recent ``limit`` of them, and whether more were left out."""
+        query = "SELECT trace_id, MAX(start_ns) AS latest FROM requests WHERE start_ns >= ?"
+        params: list[Any] = [int(since_ns)]
+        if until_ns is not None:
+            query += " AND start_ns < ?"
+            params.append(int(until_ns))
+        query += " GROUP BY trace_id ORDER BY latest DESC LIMIT ?"
+        params.append(int(limit) + 1)
+        with self._reader() as connection:
+            found = [bytes(row[0]) for row in connection.execute(query, params)]
+        return found[:limit], len(found) > limit
 
     def slowest(
         self, *, metric: str = semconv.METRIC_E2E, since_ns: int | None = None, limit: int = 10

@@ -5,7 +5,14 @@ import logging
 import pytest
 
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import ClockDomain, Recorder, RequestTimer, to_recording
+from tokentrace.agent.recorder import (
+    PROMPT_TOKEN_IDS,
+    ClockDomain,
+    Recorder,
+    RequestTimer,
+    to_recording,
+)
+from tokentrace.agent.recording import PREFIX_HASH_TOKENS
 
 
 class Ticks:
@@ -52,6 +59,33 @@ def test_a_request_life_becomes_a_recording_in_unix_time() -> None:
     assert recording.end_ns == recording.last_token_ns + 1_000_000
     assert recording.token_offsets_us == [0, 10_000, 20_000]
     assert (recording.model, recording.operation, recording.input_tokens) == ("m", "chat", 12)
+
+
+def test_prompts_sharing_their_first_tokens_share_a_prefix_hash_computed_off_the_serving_path() -> (
+    None
+):
+    ticks = Ticks()
+    finished: list[RequestTimer] = []
+    recorder = Recorder(finished.append, monotonic_ns=ticks)
+    system = list(range(1000, 1000 + PREFIX_HASH_TOKENS))
+    prompts = {
+        "shared-a": [*system, 1, 2, 3],
+        "shared-b": system + [9] * 40,
+        "other": [7, *system],
+        "short": system[:-1],
+        "unknown": None,
+    }
+    for request_id, token_ids in prompts.items():
+        timer = recorder.begin(request_id)
+        assert timer is not None
+        timer.attributes[PROMPT_TOKEN_IDS] = token_ids
+        recorder.finish(request_id)
+    hashes = {
+        timer.request_id: to_recording(timer, fixed_domain(ticks)).prefix_hash for timer in finished
+    }
+    assert hashes["shared-a"] is not None and hashes["shared-a"] == hashes["shared-b"]
+    assert hashes["other"] is not None and hashes["other"] != hashes["shared-a"]
+    assert hashes["short"] is None and hashes["unknown"] is None
 
 
 def test_preemption_intervals_and_an_abort_while_evicted() -> None:

@@ -32,6 +32,7 @@ from tokentrace.agent.frameworks.vllm import (
     VllmInstrumentor,
     parse_traceparent,
 )
+from tokentrace.agent.recorder import PROMPT_TOKEN_IDS
 
 
 # --- tests ----------------------------------------------------------------------------------------
@@ -119,6 +120,7 @@ def test_a_request_gets_step_timestamps_per_token_and_vllms_own_numbers(
         "output_tokens": 4,
         "input_tokens": 5,
         "cached_tokens": 0,
+        PROMPT_TOKEN_IDS: [0, 1, 2, 3, 4],
         "max_tokens": 16,
         "temperature": 0.0,
         "top_p": 1.0,

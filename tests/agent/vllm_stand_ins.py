@@ -70,6 +70,7 @@ class State:
     temperature: float
     top_p: float
     num_cached_tokens: int = 0
+    prompt_token_ids: list[int] | None = None
 
 
 class OutputProcessor:
@@ -89,6 +90,7 @@ class OutputProcessor:
             params.max_tokens,
             params.temperature,
             params.top_p,
+            prompt_token_ids=list(range(request.prompt_len)),
         )
         self.external_req_ids.setdefault(request.external_req_id, []).append(request.request_id)
 

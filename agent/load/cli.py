@@ -1,0 +1,323 @@
+"""``tokentrace load URL``: send a reproducible load to an OpenAI-compatible server, trace every
+request as a client span, print client-side TTFT/TPOT/ITL/E2E percentiles and save a run record.
+
+Import-light (argparse only) like every command module: the work happens in ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Final
+
+_DEFAULT_OTLP_PROTOCOL: Final = "grpc"
+_PROGRESS_INTERVAL_TTY_S: Final = 0.5
+_PROGRESS_INTERVAL_PIPE_S: Final = 10.0
+_MODELS_TIMEOUT_S: Final = 30.0
+
+
+class LoadCommand:
+    name = "load"
+    help = (
+        "send a reproducible load to an OpenAI-compatible endpoint, trace each request, print "
+        "client-side TTFT/TPOT/ITL/E2E percentiles and save a run record"
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:8000")
+        parser.add_argument("--model", help="model name (default: the first of GET /v1/models)")
+        parser.add_argument(
+            "--api", choices=("chat", "completions"), default="chat", help="default: chat"
+        )
+        parser.add_argument(
+            "--no-stream", dest="stream", action="store_false", help="ask for whole responses"
+        )
+        shape = parser.add_argument_group("arrivals (default: --concurrency 1)")
+        shape.add_argument("--concurrency", type=int, help="requests in flight (closed loop)")
+        shape.add_argument(
+            "--rate",
+            type=float,
+            help="Poisson arrivals at this many requests/s (open loop; with --concurrency, "
+            "that many in flight at most)",
+        )
+        shape.add_argument("--requests", type=int, help="measured requests (default: 100)")
+        shape.add_argument("--duration", help="stop issuing after this long, e.g. 60s or 5m")
+        shape.add_argument(
+            "--warmup", type=int, default=0, help="unmeasured requests sent first (default: 0)"
+        )
+        shape.add_argument("--seed", type=int, default=0, help="same seed, same requests")
+        lengths = parser.add_argument_group(
+            "lengths: N | fixed:N | uniform:LOW:HIGH | normal:MEAN:STDDEV"
+        )
+        lengths.add_argument("--prompt-tokens", default="128", help="default: 128")
+        lengths.add_argument("--output-tokens", default="64", help="default: 64")
+        lengths.add_argument(
+            "--dataset",
+            help='JSONL prompts: {"prompt": ...} or {"messages": [...]}, optional "output_tokens"',
+        )
+        lengths.add_argument(
+            "--tokenizer", help="tokenizer dir or name for exact prompt lengths (transformers)"
+        )
+        lengths.add_argument(
+            "--shared-prefix-fraction",
+            type=float,
+            default=0.0,
+            metavar="FRACTION",
+            help="share of requests that start with one shared prefix (prefix-cache experiments)",
+        )
+        lengths.add_argument("--shared-prefix-tokens", type=int, default=512, help="default: 512")
+        lengths.add_argument(
+            "--no-ignore-eos",
+            dest="ignore_eos",
+            action="store_false",
+            help="let the model stop early (by default vLLM's ignore_eos makes outputs exact)",
+        )
+        client = parser.add_argument_group("client")
+        client.add_argument(
+            "--no-reuse-connections",
+            dest="reuse_connections",
+            action="store_false",
+            help="a new connection per request (default: keep-alive)",
+        )
+        client.add_argument("--timeout", default="600s", help="per request (default: 600s)")
+        client.add_argument(
+            "--otlp-endpoint",
+            help="where client spans go, e.g. http://127.0.0.1:4317 "
+            "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: spans are not exported)",
+        )
+        client.add_argument(
+            "--otlp-protocol",
+            choices=("grpc", "http/protobuf"),
+            help="with --otlp-endpoint (default: grpc)",
+        )
+        out = parser.add_argument_group("output")
+        out.add_argument("--slo", metavar="FILE", help="SLO targets file, judged client side")
+        out.add_argument(
+            "--out",
+            metavar="FILE",
+            help="run record path (default: tokentrace-run-<UTC time>.json here)",
+        )
+        out.add_argument(
+            "--percentiles",
+            default="50,90,95,99",
+            help="reported percentiles (default: 50,90,95,99)",
+        )
+        out.add_argument("--json", action="store_true", help="print the run summary as JSON")
+        out.add_argument("--quiet", action="store_true", help="no progress line")
+
+    def run(self, args: argparse.Namespace) -> int:
+        try:
+            return _run(args)
+        except _UsageError as error:
+            print(f"tokentrace load: {error}", file=sys.stderr)
+            return 2
+        except _RunError as error:
+            print(f"tokentrace load: {error}", file=sys.stderr)
+            return 1
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _RunError(Exception):
+    pass
+
+
+def _run(args: argparse.Namespace) -> int:
+    import json
+
+    from tokentrace.agent.load import record as run_record
+    from tokentrace.agent.load.report import client_slo, render
+    from tokentrace.agent.load.results import summarize
+    from tokentrace.agent.load.runner import LoadRunner
+    from tokentrace.agent.load.workload import RequestPlanner, WorkloadError, prompt_builder
+
+    config = _config(args)
+    percents = _percents(args.percentiles)
+    targets = _slo_targets(args.slo) if args.slo else []
+    out_path = args.out or time.strftime("tokentrace-run-%Y%m%d-%H%M%S.json", time.gmtime())
+    model = args.model or _discover_model(config.base_url, timeout_s=_MODELS_TIMEOUT_S)
+    try:
+        planner = RequestPlanner(config, model=model, builder=prompt_builder(config))
+    except WorkloadError as error:
+        raise _UsageError(str(error)) from None
+    exporter = _exporter(args)
+    progress = None if args.quiet else _Progress(sys.stderr)
+    runner = LoadRunner(config, model=model, planner=planner, spans=exporter, progress=progress)
+    try:
+        outcome = runner.run()
+    finally:
+        if progress is not None:
+            progress.close()
+        export_stats = exporter.shutdown() if exporter is not None else {}
+    summary = summarize(outcome.results, duration_ns=outcome.duration_ns, percents=percents)
+    record = run_record.RunRecord(
+        config=config.to_dict(),
+        identity=config.load_identity(),
+        model=model,
+        window_start_ns=outcome.window_start_ns,
+        window_end_ns=outcome.window_end_ns,
+        summary=summary,
+        results=outcome.results,
+        slo=client_slo(outcome.results, targets, model=model) if targets else [],
+        warmup_failed=outcome.warmup_failed,
+        export=export_stats,
+        http=outcome.http_stats,
+    )
+    try:
+        saved = run_record.save(record, out_path)
+    except run_record.RunRecordError as error:
+        raise _RunError(str(error)) from None
+    if args.json:
+        print(json.dumps({**summary, "slo": record.slo, "run_record": str(saved)}, indent=2))
+    else:
+        print(render(record, record_path=str(saved)))
+    if summary["completed"] == 0 and summary["requests"] > 0:
+        return 1
+    return 0
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from tokentrace.agent.load.workload import LoadConfig, WorkloadError, parse_length
+    from tokentrace.processors.durations import parse_duration_ns
+
+    def seconds(option: str, text: str | None) -> float | None:
+        if text is None:
+            return None
+        try:
+            return parse_duration_ns(text) / 1e9
+        except ValueError as error:
+            raise _UsageError(f"{option}: {error}") from None
+
+    try:
+        config = LoadConfig(
+            base_url=args.url,
+            model=args.model,
+            api=args.api,
+            stream=args.stream,
+            concurrency=args.concurrency,
+            rate=args.rate,
+            requests=args.requests,
+            duration_s=seconds("--duration", args.duration),
+            prompt_tokens=parse_length(args.prompt_tokens, option="--prompt-tokens"),
+            output_tokens=parse_length(args.output_tokens, option="--output-tokens"),
+            dataset=args.dataset,
+            shared_prefix_fraction=args.shared_prefix_fraction,
+            shared_prefix_tokens=args.shared_prefix_tokens,
+            warmup_requests=args.warmup,
+            seed=args.seed,
+            reuse_connections=args.reuse_connections,
+            ignore_eos=args.ignore_eos,
+            timeout_s=seconds("--timeout", args.timeout) or 0.0,
+            tokenizer=args.tokenizer,
+        )
+        config.validate()
+    except WorkloadError as error:
+        raise _UsageError(str(error)) from None
+    return config
+
+
+def _percents(text: str) -> tuple[float, ...]:
+    try:
+        percents = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise _UsageError(
+            f"--percentiles: expected numbers such as 50,95,99, got {text!r}"
+        ) from None
+    if not percents or any(not 0 <= percent <= 100 for percent in percents):
+        raise _UsageError(f"--percentiles: each must be within [0, 100], got {text!r}")
+    return percents
+
+
+def _slo_targets(path: str) -> list[Any]:
+    try:
+        from tokentrace.collector.config import ConfigError, load_slo_file
+    except ImportError as error:
+        raise _UsageError(
+            f"--slo needs the collector extra (pip install 'tokentrace[collector]'): {error}"
+        ) from None
+    try:
+        return load_slo_file(path)
+    except ConfigError as error:
+        raise _UsageError(f"--slo: {error}") from None
+
+
+def _discover_model(base_url: str, *, timeout_s: float) -> str:
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            data = json.loads(response.read())
+        return str(data["data"][0]["id"])
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise _RunError(f"cannot reach {url}: {reason} (is the server up?)") from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise _RunError(f"{url} did not list a model: give one with --model") from None
+
+
+def _exporter(args: argparse.Namespace) -> Any:
+    from tokentrace.agent.load.export import ClientSpanExporter
+    from tokentrace.agent.otlp_export import OtlpExporterConfig
+
+    config: OtlpExporterConfig | None
+    try:
+        if args.otlp_endpoint:
+            config = OtlpExporterConfig(
+                endpoint=args.otlp_endpoint,
+                protocol=args.otlp_protocol or _DEFAULT_OTLP_PROTOCOL,
+            )
+        else:
+            if args.otlp_protocol:
+                raise _UsageError("--otlp-protocol needs --otlp-endpoint")
+            config = OtlpExporterConfig.from_env(os.environ, signal="traces")
+            if config is None:
+                return None
+        service = os.environ.get("OTEL_SERVICE_NAME") or None
+        if service:
+            return ClientSpanExporter(config, service_name=service)
+        return ClientSpanExporter(config)
+    except ValueError as error:
+        raise _UsageError(f"OTLP export: {error}") from None
+
+
+class _Progress:
+    """One progress line: redrawn in place on a terminal, an occasional line into a pipe."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._interval_s = _PROGRESS_INTERVAL_TTY_S if self._tty else _PROGRESS_INTERVAL_PIPE_S
+        self._started = time.monotonic()
+        self._last = 0.0
+        self._drawn = False
+
+    def update(self, *, done: int, failed: int, in_flight: int, total: int | None) -> None:
+        now = time.monotonic()
+        if now - self._last < self._interval_s:
+            return
+        self._last = now
+        elapsed = now - self._started
+        rate = done / elapsed if elapsed > 0 else 0.0
+        of_total = f"/{total:,}" if total is not None else ""
+        line = (
+            f"  {done:,}{of_total} requests done, {in_flight} in flight, {failed:,} failed, "
+            f"{rate:.1f} req/s, {elapsed:.0f} s"
+        )
+        if self._tty:
+            self._stream.write(f"\r{line}\x1b[K")
+            self._drawn = True
+        else:
+            self._stream.write(line + "\n")
+        self._stream.flush()
+
+    def close(self) -> None:
+        if self._drawn:
+            self._stream.write("\n")
+            self._stream.flush()

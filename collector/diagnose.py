@@ -1,0 +1,353 @@
+"""``tokentrace diagnose`` and ``tokentrace compare``: one window's percentile tables and dominant
+cost, and two runs of the same load side by side.
+
+A window is either a load run (its requests, by the trace ids in the run record) or a time
+range of the store. Its records are re-derived from the stored spans (``collector.window``) and
+analysed exactly (``processors.window.analyze_window``). Comparison reuses
+``processors.compare.compare_metrics`` on both the client's and the server's numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+from tokentrace.agent import semconv
+from tokentrace.agent.load.record import RunRecord
+from tokentrace.collector.store.sqlite import RequestStore
+from tokentrace.collector.window import records_of_traces
+from tokentrace.processors.compare import compare_metrics
+from tokentrace.processors.diagnosis import format_duration
+from tokentrace.processors.slo import SloTarget
+from tokentrace.processors.window import DEFAULT_PERCENTILES, analyze_window
+
+DEFAULT_MAX_REQUESTS: Final = 50_000
+"""Requests a time-range window reads at most (the most recent ones); a bigger window is cut
+and says so. Records take about 3 KB each."""
+RECENT_RUN_S: Final = 120.0
+"""Runs that ended longer ago than this are not waited for: what is missing stays missing."""
+_POLL_INTERVAL_S: Final = 0.5
+_SEGMENT_CHANGE_MIN_MS: Final = 0.5
+"""Mean segment changes below this are noise on any machine: not reported as shrank/grew."""
+_METRIC_LABELS: Final = {
+    semconv.METRIC_TTFT: "TTFT",
+    semconv.METRIC_TPOT: "TPOT",
+    semconv.METRIC_ITL: "ITL",
+    semconv.METRIC_E2E: "E2E",
+    semconv.METRIC_QUEUE: "queue",
+    semconv.METRIC_PREFILL: "prefill",
+    semconv.METRIC_DECODE: "decode",
+    semconv.METRIC_NETWORK: "network",
+}
+
+
+def diagnose_run(
+    store: RequestStore,
+    record: RunRecord,
+    *,
+    targets: Sequence[SloTarget],
+    wait_s: float = 0.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """The analysis of a load run's requests (those the store holds), with what was missing.
+
+    ``wait_s``: for a run that ended less than ``RECENT_RUN_S`` ago, poll up to this long for
+    requests that have not reached the store yet (the collector writes a trace once it has
+    been quiet for its assembly period, so a diagnosis right after the load would miss the
+    last requests)."""
+    trace_ids = [bytes.fromhex(result.trace_id) for result in record.results if result.ok]
+    window = records_of_traces(store, trace_ids)
+    ended_s_ago = time.time() - record.window_end_ns / 1e9
+    if wait_s > 0 and ended_s_ago < RECENT_RUN_S:
+        deadline = clock() + wait_s
+        while window.traces_found < window.traces_asked and clock() < deadline:
+            sleep(_POLL_INTERVAL_S)
+            window = records_of_traces(store, trace_ids)
+    analysis = analyze_window(window.records, targets=targets)
+    analysis["window"] = {
+        "start_ns": record.window_start_ns,
+        "end_ns": record.window_end_ns,
+        "run_requests": len(record.results),
+        "traces_asked": window.traces_asked,
+        "traces_found": window.traces_found,
+        "undecodable": window.undecodable,
+    }
+    analysis["run"] = {"model": record.model, "client": record.summary.get("metrics", {})}
+    return analysis
+
+
+def diagnose_range(
+    store: RequestStore,
+    *,
+    since_ns: int,
+    until_ns: int | None,
+    targets: Sequence[SloTarget],
+    max_requests: int = DEFAULT_MAX_REQUESTS,
+) -> dict[str, Any]:
+    trace_ids, cut = store.trace_ids_between(since_ns, until_ns, limit=max_requests)
+    window = records_of_traces(store, trace_ids)
+    analysis = analyze_window(window.records, targets=targets)
+    analysis["window"] = {
+        "start_ns": since_ns,
+        "end_ns": until_ns,
+        "traces_found": window.traces_found,
+        "undecodable": window.undecodable,
+        "cut_at": max_requests if cut else None,
+    }
+    return analysis
+
+
+# --- rendering ------------------------------------------------------------------------------------
+def render_diagnosis(analysis: Mapping[str, Any], *, title: str) -> str:
+    lines = [f"==> {title}: {analysis['requests']:,} requests"]
+    lines += _window_notes(analysis)
+    if not analysis["requests"]:
+        return "\n".join(lines)
+    lines.append("")
+    lines += _table(
+        "latency (ms)", analysis["metrics"], [m for m in semconv.LATENCY_METRICS], _METRIC_LABELS
+    )
+    lines.append("")
+    segments = analysis["segments"]
+    lines += _table("budget segment (ms)", segments, list(segments), {}, share=True)
+    lines.append("")
+    lines.append("Dominant cost")
+    for label, key in (("typical request (p50)", "p50"), ("tail (>= p95 E2E)", "tail")):
+        verdict = analysis["diagnosis"].get(key)
+        if verdict is None:
+            continue
+        lines.append(f"  {label}: {verdict['cause']} ({verdict['segment']})")
+        lines.append(f"    {verdict['sentence']}")
+        lines.append(f"    advice: {verdict['advice']}")
+        lines.append(f"    numbers: {_numbers(verdict['numbers'])}")
+    if analysis["slo"]:
+        lines.append("")
+        lines.append("SLO targets (server side, with the network segment when client spans came)")
+        lines += [f"  {_slo_line(entry)}" for entry in analysis["slo"]]
+    return "\n".join(lines)
+
+
+def _window_notes(analysis: Mapping[str, Any]) -> list[str]:
+    window = analysis.get("window", {})
+    notes: list[str] = []
+    asked = window.get("traces_asked")
+    found = window.get("traces_found", 0)
+    if asked is not None and found < asked:
+        notes.append(
+            f"  note: {found:,} of the run's {asked:,} completed requests are in the store; the "
+            "rest never reached the collector (no agent on the server? dropped spans?) or are "
+            "still being assembled: wait a few seconds and run again"
+        )
+    if window.get("cut_at"):
+        notes.append(f"  note: the window was cut to its most recent {window['cut_at']:,} requests")
+    if window.get("undecodable"):
+        notes.append(f"  note: {window['undecodable']:,} stored traces could not be re-derived")
+    network = analysis.get("segments", {}).get(semconv.SEGMENT_NETWORK)
+    if analysis.get("requests") and network is None:
+        notes.append(
+            "  note: no client spans in this window, so no network segment (send the load with "
+            "tokentrace load --otlp-endpoint ... to measure it)"
+        )
+    return notes
+
+
+def _table(
+    title: str,
+    rows: Mapping[str, Mapping[str, Any]],
+    order: Sequence[str],
+    labels: Mapping[str, str],
+    *,
+    share: bool = False,
+) -> list[str]:
+    quantiles = [f"p{percent:g}" for percent in DEFAULT_PERCENTILES]
+    header = f"{title:<22}{'count':>8}{'mean':>10}" + "".join(f"{q:>10}" for q in quantiles)
+    if share:
+        header += f"{'of E2E':>9}"
+    lines = [header]
+    for name in order:
+        summary = rows.get(name)
+        if not summary or not summary.get("count"):
+            continue
+        cells = "".join(_cell(summary.get(q)) for q in ["mean", *quantiles])
+        line = f"{labels.get(name, name):<22}{summary['count']:>8,}{cells}"
+        if share and summary.get("share") is not None:
+            line += f"{summary['share']:>9.1%}"
+        lines.append(line)
+    return lines
+
+
+def _cell(value: object) -> str:
+    return f"{value:>10.2f}" if isinstance(value, int | float) else f"{'-':>10}"
+
+
+def _numbers(numbers: Mapping[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in numbers.items())
+
+
+def _slo_line(entry: Mapping[str, Any]) -> str:
+    head = (
+        f"{entry['target']}: {entry['metric']} p{entry['percentile']:g} "
+        f"<= {entry['threshold_ms']:g} ms"
+    )
+    if entry.get("met") is None:
+        return f"{head}  no matching requests"
+    verdict = "met" if entry["met"] else "MISSED"
+    return (
+        f"{head}  {verdict}: {entry['value_ms']:.2f} ms; {entry['compliance']:.1%} of "
+        f"{entry['requests']:,} inside, burn rate {entry['burn_rate']:.2f}"
+    )
+
+
+# --- compare --------------------------------------------------------------------------------------
+def compare_runs(
+    a: RunRecord,
+    b: RunRecord,
+    *,
+    analysis_a: Mapping[str, Any] | None,
+    analysis_b: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """Client metrics side by side; with the store's analyses also the server's metrics, the
+    segments, the SLO targets and the dominant costs; and how the loads differ, if they do."""
+    comparison: dict[str, Any] = {
+        "load_differences": load_differences(a, b),
+        "client": compare_metrics(
+            _as_report(a.summary.get("metrics", {})), _as_report(b.summary.get("metrics", {}))
+        ),
+    }
+    if analysis_a is not None and analysis_b is not None:
+        comparison["server"] = compare_metrics(
+            _as_report(analysis_a["metrics"]), _as_report(analysis_b["metrics"])
+        )
+        comparison["segments"] = segment_changes(analysis_a["segments"], analysis_b["segments"])
+        comparison["slo"] = _slo_pairs(analysis_a["slo"], analysis_b["slo"])
+        comparison["diagnosis"] = {"a": analysis_a["diagnosis"], "b": analysis_b["diagnosis"]}
+        comparison["requests"] = {"a": analysis_a["requests"], "b": analysis_b["requests"]}
+    else:
+        comparison["slo"] = _slo_pairs(a.slo, b.slo)
+    return comparison
+
+
+def load_differences(a: RunRecord, b: RunRecord) -> list[dict[str, Any]]:
+    """The load-defining fields whose values differ (``LoadConfig.load_identity``), and the
+    model; empty when both runs sent the same load."""
+    differences = []
+    identity_a = {**a.identity, "model": a.model}
+    identity_b = {**b.identity, "model": b.model}
+    for name in list(identity_a) + [key for key in identity_b if key not in identity_a]:
+        if identity_a.get(name) != identity_b.get(name):
+            differences.append(
+                {"field": name, "a": identity_a.get(name), "b": identity_b.get(name)}
+            )
+    return differences
+
+
+def segment_changes(
+    a: Mapping[str, Mapping[str, Any]], b: Mapping[str, Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per segment: mean and p95 in both windows, the mean's delta, and ``shrank`` / ``grew`` /
+    ``same`` (changes under 0.5 ms are ``same``); biggest absolute change first."""
+    rows = []
+    for segment in list(a) + [name for name in b if name not in a]:
+        mean_a = (a.get(segment) or {}).get("mean", 0.0)
+        mean_b = (b.get(segment) or {}).get("mean", 0.0)
+        delta = round(mean_b - mean_a, 3)
+        direction = "same"
+        if abs(delta) >= _SEGMENT_CHANGE_MIN_MS:
+            direction = "grew" if delta > 0 else "shrank"
+        rows.append(
+            {
+                "segment": segment,
+                "a_mean_ms": mean_a,
+                "b_mean_ms": mean_b,
+                "a_p95_ms": (a.get(segment) or {}).get("p95"),
+                "b_p95_ms": (b.get(segment) or {}).get("p95"),
+                "delta_mean_ms": delta,
+                "change": round(mean_b / mean_a - 1, 4) if mean_a else None,
+                "direction": direction,
+            }
+        )
+    rows.sort(key=lambda row: -abs(row["delta_mean_ms"]))
+    return rows
+
+
+def _as_report(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """One window-report key holding ``metrics``: the shape ``compare_metrics`` reads."""
+    return {"keys": [{"metrics": dict(metrics)}]}
+
+
+def _slo_pairs(
+    a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    by_name_a = {entry["target"]: entry for entry in a}
+    by_name_b = {entry["target"]: entry for entry in b}
+    names = list(by_name_a) + [name for name in by_name_b if name not in by_name_a]
+    return [{"target": name, "a": by_name_a.get(name), "b": by_name_b.get(name)} for name in names]
+
+
+def render_comparison(comparison: Mapping[str, Any], *, name_a: str, name_b: str) -> str:
+    lines = [f"==> A: {name_a}", f"==> B: {name_b}"]
+    differences = comparison["load_differences"]
+    if differences:
+        lines.append(
+            "WARNING: the two runs did not send the same load; deltas mix the fix with the load:"
+        )
+        lines += [f"  {d['field']}: A {d['a']!r}, B {d['b']!r}" for d in differences]
+    else:
+        lines.append("Same load (configuration, seed and model match).")
+    for title, key in (("client side", "client"), ("server side (collector)", "server")):
+        rows = comparison.get(key)
+        if not rows:
+            continue
+        lines.append("")
+        lines.append(
+            f"{title:<22}{'A p50':>10}{'B p50':>10}{'A p95':>10}{'B p95':>10}{'p95 change':>12}"
+        )
+        for row in rows:
+            a, b = row["a"] or {}, row["b"] or {}
+            change = (row.get("change") or {}).get("p95")
+            lines.append(
+                f"{_METRIC_LABELS.get(row['metric'], row['metric']):<22}"
+                f"{_cell(a.get('p50'))}{_cell(b.get('p50'))}{_cell(a.get('p95'))}{_cell(b.get('p95'))}"
+                + (f"{change:>+12.1%}" if change is not None else f"{'-':>12}")
+            )
+    segments = comparison.get("segments")
+    if segments:
+        lines.append("")
+        lines.append("Budget segments (mean per request):")
+        for row in segments:
+            if row["direction"] == "same":
+                continue
+            change = f" ({row['change']:+.0%})" if row["change"] is not None else ""
+            lines.append(
+                f"  {row['segment']} {row['direction']} by "
+                f"{format_duration(abs(row['delta_mean_ms']) * 1e6)}{change}: "
+                f"{row['a_mean_ms']:.2f} -> {row['b_mean_ms']:.2f} ms"
+            )
+        if all(row["direction"] == "same" for row in segments):
+            lines.append("  no segment changed by 0.5 ms or more")
+    if comparison.get("slo"):
+        lines.append("")
+        lines.append("SLO targets:")
+        for pair in comparison["slo"]:
+            lines.append(f"  {pair['target']}: A {_met(pair['a'])}, B {_met(pair['b'])}")
+    diagnosis = comparison.get("diagnosis")
+    if diagnosis:
+        lines.append("")
+        lines.append("Dominant cost:")
+        for label, key in (("typical", "p50"), ("tail", "tail")):
+            verdict_a = (diagnosis["a"] or {}).get(key) or {}
+            verdict_b = (diagnosis["b"] or {}).get(key) or {}
+            lines.append(
+                f"  {label}: A {verdict_a.get('cause', '-')} ({verdict_a.get('segment', '-')}), "
+                f"B {verdict_b.get('cause', '-')} ({verdict_b.get('segment', '-')})"
+            )
+    return "\n".join(lines)
+
+
+def _met(entry: Mapping[str, Any] | None) -> str:
+    if not entry or entry.get("met") is None:
+        return "not judged"
+    verdict = "met" if entry["met"] else "MISSED"
+    return f"{verdict} ({entry['value_ms']:.2f} ms)"
