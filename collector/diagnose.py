@@ -168,8 +168,8 @@ def _table(
     lines = [header]
     for name in order:
         summary = rows.get(name)
-        if not summary or not summary.get("count"):
-            continue
+        if not summary or not summary.get("count") or not any(summary.get(q) for q in quantiles):
+            continue  # a segment this window never spent time in (cold start, preemption...)
         cells = "".join(_cell(summary.get(q)) for q in ["mean", *quantiles])
         line = f"{labels.get(name, name):<22}{summary['count']:>8,}{cells}"
         if share and summary.get("share") is not None:

@@ -187,6 +187,7 @@ _DEFAULT_CONCURRENCY: Final = 1
 _DEFAULT_SHARED_PREFIX_TOKENS: Final = 512
 _DEFAULT_TIMEOUT_S: Final = 600.0
 
+_UNBOUNDED_LENGTH: Final = 1 << 62
 OPTION_FOR_FIELD: Final[Mapping[str, str]] = {
     "base_url": "URL",
     "model": "--model",
@@ -580,6 +581,9 @@ def _load_codec(name_or_path: str) -> tuple[_TokenCodec, int, set[int]]:
             tokenizer = transformers.AutoTokenizer.from_pretrained(
                 name_or_path, local_files_only=True
             )
+            # Prompts are measured here, never fed to a model: no "longer than the maximum
+            # sequence length" warnings for long ones (the server checks its own limit).
+            tokenizer.model_max_length = _UNBOUNDED_LENGTH
         except Exception as exc:  # any loader failure is a bad option, said once, not a crash
             raise WorkloadError(
                 f"--tokenizer: cannot load {name_or_path!r} from local files: {exc}"
