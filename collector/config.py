@@ -42,7 +42,7 @@ from tokentrace.collector.exporters.otlp import OtlpExporterConfig
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.durations import parse_duration_ns
 from tokentrace.processors.percentiles import PercentileConfig
-from tokentrace.processors.slo import SloTarget, parse_targets
+from tokentrace.processors.slo import SloTarget, parse_targets, read_slo_file
 
 _DEFAULT_GRPC_ENDPOINT = "127.0.0.1:4317"
 _DEFAULT_HTTP_ENDPOINT = "127.0.0.1:4318"
@@ -236,18 +236,10 @@ def _expand_env(value: Any, environ: Mapping[str, str], path: str) -> Any:
 
 
 def load_slo_file(path: str | os.PathLike[str]) -> list[SloTarget]:
-    """The SLO targets of an SLO file: YAML with a ``targets`` list in the format of
-    ``processors.slo.targets`` (``name, metric, percentile, threshold, selector``). The one place
-    targets are declared for the collector, ``tokentrace load``, ``diagnose`` and ``compare``.
-    Errors are ``ConfigError`` naming the file and the entry."""
-    raw = _read_yaml(Path(path), os.environ)
-    if not isinstance(raw, Mapping) or set(raw) - {"targets"}:
-        raise ConfigError(
-            f"{path}: expected a mapping with one key, targets (a list of "
-            "{name, metric, percentile, threshold, selector})"
-        )
+    """The SLO targets of an SLO file (``processors.slo.read_slo_file``), errors as
+    ``ConfigError``."""
     try:
-        return parse_targets(raw.get("targets"), path=f"{path}: targets")
+        return read_slo_file(path)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

@@ -13,9 +13,11 @@ rather than its single worst one.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
@@ -295,3 +297,29 @@ def _parse_target(entry: object, where: str) -> SloTarget:
     except ValueError as error:
         # SloTarget's messages start with the field name.
         raise ValueError(f"{where}.{error}") from None
+
+
+def read_slo_file(path: str | os.PathLike[str]) -> list[SloTarget]:
+    """The targets of an SLO file: YAML with one key, ``targets``, a list in the format of
+    ``parse_targets``. The one reader of the file the collector (``processors.slo.file``),
+    ``tokentrace load``, ``diagnose`` and ``compare`` share; it lives here because the load
+    command is on the agent side, which never imports the collector. ValueError names the file
+    and the entry."""
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"cannot read SLO file {path}: {error.strerror or error}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: not valid YAML: {error}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping) or set(raw) - {"targets"}:
+        raise ValueError(
+            f"{path}: expected a mapping with one key, targets (a list of "
+            "{name, metric, percentile, threshold, selector})"
+        )
+    return parse_targets(raw.get("targets"), path=f"{path}: targets")

@@ -234,14 +234,16 @@ def _percents(text: str) -> tuple[float, ...]:
 
 def _slo_targets(path: str) -> list[Any]:
     try:
-        from tokentrace.collector.config import ConfigError, load_slo_file
+        from tokentrace.processors.slo import read_slo_file
     except ImportError as error:
         raise _UsageError(
             f"--slo needs the collector extra (pip install 'tokentrace[collector]'): {error}"
         ) from None
     try:
-        return load_slo_file(path)
-    except ConfigError as error:
+        return read_slo_file(path)
+    except ImportError as error:  # PyYAML, imported when a file is read
+        raise _UsageError(f"--slo needs PyYAML (pip install pyyaml): {error}") from None
+    except ValueError as error:
         raise _UsageError(f"--slo: {error}") from None
 
 
