@@ -500,8 +500,11 @@ class RequestStore:
                 rejected += _records_in(item)
                 first_problem = first_problem or f"{type(error).__name__}: {error}"
                 continue
-            if not rows:
+            if not rows and not getattr(trace, "late", False):
                 continue
+            # A late fragment (a client span after its server spans were assembled) has no
+            # records of its own; its spans are appended to the stored trace all the same, so
+            # that re-deriving the trace (diagnose, compare) sees the whole request.
             request_rows.extend(rows)
             try:
                 otlp = item[2] if len(item) > 2 else None
@@ -513,7 +516,7 @@ class RequestStore:
                 traces_failed += 1
                 first_problem = first_problem or f"{type(error).__name__}: {error}"
 
-        if request_rows:
+        if request_rows or trace_rows:
             with self._lock:
                 connection = self._require_writer()
                 self._replaced_in_batch = 0

@@ -913,3 +913,26 @@ def test_writer_thread_and_readers_at_once(tmp_path: Path) -> None:
     assert reader.count() == batches * per_batch
     assert int(out) % per_batch == 0
     store.close()
+
+
+def test_a_late_fragment_without_records_is_appended_to_its_stored_trace(tmp_path: Path) -> None:
+    store = RequestStore(tmp_path / "s.db")
+    record = make_record(6, span=1)
+    store.write([(assembled(record, services=("engine",)), [record])])
+    before = store.trace_otlp(trace_id(6))
+    late = assembled(record, services=("load",))
+    late.late = True
+    # A client span that came after assembly: no records of its own, spans kept all the same.
+    store.write([(late, [], encode_trace_request(late.spans))])
+    after = store.trace_otlp(trace_id(6))
+    assert before is not None and after is not None and after.startswith(before)
+    services = [
+        rs.resource.attributes[0].value.string_value
+        for rs in ExportTraceServiceRequest.FromString(after).resource_spans
+    ]
+    assert services == ["engine", "load"]
+    # A fragment that is not late and has no records is still not stored.
+    other = assembled(make_record(7, span=1), services=("x",))
+    store.write([(other, [], encode_trace_request(other.spans))])
+    assert store.trace_otlp(trace_id(7)) is None
+    store.close()
