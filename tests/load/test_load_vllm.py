@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -103,25 +104,19 @@ def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop]:
 def run_load(
     loop: Loop, name: str, *args: str, url: str | None = None, capsys: pytest.CaptureFixture[str]
 ) -> RunRecord:
+    """``tokentrace load`` in its own process, as users run it: in this one it would share the
+    GIL with the in-process collector and fall behind reading 16,000 SSE events, which the
+    budget then shows (rightly) as client-side network time."""
     out = loop.workdir / f"{name}.json"
-    code = tokentrace_main(
-        [
-            "load",
-            url or loop.server.base_url,
-            "--otlp-endpoint",
-            loop.otlp_endpoint,
-            "--slo",
-            str(loop.slo_path),
-            "--out",
-            str(out),
-            "--quiet",
-            *args,
-        ]
-    )
-    printed = capsys.readouterr().out
+    command = [
+        sys.executable, "-m", "tokentrace.agent.cli", "load", url or loop.server.base_url,
+        "--otlp-endpoint", loop.otlp_endpoint, "--slo", str(loop.slo_path),
+        "--out", str(out), "--quiet", *args,
+    ]  # fmt: skip
+    completed = subprocess.run(command, capture_output=True, text=True, check=False)
     with capsys.disabled():
-        print(printed)  # the report, for the test log
-    assert code == 0, printed
+        print(completed.stdout)  # the report, for the test log
+    assert completed.returncode == 0, completed.stdout + completed.stderr
     record = load(out)
     assert record.summary["failed"] == 0, record.summary["errors"]
     return record
@@ -260,14 +255,14 @@ def test_an_injected_delay_grows_the_network_segment_by_that_much_and_is_diagnos
 def test_diagnose_names_queueing_when_far_more_requests_arrive_than_the_batch_admits(
     loop: Loop, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Long outputs, so that the engine's queue (7 batches ahead of the last arrivals) outweighs
-    # the API server's own backlog when 32 requests arrive at once: on 2 cores its event loop
-    # stamps arrival up to ~1 s after the client sent a request, which the budget can only
-    # call network (vLLM has no HTTP server span); with 64 output tokens that won in CI.
+    # Whole responses (--no-stream): streaming 32 connections' tokens saturates vLLM's API
+    # server on 2 cores (it hands tokens to the sockets seconds after the engine made them,
+    # time the budget can only call network, since vLLM has no HTTP server span); without
+    # the stream the engine's queue is what 32 requests on a batch of 4 wait in.
     run_load(
         loop, "saturated",
-        "--concurrency", str(8 * _BATCH), "--requests", "64", "--prompt-tokens", "32",
-        "--output-tokens", "256", "--api", "completions", "--seed", "3",
+        "--concurrency", str(8 * _BATCH), "--requests", "48", "--prompt-tokens", "32",
+        "--output-tokens", "512", "--api", "completions", "--no-stream", "--seed", "3",
         capsys=capsys,
     )  # fmt: skip
     analysis = diagnose(loop, loop.workdir / "saturated.json", capsys)
