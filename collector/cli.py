@@ -60,13 +60,17 @@ def _non_negative_duration(text: str) -> float:
     return duration_ns / _NS_PER_S
 
 
-def _add_store_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_store_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--store",
         metavar="PATH",
         default=_DEFAULT_STORE,
         help=f"the collector's request store (default: {_DEFAULT_STORE})",
     )
+
+
+def _add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_store_argument(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -293,12 +297,7 @@ class UiCommand:
     help = "serve the drill-down web UI and API over a request store (open it in a browser)"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--store",
-            metavar="PATH",
-            default=_DEFAULT_STORE,
-            help=f"the collector's request store (default: {_DEFAULT_STORE})",
-        )
+        _add_store_argument(parser)
         parser.add_argument(
             "--listen",
             metavar="HOST:PORT",

@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.agent.load.record import RunRecord
+from tokentrace.agent.load.report import METRIC_LABELS, target_text
 from tokentrace.collector.store.sqlite import RequestStore
 from tokentrace.collector.window import records_of_traces
 from tokentrace.processors.compare import compare_metrics
@@ -30,16 +31,6 @@ RECENT_RUN_S: Final = 120.0
 _POLL_INTERVAL_S: Final = 0.5
 _SEGMENT_CHANGE_MIN_MS: Final = 0.5
 """Mean segment changes below this are noise on any machine: not reported as shrank/grew."""
-_METRIC_LABELS: Final = {
-    semconv.METRIC_TTFT: "TTFT",
-    semconv.METRIC_TPOT: "TPOT",
-    semconv.METRIC_ITL: "ITL",
-    semconv.METRIC_E2E: "E2E",
-    semconv.METRIC_QUEUE: "queue",
-    semconv.METRIC_PREFILL: "prefill",
-    semconv.METRIC_DECODE: "decode",
-    semconv.METRIC_NETWORK: "network",
-}
 
 
 def diagnose_run(
@@ -107,7 +98,7 @@ def render_diagnosis(analysis: Mapping[str, Any], *, title: str) -> str:
         return "\n".join(lines)
     lines.append("")
     lines += _table(
-        "latency (ms)", analysis["metrics"], [m for m in semconv.LATENCY_METRICS], _METRIC_LABELS
+        "latency (ms)", analysis["metrics"], list(semconv.LATENCY_METRICS), METRIC_LABELS
     )
     lines.append("")
     segments = analysis["segments"]
@@ -187,10 +178,7 @@ def _numbers(numbers: Mapping[str, Any]) -> str:
 
 
 def _slo_line(entry: Mapping[str, Any]) -> str:
-    head = (
-        f"{entry['target']}: {entry['metric']} p{entry['percentile']:g} "
-        f"<= {entry['threshold_ms']:g} ms"
-    )
+    head = target_text(entry)
     if entry.get("met") is None:
         return f"{head}  no matching requests"
     verdict = "met" if entry["met"] else "MISSED"
@@ -308,7 +296,7 @@ def render_comparison(comparison: Mapping[str, Any], *, name_a: str, name_b: str
             a, b = row["a"] or {}, row["b"] or {}
             change = (row.get("change") or {}).get("p95")
             lines.append(
-                f"{_METRIC_LABELS.get(row['metric'], row['metric']):<22}"
+                f"{METRIC_LABELS.get(row['metric'], row['metric']):<22}"
                 f"{_cell(a.get('p50'))}{_cell(b.get('p50'))}{_cell(a.get('p95'))}{_cell(b.get('p95'))}"
                 + (f"{change:>+12.1%}" if change is not None else f"{'-':>12}")
             )

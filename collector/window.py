@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -31,7 +31,6 @@ class StoredWindow:
     traces_asked: int
     undecodable: int = 0
     """Stored traces whose spans could not be parsed or normalised (logged, skipped)."""
-    trace_ids_found: set[bytes] = field(default_factory=set)
 
 
 def records_of_traces(store: RequestStore, trace_ids: Iterable[bytes]) -> StoredWindow:
@@ -40,7 +39,6 @@ def records_of_traces(store: RequestStore, trace_ids: Iterable[bytes]) -> Stored
     window = StoredWindow(records=[], traces_found=0, traces_asked=len(asked))
     for trace_id, otlp in store.traces_otlp(asked):
         window.traces_found += 1
-        window.trace_ids_found.add(trace_id)
         try:
             request = ExportTraceServiceRequest.FromString(otlp)
             groups, _ = group_by_trace(request)

@@ -191,6 +191,12 @@ class SloWindowStatus:
     """(1 - compliance) / (1 - percentile/100): 1.0 spends the error budget exactly."""
 
 
+def burn_rate_of(compliance: float, percentile: float) -> float:
+    """How fast a window spends the error budget: (1 - compliance) / (1 - percentile/100);
+    1.0 spends it exactly."""
+    return (1.0 - compliance) / (1.0 - percentile / 100)
+
+
 def evaluate_window(target: SloTarget, sketch: LatencySketch) -> SloWindowStatus:
     """Status of ``target`` over a window whose matching values are merged in ``sketch``.
 
@@ -213,7 +219,7 @@ def evaluate_window(target: SloTarget, sketch: LatencySketch) -> SloWindowStatus
     burn_rate = None
     if compliance is not None:
         compliance = min(max(compliance, 0.0), 1.0)
-        burn_rate = (1.0 - compliance) / (1.0 - target.percentile / 100)
+        burn_rate = burn_rate_of(compliance, target.percentile)
     return SloWindowStatus(
         target=target.name,
         requests=requests,

@@ -24,7 +24,7 @@ from typing import Any, Final
 from tokentrace.agent import semconv
 from tokentrace.processors.diagnosis import DiagnosisConfig, diagnose_window
 from tokentrace.processors.model import RequestRecord, Verdict
-from tokentrace.processors.slo import SloTarget, mark_request
+from tokentrace.processors.slo import SloTarget, burn_rate_of, mark_request
 from tokentrace.processors.stats import nearest_rank
 
 DEFAULT_PERCENTILES: Final = (50.0, 90.0, 95.0, 99.0)
@@ -129,7 +129,7 @@ def slo_status(
                 value_ms=_ms(value_ns),
                 met=value_ns <= target.threshold_ns,
                 compliance=round(compliance, 4),
-                burn_rate=round((1 - compliance) / (1 - target.percentile / 100), 3),
+                burn_rate=round(burn_rate_of(compliance, target.percentile), 3),
             )
         entries.append(entry)
     return entries

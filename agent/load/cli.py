@@ -139,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
     percents = _percents(args.percentiles)
     targets = _slo_targets(args.slo) if args.slo else []
     out_path = args.out or time.strftime("tokentrace-run-%Y%m%d-%H%M%S.json", time.gmtime())
-    model = args.model or _discover_model(config.base_url, timeout_s=_MODELS_TIMEOUT_S)
+    model = args.model or _discover_model(config.server_url, timeout_s=_MODELS_TIMEOUT_S)
     try:
         planner = RequestPlanner(config, model=model, builder=prompt_builder(config))
     except WorkloadError as error:
@@ -247,12 +247,12 @@ def _slo_targets(path: str) -> list[Any]:
         raise _UsageError(f"--slo: {error}") from None
 
 
-def _discover_model(base_url: str, *, timeout_s: float) -> str:
+def _discover_model(server_url: str, *, timeout_s: float) -> str:
     import json
     import urllib.error
     import urllib.request
 
-    url = base_url.rstrip("/") + "/v1/models"
+    url = server_url + "/v1/models"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
             data = json.loads(response.read())

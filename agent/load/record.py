@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -158,7 +158,3 @@ def _describe(error: Exception) -> str:
 def _iso(unix_ns: int) -> str:
     moment = datetime.fromtimestamp(unix_ns / 1e9, tz=timezone.utc)
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def trace_id_set(records: Sequence[RunRecord]) -> set[str]:
-    return {trace_id for record in records for trace_id in record.trace_ids}

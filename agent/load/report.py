@@ -9,7 +9,7 @@ selector names a service cannot be judged here: the client does not know the ser
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from tokentrace.agent import semconv
@@ -24,12 +24,17 @@ if TYPE_CHECKING:
     from tokentrace.processors.slo import SloTarget
 
 _NS_PER_MS: Final = 1_000_000
-_METRIC_LABELS: Final = {
+METRIC_LABELS: Final = {
     semconv.METRIC_TTFT: "TTFT",
     semconv.METRIC_TPOT: "TPOT",
     semconv.METRIC_ITL: "ITL",
     semconv.METRIC_E2E: "E2E",
+    semconv.METRIC_QUEUE: "queue",
+    semconv.METRIC_PREFILL: "prefill",
+    semconv.METRIC_DECODE: "decode",
+    semconv.METRIC_NETWORK: "network",
 }
+"""How the load, diagnose and compare tables name each latency metric."""
 
 
 def client_slo(
@@ -179,15 +184,20 @@ def _metric_table(metrics: dict[str, dict[str, Any]]) -> list[str]:
         cells = "".join(
             f"{summary[label]:>10.2f}" if label in summary else f"{'-':>10}" for label in labels
         )
-        lines.append(f"{_METRIC_LABELS[metric]:<12}{summary.get('count', 0):>8,}{cells}")
+        lines.append(f"{METRIC_LABELS[metric]:<12}{summary.get('count', 0):>8,}{cells}")
     return lines
 
 
-def _slo_line(entry: dict[str, Any]) -> str:
-    head = (
+def target_text(entry: Mapping[str, Any]) -> str:
+    """``name: metric pNN <= T ms`` of an SLO status entry (client's or collector's)."""
+    return (
         f"{entry['target']}: {entry['metric']} p{entry['percentile']:g} "
         f"<= {entry['threshold_ms']:g} ms"
     )
+
+
+def _slo_line(entry: dict[str, Any]) -> str:
+    head = target_text(entry)
     if "note" in entry:
         return f"{head}  not judged ({entry['note']})"
     verdict = "met" if entry["met"] else "MISSED"

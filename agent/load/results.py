@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tokentrace.agent import semconv
+from tokentrace.agent.spans import parse_ids
 
 DEFAULT_PERCENTILES: Final = (50.0, 90.0, 95.0, 99.0)
 CLIENT_METRICS: Final = (
@@ -113,19 +114,16 @@ class RequestResult:
                 raise ValueError(f"{name}: expected an integer")
         if not isinstance(result.chunk_gaps_ns, list):
             raise ValueError("chunk_gaps_ns: expected a list")
-        for name, digits in (("trace_id", 32), ("span_id", 16)):
+        for name, size in (("trace_id", _TRACE_ID_BYTES), ("span_id", _SPAN_ID_BYTES)):
             value = getattr(result, name)
-            if not isinstance(value, str) or len(value) != digits or not _is_hex(value):
-                raise ValueError(f"{name}: expected {digits} hex digits, got {value!r}")
+            if parse_ids(value, size) is None:
+                raise ValueError(f"{name}: expected {2 * size} hex digits, got {value!r}")
         return result
 
 
 _FIELDS: Final = tuple(RequestResult.__dataclass_fields__)
-_HEX_DIGITS: Final = frozenset("0123456789abcdefABCDEF")
-
-
-def _is_hex(text: str) -> bool:
-    return _HEX_DIGITS.issuperset(text)
+_TRACE_ID_BYTES: Final = 16
+_SPAN_ID_BYTES: Final = 8
 
 
 def percentile(ordered: Sequence[float], percent: float) -> float:

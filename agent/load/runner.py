@@ -29,7 +29,6 @@ from tokentrace.agent.spans import random_span_id_bytes, random_trace_id
 
 _DONE: Final = "[DONE]"
 _MAX_ERROR_CHARS: Final = 300
-_DEFAULT_REQUESTS: Final = 100
 _NS_PER_S: Final = 1_000_000_000
 
 
@@ -103,7 +102,7 @@ class LoadRunner:
         config = self._config
         # The client's clock is the monotonic one mapped to Unix ns (see _Clock).
         client = HttpClient(
-            config.base_url,
+            config.server_url,
             reuse_connections=config.reuse_connections,
             timeout_s=config.timeout_s,
             clock=self._unix_ns,
@@ -114,7 +113,7 @@ class LoadRunner:
             if config.rate is not None:
                 await self._open_loop(client, config.rate)
             else:
-                await self._closed_loop(client, config.concurrency or 1)
+                await self._closed_loop(client, config.effective_concurrency or 1)
             ended = max((result.end_ns for result in self._results), default=started)
             return RunOutcome(
                 model=self._model,
@@ -131,19 +130,16 @@ class LoadRunner:
     def _limits(self) -> tuple[int | None, int | None]:
         """(request count, deadline in monotonic ns) for the measured part."""
         config = self._config
-        requests = config.requests
-        if requests is None and config.duration_s is None:
-            requests = _DEFAULT_REQUESTS
         deadline = None
         if config.duration_s is not None:
             deadline = self._monotonic_ns() + int(config.duration_s * _NS_PER_S)
-        return requests, deadline
+        return config.effective_requests, deadline
 
     async def _warm_up(self, client: HttpClient) -> int:
         plans = self._planner.warmup()
         if not plans:
             return 0
-        limit = asyncio.Semaphore(self._config.concurrency or 1)
+        limit = asyncio.Semaphore(self._config.effective_concurrency or 1)
 
         async def one(plan: RequestPlan) -> bool:
             async with limit:

@@ -281,13 +281,11 @@ class LoadConfig:
         """The endpoint path of ``api``."""
         return _PATH_FOR_API.get(self.api, PATH_CHAT)
 
-    def url_for(self, path: str) -> str:
-        """``base_url`` joined with an absolute ``path`` such as ``/v1/models``; a base URL that
-        already ends in ``/v1`` (as OpenAI clients write it) is not doubled."""
-        base = self.base_url.rstrip("/")
-        if base.endswith("/v1") and path.startswith("/v1/"):
-            base = base[: -len("/v1")]
-        return base + path
+    @property
+    def server_url(self) -> str:
+        """``base_url`` without a trailing ``/`` or ``/v1`` (as OpenAI clients write it): the
+        API paths (``/v1/models``, ``/v1/chat/completions``) go after it, never doubled."""
+        return self.base_url.rstrip("/").removesuffix("/v1")
 
     def validate(self) -> None:
         """Raise ``WorkloadError`` naming the option of the first bad value."""

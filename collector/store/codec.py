@@ -104,28 +104,8 @@ METRIC_COLUMNS: Final = {
 """Per-request metrics -> their ``requests`` column: the only column names a metric ordering
 (``slowest``, the list's sorts) puts into SQL."""
 
-SUMMARY_COLUMNS: Final = (
-    "trace_id",
-    "span_id",
-    "request_id",
-    "start_ns",
-    "service",
-    "model",
-    "operation",
-    "prompt_bucket",
-    "e2e_ns",
-    "ttft_ns",
-    "tpot_ns",
-    "queue_ns",
-    "prefill_ns",
-    "decode_ns",
-    "network_ns",
-    "input_tokens",
-    "output_tokens",
-    "segment",
-    "cause",
-    "verdict",
-    "slo_breached",
+SUMMARY_COLUMNS: Final = tuple(
+    column for column in REQUEST_COLUMNS if column not in ("dialect", "detail")
 )
 """The columns ``summary_from_row`` reads, in its row's order: no ``detail``, so a list of
 summaries never decodes JSON."""
@@ -519,7 +499,6 @@ def summary_from_row(row: Sequence[Any]) -> dict[str, Any]:
     (
         trace_id,
         span_id,
-        request_id,
         start_ns,
         service,
         model,
@@ -538,6 +517,7 @@ def summary_from_row(row: Sequence[Any]) -> dict[str, Any]:
         cause,
         sentence,
         slo_breached,
+        request_id,
     ) = row
     start_ns = int(start_ns)
     return {

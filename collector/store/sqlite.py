@@ -500,7 +500,7 @@ class RequestStore:
                 rejected += _records_in(item)
                 first_problem = first_problem or f"{type(error).__name__}: {error}"
                 continue
-            if not rows and not getattr(trace, "late", False):
+            if not rows and not trace.late:
                 continue
             # A late fragment (a client span after its server spans were assembled) has no
             # records of its own; its spans are appended to the stored trace all the same, so

@@ -208,13 +208,6 @@ def test_client_percentiles_agree_with_the_collector_after_the_network_segment(
         # collector's server-side E2E plus the network segment (to the response's end).
         assert row[2] == pytest.approx(row[3], rel=0.02, abs=2.0)
         assert row[1] <= row[0] + 1.0
-    # The printed report is the record's own numbers (vllm bench serve's definitions).
-    assert record.summary["metrics"]["ttft"]["p50"] == pytest.approx(
-        percentile(client_ttft, 50) / 1e6, abs=0.002
-    )
-    assert record.summary["metrics"]["e2e"]["p95"] == pytest.approx(
-        percentile(client_e2e, 95) / 1e6, abs=0.002
-    )
 
 
 def test_an_injected_delay_grows_the_network_segment_by_that_much_and_is_diagnosed(

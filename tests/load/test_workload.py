@@ -212,12 +212,12 @@ def test_effective_concurrency_and_requests_fill_the_defaults() -> None:
     assert _config(duration_s=10.0, requests=7).effective_requests == 7
 
 
-def test_url_for_does_not_double_v1() -> None:
-    assert _config().url_for("/v1/models") == "http://127.0.0.1:8000/v1/models"
-    assert LoadConfig(base_url="http://h:1/v1/").url_for("/v1/completions") == (
+def test_server_url_drops_a_trailing_v1_so_api_paths_are_not_doubled() -> None:
+    assert _config().server_url + "/v1/models" == "http://127.0.0.1:8000/v1/models"
+    assert LoadConfig(base_url="http://h:1/v1/").server_url + "/v1/completions" == (
         "http://h:1/v1/completions"
     )
-    assert LoadConfig(base_url="http://h:1/proxy").url_for(_config(api=API_CHAT).path) == (
+    assert LoadConfig(base_url="http://h:1/proxy").server_url + _config(api=API_CHAT).path == (
         "http://h:1/proxy/v1/chat/completions"
     )
 
