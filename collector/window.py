@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from tokentrace.collector.pipeline import group_by_trace
 from tokentrace.collector.store.sqlite import RequestStore
 from tokentrace.processors.budget import request_record
-from tokentrace.processors.model import AssembledTrace, RequestRecord
+from tokentrace.processors.model import AssembledTrace, RequestRecord, SpanRef
 from tokentrace.processors.timeline import normalize
 
 _log = logging.getLogger(__name__)
@@ -43,9 +43,21 @@ def records_of_traces(store: RequestStore, trace_ids: Iterable[bytes]) -> Stored
             request = ExportTraceServiceRequest.FromString(otlp)
             groups, _ = group_by_trace(request)
             for grouped_id, spans in groups.items():
-                for timeline in normalize(AssembledTrace(grouped_id, spans)):
+                # A retried export can deliver a span twice; the stored parts then hold it twice.
+                for timeline in normalize(AssembledTrace(grouped_id, _first_of_each(spans))):
                     window.records.append(request_record(timeline))
         except Exception:  # one bad trace must not hide the window
             window.undecodable += 1
             _log.warning("stored trace %s could not be re-derived", trace_id.hex(), exc_info=True)
     return window
+
+
+def _first_of_each(spans: list[SpanRef]) -> list[SpanRef]:
+    """The spans in order, each span id once (its first copy)."""
+    seen: set[bytes] = set()
+    unique: list[SpanRef] = []
+    for ref in spans:
+        if ref.span.span_id not in seen:
+            seen.add(ref.span.span_id)
+            unique.append(ref)
+    return unique

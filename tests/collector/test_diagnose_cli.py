@@ -511,3 +511,33 @@ def test_bad_slo_file_is_a_config_error_naming_the_file(
         load_config(config_path, environ={})
     assert str(slo_path) in str(raised.value)
     assert problem in str(raised.value)
+
+
+def test_a_span_stored_twice_is_one_request_when_the_window_is_re_derived(
+    replayed: Replayed, tmp_path: Path
+) -> None:
+    from tokentrace.collector.pipeline import group_by_trace
+    from tokentrace.processors.model import AssembledTrace
+
+    trace_id = replayed.trace_ids[0]
+    store = RequestStore.open_readonly(replayed.path)
+    try:
+        otlp = store.trace_otlp(trace_id)
+    finally:
+        store.close()
+    assert otlp is not None
+    groups, _ = group_by_trace(ExportTraceServiceRequest.FromString(otlp))
+    # A retried export delivered the trace's spans again after it was assembled.
+    again = AssembledTrace(trace_id, groups[trace_id], late=True)
+    copy = RequestStore(tmp_path / "copy.db")
+    try:
+        copy.write([(again, [], otlp)])
+        copy.write([(again, [], otlp)])
+        stored = copy.trace_otlp(trace_id)
+        assert stored is not None and len(stored) == 2 * len(otlp)
+        window = records_of_traces(copy, [trace_id])
+    finally:
+        copy.close()
+    original = [r for r in replayed.records if r.timeline.trace_id == trace_id]
+    assert len(window.records) == len(original) >= 1
+    assert window.records[0].budget.e2e_ns == original[0].budget.e2e_ns

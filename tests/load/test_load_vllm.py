@@ -10,6 +10,7 @@ comes from a delaying TCP proxy on loopback between the load and the server.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -102,7 +103,12 @@ def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop]:
 
 
 def run_load(
-    loop: Loop, name: str, *args: str, url: str | None = None, capsys: pytest.CaptureFixture[str]
+    loop: Loop,
+    name: str,
+    *args: str,
+    url: str | None = None,
+    capsys: pytest.CaptureFixture[str],
+    client_spans: bool = True,
 ) -> RunRecord:
     """``tokentrace load`` in its own process, as users run it: in this one it would share the
     GIL with the in-process collector and fall behind reading 16,000 SSE events, which the
@@ -110,10 +116,14 @@ def run_load(
     out = loop.workdir / f"{name}.json"
     command = [
         sys.executable, "-m", "tokentrace.agent.cli", "load", url or loop.server.base_url,
-        "--otlp-endpoint", loop.otlp_endpoint, "--slo", str(loop.slo_path),
-        "--out", str(out), "--quiet", *args,
+        *(("--otlp-endpoint", loop.otlp_endpoint) if client_spans else ()),
+        "--slo", str(loop.slo_path), "--out", str(out), "--quiet", *args,
     ]  # fmt: skip
-    completed = subprocess.run(command, capture_output=True, text=True, check=False)
+    # Spans go where --otlp-endpoint says, never to an endpoint the environment names.
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    completed = subprocess.run(
+        command, capture_output=True, text=True, check=False, env=environment
+    )
     with capsys.disabled():
         print(completed.stdout)  # the report, for the test log
     assert completed.returncode == 0, completed.stdout + completed.stderr
@@ -197,6 +207,9 @@ def test_client_percentiles_agree_with_the_collector_after_the_network_segment(
         server_e2e_plus_network.append(collected.metrics.e2e + network)
     for values in (client_ttft, server_ttft, client_e2e, server_e2e_plus_network):
         values.sort()
+    # What separates the two E2E definitions: the response's tail after the last token chunk
+    # (the usage chunk and [DONE]), which the client measured for every request.
+    tail_ms = max(r.end_ns - (r.last_token_ns or r.end_ns) for r in record.results) / 1e6
     print(f"c={concurrency}:  client TTFT  engine TTFT  client E2E  server E2E + network (ms)")
     for q in (50, 95, 99):
         row = [
@@ -205,8 +218,9 @@ def test_client_percentiles_agree_with_the_collector_after_the_network_segment(
         ]
         print(f"  p{q}  " + "  ".join(f"{value:10.2f}" for value in row))
         # E2E: the client's percentiles (to the last token, as vllm bench serve) agree with the
-        # collector's server-side E2E plus the network segment (to the response's end).
-        assert row[2] == pytest.approx(row[3], rel=0.02, abs=2.0)
+        # collector's server-side E2E plus the network segment (to the response's end) up to
+        # that tail: a few µs on an idle machine, tens of ms when vLLM's API server is starved.
+        assert row[3] - tail_ms - 1.0 <= row[2] <= row[3] + 1.0
         assert row[1] <= row[0] + 1.0
 
 
@@ -248,15 +262,15 @@ def test_an_injected_delay_grows_the_network_segment_by_that_much_and_is_diagnos
 def test_diagnose_names_queueing_when_far_more_requests_arrive_than_the_batch_admits(
     loop: Loop, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Whole responses (--no-stream): streaming 32 connections' tokens saturates vLLM's API
-    # server on 2 cores (it hands tokens to the sockets seconds after the engine made them,
-    # time the budget can only call network, since vLLM has no HTTP server span); without
-    # the stream the engine's queue is what 32 requests on a batch of 4 wait in.
+    # Engine-side view: no client spans. On 2 cores vLLM's API server falls seconds behind the
+    # engine under this load (it handles every engine step's outputs in one Python loop), and
+    # with client spans that frontend time shows as network (vLLM has no HTTP server span),
+    # outweighing the queue in some CI runs; tests above cover the client spans.
     run_load(
         loop, "saturated",
         "--concurrency", str(8 * _BATCH), "--requests", "48", "--prompt-tokens", "32",
         "--output-tokens", "512", "--api", "completions", "--no-stream", "--seed", "3",
-        capsys=capsys,
+        capsys=capsys, client_spans=False,
     )  # fmt: skip
     analysis = diagnose(loop, loop.workdir / "saturated.json", capsys)
     assert analysis["diagnosis"]["p50"]["cause"] == "queueing"
