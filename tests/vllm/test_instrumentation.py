@@ -49,7 +49,12 @@ pytestmark = pytest.mark.slow
 
 _REQUEST_TIMEOUT_S = 60.0
 _SPAN_TIMEOUT_S = 20.0
-_DISCONNECT_ATTEMPTS = 5
+_TRACED_MAX_MODEL_LEN = 2048
+"""Room for a generation long enough (about 5-10 s of tiny-model decode here) that a starved API
+server still notices a client leaving before the last token; CI saw 480 tokens (1-2 s) finish
+first in five attempts out of five."""
+_DISCONNECT_MAX_TOKENS = 2000
+_DISCONNECT_ATTEMPTS = 3
 _AGREEMENT_S = 0.001
 """Timings that both tokentrace and vLLM take from the same engine timestamps agree this well
 (queue: both from EngineCore's QUEUED to its first SCHEDULED)."""
@@ -91,6 +96,7 @@ def traced(
         running_vllm_server(
             tiny_model_dir,
             log_path=log_path,
+            max_model_len=_TRACED_MAX_MODEL_LEN,
             env={
                 **traced_server_env(upstream),
                 # Every engine step exported: the test checks them against the requests.
@@ -467,7 +473,7 @@ def test_parallel_sampling_traces_each_sequence_as_a_request(traced: TracedServe
 
 
 def test_client_that_disconnects_mid_stream_gets_an_error_span(traced: TracedServer) -> None:
-    max_tokens, events_before_leaving = 480, 2
+    max_tokens, events_before_leaving = _DISCONNECT_MAX_TOKENS, 2
     aborted = None
     # A starved client (2 busy cores) can read its first events only after the tiny model has
     # produced every token; then there is nothing left to abort. Such an attempt must still be a

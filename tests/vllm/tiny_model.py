@@ -38,7 +38,9 @@ CHAT_TEMPLATE = (
 
 _DEFAULT_VOCAB_SIZE = 1024
 _DEFAULT_SEED = 0
-_DEFAULT_MAX_POSITIONS = 512
+_DEFAULT_MAX_POSITIONS = 2048
+"""RoPE has no position weights, so a long context costs nothing; each server picks its own
+`--max-model-len` up to this."""
 # Standard-library modules whose sources make the tokenizer's training text (about 1.5 MB): fixed
 # names in a fixed order, so the merges are the same on every run with the same interpreter.
 _CORPUS_MODULES = (
