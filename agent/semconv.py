@@ -57,6 +57,7 @@ K8S_NAMESPACE_NAME: Final = "k8s.namespace.name"
 HTTP_REQUEST_METHOD: Final = "http.request.method"
 HTTP_RESPONSE_STATUS_CODE: Final = "http.response.status_code"
 URL_PATH: Final = "url.path"
+HTTP_ROUTE: Final = "http.route"
 ERROR_TYPE: Final = "error.type"
 
 # --- GenAI semantic conventions -----------------------------------------------------------------

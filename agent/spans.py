@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Final, NamedTuple, TypeAlias
@@ -59,7 +60,9 @@ __all__ = [
     "encode_span_tree",
     "export_request",
     "format_ids",
+    "format_traceparent",
     "parse_ids",
+    "parse_traceparent",
     "plan_spans",
     "random_span_id",
     "random_span_id_bytes",
@@ -177,6 +180,36 @@ def parse_ids(value: object, *sizes: int) -> tuple[bytes, ...] | None:
         return tuple(bytes.fromhex(part) for part in parts)
     except ValueError:
         return None
+
+
+# W3C Trace Context: version-traceid-parentid-flags, lowercase hex; version 00 has no more
+# fields, later versions may append "-..." fields.
+_TRACEPARENT: Final = re.compile(
+    r"(?P<version>[0-9a-f]{2})-(?P<trace>[0-9a-f]{32})-(?P<span>[0-9a-f]{16})-[0-9a-f]{2}(?P<rest>-.*)?"
+)
+
+
+def format_traceparent(trace_id: bytes, span_id: bytes) -> str:
+    """A W3C ``traceparent`` header value (version 00, sampled) naming ``span_id`` as parent."""
+    return f"00-{trace_id.hex()}-{span_id.hex()}-01"
+
+
+def parse_traceparent(value: object) -> tuple[bytes, bytes] | None:
+    """(trace id, parent span id) of a W3C ``traceparent`` header; None when it is invalid (the
+    request then starts a new trace rather than losing its spans)."""
+    if not isinstance(value, str):
+        return None
+    match = _TRACEPARENT.fullmatch(value.strip())
+    if match is None:
+        return None
+    version = match.group("version")
+    if version == "ff" or (version == "00" and match.group("rest")):
+        return None
+    trace_id = bytes.fromhex(match.group("trace"))
+    span_id = bytes.fromhex(match.group("span"))
+    if not any(trace_id) or not any(span_id):
+        return None
+    return trace_id, span_id
 
 
 # --- the layout ---------------------------------------------------------------------------------

@@ -111,11 +111,14 @@ ADVICE: Final[Mapping[str, str]] = {
     ),
     CAUSE_HTTP: (
         "Reuse connections, keep tokenisation and chat templating on a fast path (fast "
-        "tokenizer, cached templates), and send smaller payloads."
+        "tokenizer, cached templates), and send smaller payloads. When the server's frontend "
+        "is CPU-bound (many concurrent streams), add API server processes (vLLM "
+        "--api-server-count) or cores."
     ),
     CAUSE_POSTPROCESS: (
         "Stream the response, detokenise incrementally, and keep response assembly and "
-        "serialisation light."
+        "serialisation light. When the server's frontend is CPU-bound (many concurrent "
+        "streams), add API server processes (vLLM --api-server-count) or cores."
     ),
     CAUSE_UNATTRIBUTED: (
         "Instrument the inference server (tokentrace run -- CMD, or vLLM "

@@ -28,10 +28,16 @@ step that produced it.
 - **model**: the served model name (``--served-model-name``) is read once per engine, when
   ``AsyncLLM`` / ``LLMEngine`` is built. **operation**: ``chat`` for vLLM's ``chatcmpl-`` request
   ids, otherwise ``text_completion``.
-- **traceparent**: vLLM forwards the caller's trace headers to ``AsyncLLM.add_request`` but drops
-  them there when its own tracing is off; the wrapper of that coroutine hands them to the output
-  processor's ``add_request`` (same task) through a context variable. ``llm.request`` is then a
-  child of the caller's span; without one it starts a new random trace. The ids of
+- **HTTP server span** (``asgi.py``; ``Starlette.build_middleware_stack``): each POST that the
+  API server serves is a SERVER span from the moment uvicorn hands it to the app until the
+  response's last bytes are sent, and ``llm.request`` is its child (the request's task carries
+  it in a context variable). It honours the caller's ``traceparent``; it is what lets the budget
+  tell a busy API server (``http``, ``postprocess``) from the network.
+- **traceparent** without the HTTP span (another frontend, or the ASGI hook disabled): vLLM
+  forwards the caller's trace headers to ``AsyncLLM.add_request`` but drops them there when its
+  own tracing is off; the wrapper of that coroutine hands them to the output processor's
+  ``add_request`` (same task) through a context variable. ``llm.request`` is then a child of the
+  caller's span; without one it starts a new random trace. The ids of
   ``llm.request`` and ``llm.prefill`` are chosen here and travel to EngineCore in the request's
   ``trace_headers`` (``vllm_engine.ENGINE_PARENT_HEADER``), so that the engine's step and chunk
   spans join the request's tree.
@@ -52,7 +58,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import multiprocessing
-import re
 import weakref
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass
@@ -74,6 +79,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from tokentrace.agent import semconv
+from tokentrace.agent.frameworks.asgi import HOOK_HTTP_SERVER, HttpServerTracer, current_http_span
 from tokentrace.agent.frameworks.vllm_cold_start import (
     HOOK_COLD_START_ENGINE,
     HOOK_COLD_START_IMPORT,
@@ -96,7 +102,12 @@ from tokentrace.agent.frameworks.vllm_engine import (
 )
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import PROMPT_TOKEN_IDS, ClockDomain, Recorder, RequestTimer
-from tokentrace.agent.spans import AttrValue, random_span_id_bytes, random_trace_id
+from tokentrace.agent.spans import (
+    AttrValue,
+    parse_traceparent,
+    random_span_id_bytes,
+    random_trace_id,
+)
 
 __all__ = [
     "HOOK_ABORT",
@@ -109,7 +120,6 @@ __all__ = [
     "Patch",
     "VllmInstrumentor",
     "installed_vllm",
-    "parse_traceparent",
     "register",
 ]
 
@@ -170,6 +180,7 @@ EngineCore (the main process) when the executor runs the worker in-process."""
 USES_RECORDER: Final = "recorder"
 USES_STEP_TRACER: Final = "step_tracer"
 USES_COLD_START: Final = "cold_start_tracer"
+USES_HTTP_TRACER: Final = "http_tracer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +200,21 @@ _SCHEDULER: Final = "vllm.v1.core.sched.scheduler"
 _GPU_WORKER: Final = "vllm.v1.worker.gpu_worker"
 _CPU_WORKER: Final = "vllm.v1.worker.cpu_worker"
 PATCHES: Final = (
+    # The HTTP server span (asgi.py): vLLM's FastAPI app, and any other ASGI app of these
+    # frameworks that serves requests in a vLLM frontend process. Class attributes, because vLLM
+    # binds its ``build_app`` by name before plugins load; FastAPI has its own method.
+    Patch(
+        "fastapi.applications",
+        "FastAPI.build_middleware_stack",
+        "_wrap_middleware_stack",
+        uses=USES_HTTP_TRACER,
+    ),
+    Patch(
+        "starlette.applications",
+        "Starlette.build_middleware_stack",
+        "_wrap_middleware_stack",
+        uses=USES_HTTP_TRACER,
+    ),
     Patch("vllm.v1.engine.async_llm", "AsyncLLM.__init__", "_wrap_engine_init"),
     Patch("vllm.v1.engine.llm_engine", "LLMEngine.__init__", "_wrap_engine_init"),
     Patch("vllm.v1.engine.async_llm", "AsyncLLM.add_request", "_wrap_async_add_request"),
@@ -249,29 +275,6 @@ PATCHES: Final = (
 _incoming_trace_headers: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "tokentrace_vllm_trace_headers", default=None
 )
-# W3C Trace Context: version-traceid-parentid-flags, lowercase hex; version 00 has no more
-# fields, later versions may append "-..." fields.
-_TRACEPARENT: Final = re.compile(
-    r"(?P<version>[0-9a-f]{2})-(?P<trace>[0-9a-f]{32})-(?P<span>[0-9a-f]{16})-[0-9a-f]{2}(?P<rest>-.*)?"
-)
-
-
-def parse_traceparent(value: object) -> tuple[bytes, bytes] | None:
-    """(trace id, parent span id) of a W3C ``traceparent`` header; None when it is invalid (the
-    request then starts a new trace rather than losing its spans)."""
-    if not isinstance(value, str):
-        return None
-    match = _TRACEPARENT.fullmatch(value.strip())
-    if match is None:
-        return None
-    version = match.group("version")
-    if version == "ff" or (version == "00" and match.group("rest")):
-        return None
-    trace_id = bytes.fromhex(match.group("trace"))
-    span_id = bytes.fromhex(match.group("span"))
-    if not any(trace_id) or not any(span_id):
-        return None
-    return trace_id, span_id
 
 
 async def _with_trace_headers(call: Coroutine[Any, Any, _T], headers: Mapping[str, str]) -> _T:
@@ -397,6 +400,7 @@ class VllmInstrumentor(BaseInstrumentor):
         guard: HookGuard | None = kwargs.get("guard")
         step_tracer: EngineStepTracer | None = kwargs.get("step_tracer")
         cold_start: ColdStartTracer | None = kwargs.get("cold_start_tracer")
+        http_tracer: HttpServerTracer | None = kwargs.get("http_tracer")
         if recorder is None or guard is None:
             roles = _process_roles()
             if not roles:
@@ -412,6 +416,10 @@ class VllmInstrumentor(BaseInstrumentor):
             if ROLE_ENGINE in roles:
                 step_tracer = runtime.engine_step_tracer()
             frontend = ROLE_FRONTEND in roles
+            if frontend:
+                http_tracer = HttpServerTracer(
+                    runtime.emitter.submit, guard=guard, clock_domain=runtime.clock
+                )
             # The process the user started begins a new cold start; vLLM's children join it.
             top_level = multiprocessing.current_process().name == _MAIN_PROCESS_NAME
             cold_start = guard.run(
@@ -437,6 +445,7 @@ class VllmInstrumentor(BaseInstrumentor):
         self._clock = clock
         self._step_tracer = step_tracer
         self._cold_start_tracer = cold_start
+        self._http_tracer = http_tracer
         self._model_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._last_fan_out: tuple[Any, bytes] = _NO_FAN_OUT
         self._applied: list[tuple[Any, str, Any, Any]] = []
@@ -448,6 +457,7 @@ class VllmInstrumentor(BaseInstrumentor):
                 (USES_RECORDER, recorder),
                 (USES_STEP_TRACER, step_tracer),
                 (USES_COLD_START, cold_start),
+                (USES_HTTP_TRACER, http_tracer),
             )
             if tracer is not None
         }
@@ -512,6 +522,22 @@ class VllmInstrumentor(BaseInstrumentor):
         if self._active:
             self._guard.run(HOOK_ENGINE_INIT, self._on_engine_init, instance)
         return result
+
+    def _wrap_middleware_stack(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        stack = wrapped(*args, **kwargs)
+        tracer = self._http_tracer
+        if not self._active or tracer is None:
+            return stack
+        # Checked per request: the built stack outlives ``uninstrument``.
+        traced = self._guard.run(
+            HOOK_HTTP_SERVER, partial(tracer.middleware, enabled=self._http_enabled), stack
+        )  # (returns ``stack`` itself when it is traced already: a subclass calling its base)
+        return stack if traced is None else traced
+
+    def _http_enabled(self) -> bool:
+        return self._active and not self._requests_disabled()
 
     def _wrap_async_add_request(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
@@ -664,9 +690,12 @@ class VllmInstrumentor(BaseInstrumentor):
         cold_start = self._cold_start_tracer
         if cold_start is not None:
             cold_start.on_request(timer)
+        http = current_http_span()
         headers = request.trace_headers or _incoming_trace_headers.get()
         context = None
-        if headers:
+        if http is not None:  # the HTTP server span already honoured the caller's traceparent
+            context = http.trace_id, http.span_id
+        elif headers:
             traceparent = headers.get("traceparent")
             if traceparent:
                 context = parse_traceparent(traceparent)

@@ -16,6 +16,14 @@ _DEFAULT_OTLP_PROTOCOL: Final = "grpc"
 _PROGRESS_INTERVAL_TTY_S: Final = 0.5
 _PROGRESS_INTERVAL_PIPE_S: Final = 10.0
 _MODELS_TIMEOUT_S: Final = 30.0
+_API_KEY_ENV: Final = "OPENAI_API_KEY"
+_AUTHORIZATION: Final = "Authorization"
+_AUTH_REFUSED: Final = frozenset({401, 403})
+_HEADERS_SET_BY_LOAD: Final = frozenset(
+    {"traceparent", "host", "content-length", "transfer-encoding", "connection"}
+)
+"""Set per request or per connection by the load client; ``--no-reuse-connections`` decides
+``Connection``."""
 
 
 class LoadCommand:
@@ -83,6 +91,18 @@ class LoadCommand:
         )
         client.add_argument("--timeout", default="600s", help="per request (default: 600s)")
         client.add_argument(
+            "--api-key",
+            help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY; never recorded)",
+        )
+        client.add_argument(
+            "--header",
+            dest="headers",
+            action="append",
+            default=[],
+            metavar="'NAME: VALUE'",
+            help="an extra request header, repeatable (never recorded)",
+        )
+        client.add_argument(
             "--otlp-endpoint",
             help="where client spans go, e.g. http://127.0.0.1:4317 "
             "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: spans are not exported)",
@@ -139,14 +159,19 @@ def _run(args: argparse.Namespace) -> int:
     percents = _percents(args.percentiles)
     targets = _slo_targets(args.slo) if args.slo else []
     out_path = args.out or time.strftime("tokentrace-run-%Y%m%d-%H%M%S.json", time.gmtime())
-    model = args.model or _discover_model(config.server_url, timeout_s=_MODELS_TIMEOUT_S)
+    headers = _headers(args.headers, args.api_key or os.environ.get(_API_KEY_ENV) or None)
+    model = args.model or _discover_model(
+        config.server_url, headers=headers, timeout_s=_MODELS_TIMEOUT_S
+    )
     try:
         planner = RequestPlanner(config, model=model, builder=prompt_builder(config))
     except WorkloadError as error:
         raise _UsageError(str(error)) from None
     exporter = _exporter(args)
     progress = None if args.quiet else _Progress(sys.stderr)
-    runner = LoadRunner(config, model=model, planner=planner, spans=exporter, progress=progress)
+    runner = LoadRunner(
+        config, model=model, planner=planner, spans=exporter, progress=progress, headers=headers
+    )
     try:
         outcome = runner.run()
     finally:
@@ -247,16 +272,42 @@ def _slo_targets(path: str) -> list[Any]:
         raise _UsageError(f"--slo: {error}") from None
 
 
-def _discover_model(server_url: str, *, timeout_s: float) -> str:
+def _headers(options: list[str], api_key: str | None) -> dict[str, str]:
+    """``--header`` options and the API key as request headers; a usage error for bad ones."""
+    from tokentrace.agent.load.http import check_header
+
+    headers: dict[str, str] = {}
+    if api_key is not None:
+        headers[_AUTHORIZATION] = f"Bearer {api_key}"
+    for option in options:
+        name, colon, value = option.partition(":")
+        name, value = name.strip(), value.strip()
+        if not colon or not name:
+            raise _UsageError(f"--header {option!r}: expected 'NAME: VALUE'")
+        if name.lower() in _HEADERS_SET_BY_LOAD:
+            raise _UsageError(f"--header {name}: tokentrace load sets this header itself")
+        try:
+            check_header(name, value)
+        except ValueError as error:
+            raise _UsageError(f"--header: {error}") from None
+        headers[name] = value
+    return headers
+
+
+def _discover_model(server_url: str, *, headers: dict[str, str], timeout_s: float) -> str:
     import json
     import urllib.error
     import urllib.request
 
     url = server_url + "/v1/models"
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        request = urllib.request.Request(url, headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             data = json.loads(response.read())
         return str(data["data"][0]["id"])
+    except urllib.error.HTTPError as error:
+        hint = " (give --api-key or set $OPENAI_API_KEY)" if error.code in _AUTH_REFUSED else ""
+        raise _RunError(f"{url} answered {error.code} {error.reason}{hint}") from None
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", error)
         raise _RunError(f"cannot reach {url}: {reason} (is the server up?)") from None

@@ -578,7 +578,8 @@ def _size(limit: int) -> str:
     return f"{limit} bytes"
 
 
-def _check_header(name: str, value: str) -> None:
+def check_header(name: str, value: str) -> None:
+    """ValueError unless ``name: value`` can be sent as an HTTP/1.1 request header."""
     if not _HEADER_NAME.fullmatch(name):
         raise ValueError(f"invalid HTTP header name {name!r}")
     if _HEADER_VALUE_FORBIDDEN.search(value):
@@ -696,7 +697,7 @@ class HttpClient:
     def _merge(into: dict[str, tuple[str, str]], headers: Mapping[str, str] | None) -> None:
         if headers:
             for name, value in headers.items():
-                _check_header(name, value)
+                check_header(name, value)
                 lower = name.lower()
                 if lower not in _FRAMING_HEADERS:
                     into[lower] = (name, value)

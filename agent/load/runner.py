@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -25,7 +25,7 @@ from tokentrace.agent.load.workload import (
     RequestPlanner,
     arrival_offsets_s,
 )
-from tokentrace.agent.spans import random_span_id_bytes, random_trace_id
+from tokentrace.agent.spans import format_traceparent, random_span_id_bytes, random_trace_id
 
 _DONE: Final = "[DONE]"
 _MAX_ERROR_CHARS: Final = 300
@@ -81,6 +81,7 @@ class LoadRunner:
         planner: RequestPlanner,
         spans: SpanSink | None = None,
         progress: ProgressSink | None = None,
+        headers: Mapping[str, str] | None = None,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
         wall_ns: Callable[[], int] = time.time_ns,
     ) -> None:
@@ -89,6 +90,8 @@ class LoadRunner:
         self._planner = planner
         self._spans = spans
         self._progress = progress
+        self._headers = headers
+        """Sent with every request (e.g. ``Authorization``); never recorded: they may be secrets."""
         self._monotonic_ns = monotonic_ns
         self._unix_ns = _Clock(monotonic_ns, wall_ns)
         self._results: list[RequestResult] = []
@@ -105,6 +108,7 @@ class LoadRunner:
             config.server_url,
             reuse_connections=config.reuse_connections,
             timeout_s=config.timeout_s,
+            headers=self._headers,
             clock=self._unix_ns,
         )
         try:
@@ -224,7 +228,7 @@ class LoadRunner:
     async def _send(self, client: HttpClient, plan: RequestPlan, *, traced: bool) -> RequestResult:
         trace_id = random_trace_id()
         span_id = random_span_id_bytes()
-        headers = {"traceparent": f"00-{trace_id.hex()}-{span_id.hex()}-01"} if traced else None
+        headers = {"traceparent": format_traceparent(trace_id, span_id)} if traced else None
         start = self._unix_ns()
         result = RequestResult(
             index=plan.index,

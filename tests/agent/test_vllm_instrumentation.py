@@ -30,9 +30,9 @@ from tokentrace.agent.frameworks import vllm as instrumentation
 from tokentrace.agent.frameworks.vllm import (
     HOOK_OUTPUTS,
     VllmInstrumentor,
-    parse_traceparent,
 )
 from tokentrace.agent.recorder import PROMPT_TOKEN_IDS
+from tokentrace.agent.spans import parse_traceparent
 
 
 # --- tests ----------------------------------------------------------------------------------------

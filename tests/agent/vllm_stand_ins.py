@@ -14,6 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import FastAPI
+from starlette.applications import Starlette
+
+from tokentrace.agent.frameworks.asgi import HttpServerTracer
 from tokentrace.agent.frameworks.vllm import (
     PATCHES,
     VllmInstrumentor,
@@ -436,6 +440,9 @@ def patched_attributes() -> dict[tuple[type, str], Any]:
         "Worker": Worker,
         "CPUWorker": CPUWorker,
         "CPUModelRunner": CPUModelRunner,
+        # The real ones: the HTTP span wraps real ASGI apps.
+        "FastAPI": FastAPI,
+        "Starlette": Starlette,
     }
     result: dict[tuple[type, str], Any] = {}
     for patch in PATCHES:
@@ -457,6 +464,11 @@ class Setup:
     cold_start_environ: dict[str, str] = field(default_factory=dict)
     """The stand-in frontend's ``os.environ`` (the real one must not leak into other tests)."""
     cold_start: ColdStartTracer = field(init=False)
+    http_jobs: list[Any] = field(default_factory=list)
+    """What the HTTP server tracer submitted (``DeferredSpans``: the emitter would call them)."""
+    http_clock: ClockDomain = field(default_factory=ClockDomain)
+    """The HTTP tracer's: the real clocks, which the stand-in ``AsyncLLM``'s arrival also reads."""
+    http_tracer: HttpServerTracer = field(init=False)
 
     def __post_init__(self) -> None:
         _startup_clock_ns[0] = PROCESS_START_NS
@@ -468,6 +480,9 @@ class Setup:
             monotonic_ns=startup_monotonic_ns,
             read_process_start=lambda: PROCESS_START_NS,
         )
+        self.http_tracer = HttpServerTracer(
+            self.http_jobs.append, guard=self.guard, clock_domain=self.http_clock
+        )
 
     def instrument(self) -> None:
         self.instrumentor.instrument(
@@ -476,4 +491,5 @@ class Setup:
             guard=self.guard,
             step_tracer=self.tracer,
             cold_start_tracer=self.cold_start,
+            http_tracer=self.http_tracer,
         )

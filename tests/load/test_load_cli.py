@@ -97,12 +97,20 @@ class FakeOpenAI:
         """Answer 500 to every n-th POST (by arrival); 0: never."""
         self.error_event_at: int | None = None
         """The arrival sequence whose stream breaks off with an ``{"error": ...}`` event."""
+        self.api_key: str | None = None
+        """Set: every request without ``Authorization: Bearer <api_key>`` is refused (401)."""
 
     def reset(self) -> None:
         with self._lock:
             self._seen.clear()
         self.fail_every = 0
         self.error_event_at = None
+        self.api_key = None
+
+    def _refused(self, request: Request) -> Response | None:
+        if self.api_key is None or request.headers.get("authorization") == f"Bearer {self.api_key}":
+            return None
+        return JSONResponse({"error": {"message": "bad key", "code": 401}}, status_code=401)
 
     @property
     def seen(self) -> list[SeenRequest]:
@@ -119,9 +127,13 @@ class FakeOpenAI:
         )
 
     async def _models(self, request: Request) -> Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
         return JSONResponse({"object": "list", "data": [{"id": _MODEL, "object": "model"}]})
 
     async def _generate(self, request: Request) -> Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
         arrived_ns = time.time_ns()
         body = await request.json()
         chat = request.url.path.endswith("/chat/completions")
@@ -559,6 +571,9 @@ def test_error_event_mid_stream_fails_that_request(
         (["--slo", "missing-slo.yaml"], "--slo"),
         (["--duration", "soon"], "--duration"),
         (["--otlp-protocol", "grpc"], "--otlp-protocol"),
+        (["--header", "X-Tenant blue"], "--header"),
+        (["--header", "traceparent: 00-ab-cd-01"], "--header traceparent"),
+        (["--header", "X-Bad\u00e9: v"], "--header"),
     ],
 )
 def test_bad_options_exit_2_naming_the_option(
@@ -703,3 +718,50 @@ def test_warmup_requests_are_untraced_and_unrecorded(
     spans = _client_spans(upstream, 5)
     assert set(spans) == {(result.trace_id, result.span_id) for result in run.results}
     assert run.window_start_ns == min(result.start_ns for result in run.results)
+
+
+_API_KEY = "sk-test-not-for-the-record"
+
+
+def test_api_key_and_headers_reach_the_server_and_stay_out_of_the_record(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    served.fake.api_key = _API_KEY
+    out = tmp_path / "run.json"
+    options = ("--requests", "3", "--output-tokens", "2", "--header", "X-Tenant:  blue ")
+    assert _load(served.url, out, *options, "--api-key", _API_KEY) == 0
+    assert run_record.load(out).summary["completed"] == 3
+    seen = served.fake.seen
+    assert len(seen) == 3
+    for request in seen:
+        assert request.headers["authorization"] == f"Bearer {_API_KEY}"
+        assert request.headers["x-tenant"] == "blue"
+        assert request.traceparent is not None
+    assert _API_KEY not in out.read_text(encoding="utf-8")
+
+
+def test_the_api_key_comes_from_openai_api_key_by_default(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", _API_KEY)
+    served.fake.api_key = _API_KEY
+    out = tmp_path / "run.json"
+    assert _load(served.url, out, "--requests", "2", "--output-tokens", "2") == 0
+    assert run_record.load(out).summary["completed"] == 2
+
+
+def test_a_refused_key_exits_1_saying_how_to_give_one(
+    served: Served,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    served.fake.api_key = _API_KEY
+    out = tmp_path / "run.json"
+    assert _load(served.url, out, "--requests", "2") == 1
+    err = capsys.readouterr().err
+    assert "401" in err and "--api-key" in err and "OPENAI_API_KEY" in err
+    assert "Traceback" not in err
+    assert not out.exists()

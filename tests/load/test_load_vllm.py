@@ -3,8 +3,10 @@ collector's store -> ``tokentrace diagnose`` / ``compare``.
 
 One server for the module, made to show each diagnosis on purpose: a batch of 4
 (``--max-num-seqs 4``, so 32 concurrent requests queue), prefix caching off (a shared system
-prompt is recomputed every time), and a 2048-token context (long prompts fit). The network delay
-comes from a delaying TCP proxy on loopback between the load and the server.
+prompt is recomputed every time), a 2048-token context (long prompts fit), and a test
+middleware (``tests/load/support/frontend_delay.py``) that blocks the API server's event loop for
+requests that ask. The network delay comes from a delaying TCP proxy on loopback between the load
+and the server.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import pytest
 
 from tests.load.delay_proxy import DelayProxy
+from tests.load.support import frontend_delay
 from tests.vllm.conftest import require_vllm
 from tests.vllm.server import VllmServer, running_vllm_server
 from tokentrace.agent import semconv
@@ -39,6 +42,7 @@ require_vllm()
 pytestmark = pytest.mark.slow
 
 _MAX_MODEL_LEN = 2048
+_SUPPORT_DIR = Path(frontend_delay.__file__).parent
 _BATCH = 4
 _STORE_WAIT_S = 30.0
 _SLO_FILE = """\
@@ -87,13 +91,19 @@ def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop]:
         "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
         "OTEL_SERVICE_NAME": "vllm-loop",
         "PYTHONSAFEPATH": "1",
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(_SUPPORT_DIR), os.environ.get("PYTHONPATH")])
+        ),
     }
     try:
         with running_vllm_server(
             model_dir,
             log_path=workdir / "server.log",
             max_model_len=_MAX_MODEL_LEN,
-            extra_args=["--max-num-seqs", str(_BATCH), "--no-enable-prefix-caching"],
+            extra_args=[
+                *("--max-num-seqs", str(_BATCH), "--no-enable-prefix-caching"),
+                *("--middleware", "frontend_delay.FrontendDelay"),  # from _SUPPORT_DIR
+            ],
             env=env,
             command_prefix=[sys.executable, "-m", "tokentrace.agent.cli", "run", "--"],
         ) as server:
@@ -259,13 +269,49 @@ def test_an_injected_delay_grows_the_network_segment_by_that_much_and_is_diagnos
     assert network_row["delta_mean_ms"] == pytest.approx(2 * one_way_s * 1e3, rel=0.10)
 
 
+def test_a_busy_api_server_is_http_time_not_network_and_is_diagnosed(
+    loop: Loop, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The API server's HTTP span separates time inside the server, before the engine, from the
+    network: a blocked event loop grows ``http`` by the blocked time and leaves ``network``."""
+    blocked_s = 0.08
+    shape = (
+        "--concurrency", "1", "--requests", "12", "--prompt-tokens", "32",
+        "--output-tokens", "8", "--seed", "13", "--warmup", "1",
+    )  # fmt: skip
+    plain = run_load(loop, "frontend-plain", *shape, capsys=capsys)
+    busy = run_load(
+        loop, "frontend-busy", *shape,
+        "--header", f"{frontend_delay.HEADER}: {round(blocked_s * 1000)}",
+        capsys=capsys,
+    )  # fmt: skip
+
+    def medians(record: RunRecord) -> tuple[float, float]:
+        stored = stored_records(loop, record).values()
+        http = statistics.median(r.budget.segments[semconv.SEGMENT_HTTP] for r in stored)
+        return http / 1e9, statistics.median(network_ns(r) for r in stored) / 1e9
+
+    (http_before, network_before), (http_after, network_after) = medians(plain), medians(busy)
+    print(
+        f"http p50 {http_before * 1e3:.2f} -> {http_after * 1e3:.2f} ms, network p50 "
+        f"{network_before * 1e3:.2f} -> {network_after * 1e3:.2f} ms"
+    )
+    assert http_after - http_before == pytest.approx(blocked_s, rel=0.10)
+    assert abs(network_after - network_before) < 0.1 * blocked_s
+
+    analysis = diagnose(loop, loop.workdir / "frontend-busy.json", capsys)
+    assert analysis["diagnosis"]["p50"]["cause"] == "http"
+    assert analysis["diagnosis"]["p50"]["segment"] == semconv.SEGMENT_HTTP
+
+
 def test_diagnose_names_queueing_when_far_more_requests_arrive_than_the_batch_admits(
     loop: Loop, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Engine-side view: no client spans. On 2 cores vLLM's API server falls seconds behind the
-    # engine under this load (it handles every engine step's outputs in one Python loop), and
-    # with client spans that frontend time shows as network (vLLM has no HTTP server span),
-    # outweighing the queue in some CI runs; tests above cover the client spans.
+    # engine under this load (it handles every engine step's outputs in one Python loop). Its
+    # HTTP span turns most of that into http/postprocess time, but requests also wait before
+    # uvicorn hands them to the app, which only the client sees (network); in CI runs before
+    # the HTTP span, that outweighed the queue. Tests above cover the client spans.
     run_load(
         loop, "saturated",
         "--concurrency", str(8 * _BATCH), "--requests", "48", "--prompt-tokens", "32",

@@ -133,8 +133,12 @@ def request_body(
     return body
 
 
+def endpoint_path(*, chat: bool) -> str:
+    return f"/v1/{'chat/completions' if chat else 'completions'}"
+
+
 def endpoint(server: VllmServer, *, chat: bool) -> str:
-    return f"{server.base_url}/v1/{'chat/completions' if chat else 'completions'}"
+    return f"{server.base_url}{endpoint_path(chat=chat)}"
 
 
 def usage_of(response_text: str, *, stream: bool) -> dict[str, int]:
@@ -225,12 +229,21 @@ def check_request(s: Sent, tree: RequestTree, max_tokens: int) -> None:
     assert len(offsets) == max_tokens
     assert offsets[0] == 0 and offsets == sorted(offsets)
     assert tree.root.status.code != tree.root.status.STATUS_CODE_ERROR
+    # The API server's HTTP span holds llm.request and takes the caller's trace context.
+    http = tree.parent
+    assert http is not None, "llm.request without its HTTP server span"
+    assert http.kind == http.SPAN_KIND_SERVER
+    assert http.name == f"POST {endpoint_path(chat=s.chat)}"
+    http_attributes = attributes_of(http)
+    assert http_attributes[semconv.HTTP_RESPONSE_STATUS_CODE] == 200
+    assert http.start_time_unix_nano <= tree.root.start_time_unix_nano
+    assert tree.root.end_time_unix_nano <= http.end_time_unix_nano
     if s.trace_id is not None:
-        assert tree.root.trace_id == s.trace_id
-        assert tree.root.parent_span_id == s.parent_span_id
+        assert tree.root.trace_id == http.trace_id == s.trace_id
+        assert http.parent_span_id == s.parent_span_id
     else:
         assert len(tree.root.trace_id) == 16 and any(tree.root.trace_id)
-        assert tree.root.parent_span_id == b""
+        assert http.trace_id == tree.root.trace_id and http.parent_span_id == b""
 
 
 def test_plugin_traces_completions_and_chat_streaming_and_not(traced: TracedServer) -> None:
@@ -292,19 +305,22 @@ def test_sixteen_concurrent_streams(traced: TracedServer) -> None:
 
 
 def http_segment_ns(tree: RequestTree) -> int:
-    """The collector's ``http`` segment of the request, from its exported spans: without an HTTP
-    server span it is the hand-off from arrival (``llm.request``'s start) to the engine's
-    QUEUED (``llm.queue``'s start), and the budget still partitions E2E exactly."""
-    spans = [tree.root, *(span for group in tree.children.values() for span in group)]
+    """The collector's ``http`` segment of the request, from its exported spans: from the API
+    server's HTTP span's start (parsing, templating, tokenisation, the hand-off) to the engine's
+    QUEUED (``llm.queue``'s start); the HTTP span is the server view, and the budget still
+    partitions its duration exactly."""
+    http = tree.parent
+    assert http is not None
+    spans = [http, tree.root, *(span for group in tree.children.values() for span in group)]
     refs = [SpanRef(span, Resource(), InstrumentationScope(), SERVICE_NAME) for span in spans]
     (timeline,) = normalize(AssembledTrace(trace_id=tree.root.trace_id, spans=refs))
     budget = compute_budget(timeline)
-    root, queue = tree.root, tree.child(semconv.SPAN_QUEUE)
-    assert budget.e2e_ns == root.end_time_unix_nano - root.start_time_unix_nano
+    queue = tree.child(semconv.SPAN_QUEUE)
+    assert budget.e2e_ns == http.end_time_unix_nano - http.start_time_unix_nano
     assert sum(budget.segments.values()) == budget.e2e_ns
     assert not budget.skew_clamped
     http_ns = budget.segments[semconv.SEGMENT_HTTP]
-    assert http_ns == queue.start_time_unix_nano - root.start_time_unix_nano >= 0
+    assert http_ns == queue.start_time_unix_nano - http.start_time_unix_nano >= 0
     assert budget.segments[semconv.SEGMENT_QUEUE] == (
         queue.end_time_unix_nano - queue.start_time_unix_nano
     )
@@ -313,7 +329,7 @@ def http_segment_ns(tree: RequestTree) -> int:
 
 def print_agreement(label: str, deltas: list[Agreement], handoffs_ns: list[int]) -> None:
     """The measured agreement, for the record (``pytest -s``): signed min..max in ms, and the
-    http segment (arrival -> engine QUEUED) that tokentrace alone measures."""
+    http segment (HTTP span start -> engine QUEUED) that tokentrace alone measures."""
     names = ("start", "end", "ttft", "queue", "prefill", "decode", "inference", "e2e")
     ranges = {name: [getattr(delta, name) * 1e3 for delta in deltas] for name in names}
     print(
@@ -537,6 +553,7 @@ def test_patch_table_and_constants_match_the_installed_vllm() -> None:
     import wrapt
 
     from tokentrace.agent.frameworks import vllm as instrumentation
+    from tokentrace.agent.frameworks.asgi import HttpServerTracer
     from tokentrace.agent.frameworks.vllm_cold_start import ColdStartTracer
     from tokentrace.agent.frameworks.vllm_engine import (
         EVENT_PREEMPTED,
@@ -572,6 +589,7 @@ def test_patch_table_and_constants_match_the_installed_vllm() -> None:
         cold_start_tracer=ColdStartTracer(
             lambda job: None, clock_domain=ClockDomain(), frontend=True, environ={}
         ),
+        http_tracer=HttpServerTracer(lambda job: None, guard=guard, clock_domain=ClockDomain()),
     )
     try:
         wrapped = targets()

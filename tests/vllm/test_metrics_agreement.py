@@ -15,9 +15,13 @@ What each side measures (vLLM 0.32, ``v1/metrics/stats.py``):
   ``(t - first) // 1000``; a gap is the difference of two floored offsets, so it differs from
   vLLM's by less than 1 µs (plus ns-truncation of the float seconds). Only an observation within
   that distance of a bucket bound can land in the other bucket.
-- TTFT: both start at vLLM's ``arrival_time``. vLLM ends it at the API server's
-  ``IterationStats`` creation (``time.time()`` when it begins processing the step's outputs);
-  tokentrace ends it at that step's EngineCore timestamp. Ours is earlier by the
+- TTFT: tokentrace's starts at the API server's HTTP span (the ``http`` segment: parsing,
+  templating and tokenisation come first), vLLM's at its ``arrival_time``, when the request
+  reaches the engine client; the comparison takes the time before ``llm.request``'s start off
+  ours, so both start at vLLM's ``arrival_time`` (tests/vllm/test_instrumentation.py checks the
+  ``http`` segment). vLLM ends it at the API
+  server's ``IterationStats`` creation (``time.time()`` when it begins processing the step's
+  outputs); tokentrace ends it at that step's EngineCore timestamp. Ours is earlier by the
   engine -> frontend hand-off, so our cumulative bucket counts are >= vLLM's at every bound, and
   vLLM's are >= ours shifted by the largest hand-off.
 """
@@ -32,7 +36,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -219,8 +223,8 @@ def delta(after: Histogram, before: Histogram) -> Delta:
 
 # --- tokentrace's side -------------------------------------------------------------------------
 def derived_metrics(upstream: UpstreamOtlp, markers: Sequence[str]) -> dict[str, RequestMetrics]:
-    """Each marked request's metrics as the collector derives them from the exported spans,
-    waiting until every request's trace has arrived."""
+    """Each marked request's metrics as the collector derives them from the exported spans (TTFT
+    from vLLM's arrival), waiting until every request's trace has arrived."""
 
     def assemble() -> dict[str, RequestMetrics]:
         traces: dict[bytes, list[SpanRef]] = defaultdict(list)
@@ -241,11 +245,24 @@ def derived_metrics(upstream: UpstreamOtlp, markers: Sequence[str]) -> dict[str,
                         )
         found: dict[str, RequestMetrics] = {}
         for trace_id, spans in traces.items():
-            request_ids = {_request_id(ref.span) for ref in spans} - {None}
+            # llm.request starts at vLLM's arrival_time, inside the HTTP server span.
+            arrivals = {
+                request_id: ref.span.start_time_unix_nano
+                for ref in spans
+                if (request_id := _request_id(ref.span)) is not None
+            }
             for timeline in normalize(AssembledTrace(trace_id=trace_id, spans=spans)):
-                marker = next((m for m in markers if any(m in str(r) for r in request_ids)), None)
+                marker = next((m for m in markers if any(m in str(r) for r in arrivals)), None)
                 if marker is not None:
-                    found[marker] = compute_metrics(timeline, compute_budget(timeline))
+                    metrics = compute_metrics(timeline, compute_budget(timeline))
+                    arrival = arrivals.get(str(timeline.request_id))
+                    if metrics.ttft is not None and arrival is not None:
+                        # From vLLM's arrival_time, as vLLM's TTFT.
+                        assert timeline.server_start is not None
+                        before_arrival = arrival - timeline.server_start
+                        assert before_arrival >= 0
+                        metrics = replace(metrics, ttft=metrics.ttft - before_arrival)
+                    found[marker] = metrics
         return found
 
     assert upstream.wait_for(lambda: len(assemble()) == len(markers), _SETTLE_TIMEOUT_S)

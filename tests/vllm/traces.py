@@ -25,6 +25,8 @@ class RequestTree:
 
     root: Span
     children: dict[str, list[Span]] = field(default_factory=dict)
+    parent: Span | None = None
+    """The span ``llm.request`` is a child of, when it was exported (the HTTP server span)."""
 
     @property
     def attributes(self) -> dict[str, object]:
@@ -49,10 +51,13 @@ def request_trees(upstream: UpstreamOtlp) -> dict[str, RequestTree]:
     """tokentrace's request trees keyed by the request id on ``llm.request``."""
     spans = [span for _, span in exported_spans(upstream)]
     roots = {span.span_id: RequestTree(span) for span in spans if span.name == semconv.SPAN_REQUEST}
+    by_id = {(span.trace_id, span.span_id): span for span in spans}
     for span in spans:
         tree = roots.get(span.parent_span_id)
         if tree is not None and span.trace_id == tree.root.trace_id:
             tree.children.setdefault(span.name, []).append(span)
+    for tree in roots.values():
+        tree.parent = by_id.get((tree.root.trace_id, tree.root.parent_span_id))
     return {str(tree.attributes[semconv.REQUEST_ID]): tree for tree in roots.values()}
 
 

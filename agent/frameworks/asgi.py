@@ -1,0 +1,232 @@
+"""The HTTP server span of each generation request an ASGI app serves (vLLM's FastAPI server).
+
+Why: a request is the server's from the moment its HTTP server hands it to the app, well before
+the engine sees it (parsing, chat templating, tokenisation), until the response's last bytes are
+handed to the transport, after the engine's last token (detokenisation, SSE encoding). When the
+server's event loop is busy (many concurrent streams on a few cores) both stretches grow to
+seconds. Without this span the budget has no server start and end but the engine's, and can only
+call that time ``network``; with it, the time is ``http`` (span start -> engine arrival) and
+``postprocess`` (last token -> span end), as DESIGN.md defines them.
+
+The middleware wraps the app's whole middleware stack (it is the outermost layer). Per request:
+one clock read at the start and one just before the response's last bytes are sent (so the span
+ends before the client can see the response end, and a client span always contains it; the
+app's background tasks after that are not the request's), the ``traceparent`` header parsed, a
+span id chosen and a context variable set, which the framework's hooks read when the request
+reaches the engine (``current_http_span``), so that ``llm.request`` is the HTTP span's child.
+The span is planned and encoded on the emitter's thread. Only ``POST`` requests are traced:
+health checks, metrics scrapes and model listings would add a span per poll and carry no
+generation.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Final
+
+from tokentrace.agent import semconv
+from tokentrace.agent.hooks import HookGuard
+from tokentrace.agent.recorder import ClockDomain
+from tokentrace.agent.spans import (
+    KIND_SERVER,
+    AttrValue,
+    DeferredSpans,
+    PlannedSpan,
+    SpanJob,
+    parse_traceparent,
+    random_span_id_bytes,
+    random_trace_id,
+)
+
+__all__ = [
+    "HOOK_HTTP_SERVER",
+    "HttpServerSpan",
+    "HttpServerTracer",
+    "current_http_span",
+]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+HOOK_HTTP_SERVER: Final = "asgi.http_server"
+_TRACED_METHODS: Final = frozenset({"POST"})
+_TRACEPARENT_HEADER: Final = b"traceparent"
+_RESPONSE_START: Final = "http.response.start"
+_RESPONSE_BODY: Final = "http.response.body"
+_SERVER_ERROR_STATUS: Final = 500
+_ROOT_LOCAL_ID: Final = 0
+
+
+@dataclass(slots=True)
+class HttpServerSpan:
+    """One traced HTTP request, as monotonic-ns integers until the emitter plans its span."""
+
+    trace_id: bytes
+    span_id: bytes
+    parent_span_id: bytes
+    """The caller's span (from ``traceparent``); empty: the HTTP span is the trace's root."""
+    method: str
+    path: str
+    start_ns: int
+    end_ns: int = 0
+    """Read just before the response's last bytes are sent (0 until then)."""
+    status_code: int = 0
+    """From ``http.response.start``; 0 when the app sent no response."""
+    route: str = ""
+    """The matched route's template (FastAPI sets ``scope["route"]``), for the span's name."""
+    error: str | None = None
+    """The exception the app raised, by type name."""
+
+
+_current: contextvars.ContextVar[HttpServerSpan | None] = contextvars.ContextVar(
+    "tokentrace_http_server_span", default=None
+)
+
+
+def current_http_span() -> HttpServerSpan | None:
+    """The HTTP request the calling task serves (tasks the app starts inherit it), if traced."""
+    return _current.get()
+
+
+class HttpServerTracer:
+    """Makes the tracing middleware and turns each finished ``HttpServerSpan`` into a span.
+
+    ``submit`` is the emitter's (``SpanEmitter.submit``): it takes a ``DeferredSpans``, which
+    the emitter calls on its own thread.
+    """
+
+    def __init__(
+        self,
+        submit: Callable[[DeferredSpans], None],
+        *,
+        guard: HookGuard,
+        clock_domain: ClockDomain,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        self._submit = submit
+        self.guard = guard
+        self._clock_domain = clock_domain
+        self.clock = monotonic_ns
+        self.traced_requests = 0
+
+    def middleware(self, app: AsgiApp, *, enabled: Callable[[], bool]) -> AsgiApp:
+        """``app`` wrapped: traced while ``enabled()`` (checked per request) and the hook is;
+        ``app`` itself when it is this tracer's middleware already."""
+        if isinstance(app, _TracingMiddleware):
+            return app
+        return _TracingMiddleware(app, self, enabled)
+
+    def begin(self, scope: Scope) -> HttpServerSpan:
+        start_ns = self.clock()
+        context = None
+        for name, value in scope.get("headers") or ():
+            if name == _TRACEPARENT_HEADER:
+                context = parse_traceparent(value.decode("latin-1"))
+                break
+        trace_id, parent_span_id = context if context is not None else (random_trace_id(), b"")
+        self.traced_requests += 1
+        return HttpServerSpan(
+            trace_id,
+            random_span_id_bytes(),
+            parent_span_id,
+            str(scope["method"]),
+            str(scope.get("path", "")),
+            start_ns,
+        )
+
+    def end(self, span: HttpServerSpan, scope: Scope) -> None:
+        """The app returned; the span ends when the response's last bytes were sent, else now
+        (no complete response: an exception, a client that left)."""
+        if not span.end_ns:
+            span.end_ns = self.clock()
+        route = getattr(scope.get("route"), "path", None)
+        if isinstance(route, str):
+            span.route = route
+        self._submit(partial(self._plan, span))
+
+    def _plan(self, span: HttpServerSpan) -> list[SpanJob]:
+        """On the emitter's thread: the span in Unix time."""
+        unix = self._clock_domain.to_unix_ns
+        start = unix(span.start_ns)
+        attributes: dict[str, AttrValue] = {
+            semconv.HTTP_REQUEST_METHOD: span.method,
+            semconv.URL_PATH: span.path,
+        }
+        status = span.status_code
+        if status:
+            attributes[semconv.HTTP_RESPONSE_STATUS_CODE] = status
+        if span.route:
+            attributes[semconv.HTTP_ROUTE] = span.route
+        error = span.error
+        if error is None and status >= _SERVER_ERROR_STATUS:
+            error = f"HTTP {status}"  # 4xx is the client's error, not the server span's
+        if error is not None:
+            attributes[semconv.ERROR_TYPE] = span.error or str(status)
+        # Semantic conventions: "{method} {route}", the method alone without a route (a raw
+        # path would give every unknown URL a span name of its own).
+        name = f"{span.method} {span.route}" if span.route else span.method
+        planned = PlannedSpan(
+            _ROOT_LOCAL_ID, -1, name, KIND_SERVER, start, max(unix(span.end_ns), start),
+            attributes, error,
+        )  # fmt: skip
+        return [
+            SpanJob(span.trace_id, span.parent_span_id, [planned], {_ROOT_LOCAL_ID: span.span_id})
+        ]
+
+
+class _TracingMiddleware:
+    """Pure ASGI (no ``BaseHTTPMiddleware``: its extra task and body buffering would change the
+    app's timing); the app's own call always runs outside the guard."""
+
+    __slots__ = ("_app", "_enabled", "_tracer")
+
+    def __init__(self, app: AsgiApp, tracer: HttpServerTracer, enabled: Callable[[], bool]) -> None:
+        self._app = app
+        self._tracer = tracer
+        self._enabled = enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        tracer = self._tracer
+        if (
+            scope.get("type") != "http"
+            or scope.get("method") not in _TRACED_METHODS
+            or HOOK_HTTP_SERVER in tracer.guard.disabled
+            or not self._enabled()
+        ):
+            await self._app(scope, receive, send)
+            return
+        span: HttpServerSpan | None = tracer.guard.run(HOOK_HTTP_SERVER, tracer.begin, scope)
+        if span is None:
+            await self._app(scope, receive, send)
+            return
+        clock = tracer.clock
+
+        async def send_traced(message: Message) -> None:
+            kind = message.get("type")
+            if kind == _RESPONSE_BODY:
+                if not message.get("more_body", False):
+                    # Read before the last bytes are handed over, so that the span ends before
+                    # any client can see the response end (a client span always contains it).
+                    span.end_ns = clock()
+            elif kind == _RESPONSE_START:
+                status = message.get("status")
+                if type(status) is int:
+                    span.status_code = status
+            await send(message)
+
+        token = _current.set(span)
+        try:
+            await self._app(scope, receive, send_traced)
+        except BaseException as exc:
+            span.error = type(exc).__name__
+            raise
+        finally:
+            _current.reset(token)
+            tracer.guard.run(HOOK_HTTP_SERVER, tracer.end, span, scope)
