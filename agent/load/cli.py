@@ -156,6 +156,8 @@ def _run(args: argparse.Namespace) -> int:
     from tokentrace.agent.load.workload import RequestPlanner, WorkloadError, prompt_builder
 
     config = _config(args)
+    if args.otlp_protocol and not args.otlp_endpoint:  # before any request reaches the server
+        raise _UsageError("--otlp-protocol needs --otlp-endpoint")
     percents = _percents(args.percentiles)
     targets = _slo_targets(args.slo) if args.slo else []
     out_path = args.out or time.strftime("tokentrace-run-%Y%m%d-%H%M%S.json", time.gmtime())
@@ -327,8 +329,6 @@ def _exporter(args: argparse.Namespace) -> Any:
                 protocol=args.otlp_protocol or _DEFAULT_OTLP_PROTOCOL,
             )
         else:
-            if args.otlp_protocol:
-                raise _UsageError("--otlp-protocol needs --otlp-endpoint")
             config = OtlpExporterConfig.from_env(os.environ, signal="traces")
             if config is None:
                 return None

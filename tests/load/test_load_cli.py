@@ -99,6 +99,8 @@ class FakeOpenAI:
         """The arrival sequence whose stream breaks off with an ``{"error": ...}`` event."""
         self.api_key: str | None = None
         """Set: every request without ``Authorization: Bearer <api_key>`` is refused (401)."""
+        self.model_listings = 0
+        """``GET /v1/models`` requests answered."""
 
     def reset(self) -> None:
         with self._lock:
@@ -106,6 +108,7 @@ class FakeOpenAI:
         self.fail_every = 0
         self.error_event_at = None
         self.api_key = None
+        self.model_listings = 0
 
     def _refused(self, request: Request) -> Response | None:
         if self.api_key is None or request.headers.get("authorization") == f"Bearer {self.api_key}":
@@ -127,6 +130,7 @@ class FakeOpenAI:
         )
 
     async def _models(self, request: Request) -> Response:
+        self.model_listings += 1
         if (refused := self._refused(request)) is not None:
             return refused
         return JSONResponse({"object": "list", "data": [{"id": _MODEL, "object": "model"}]})
@@ -594,6 +598,7 @@ def test_bad_options_exit_2_naming_the_option(
     assert "Traceback" not in err
     assert not out.exists()
     assert served.fake.seen == []
+    assert served.fake.model_listings == 0  # rejected before anything reached the server
 
 
 def test_unreachable_server_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
