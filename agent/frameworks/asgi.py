@@ -116,6 +116,9 @@ class HttpServerTracer:
         self.clock = monotonic_ns
         self.traced_requests = 0
 
+    def stats(self) -> dict[str, int]:
+        return {"http_server_spans": self.traced_requests}
+
     def middleware(self, app: AsgiApp, *, enabled: Callable[[], bool]) -> AsgiApp:
         """``app`` wrapped: traced while ``enabled()`` (checked per request) and the hook is;
         ``app`` itself when it is this tracer's middleware already."""

@@ -28,11 +28,12 @@ step that produced it.
 - **model**: the served model name (``--served-model-name``) is read once per engine, when
   ``AsyncLLM`` / ``LLMEngine`` is built. **operation**: ``chat`` for vLLM's ``chatcmpl-`` request
   ids, otherwise ``text_completion``.
-- **HTTP server span** (``asgi.py``; ``Starlette.build_middleware_stack``): each POST that the
-  API server serves is a SERVER span from the moment uvicorn hands it to the app until the
-  response's last bytes are sent, and ``llm.request`` is its child (the request's task carries
-  it in a context variable). It honours the caller's ``traceparent``; it is what lets the budget
-  tell a busy API server (``http``, ``postprocess``) from the network.
+- **HTTP server span** (``asgi.py``; ``build_middleware_stack`` of FastAPI and Starlette): each
+  POST that the API server serves is a SERVER span from the moment uvicorn hands it to the app
+  until just before the response's last bytes are sent, and ``llm.request`` is its child (the
+  request's task carries it in a context variable). It honours the caller's ``traceparent``;
+  it is what lets the budget tell a busy API server (``http``, ``postprocess``) from the
+  network.
 - **traceparent** without the HTTP span (another frontend, or the ASGI hook disabled): vLLM
   forwards the caller's trace headers to ``AsyncLLM.add_request`` but drops them there when its
   own tracing is off; the wrapper of that coroutine hands them to the output processor's
@@ -420,6 +421,7 @@ class VllmInstrumentor(BaseInstrumentor):
                 http_tracer = HttpServerTracer(
                     runtime.emitter.submit, guard=guard, clock_domain=runtime.clock
                 )
+                runtime.add_stats_source(http_tracer.stats)
             # The process the user started begins a new cold start; vLLM's children join it.
             top_level = multiprocessing.current_process().name == _MAIN_PROCESS_NAME
             cold_start = guard.run(

@@ -206,6 +206,7 @@ def test_an_unknown_path_is_named_by_its_method_alone_and_is_no_server_error(
     assert span.name == "POST" and span.error is None
     assert semconv.HTTP_ROUTE not in span.attributes
     assert span.attributes[semconv.URL_PATH] == "/v1/nothing-here/123"
+    assert vllm_stand_in.http_tracer.stats() == {"http_server_spans": 1}
 
 
 def test_an_app_built_before_uninstrument_serves_untraced_after_it(
