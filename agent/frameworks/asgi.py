@@ -200,7 +200,6 @@ class _TracingMiddleware:
         if (
             scope.get("type") != "http"
             or scope.get("method") not in _TRACED_METHODS
-            or HOOK_HTTP_SERVER in tracer.guard.disabled
             or not self._enabled()
         ):
             await self._app(scope, receive, send)

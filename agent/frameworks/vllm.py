@@ -693,11 +693,10 @@ class VllmInstrumentor(BaseInstrumentor):
         if cold_start is not None:
             cold_start.on_request(timer)
         http = current_http_span()
-        headers = request.trace_headers or _incoming_trace_headers.get()
         context = None
         if http is not None:  # the HTTP server span already honoured the caller's traceparent
             context = http.trace_id, http.span_id
-        elif headers:
+        elif headers := request.trace_headers or _incoming_trace_headers.get():
             traceparent = headers.get("traceparent")
             if traceparent:
                 context = parse_traceparent(traceparent)

@@ -19,11 +19,9 @@ _MODELS_TIMEOUT_S: Final = 30.0
 _API_KEY_ENV: Final = "OPENAI_API_KEY"
 _AUTHORIZATION: Final = "Authorization"
 _AUTH_REFUSED: Final = frozenset({401, 403})
-_HEADERS_SET_BY_LOAD: Final = frozenset(
-    {"traceparent", "host", "content-length", "transfer-encoding", "connection"}
-)
-"""Set per request or per connection by the load client; ``--no-reuse-connections`` decides
-``Connection``."""
+_HEADERS_SET_BY_LOAD: Final = frozenset({"traceparent", "host", "connection"})
+"""Set per request or per connection by the load client (``--no-reuse-connections`` decides
+``Connection``); the HTTP client's framing headers (``http.FRAMING_HEADERS``) are refused too."""
 
 
 class LoadCommand:
@@ -276,7 +274,7 @@ def _slo_targets(path: str) -> list[Any]:
 
 def _headers(options: list[str], api_key: str | None) -> dict[str, str]:
     """``--header`` options and the API key as request headers; a usage error for bad ones."""
-    from tokentrace.agent.load.http import check_header
+    from tokentrace.agent.load.http import FRAMING_HEADERS, check_header
 
     headers: dict[str, str] = {}
     if api_key is not None:
@@ -286,7 +284,7 @@ def _headers(options: list[str], api_key: str | None) -> dict[str, str]:
         name, value = name.strip(), value.strip()
         if not colon or not name:
             raise _UsageError(f"--header {option!r}: expected 'NAME: VALUE'")
-        if name.lower() in _HEADERS_SET_BY_LOAD:
+        if name.lower() in _HEADERS_SET_BY_LOAD | FRAMING_HEADERS:
             raise _UsageError(f"--header {name}: tokentrace load sets this header itself")
         try:
             check_header(name, value)

@@ -48,7 +48,7 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEADER_VALUE_FORBIDDEN = re.compile(r"[\r\n\x00]")
 _TARGET_FORBIDDEN = re.compile(r"[^\x21-\x7e]")
 _UTF8_BOM = b"\xef\xbb\xbf"
-_FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
+FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
 """Request headers the client computes itself; caller-given values are ignored."""
 
 # How a response body is delimited.
@@ -699,7 +699,7 @@ class HttpClient:
             for name, value in headers.items():
                 check_header(name, value)
                 lower = name.lower()
-                if lower not in _FRAMING_HEADERS:
+                if lower not in FRAMING_HEADERS:
                     into[lower] = (name, value)
 
     def _request(

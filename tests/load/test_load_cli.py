@@ -577,6 +577,7 @@ def test_error_event_mid_stream_fails_that_request(
         (["--otlp-protocol", "grpc"], "--otlp-protocol"),
         (["--header", "X-Tenant blue"], "--header"),
         (["--header", "traceparent: 00-ab-cd-01"], "--header traceparent"),
+        (["--header", "Content-Length: 5"], "--header Content-Length"),
         (["--header", "X-Bad\u00e9: v"], "--header"),
     ],
 )
