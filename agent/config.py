@@ -38,6 +38,7 @@ from urllib.parse import unquote, urlsplit
 from tokentrace.agent import semconv
 from tokentrace.agent.identity import kubernetes_resource, visible_gpu_uuids
 from tokentrace.agent.otlp_export import PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF, OtlpExporterConfig
+from tokentrace.agent.recording import DEFAULT_ITL_OUTLIER_RATIO
 from tokentrace.agent.spans import AttrValue
 
 _log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ _DEFAULT_MAX_QUEUE = 8192
 _DEFAULT_MAX_REQUEST_AGE_S = 600
 _DEFAULT_ENGINE_STEPS = 4096
 _DEFAULT_STEP_SAMPLE_RATE = 0.01
-_DEFAULT_ITL_OUTLIER_RATIO = 3.0
+_DEFAULT_ITL_OUTLIER_RATIO = DEFAULT_ITL_OUTLIER_RATIO
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 

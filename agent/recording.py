@@ -17,6 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
+DEFAULT_ITL_OUTLIER_RATIO: Final = 3.0
+"""An inter-token gap above this many times the request's median gap is an outlier: the agent
+exports the engine steps inside it, the collector splits its excess by cause, the UI marks it."""
 MIN_GAPS_FOR_OUTLIERS: Final = 2
 """Fewer inter-token gaps than this have no median to compare with: no outliers."""
 
@@ -27,7 +30,13 @@ def gap_median(gaps: Sequence[int]) -> float | None:
     rule by which the agent exports the engine steps around slow tokens and the UI marks them."""
     if len(gaps) < MIN_GAPS_FOR_OUTLIERS:
         return None
-    ordered = sorted(gaps)
+    return median_of_sorted(sorted(gaps))
+
+
+def median_of_sorted(ordered: Sequence[int]) -> float | None:
+    """``gap_median`` of gaps already in ascending order (no second sort)."""
+    if len(ordered) < MIN_GAPS_FOR_OUTLIERS:
+        return None
     middle = len(ordered) // 2
     if len(ordered) % 2:
         return float(ordered[middle])

@@ -116,6 +116,37 @@ DECODE_OUTLIER_STEPS_WITH_PREFILL: Final = "tokentrace.decode.outlier_steps_with
 """Inter-token outliers whose engine step also scheduled a prefill of another request."""
 CLIENT_FIRST_TOKEN_TIME: Final = "tokentrace.client.first_token_time"
 """Unix ns at which the client received the first output token."""
+CLIENT_FIRST_BYTE_TIME: Final = "tokentrace.client.first_byte_time"
+"""Unix ns at which the client read the first byte of the response (its status line)."""
+CLIENT_STREAM: Final = "tokentrace.client.stream"
+"""Boolean: the client asked for a streamed response (a non-streamed one shows nothing until
+it is complete, so its user-visible first token is its E2E)."""
+CLIENT_CONNECTION_REUSED: Final = "tokentrace.client.connection_reused"
+"""Boolean: the request went over a kept-alive connection (false: the client opened one)."""
+CLIENT_CONNECT_NS: Final = "tokentrace.client.connect_ns"
+"""Connection setup of a new connection (name resolution, TCP handshake, TLS), ns; absent when
+the request reused a kept-alive connection."""
+CLIENT_SEND_WAIT_NS: Final = "tokentrace.client.send_wait_ns"
+"""The client's own delay before the request's bytes were written, connection setup excluded
+(pool wait, a busy client event loop, a first attempt on a stale connection), ns."""
+CLIENT_FIRST_TOKEN_READ_WAIT_NS: Final = "tokentrace.client.first_token_read_wait_ns"
+"""How late the client read its first token, ns: the larger of how long the bytes had waited in
+its kernel (TCP_INFO ``tcpi_last_data_recv`` at that read) and how long its event loop stalled
+since the request was sent (a saturated or starved client reads late)."""
+CLIENT_READ_WAIT_NS: Final = "tokentrace.client.read_wait_ns"
+"""The same at the read that completed the response, ns."""
+CLIENT_RTT_NS: Final = "tokentrace.client.rtt_ns"
+"""The kernel's smoothed round-trip time of the client's connection (TCP_INFO ``tcpi_rtt``),
+ns: the first hop only (a proxy or load balancer in between is not in it)."""
+OPENLLMETRY_IS_STREAMING: Final = "llm.is_streaming"
+"""OpenLLMetry's streaming flag on its client spans (read like ``CLIENT_STREAM``)."""
+HTTP_RECEIVE_WAIT_NS: Final = "tokentrace.http.receive_wait_ns"
+"""On the HTTP server span: how long the request's bytes had waited in the server's kernel
+before the app started (TCP_INFO ``tcpi_last_data_recv`` at app start, millisecond
+resolution), ns: the accept queue and a busy event loop, which happen before the span starts."""
+HTTP_FIRST_BODY_TIME: Final = "tokentrace.http.first_body_time"
+"""On the HTTP server span: Unix ns at which the app handed the response's first body bytes to
+the server (for a stream, the first token's delivery)."""
 ENGINE_STEP_BATCH_SIZE: Final = "tokentrace.step.batch_size"
 ENGINE_STEP_PREFILL_REQUESTS: Final = "tokentrace.step.prefill_requests"
 ENGINE_STEP_DECODE_REQUESTS: Final = "tokentrace.step.decode_requests"
@@ -208,12 +239,19 @@ DIAGNOSIS_SEGMENT: Final = "tokentrace.diagnosis.segment"
 DIAGNOSIS_CAUSE: Final = "tokentrace.diagnosis.cause"
 DIAGNOSIS_VERDICT: Final = "tokentrace.diagnosis.verdict"
 DIAGNOSIS_ADVICE: Final = "tokentrace.diagnosis.advice"
+DIAGNOSIS_METRIC: Final = "tokentrace.diagnosis.metric"
+"""The latency metric the verdict answers: that of the first SLO target the request breached,
+else ``e2e``."""
 SLO_MET: Final = "tokentrace.slo.met"
 """String array: names of the targets this request met."""
 SLO_BREACHED: Final = "tokentrace.slo.breached"
 """String array: names of the targets this request breached."""
 
 # --- budget segments (one partition of E2E, in time order) ---------------------------------------
+SEGMENT_CLIENT: Final = "client"
+"""The client's own time: waiting to send, and reading bytes that had already arrived."""
+SEGMENT_CONNECT: Final = "connect"
+"""Connection setup of a new connection (TCP handshake, TLS), as the client measured it."""
 SEGMENT_NETWORK: Final = "network"
 SEGMENT_HTTP: Final = "http"
 SEGMENT_COLD_START: Final = "cold_start"
@@ -225,6 +263,8 @@ SEGMENT_POSTPROCESS: Final = "postprocess"
 SEGMENT_UNATTRIBUTED: Final = "unattributed"
 """Time a client observed that no server span explains (a client-only trace)."""
 SEGMENTS: Final = (
+    SEGMENT_CLIENT,
+    SEGMENT_CONNECT,
     SEGMENT_NETWORK,
     SEGMENT_HTTP,
     SEGMENT_COLD_START,
@@ -235,6 +275,17 @@ SEGMENTS: Final = (
     SEGMENT_POSTPROCESS,
     SEGMENT_UNATTRIBUTED,
 )
+CLIENT_SIDE_SEGMENTS: Final = (SEGMENT_CLIENT, SEGMENT_CONNECT, SEGMENT_NETWORK)
+"""The segments only a client span can show; a server-seen budget has none of them."""
+SEGMENT_INTERFERENCE: Final = "interference"
+"""TPOT/ITL budgets: the excess of inter-token gaps whose engine steps also prefilled other
+requests (a co-scheduled prefill stalled the batch)."""
+SEGMENT_STALL: Final = "stall"
+"""TPOT/ITL budgets: the excess of inter-token gaps that no slow step of the request explains
+(the request was not stepped: the engine or its frontend stalled)."""
+DECODE_SEGMENTS: Final = (SEGMENT_DECODE, SEGMENT_INTERFERENCE, SEGMENT_STALL)
+"""How the TPOT/ITL budgets split the E2E budget's ``decode``: the request's own steps at its
+usual pace, and the excess of its outlier gaps by what the engine steps say caused it."""
 
 
 def budget_attribute(segment: str) -> str:
@@ -266,6 +317,17 @@ LATENCY_METRICS: Final = (
     METRIC_DECODE,
     METRIC_NETWORK,
 )
+METRIC_LABELS: Final = {
+    METRIC_TTFT: "TTFT",
+    METRIC_TPOT: "TPOT",
+    METRIC_ITL: "ITL",
+    METRIC_E2E: "E2E",
+    METRIC_QUEUE: "queue",
+    METRIC_PREFILL: "prefill",
+    METRIC_DECODE: "decode",
+    METRIC_NETWORK: "network",
+}
+"""How every view (load, explain, diagnose, compare, the API) names each latency metric."""
 
 # OTLP metric names (exponential histograms, unit seconds). GenAI names where they exist.
 OTLP_METRIC_NAMES: Final = {

@@ -9,9 +9,12 @@ of it arrived for ``quiet_period_s``. Limits, each with a counter:
 - ``max_pending_spans``: ``add`` raises ``Overloaded`` so receivers ask senders to retry later,
   which turns a burst into back-pressure instead of data loss.
 
-Spans that arrive for a trace finished recently are assembled as a new fragment and counted as
-``late_spans``. The receivers call ``add`` from their threads; the pipeline thread calls
-``pop_finished``; both take one short lock, and no processing happens under it.
+Spans that arrive for a trace finished recently are assembled as a new fragment (``late``) and
+counted as ``late_spans``; the pipeline re-derives the trace's requests from the stored spans plus
+the fragment's (see ``pipeline``). A fragment that finishes in the same ``pop_finished`` as its
+trace's early-finished part joins that part, so one batch never holds two parts of one trace.
+The receivers call ``add`` from their threads; the pipeline thread calls ``pop_finished``; both
+take one short lock, and no processing happens under it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tokentrace.agent.consumer import Overloaded
@@ -130,7 +133,9 @@ class TraceAssembler:
         self.stats.traces_finished += 1
         # Its spans still count as pending until the pipeline pops them: back-pressure must see
         # them, or a flood of new trace ids would grow _early without bound.
-        self._early.append(AssembledTrace(trace_id=trace_id, spans=pending.spans))
+        self._early.append(
+            AssembledTrace(trace_id=trace_id, spans=pending.spans, late=pending.late)
+        )
         self._remember_finished(trace_id)
         self.stats.traces_finished_early += 1
 
@@ -144,8 +149,10 @@ class TraceAssembler:
         now = self._clock()
         finished: list[AssembledTrace] = []
         with self._lock:
+            early_by_id: dict[bytes, AssembledTrace] = {}
             for early in self._early:
                 self._pending_spans -= len(early.spans)
+                early_by_id[early.trace_id] = early
             finished.extend(self._early)
             self._early.clear()
             if flush_all:
@@ -169,12 +176,31 @@ class TraceAssembler:
                 if pending_or_none is None:
                     continue  # listed twice: quiet and root-finished
                 self._pending_spans -= len(pending_or_none.spans)
+                self._remember_finished(trace_id)
+                early_part = early_by_id.get(trace_id)
+                if early_part is not None:
+                    # Its early-finished part is not stored yet, so the fragment could not be
+                    # matched with it later: one trace, processed once.
+                    early_part.spans.extend(pending_or_none.spans)
+                    continue
                 finished.append(
                     AssembledTrace(
                         trace_id=trace_id, spans=pending_or_none.spans, late=pending_or_none.late
                     )
                 )
-                self._remember_finished(trace_id)
                 completed += 1
             self.stats.traces_finished += completed
         return finished
+
+
+def unique_spans(spans: Iterable[SpanRef]) -> list[SpanRef]:
+    """The spans in order, each span id once (its first copy): a retried export can deliver a
+    span twice, and a trace stored in parts then holds it twice."""
+    seen: set[bytes] = set()
+    unique: list[SpanRef] = []
+    for ref in spans:
+        span_id = ref.span.span_id
+        if span_id not in seen:
+            seen.add(span_id)
+            unique.append(ref)
+    return unique

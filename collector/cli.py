@@ -29,7 +29,9 @@ _DEFAULT_TERMINAL: Final = (100, 24)
 _EXIT_OK: Final = 0
 _EXIT_USAGE: Final = 2
 _CLEAR_SCREEN: Final = "\x1b[H\x1b[2J"
-_EXPLAIN_METRICS: Final = ("e2e", "ttft", "tpot")
+_EXPLAIN_METRICS: Final = ("ttft", "tpot", "itl", "e2e")
+"""``diagnosis.VERDICT_METRICS``, spelled here so that ``--help`` imports no processors."""
+_SLOWEST_DEFAULT_METRIC: Final = "e2e"
 _NS_PER_S: Final = 1_000_000_000
 _DEFAULT_UI_LISTEN: Final = "127.0.0.1:8700"
 UI_TOKEN_ENV: Final = "TOKENTRACE_UI_TOKEN"
@@ -146,8 +148,9 @@ class ExplainCommand:
         parser.add_argument(
             "--metric",
             choices=_EXPLAIN_METRICS,
-            default="e2e",
-            help="what --slowest orders by (default: e2e)",
+            help="the metric the verdict answers about, and what --slowest orders by (default: "
+            "the metric of the first SLO target the request breached, else E2E; --slowest "
+            "orders by E2E)",
         )
         parser.add_argument(
             "--since",
@@ -166,6 +169,7 @@ class ExplainCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from tokentrace.collector.store import RequestStore, StoreError
+        from tokentrace.collector.store.sqlite import SLOWEST_METRIC_COLUMNS
 
         if args.slowest == (args.trace_id is not None):
             return _fail(self.name, "give a TRACE_ID or --slowest (not both)")
@@ -174,15 +178,20 @@ class ExplainCommand:
         try:
             store = RequestStore.open_readonly(args.store)
             if args.slowest:
+                order = args.metric or _SLOWEST_DEFAULT_METRIC
+                if order not in SLOWEST_METRIC_COLUMNS:
+                    return _fail(
+                        self.name,
+                        f"--slowest cannot order by {order} (no per-request column): give a "
+                        f"TRACE_ID, or order by one of {', '.join(SLOWEST_METRIC_COLUMNS)}",
+                    )
                 since_ns = None
                 if args.since is not None:
                     since_ns = int((time.time() - args.since) * 1e9)
-                docs = store.slowest(metric=args.metric, since_ns=since_ns, limit=args.limit)
+                docs = store.slowest(metric=order, since_ns=since_ns, limit=args.limit)
                 if not docs:
                     window = " in that window" if args.since is not None else ""
-                    return _fail(
-                        self.name, f"no requests with {args.metric} in {args.store}{window}"
-                    )
+                    return _fail(self.name, f"no requests with {order} in {args.store}{window}")
                 if args.limit > 1:
                     return self._print_list(docs, args)
                 doc = docs[0]
@@ -201,7 +210,7 @@ class ExplainCommand:
         from tokentrace.collector.render import render_explain
 
         width, color, glyphs = _terminal(sys.stdout)
-        _emit(render_explain(doc, width=width, color=color, glyphs=glyphs))
+        _emit(render_explain(doc, metric=args.metric, width=width, color=color, glyphs=glyphs))
         return _EXIT_OK
 
     @staticmethod
@@ -211,7 +220,7 @@ class ExplainCommand:
         else:
             from tokentrace.collector.render import render_slowest_list
 
-            _emit(render_slowest_list(docs, metric=args.metric))
+            _emit(render_slowest_list(docs, metric=args.metric or _SLOWEST_DEFAULT_METRIC))
         return _EXIT_OK
 
 

@@ -19,7 +19,7 @@ extensions:
   ui: {endpoint: 127.0.0.1:8700, trace_link: "http://tempo:3200/trace/{trace_id}"}
 service:
   pipelines:
-    traces: {receivers: [otlp], processors: [assembly, diagnosis, slo, percentiles],
+    traces: {receivers: [otlp], processors: [assembly, slo, diagnosis, percentiles],
              exporters: [store, otlp]}
 ```
 
@@ -63,8 +63,12 @@ _DEFAULT_MAX_REQUESTS = 1_000_000
 _DEFAULT_METRICS_INTERVAL_S = 15.0
 _DEFAULT_UI_ENDPOINT = "127.0.0.1:8700"
 
-PROCESSOR_TYPES = ("assembly", "diagnosis", "slo", "percentiles")
-"""Processor types in the only order they can run: each needs what the earlier ones derived."""
+PROCESSOR_TYPES = ("assembly", "slo", "diagnosis", "percentiles")
+"""Processor types in the order they run: each needs what the earlier ones derived (the default
+verdict answers the first SLO target the request breached)."""
+_SAME_RANK = {"diagnosis": "slo"}
+"""Configurations written before the verdict followed the SLO marks list diagnosis first: still
+valid, as the pipeline runs them in ``PROCESSOR_TYPES`` order whatever the list says."""
 EXPORTER_TYPES = ("store", "otlp")
 RECEIVER_TYPES = ("otlp",)
 EXTENSION_TYPES = ("ui",)
@@ -342,7 +346,13 @@ def parse_config(
     diagnosis_config: DiagnosisConfig | None = None
     if "diagnosis" in processor_by_kind:
         diagnosis = processors_raw.section(processor_by_kind["diagnosis"])
-        diagnosis.allow_keys("long_prompt_tokens", "bandwidth_bound_ratio", "itl_spike_ratio")
+        diagnosis.allow_keys(
+            "long_prompt_tokens",
+            "bandwidth_bound_ratio",
+            "itl_spike_ratio",
+            "interference_share",
+            "tie_ratio",
+        )
         defaults = DiagnosisConfig()
         diagnosis_config = DiagnosisConfig(
             long_prompt_tokens=diagnosis.integer(
@@ -352,6 +362,10 @@ def parse_config(
                 "bandwidth_bound_ratio", defaults.bandwidth_bound_ratio, low=0.0, high=1.0
             ),
             itl_spike_ratio=diagnosis.number("itl_spike_ratio", defaults.itl_spike_ratio, low=1.0),
+            interference_share=diagnosis.number(
+                "interference_share", defaults.interference_share, low=0.0, high=1.0
+            ),
+            tie_ratio=diagnosis.number("tie_ratio", defaults.tie_ratio, low=0.01, high=1.0),
         )
 
     targets: tuple[SloTarget, ...] = ()
@@ -502,7 +516,7 @@ def _one_per_kind(names: list[str], path: str) -> dict[str, str]:
 
 def _check_processor_order(names: list[str], path: str) -> None:
     kinds = [_kind(name) for name in names]
-    order = [PROCESSOR_TYPES.index(kind) for kind in kinds]
+    order = [PROCESSOR_TYPES.index(_SAME_RANK.get(kind, kind)) for kind in kinds]
     if order != sorted(order):
         raise ConfigError(
             f"{path}: processors must run in the order {', '.join(PROCESSOR_TYPES)} "

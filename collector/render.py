@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from tokentrace.agent import semconv
+from tokentrace.processors.diagnosis import NETWORK_NOT_MEASURED
 
 _LABEL_WIDTH: Final = 16
 _DURATION_WIDTH: Final = 12
@@ -156,8 +157,10 @@ def waterfall_rows(doc: Mapping[str, Any]) -> list[WaterfallRow]:
         add("client", semconv.SEGMENT_UNATTRIBUTED, [(client_start, client_end)])
         return rows
 
+    # The client's view outside the server span: its own waits, connection setup, the wire and
+    # the request's wait in the server's kernel (the budget splits them; one row draws them).
     add(
-        "network",
+        "outside server",
         semconv.SEGMENT_NETWORK,
         [(client_start, server_start), (server_end, client_end)],
     )
@@ -227,15 +230,16 @@ def render_waterfall(
     width: int = _DEFAULT_WIDTH,
     color: bool = False,
     glyphs: Glyphs = UNICODE_GLYPHS,
+    metric: str | None = None,
 ) -> list[str]:
-    """One line per phase (label, duration, bar on a shared axis) plus the axis line."""
+    """One line per phase (label, duration, bar on a shared axis) plus the axis line; the
+    phase of the verdict's dominant segment (about ``metric``, else the default) highlighted."""
     rows = waterfall_rows(doc)
     if not rows:
         return ["(no phase timestamps recorded)"]
     axis_end = _axis_end_ms(doc, rows)
     bar_width = max(_MIN_BAR_WIDTH, width - _LABEL_WIDTH - _DURATION_WIDTH - 2)
-    verdict = doc.get("verdict") or {}
-    highlight = verdict.get("segment")
+    highlight = waterfall_segment((chosen_verdict(doc, metric) or {}).get("segment"))
     lines: list[str] = []
     for row in rows:
         bar = draw_bar(row, axis_end_ms=axis_end, bar_width=bar_width, glyphs=glyphs)
@@ -251,25 +255,62 @@ def render_waterfall(
     return lines
 
 
-def render_budget_table(doc: Mapping[str, Any]) -> list[str]:
-    """Segment, ms, % of E2E and % of TTFT for every segment the request spent time in."""
-    budget: Mapping[str, Any] = doc.get("budget") or {}
-    ttft_budget: Mapping[str, Any] = doc.get("ttft_budget") or {}
-    e2e_ms = budget.get("e2e_ms")
-    ttft_ms = ttft_budget.get("ttft_ms")
-    header = f"{'segment':<14}{'ms':>12}{'% E2E':>9}{'% TTFT':>9}"
-    lines = [header]
-    for segment, value in budget.items():
-        if segment == "e2e_ms" or not value:
+def metric_budget_doc(
+    doc: Mapping[str, Any], metric: str, clock: str | None = None
+) -> tuple[str, Mapping[str, Any]] | None:
+    """(clock, ``{value_ms, segments}``) of one metric's budget in a request document: on
+    ``clock``, else the client's when the document has it, else the server's."""
+    clocks: Mapping[str, Any] = (doc.get("budgets") or {}).get(metric) or {}
+    for candidate in (clock,) if clock else ("client", "server"):
+        found = clocks.get(candidate)
+        if found:
+            return candidate, found
+    return None
+
+
+def render_budget_table(doc: Mapping[str, Any], *, metric: str | None = None) -> list[str]:
+    """Segment, ms, % of E2E and % of TTFT (both on the E2E budget's clock) for every segment
+    the request spent time in; for a TPOT or ITL ``metric``, that metric's budget after it."""
+    e2e = metric_budget_doc(doc, semconv.METRIC_E2E)
+    if e2e is None:
+        return ["(no budget recorded)"]
+    clock, e2e_budget = e2e
+    # The TTFT on the E2E budget's clock when the request has it there.
+    ttft = metric_budget_doc(doc, semconv.METRIC_TTFT, clock) or metric_budget_doc(
+        doc, semconv.METRIC_TTFT
+    )
+    e2e_ms = e2e_budget.get("value_ms")
+    ttft_ms = ttft[1].get("value_ms") if ttft else None
+    ttft_segments: Mapping[str, Any] = ttft[1].get("segments", {}) if ttft else {}
+    heading = f"{clock}-seen E2E {format_ms(e2e_ms)}"
+    if ttft is not None:
+        heading += f", {ttft[0]}-seen TTFT {format_ms(ttft_ms)}"
+    lines = [heading, f"{'segment':<14}{'ms':>12}{'% E2E':>9}{'% TTFT':>9}"]
+    for segment, value in (e2e_budget.get("segments") or {}).items():
+        if not value:
             continue
-        ttft_value = ttft_budget.get(segment)
         lines.append(
             f"{segment:<14}{format_ms(value, unit=False):>12}"
-            f"{_share(value, e2e_ms):>9}{_share(ttft_value, ttft_ms):>9}"
+            f"{_share(value, e2e_ms):>9}{_share(ttft_segments.get(segment), ttft_ms):>9}"
         )
     lines.append(f"{'E2E':<14}{format_ms(e2e_ms, unit=False):>12}{_share(e2e_ms, e2e_ms):>9}")
     if ttft_ms is not None:
         lines.append(f"{'TTFT':<14}{format_ms(ttft_ms, unit=False):>12}{'':>9}{'100.0%':>9}")
+    if metric in (semconv.METRIC_TPOT, semconv.METRIC_ITL):
+        found = metric_budget_doc(doc, metric)
+        if found is not None:
+            metric_clock, budget = found
+            value_ms = budget.get("value_ms")
+            what = "per output token" if metric == semconv.METRIC_TPOT else "slow gaps together"
+            lines.append("")
+            lines.append(f"{metric_clock}-seen {metric.upper()} {format_ms(value_ms)} ({what})")
+            lines.append(f"{'segment':<14}{'ms':>12}{'share':>9}")
+            for segment, value in (budget.get("segments") or {}).items():
+                if value:
+                    lines.append(
+                        f"{segment:<14}{format_ms(value, unit=False):>12}"
+                        f"{_share(value, value_ms):>9}"
+                    )
     return lines
 
 
@@ -279,12 +320,48 @@ def _share(part: float | None, whole: float | None) -> str:
     return format_percent(part / whole)
 
 
-def verdict_text(doc: Mapping[str, Any]) -> str:
-    """The verdict sentence of a request document (the line every view leads with)."""
-    verdict = doc.get("verdict")
+def chosen_verdict(doc: Mapping[str, Any], metric: str | None = None) -> Mapping[str, Any] | None:
+    """The verdict about ``metric`` (None: the document's default verdict), or None."""
+    if metric is None:
+        verdict: Mapping[str, Any] | None = doc.get("verdict")
+        return verdict
+    return (doc.get("verdicts") or {}).get(metric)
+
+
+def verdict_text(doc: Mapping[str, Any], metric: str | None = None) -> str:
+    """The verdict sentence of a request document (the line every view leads with), about
+    ``metric`` when given, else the default one."""
+    verdict = chosen_verdict(doc, metric)
     if not verdict:
+        if metric is not None and doc.get("verdict"):
+            return f"no {metric.upper()} for this request"
         return "no diagnosis for this request"
     return str(verdict.get("sentence") or verdict.get("cause") or "no diagnosis")
+
+
+def verdict_heading(doc: Mapping[str, Any], metric: str | None = None) -> str:
+    """Which metric the verdict answers about and why (the first line of ``explain``)."""
+    verdict = chosen_verdict(doc, metric)
+    if not verdict:
+        return ""
+    name = str(verdict.get("metric", "e2e")).upper()
+    clock = verdict.get("clock", "server")
+    why = verdict.get("why")  # only the default verdict has one, asked for or not
+    if not why and metric is not None:
+        why = "as asked"
+    return f"{name} ({clock}-seen): {why}" if why else f"{name} ({clock}-seen)"
+
+
+def waterfall_segment(segment: object) -> str | None:
+    """The waterfall phase that shows a verdict's segment: the parts of decode (interference,
+    stalls) are drawn as decode, the client-side segments outside the server as network."""
+    if not isinstance(segment, str):
+        return None
+    if segment in semconv.DECODE_SEGMENTS:
+        return semconv.SEGMENT_DECODE
+    if segment in semconv.CLIENT_SIDE_SEGMENTS:
+        return semconv.SEGMENT_NETWORK
+    return segment
 
 
 def _slo_marks(slo: Mapping[str, bool], *, color: bool, glyphs: Glyphs) -> str:
@@ -312,12 +389,16 @@ def _tokens_line(doc: Mapping[str, Any], glyphs: Glyphs) -> str:
 
 
 def _metrics_line(doc: Mapping[str, Any], glyphs: Glyphs) -> str:
+    """Every latency with its clock: server-seen (what the SLOs judge), client-seen beside it."""
     metrics = doc.get("metrics_ms") or {}
-    parts = [
-        f"E2E {format_ms(metrics.get(semconv.METRIC_E2E))}",
-        f"TTFT {format_ms(metrics.get(semconv.METRIC_TTFT))}",
-        f"TPOT {format_ms(metrics.get(semconv.METRIC_TPOT))}",
-    ]
+    parts = []
+    for metric, label in ((semconv.METRIC_E2E, "E2E"), (semconv.METRIC_TTFT, "TTFT")):
+        text = f"{label} server {format_ms(metrics.get(metric))}"
+        client = metric_budget_doc(doc, metric, "client")
+        if client is not None:
+            text += f" client {format_ms(client[1].get('value_ms'))}"
+        parts.append(text)
+    parts.append(f"TPOT {format_ms(metrics.get(semconv.METRIC_TPOT))}")
     itl = metrics.get(semconv.METRIC_ITL) or {}
     if itl.get("count"):
         parts.append(
@@ -330,11 +411,13 @@ def _metrics_line(doc: Mapping[str, Any], glyphs: Glyphs) -> str:
 def render_explain(
     doc: Mapping[str, Any],
     *,
+    metric: str | None = None,
     width: int = _DEFAULT_WIDTH,
     color: bool = False,
     glyphs: Glyphs = UNICODE_GLYPHS,
 ) -> str:
-    """The full ``tokentrace explain`` view of one request document."""
+    """The full ``tokentrace explain`` view of one request document; the verdict about
+    ``metric`` when given, else the default one."""
     start = (doc.get("start") or {}).get("iso", "?")
     title = (
         f"trace {doc.get('trace_id', '?')}  span {doc.get('span_id', '?')}  "
@@ -342,12 +425,24 @@ def render_explain(
         f"{start}"
     )
     lines = [_paint(title, _ANSI_BOLD, color), ""]
-    verdict = doc.get("verdict") or {}
-    lines.append(f"{'verdict':<10}" + _paint(verdict_text(doc), _ANSI_BOLD, color))
+    verdict = chosen_verdict(doc, metric) or {}
+    heading = verdict_heading(doc, metric)
+    if heading:
+        lines.append(f"{'about':<10}{heading}")
+    lines.append(f"{'verdict':<10}" + _paint(verdict_text(doc, metric), _ANSI_BOLD, color))
     if verdict.get("advice"):
         lines.append(f"{'advice':<10}{verdict['advice']}")
     if verdict.get("segment"):
         lines.append(f"{'dominant':<10}{verdict['segment']} ({verdict.get('cause', '?')})")
+    others = [
+        f"{name.upper()} {other.get('segment')} ({other.get('cause')})"
+        for name, other in (doc.get("verdicts") or {}).items()
+        if other is not verdict and other.get("metric") != verdict.get("metric")
+    ]
+    if others:
+        lines.append(f"{'others':<10}" + glyphs.separator.join(others) + "  (explain --metric)")
+    if (verdict.get("numbers") or {}).get("network_measured") == 0:
+        lines.append(f"{'note':<10}{NETWORK_NOT_MEASURED}")
     lines.append(f"{'latency':<10}{_metrics_line(doc, glyphs)}")
     lines.append(f"{'tokens':<10}{_tokens_line(doc, glyphs)}")
     slo = doc.get("slo") or {}
@@ -366,21 +461,21 @@ def render_explain(
         )
     lines.append("")
     lines.append(_paint("waterfall", _ANSI_DIM, color))
-    lines.extend(render_waterfall(doc, width=width, color=color, glyphs=glyphs))
+    lines.extend(render_waterfall(doc, width=width, color=color, glyphs=glyphs, metric=metric))
     lines.append("")
     lines.append(_paint("budget", _ANSI_DIM, color))
-    lines.extend(render_budget_table(doc))
+    lines.extend(render_budget_table(doc, metric=verdict.get("metric")))
     return "\n".join(lines) + "\n"
 
 
 def render_slowest_list(docs: Sequence[Mapping[str, Any]], *, metric: str) -> str:
-    """One line per request: trace id, the metric, model, and the verdict sentence."""
+    """One line per request: trace id, the metric, model, and the verdict about that metric."""
     lines = [f"{'trace id':<34}{metric.upper():>12}  {'model':<20}verdict"]
     for doc in docs:
         value = (doc.get("metrics_ms") or {}).get(metric)
         lines.append(
             f"{doc.get('trace_id', '?'):<34}{format_ms(value):>12}  "
-            f"{str(doc.get('model', '?'))[:19]:<20}{verdict_text(doc)}"
+            f"{str(doc.get('model', '?'))[:19]:<20}{verdict_text(doc, metric)}"
         )
     return "\n".join(lines) + "\n"
 
@@ -488,7 +583,7 @@ _LOSS_COUNTER_SUFFIXES = (
     "refused_batches",
     "spans_dropped_trace_full",
     "traces_finished_early",
-    "late_spans",
+    "late_traces_unmatched",
     "percentile_keys_evicted",
     "dropped_spans",
     "dropped_data_points",

@@ -75,11 +75,20 @@ class Collector:
 
         config = self.config
         try:
+            store_sink: StoreSink | None = None
             if config.store is not None:
-                self.sinks.append(StoreSink(config.store, slo_targets=config.slo_targets))
+                store_sink = StoreSink(
+                    config.store, slo_targets=config.slo_targets, diagnosis=config.diagnosis
+                )
+                self.sinks.append(store_sink)
             for upstream in config.upstream:
                 self.sinks.append(UpstreamSink(upstream))
-            self.pipeline = Pipeline(config, sinks=self.sinks)
+            # Late spans join their request through the spans the store holds for its trace.
+            self.pipeline = Pipeline(
+                config,
+                sinks=self.sinks,
+                earlier_spans=None if store_sink is None else store_sink.stored_spans,
+            )
             self.pipeline.start()
             self._start_ui()
             self._start_receivers(self.pipeline)

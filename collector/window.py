@@ -3,19 +3,22 @@
 The store keeps every request's spans (client span included, however late it arrived), so the
 records are rebuilt exactly as the pipeline built them (``timeline.normalize`` then
 ``budget.request_record``) rather than read back from summary columns: window diagnosis needs
-the whole record (ITL gaps, prefix hashes, preemptions), and a client span that reached the
-collector after its trace was assembled still counts here.
+the whole record (ITL gaps, prefix hashes, preemptions). ``stored_spans_by_trace`` is also how
+the collector reads a trace's stored spans back when late spans join it (``pipeline``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from tokentrace.collector.assembly import unique_spans
 from tokentrace.collector.pipeline import group_by_trace
+from tokentrace.collector.store.query import QueryTimeoutError
 from tokentrace.collector.store.sqlite import RequestStore
 from tokentrace.processors.budget import request_record
 from tokentrace.processors.model import AssembledTrace, RequestRecord, SpanRef
@@ -33,18 +36,29 @@ class StoredWindow:
     """Stored traces whose spans could not be parsed or normalised (logged, skipped)."""
 
 
-def records_of_traces(store: RequestStore, trace_ids: Iterable[bytes]) -> StoredWindow:
-    """The request records of the given traces, from their stored spans."""
+def records_of_traces(
+    store: RequestStore,
+    trace_ids: Iterable[bytes],
+    *,
+    deadline: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> StoredWindow:
+    """The request records of the given traces, from their stored spans.
+
+    ``deadline`` (on ``clock``): past it, QueryTimeoutError instead of reading on (re-deriving
+    costs about half a millisecond per request: an API must not hold a worker for a minute)."""
     asked = list(dict.fromkeys(trace_ids))
     window = StoredWindow(records=[], traces_found=0, traces_asked=len(asked))
     for trace_id, otlp in store.traces_otlp(asked):
+        if deadline is not None and clock() > deadline:
+            raise QueryTimeoutError(
+                f"re-derived {window.traces_found:,} of the window's {len(asked):,} traces "
+                "before the time budget ran out: narrow the window or lower the request limit"
+            )
         window.traces_found += 1
         try:
-            request = ExportTraceServiceRequest.FromString(otlp)
-            groups, _ = group_by_trace(request)
-            for grouped_id, spans in groups.items():
-                # A retried export can deliver a span twice; the stored parts then hold it twice.
-                for timeline in normalize(AssembledTrace(grouped_id, _first_of_each(spans))):
+            for grouped_id, spans in stored_spans_by_trace(otlp).items():
+                for timeline in normalize(AssembledTrace(grouped_id, spans)):
                     window.records.append(request_record(timeline))
         except Exception:  # one bad trace must not hide the window
             window.undecodable += 1
@@ -52,12 +66,8 @@ def records_of_traces(store: RequestStore, trace_ids: Iterable[bytes]) -> Stored
     return window
 
 
-def _first_of_each(spans: list[SpanRef]) -> list[SpanRef]:
-    """The spans in order, each span id once (its first copy)."""
-    seen: set[bytes] = set()
-    unique: list[SpanRef] = []
-    for ref in spans:
-        if ref.span.span_id not in seen:
-            seen.add(ref.span.span_id)
-            unique.append(ref)
-    return unique
+def stored_spans_by_trace(otlp: bytes) -> dict[bytes, list[SpanRef]]:
+    """The spans of a stored trace (a serialised ``ExportTraceServiceRequest``, possibly
+    written in several parts) grouped by trace id, each span id once."""
+    groups, _ = group_by_trace(ExportTraceServiceRequest.FromString(otlp))
+    return {trace_id: unique_spans(spans) for trace_id, spans in groups.items()}

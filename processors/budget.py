@@ -25,10 +25,26 @@ negative; ``skew_clamped`` is set when a clamp changed a value (also when ``serv
 and server clocks are never compared in absolute terms: only durations are. With a client span,
 ``network = max(0, client duration - server duration)`` and E2E = server E2E + network.
 
+The time outside the server span (client duration - server duration) is not all network. It
+is split by what each side measured on its own clock (``_split_outside``), in this order, each
+part capped by what is left: ``connect`` (the client's setup of a new connection), ``client``
+(the client's own delays: before its request's bytes were written, and the response's bytes
+waiting in its kernel before it read them), ``http`` (the request's bytes waiting in the
+server's kernel before the app started: the accept queue and a busy event loop, which happen
+before the HTTP server span starts) and ``network``: the rest, the wire and whatever sits on it
+(a proxy, a load balancer). A client span without these facts (an application's own client
+instrumentation) leaves the whole gap in ``network``, as before.
+
 TTFT: ``ttft_ns = first_token - server_start`` (after clamping), None without a token.
 ``ttft_segments`` is the same partition truncated at the first token and covers the SERVER-side
-TTFT only: it sums to ``ttft_ns`` and its ``network`` entry is always 0 (client TTFT minus server
-TTFT is not added, because the two clocks are not comparable in absolute terms).
+TTFT only: it sums to ``ttft_ns``, with no client-side segment. The client-seen TTFT
+(``client_ttft_ns``: client first token - client start, one clock) has its own partition,
+``client_ttft_segments``: the server-seen TTFT's segments, plus in ``http`` the first token's
+delivery by the server (first token -> first response body bytes, when the HTTP span marks it),
+plus the time outside the server, split as above (with the wait before the first token's read).
+
+``decode_split.py`` splits ``decode`` into the request's own pace, co-scheduled prefill
+interference and stalls, when a TPOT or ITL budget asks (most requests' verdicts never do).
 
 Client-only timelines (no server span): all of E2E (the client duration) is ``unattributed``;
 ``ttft_ns`` is the client-observed TTFT (``client_first_token - client_start``) when known, with
@@ -37,12 +53,16 @@ Client-only timelines (no server span): all of E2E (the client duration) is ``un
 
 from __future__ import annotations
 
+import operator
 from bisect import bisect_right
-from collections.abc import Sequence
-from itertools import pairwise
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import islice
 from typing import Final
 
 from tokentrace.agent import semconv
+from tokentrace.agent.recording import DEFAULT_ITL_OUTLIER_RATIO
+from tokentrace.processors.decode_split import decode_facts_of
 from tokentrace.processors.model import Budget, RequestMetrics, RequestRecord, RequestTimeline
 
 PROMPT_BUCKET_BOUNDS: Final = (128, 512, 2048, 8192)
@@ -158,15 +178,73 @@ def compute_budget(timeline: RequestTimeline) -> Budget:
                 ttft_segments[segment] = segments[segment]
             ttft_segments[semconv.SEGMENT_PREEMPTED] = preempted_in_prefill
 
-    network = 0 if client_duration is None else max(0, client_duration - server_e2e)
-    segments[semconv.SEGMENT_NETWORK] = network
-    return Budget(
-        e2e_ns=server_e2e + network,
+    outside = 0
+    if client_duration is not None:
+        outside = max(0, client_duration - server_e2e)
+        _add_outside(segments, outside, timeline, read_wait=timeline.client_read_wait_ns)
+    budget = Budget(
+        e2e_ns=server_e2e + outside,
         segments=segments,
         ttft_ns=ttft_ns,
         ttft_segments=ttft_segments,
         skew_clamped=skew,
+        server_e2e_ns=server_e2e,
     )
+    if ttft_ns is not None:
+        budget.client_ttft_ns, budget.client_ttft_segments = _client_ttft(
+            timeline, ttft_ns, ttft_segments, server_start
+        )
+    return budget
+
+
+def _total(*values: int | None) -> int | None:
+    """The sum of the known values; None when none is known."""
+    known = [value for value in values if value is not None]
+    return sum(known) if known else None
+
+
+def _add_outside(
+    segments: dict[str, int], outside_ns: int, timeline: RequestTimeline, *, read_wait: int | None
+) -> None:
+    """Add the time outside the server span to ``segments`` by who spent it (see the module
+    docstring): ``connect``, ``client`` (its wait to send and ``read_wait``), ``http`` (before
+    the app) and ``network``, each claim capped by what is left."""
+    remaining = outside_ns
+    client_wait = _total(timeline.client_send_wait_ns, read_wait)
+    for segment, claimed in (
+        (semconv.SEGMENT_CONNECT, timeline.client_connect_ns),
+        (semconv.SEGMENT_CLIENT, client_wait),
+        (semconv.SEGMENT_HTTP, timeline.http_receive_wait_ns),
+    ):
+        if claimed:
+            taken = min(claimed, remaining)
+            segments[segment] += taken
+            remaining -= taken
+    segments[semconv.SEGMENT_NETWORK] += remaining
+
+
+def _client_ttft(
+    timeline: RequestTimeline, ttft_ns: int, ttft_segments: dict[str, int], server_start: int
+) -> tuple[int | None, dict[str, int]]:
+    """The client-seen TTFT and its partition (see the module docstring); (None, {}) without a
+    client span that marks its first token."""
+    start, first_token = timeline.client_start, timeline.client_first_token
+    if start is None or first_token is None or timeline.client_end is None:
+        return None, {}
+    client_ttft = max(first_token - start, 0)
+    segments = dict(ttft_segments)
+    server_part = ttft_ns
+    if timeline.server_first_body is not None and timeline.first_token is not None:
+        # The server's delivery of the first token (its API server's work after the engine),
+        # on the server's clock, capped by what the client saw.
+        delivery = max(0, timeline.server_first_body - server_start - ttft_ns)
+        delivery = min(delivery, max(client_ttft - ttft_ns, 0))
+        segments[semconv.SEGMENT_HTTP] += delivery
+        server_part += delivery
+    outside = max(0, client_ttft - server_part)
+    _add_outside(segments, outside, timeline, read_wait=timeline.client_first_token_read_wait_ns)
+    # A client TTFT shorter than the server's (skewed durations) keeps the server's partition.
+    return server_part + outside, segments
 
 
 def _monotone(values: list[int], low: int, high: int) -> tuple[list[int], bool]:
@@ -240,12 +318,14 @@ def _client_only_budget(timeline: RequestTimeline, client_duration: int, skew: b
 
 
 def compute_metrics(timeline: RequestTimeline, budget: Budget) -> RequestMetrics:
-    """TTFT, TPOT, E2E, ITL gaps and segment values per DESIGN.md's timing definitions.
+    """TTFT, TPOT, E2E, ITL gaps and segment values per the README's timing definitions.
 
-    ``e2e`` is the server-side E2E (network excluded; the client duration for a client-only
-    timeline). ``queue``/``prefill``/``decode`` are the budget segments, None for client-only
-    timelines and for server timelines without any engine boundary. ``network`` is None without a
-    client span. ITL gaps come only from recorded token offsets; none are invented.
+    ``e2e`` is the server-side E2E (the time outside the server excluded; the client duration
+    for a client-only timeline). ``queue``/``prefill``/``decode`` are the budget segments, None
+    for client-only timelines and for server timelines without any engine boundary. ``network``
+    is the budget's ``network`` segment (the wire, once the client's and the server's own waits
+    are taken out), None without a client span. ITL gaps come only from recorded token offsets;
+    none are invented.
     """
     segments = budget.segments
     client_present = timeline.client_start is not None and timeline.client_end is not None
@@ -253,13 +333,12 @@ def compute_metrics(timeline: RequestTimeline, budget: Budget) -> RequestMetrics
     prefill: int | None = None
     decode: int | None = None
     network: int | None = None
-    if _server_bounds(timeline) is None:
+    if budget.server_e2e_ns is None:
         e2e = budget.e2e_ns
     else:
-        network_ns = segments.get(semconv.SEGMENT_NETWORK, 0)
-        e2e = budget.e2e_ns - network_ns
+        e2e = budget.server_e2e_ns
         if client_present:
-            network = network_ns
+            network = segments.get(semconv.SEGMENT_NETWORK, 0)
         if _has_engine_boundary(timeline):
             queue = segments.get(semconv.SEGMENT_QUEUE, 0)
             prefill = segments.get(semconv.SEGMENT_PREFILL, 0)
@@ -286,12 +365,11 @@ def compute_metrics(timeline: RequestTimeline, budget: Budget) -> RequestMetrics
 def inter_token_gaps_ns(offsets_us: Sequence[int]) -> list[int]:
     """Gaps between consecutive token offsets (µs), in ns, in token order; negative
     (malformed) gaps are skipped. ``RequestMetrics.itl`` and the store's documents use this."""
-    gaps: list[int] = []
-    for previous, current in pairwise(offsets_us):
-        gap = current - previous
-        if gap >= 0:
-            gaps.append(gap * _NS_PER_US)
-    return gaps
+    # Per token, in C (map, min): this runs for every request the collector sees.
+    gaps = list(map(operator.sub, islice(offsets_us, 1, None), offsets_us))
+    if gaps and min(gaps) < 0:
+        gaps = [gap for gap in gaps if gap >= 0]
+    return list(map(_NS_PER_US.__mul__, gaps))
 
 
 def prompt_bucket(input_tokens: int | None) -> str:
@@ -301,7 +379,9 @@ def prompt_bucket(input_tokens: int | None) -> str:
     return PROMPT_BUCKETS[bisect_right(PROMPT_BUCKET_BOUNDS, input_tokens)]
 
 
-def request_record(timeline: RequestTimeline) -> RequestRecord:
+def request_record(
+    timeline: RequestTimeline, *, outlier_ratio: float = DEFAULT_ITL_OUTLIER_RATIO
+) -> RequestRecord:
     """The record of one normalised request: its budget, metrics and prompt bucket (verdict and
     SLO marks are the diagnosis and SLO processors' to add)."""
     budget = compute_budget(timeline)
@@ -310,4 +390,120 @@ def request_record(timeline: RequestTimeline) -> RequestRecord:
         budget=budget,
         metrics=compute_metrics(timeline, budget),
         prompt_bucket=prompt_bucket(timeline.input_tokens),
+        outlier_ratio=outlier_ratio,
     )
+
+
+# --- one budget per latency metric ----------------------------------------------------------------
+CLOCK_SERVER: Final = "server"
+CLOCK_CLIENT: Final = "client"
+
+
+@dataclass(slots=True, frozen=True)
+class MetricBudget:
+    """One latency metric of one request, split into the segments that make it up.
+
+    ``segments`` are >= 0 and sum exactly to ``value_ns``. TTFT and E2E exist on both clocks
+    when a client span came (the client-seen ones add the client-side segments); TPOT and ITL
+    only on the server's:
+
+    - TPOT: the time after the first token (decode split by cause, preemption, post-processing)
+      apportioned per output token after the first, so it sums to the TPOT value;
+    - ITL: the request's outlier inter-token gaps together (``decode_split.decode_facts_of``),
+      or all its gaps, its own pace, when none is an outlier.
+    """
+
+    metric: str
+    clock: str
+    value_ns: int
+    segments: Mapping[str, int]
+
+
+def metric_budget(
+    record: RequestRecord, metric: str, *, clock: str | None = None
+) -> MetricBudget | None:
+    """``metric``'s budget on ``clock`` (None: the client's when the request has it, else the
+    server's); None when the request has no value for it on that clock."""
+    budget = record.budget
+    timeline = record.timeline
+    client_only = budget.server_e2e_ns is None
+    if metric in (semconv.METRIC_TTFT, semconv.METRIC_E2E):
+        client_view: tuple[int, Mapping[str, int]] | None = None
+        server_view: tuple[int, Mapping[str, int]] | None = None
+        if metric == semconv.METRIC_TTFT:
+            if budget.client_ttft_ns is not None:
+                client_view = (budget.client_ttft_ns, budget.client_ttft_segments)
+            elif client_only and budget.ttft_ns is not None:
+                client_view = (budget.ttft_ns, budget.ttft_segments)
+            if not client_only and budget.ttft_ns is not None:
+                server_view = (budget.ttft_ns, budget.ttft_segments)
+        else:
+            if timeline.client_start is not None and timeline.client_end is not None:
+                client_view = (budget.e2e_ns, budget.segments)
+            if budget.server_e2e_ns is not None:
+                server_view = (budget.server_e2e_ns, server_e2e_segments(budget))
+        if clock == CLOCK_CLIENT or (clock is None and client_view is not None):
+            view, chosen = client_view, CLOCK_CLIENT
+        else:
+            view, chosen = server_view, CLOCK_SERVER
+        return None if view is None else MetricBudget(metric, chosen, view[0], view[1])
+    if clock == CLOCK_CLIENT or client_only:
+        return None
+    if metric == semconv.METRIC_TPOT:
+        tpot = record.metrics.tpot
+        if tpot is None or budget.ttft_ns is None or not timeline.output_tokens:
+            return None
+        after = after_first_token_segments(budget, decode_facts_of(record).split)
+        return MetricBudget(metric, CLOCK_SERVER, tpot, apportion(after, tpot))
+    if metric == semconv.METRIC_ITL:
+        gaps = record.metrics.itl
+        if not gaps:
+            return None
+        outliers = decode_facts_of(record).outlier_gaps
+        if not outliers:  # steady gaps: all of it is the request's own pace
+            total = sum(gaps)
+            return MetricBudget(metric, CLOCK_SERVER, total, {semconv.SEGMENT_DECODE: total})
+        segments = dict.fromkeys((*semconv.DECODE_SEGMENTS, semconv.SEGMENT_PREEMPTED), 0)
+        for part in outliers:
+            for segment, ns in part.segments().items():
+                segments[segment] += ns
+        return MetricBudget(metric, CLOCK_SERVER, sum(segments.values()), segments)
+    return None
+
+
+def server_e2e_segments(budget: Budget) -> dict[str, int]:
+    """The server-seen E2E's partition: the budget without the time outside the server span
+    (client-side segments, and the kernel wait before the app that ``http`` also holds)."""
+    segments = dict(budget.segments)
+    outside = budget.e2e_ns - (budget.server_e2e_ns or 0)
+    for segment in semconv.CLIENT_SIDE_SEGMENTS:
+        outside -= segments.get(segment, 0)
+        segments[segment] = 0
+    segments[semconv.SEGMENT_HTTP] = max(0, segments.get(semconv.SEGMENT_HTTP, 0) - outside)
+    return segments
+
+
+def after_first_token_segments(budget: Budget, decode_split: Mapping[str, int]) -> dict[str, int]:
+    """The server-seen time after the first token (E2E - TTFT): decode split by cause
+    (``decode_split``), preemption during decode and post-processing."""
+    after: dict[str, int] = dict(decode_split) or {
+        semconv.SEGMENT_DECODE: budget.segments.get(semconv.SEGMENT_DECODE, 0)
+    }
+    after[semconv.SEGMENT_PREEMPTED] = budget.segments.get(
+        semconv.SEGMENT_PREEMPTED, 0
+    ) - budget.ttft_segments.get(semconv.SEGMENT_PREEMPTED, 0)
+    after[semconv.SEGMENT_POSTPROCESS] = budget.segments.get(semconv.SEGMENT_POSTPROCESS, 0)
+    return after
+
+
+def apportion(parts: Mapping[str, int], total: int) -> dict[str, int]:
+    """``parts`` scaled to sum exactly to ``total`` (largest remainders get the leftover ns)."""
+    whole = sum(parts.values())
+    if whole <= 0:
+        return {name: 0 for name in parts} | ({next(iter(parts)): total} if parts else {})
+    shares = {name: divmod(ns * total, whole) for name, ns in parts.items()}
+    scaled = {name: quotient for name, (quotient, _) in shares.items()}
+    leftover = total - sum(scaled.values())
+    for name in sorted(shares, key=lambda n: shares[n][1], reverse=True)[:leftover]:
+        scaled[name] += 1
+    return scaled

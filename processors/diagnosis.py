@@ -1,24 +1,35 @@
-"""Name the single dominant cost of a request or a window, with a cause, advice and numbers.
+"""Name the dominant cost of one latency metric of a request, with a cause, advice and numbers.
 
-Per request: the dominant segment is the largest segment of the E2E budget (ties go to the
-segment earlier in time order); a small rule table turns it into a cause, using the request's
-context (prompt length, queue depth, prefix hash, ITL shape, memory bandwidth). Rules, in the
-order they are checked:
+The method this serves: a target is a metric at a percentile, so a verdict answers about one
+metric (``VERDICT_METRICS``: TTFT, TPOT, ITL, E2E), from that metric's own budget
+(``budget.metric_budget``): decode time cannot delay a first token, so a TTFT verdict never names
+it. The budget is the client-seen one when a client span came (what the user saw, network
+included), else the server-seen one, and the sentence says which.
+
+Per request and metric: the dominant segment is the largest of the metric's budget (ties go to
+the segment earlier in ``_SEGMENT_ORDER``); a second segment within ``tie_ratio`` of it is named
+too, larger first. A small rule table turns the dominant segment into a cause, using the
+request's context (prompt length, queue depth, prefix hash, ITL shape, memory bandwidth, the
+client's connection). Rules, in the order they are checked:
 
 1. ``error``: the request ended with an error status (the dominant segment is still cited).
-2. ``unattributed``: the dominant time is unattributed: only client spans arrived, or the server
-   span carries no phase timings (e.g. a vLLM ``llm_request`` span without its TTFT).
-3. ``kv_cache_pressure``: preemption dominates, or is at least ``preemption_share`` of E2E.
+2. ``unattributed``: only client spans arrived, or the server span has no phase timings.
+3. ``kv_cache_pressure``: preemption dominates, or is at least ``preemption_share`` of the value.
 4. By dominant segment: queue -> ``queueing``; cold_start -> ``cold_start``; prefill ->
-   ``prefix_cache_miss`` (a shared prefix recomputed with a reported 0 cached tokens: the more
-   specific fix wins over prompt length), else ``long_prompt``, else ``prefill``; decode ->
-   ``bandwidth_bound_decode``, else ``batching_interference`` (spiky ITL tail and prefills in
-   the outlier steps, or unknown), else ``long_decode``; network / http / postprocess -> the
-   cause of that name.
+   ``prefix_cache_miss`` (a shared prefix recomputed with a reported 0 cached tokens), else
+   ``long_prompt`` (at least ``long_prompt_tokens`` computed, cached ones left out), else
+   ``prefill``; decode -> ``bandwidth_bound_decode`` when GPU samples say
+   so, else for E2E ``batching_interference`` (interference from co-scheduled prefills at least
+   ``interference_share`` of decode; without step data, a spiky ITL tail) or ``long_decode``
+   (many tokens), and for TPOT/ITL ``slow_decode`` (the per-token pace);
+   interference -> ``batching_interference``; stall -> ``decode_stall``; network / http /
+   postprocess -> the cause of that name; client -> ``client_saturated``; connect ->
+   ``connection_setup``.
 
-Segments before the first token are phrased against TTFT when the TTFT budget is known
-("82% of TTFT was queue wait"), the rest against E2E. Everything here tolerates ``None``
-context: a missing number is left out of the sentence, never guessed.
+A server-seen TTFT or E2E says that the network was not measured (no client span), rather than
+folding it into another segment. Everything here tolerates ``None`` context: a missing number
+is left out of the sentence, never guessed. Window findings (per SLO target, per metric) are in
+``findings.py``; they reuse ``cause_of_segment`` so that a window names the same causes.
 """
 
 from __future__ import annotations
@@ -30,10 +41,27 @@ from dataclasses import dataclass
 from typing import Final
 
 from tokentrace.agent import semconv
-from tokentrace.processors.budget import has_server_view
+from tokentrace.agent.recording import DEFAULT_ITL_OUTLIER_RATIO, gap_median
+from tokentrace.processors.budget import (
+    CLOCK_CLIENT,
+    CLOCK_SERVER,
+    MetricBudget,
+    has_server_view,
+    metric_budget,
+    server_e2e_segments,
+)
+from tokentrace.processors.decode_split import decode_facts_of
 from tokentrace.processors.model import RequestRecord, Verdict
 from tokentrace.processors.stats import nearest_rank
 from tokentrace.processors.timeline import DIALECT_VLLM
+
+VERDICT_METRICS: Final = (
+    semconv.METRIC_TTFT,
+    semconv.METRIC_TPOT,
+    semconv.METRIC_ITL,
+    semconv.METRIC_E2E,
+)
+"""The metrics a verdict can answer about, in the order views list them."""
 
 # --- causes -------------------------------------------------------------------------------------
 CAUSE_QUEUEING: Final = "queueing"
@@ -44,8 +72,12 @@ CAUSE_PREFILL: Final = "prefill"
 CAUSE_BANDWIDTH_BOUND_DECODE: Final = "bandwidth_bound_decode"
 CAUSE_BATCHING_INTERFERENCE: Final = "batching_interference"
 CAUSE_LONG_DECODE: Final = "long_decode"
+CAUSE_SLOW_DECODE: Final = "slow_decode"
+CAUSE_DECODE_STALL: Final = "decode_stall"
 CAUSE_KV_CACHE_PRESSURE: Final = "kv_cache_pressure"
 CAUSE_NETWORK: Final = "network"
+CAUSE_CONNECTION_SETUP: Final = "connection_setup"
+CAUSE_CLIENT_SATURATED: Final = "client_saturated"
 CAUSE_HTTP: Final = "http"
 CAUSE_POSTPROCESS: Final = "postprocess"
 CAUSE_UNATTRIBUTED: Final = "unattributed"
@@ -59,8 +91,12 @@ CAUSES: Final = (
     CAUSE_BANDWIDTH_BOUND_DECODE,
     CAUSE_BATCHING_INTERFERENCE,
     CAUSE_LONG_DECODE,
+    CAUSE_SLOW_DECODE,
+    CAUSE_DECODE_STALL,
     CAUSE_KV_CACHE_PRESSURE,
     CAUSE_NETWORK,
+    CAUSE_CONNECTION_SETUP,
+    CAUSE_CLIENT_SATURATED,
     CAUSE_HTTP,
     CAUSE_POSTPROCESS,
     CAUSE_UNATTRIBUTED,
@@ -68,6 +104,10 @@ CAUSES: Final = (
 )
 """Every cause a verdict can name (``Verdict.cause``), stable identifiers."""
 
+_FRONTEND_CPU_ADVICE: Final = (
+    "When the server's frontend is CPU-bound (many concurrent streams), add API server "
+    "processes (vLLM --api-server-count) or cores."
+)
 ADVICE: Final[Mapping[str, str]] = {
     CAUSE_QUEUEING: (
         "Add replicas, or raise the batch limit (vLLM max_num_seqs) if GPU memory allows; "
@@ -101,24 +141,40 @@ ADVICE: Final[Mapping[str, str]] = {
         "Many output tokens: cap max_tokens or ask for shorter answers, use speculative "
         "decoding, or faster per-token hardware."
     ),
+    CAUSE_SLOW_DECODE: (
+        "Each token is slow to compute: use a smaller or quantised model, speculative decoding, "
+        "or faster hardware; a smaller batch (max_num_seqs) shortens each step when latency "
+        "matters more than throughput."
+    ),
+    CAUSE_DECODE_STALL: (
+        "Tokens stopped coming with no engine step of the request behind them: look for a "
+        "starved engine or API server process (CPU share, GIL contention, synchronous work in "
+        "the serving loop) and for host-side pauses (swapping, garbage collection)."
+    ),
     CAUSE_KV_CACHE_PRESSURE: (
         "Running requests are evicted for lack of KV-cache memory: raise "
         "gpu_memory_utilization, lower max_num_seqs, or shorten max_model_len."
     ),
     CAUSE_NETWORK: (
-        "Place clients closer to the servers, reuse connections (keep-alive, HTTP/2), and send "
-        "smaller payloads."
+        "Place clients closer to the servers (or remove a slow proxy or load balancer hop), "
+        "reuse connections (keep-alive, HTTP/2), and send smaller payloads."
+    ),
+    CAUSE_CONNECTION_SETUP: (
+        "Reuse connections: keep-alive and a connection pool in the client (one client object "
+        "per process, not per request), TLS session resumption, HTTP/2."
+    ),
+    CAUSE_CLIENT_SATURATED: (
+        "The client itself was late to send or to read (its event loop or CPU was busy): run "
+        "fewer concurrent requests per client process or give it more cores; in an "
+        "application, keep blocking work off the loop that reads the stream."
     ),
     CAUSE_HTTP: (
-        "Reuse connections, keep tokenisation and chat templating on a fast path (fast "
-        "tokenizer, cached templates), and send smaller payloads. When the server's frontend "
-        "is CPU-bound (many concurrent streams), add API server processes (vLLM "
-        "--api-server-count) or cores."
+        "Keep tokenisation and chat templating on a fast path (fast tokenizer, cached "
+        "templates) and off the event loop, and send smaller payloads. " + _FRONTEND_CPU_ADVICE
     ),
     CAUSE_POSTPROCESS: (
         "Stream the response, detokenise incrementally, and keep response assembly and "
-        "serialisation light. When the server's frontend is CPU-bound (many concurrent "
-        "streams), add API server processes (vLLM --api-server-count) or cores."
+        "serialisation light. " + _FRONTEND_CPU_ADVICE
     ),
     CAUSE_UNATTRIBUTED: (
         "Instrument the inference server (tokentrace run -- CMD, or vLLM "
@@ -132,6 +188,12 @@ ADVICE: Final[Mapping[str, str]] = {
 }
 """cause -> one line of advice."""
 
+NETWORK_NOT_MEASURED: Final = (
+    "network not measured: no client span (send W3C traceparent from the client, or load with "
+    "tokentrace load --otlp-endpoint)"
+)
+"""What a server-seen TTFT/E2E verdict says about the network it could not see."""
+
 _SERVER_WITHOUT_PHASES_ADVICE: Final = (
     "The server span arrived without phase timings: run the server under tokentrace "
     "(tokentrace run -- CMD) for queue, prefill and decode spans, or use a vLLM version whose "
@@ -141,9 +203,10 @@ _SERVER_WITHOUT_PHASES_ADVICE: Final = (
 
 _DEFAULT_LONG_PROMPT_TOKENS: Final = 1024
 _DEFAULT_BANDWIDTH_BOUND_RATIO: Final = 0.8
-_DEFAULT_ITL_SPIKE_RATIO: Final = 3.0
 _DEFAULT_MIN_ITL_GAPS: Final = 8
 _DEFAULT_PREEMPTION_SHARE: Final = 0.2
+_DEFAULT_TIE_RATIO: Final = 0.9
+_DEFAULT_INTERFERENCE_SHARE: Final = 0.25
 _DEFAULT_P50_BAND: Final = (40.0, 60.0)
 _DEFAULT_TAIL_PERCENTILE: Final = 95.0
 
@@ -159,16 +222,23 @@ class DiagnosisConfig:
     """Prompts at least this long make a prefill-dominated request a long-prompt case."""
     bandwidth_bound_ratio: float = _DEFAULT_BANDWIDTH_BOUND_RATIO
     """Decode is bandwidth-bound when measured memory bandwidth is at least this share of peak."""
-    itl_spike_ratio: float = _DEFAULT_ITL_SPIKE_RATIO
-    """An ITL tail counts as spiky when p99 gap / median gap reaches this."""
+    itl_spike_ratio: float = DEFAULT_ITL_OUTLIER_RATIO
+    """An inter-token gap above this many median gaps is an outlier (whose excess the TPOT/ITL
+    budgets attribute to a cause), and an ITL tail is spiky when p99 gap / median gap reaches
+    this."""
     min_itl_gaps: int = _DEFAULT_MIN_ITL_GAPS
     """Fewer inter-token gaps than this say nothing about the ITL tail (never spiky)."""
     preemption_share: float = _DEFAULT_PREEMPTION_SHARE
-    """Preemption this large a share of E2E is KV-cache pressure even when not dominant."""
+    """Preemption this large a share of a metric is KV-cache pressure even when not dominant."""
+    interference_share: float = _DEFAULT_INTERFERENCE_SHARE
+    """Interference from co-scheduled prefills this large a share of decode makes a
+    decode-dominated E2E a batching-interference case (else many tokens: long decode)."""
+    tie_ratio: float = _DEFAULT_TIE_RATIO
+    """A second segment at least this fraction of the dominant one is named beside it."""
     p50_band: tuple[float, float] = _DEFAULT_P50_BAND
-    """E2E percentiles around the median whose requests make up the window's typical request."""
+    """Percentiles around the median whose requests make up a window's typical request."""
     tail_percentile: float = _DEFAULT_TAIL_PERCENTILE
-    """Requests at or above this E2E percentile make up the window's tail."""
+    """Requests at or above this percentile make up a window's tail."""
 
     def __post_init__(self) -> None:
         low, high = self.p50_band
@@ -178,32 +248,23 @@ class DiagnosisConfig:
             raise ValueError(f"tail_percentile: expected (0, 100], got {self.tail_percentile!r}")
         if self.preemption_share <= 0 or self.itl_spike_ratio <= 0:
             raise ValueError("preemption_share and itl_spike_ratio must be positive")
+        if not 0 < self.tie_ratio <= 1:
+            raise ValueError(f"tie_ratio: expected (0, 1], got {self.tie_ratio!r}")
 
 
 _DEFAULT_CONFIG: Final = DiagnosisConfig()
 
-
-@dataclass(slots=True)
-class WindowDiagnosis:
-    requests: int
-    p50: Verdict | None
-    """What dominates a typical request (the budget at the median E2E)."""
-    tail: Verdict | None
-    """What dominates the slowest requests (at or above p95 E2E)."""
-
-
 # --- wording ------------------------------------------------------------------------------------
-_SEGMENT_ORDER: Final = {segment: index for index, segment in enumerate(semconv.SEGMENTS)}
-_PRE_FIRST_TOKEN_SEGMENTS: Final = frozenset(
-    {
-        semconv.SEGMENT_NETWORK,
-        semconv.SEGMENT_HTTP,
-        semconv.SEGMENT_COLD_START,
-        semconv.SEGMENT_QUEUE,
-        semconv.SEGMENT_PREFILL,
-    }
-)
-_SEGMENT_LABELS: Final[Mapping[str, str]] = {
+_SEGMENT_ORDER: Final = {
+    segment: index
+    for index, segment in enumerate(
+        (*semconv.SEGMENTS[:-1], semconv.SEGMENT_INTERFERENCE, semconv.SEGMENT_STALL)
+    )
+}
+"""Time order of every segment a metric budget can hold (ties go to the earlier one)."""
+SEGMENT_LABELS: Final[Mapping[str, str]] = {
+    semconv.SEGMENT_CLIENT: "the client's own delay",
+    semconv.SEGMENT_CONNECT: "connection setup",
     semconv.SEGMENT_NETWORK: "network",
     semconv.SEGMENT_HTTP: "HTTP handling",
     semconv.SEGMENT_COLD_START: "cold start",
@@ -211,10 +272,13 @@ _SEGMENT_LABELS: Final[Mapping[str, str]] = {
     semconv.SEGMENT_PREFILL: "prefill",
     semconv.SEGMENT_PREEMPTED: "preemption",
     semconv.SEGMENT_DECODE: "decode",
+    semconv.SEGMENT_INTERFERENCE: "interference from co-scheduled prefills",
+    semconv.SEGMENT_STALL: "decode stalls",
     semconv.SEGMENT_POSTPROCESS: "post-processing",
     semconv.SEGMENT_UNATTRIBUTED: "unattributed",
 }
-_CAUSE_LABELS: Final[Mapping[str, str]] = {
+"""How sentences name each segment."""
+CAUSE_LABELS: Final[Mapping[str, str]] = {
     CAUSE_QUEUEING: "queueing",
     CAUSE_COLD_START: "cold start",
     CAUSE_LONG_PROMPT: "long prompt",
@@ -223,13 +287,18 @@ _CAUSE_LABELS: Final[Mapping[str, str]] = {
     CAUSE_BANDWIDTH_BOUND_DECODE: "bandwidth-bound decode",
     CAUSE_BATCHING_INTERFERENCE: "batching interference",
     CAUSE_LONG_DECODE: "long decode",
+    CAUSE_SLOW_DECODE: "slow per-token decode",
+    CAUSE_DECODE_STALL: "decode stalls",
     CAUSE_KV_CACHE_PRESSURE: "KV-cache pressure",
     CAUSE_NETWORK: "network",
+    CAUSE_CONNECTION_SETUP: "connection setup",
+    CAUSE_CLIENT_SATURATED: "saturated client",
     CAUSE_HTTP: "HTTP handling",
     CAUSE_POSTPROCESS: "post-processing",
     CAUSE_UNATTRIBUTED: "unattributed (server spans or their phase timings missing)",
     CAUSE_ERROR: "errors",
 }
+"""How sentences name each cause."""
 
 
 def format_duration(ns: int | float | None) -> str:
@@ -279,24 +348,28 @@ def _one_line(text: str, limit: int) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
-def _dominant_segment(values: Mapping[str, float]) -> str:
-    """The largest segment, ties to the earlier one in time order; unattributed when all are 0."""
-    best_segment = semconv.SEGMENT_UNATTRIBUTED
-    best_value = 0.0
-    for segment in semconv.SEGMENTS:
-        value = values.get(segment, 0)
-        if value > best_value:
-            best_segment, best_value = segment, value
-    # Segments outside the contract (a newer budget) rank after the known ones.
-    for segment, value in values.items():
-        if segment not in _SEGMENT_ORDER and value > best_value:
-            best_segment, best_value = segment, value
-    return best_segment
+def ranked_segments(values: Mapping[str, float]) -> list[tuple[str, float]]:
+    """The segments that hold time, largest first; equal ones in time order (unknown names,
+    from a newer budget, after the known ones)."""
+    present = [(segment, value) for segment, value in values.items() if value > 0]
+    present.sort(key=lambda item: (-item[1], _SEGMENT_ORDER.get(item[0], len(_SEGMENT_ORDER))))
+    return present
+
+
+def second_segment(
+    ranked: Sequence[tuple[str, float]], config: DiagnosisConfig
+) -> tuple[str, float] | None:
+    """The runner-up when it is within ``config.tie_ratio`` of the dominant segment."""
+    if len(ranked) < 2 or ranked[1][1] < config.tie_ratio * ranked[0][1]:
+        return None
+    return ranked[1]
 
 
 # --- per request --------------------------------------------------------------------------------
 @dataclass(slots=True)
-class _Finding:
+class Finding:
+    """A segment explained: its cause, the words and numbers that say why, and the advice."""
+
     cause: str
     cited_segment: str
     """The segment the sentence leads with (the dominant one, or preemption for rule 3)."""
@@ -310,37 +383,97 @@ def diagnose_request(
     record: RequestRecord,
     config: DiagnosisConfig = _DEFAULT_CONFIG,
     *,
+    metric: str = semconv.METRIC_E2E,
+    clock: str | None = None,
     seen_prefixes: Container[str] | None = None,
-) -> Verdict:
-    """The dominant segment of ``record``'s budget, its cause, advice and the numbers used.
+) -> Verdict | None:
+    """The dominant segment of ``metric``'s budget for ``record`` (on ``clock``; None: the
+    client's when a client span came), its cause, advice and the numbers used; None when the
+    request has no value for the metric (no token for TTFT, fewer than two for TPOT...). E2E
+    always has one.
 
     ``seen_prefixes``: prompt prefix hashes that earlier requests of the same window computed;
     a prefill-dominated request whose prefix is among them and that read no cached tokens
     recomputed a shared prefix (``prefix_cache_miss``).
     """
-    budget = record.budget
-    timeline = record.timeline
-    segment = _dominant_segment(budget.segments)
-    segment_ns = budget.segments.get(segment, 0)
-    finding = _find_cause(record, segment, segment_ns, config, seen_prefixes)
+    view = metric_budget(record, metric, clock=clock)
+    if view is None:
+        return None
+    return _verdict(record, view, config, seen_prefixes)
 
-    cited_ns = budget.segments.get(finding.cited_segment, 0)
-    basis, basis_part_ns, basis_total_ns = _basis(record, finding.cited_segment, cited_ns)
-    share = basis_part_ns / basis_total_ns if basis_total_ns > 0 else 0.0
-    label = _SEGMENT_LABELS.get(finding.cited_segment, finding.cited_segment)
-    sentence = f"{_format_share(share)} of {basis} was {label} ({format_duration(basis_part_ns)})"
+
+def default_verdict(
+    record: RequestRecord,
+    config: DiagnosisConfig = _DEFAULT_CONFIG,
+    *,
+    breached_metrics: Sequence[tuple[str, str]] = (),
+    seen_prefixes: Container[str] | None = None,
+) -> Verdict:
+    """The verdict a request is judged by: about the metric of the first SLO target it
+    breached (``breached_metrics``: (target name, metric) in configuration order) that it has a
+    value for, else about E2E; ``why`` says which and why. The verdicts about its other metrics
+    are for drill-down, asked for one at a time (``diagnose_request``)."""
+    for target, metric in breached_metrics:
+        chosen = diagnose_request(record, config, metric=metric, seen_prefixes=seen_prefixes)
+        if chosen is not None:
+            chosen.why = (
+                f"{semconv.METRIC_LABELS[metric]} is the metric of SLO target {target}, "
+                "which this request breached"
+            )
+            return chosen
+    e2e = diagnose_request(record, config, seen_prefixes=seen_prefixes)
+    assert e2e is not None  # every request has an E2E
+    e2e.why = "no SLO target breached: end-to-end latency"
+    return e2e
+
+
+def _verdict(
+    record: RequestRecord,
+    view: MetricBudget,
+    config: DiagnosisConfig,
+    seen_prefixes: Container[str] | None,
+) -> Verdict:
+    timeline = record.timeline
+    ranked = ranked_segments(view.segments)
+    segment, segment_ns = ranked[0] if ranked else (semconv.SEGMENT_UNATTRIBUTED, 0)
+    finding = cause_of_segment(record, view, segment, config, seen_prefixes=seen_prefixes)
+    cited = finding.cited_segment
+    cited_ns = view.segments.get(cited, 0)
+    value = view.value_ns
+    share = cited_ns / value if value > 0 else 0.0
+    unmeasured = view.clock == CLOCK_SERVER and view.metric in _NETWORK_METRICS
+    if view.metric == semconv.METRIC_ITL:
+        sentence = _itl_head(record, config, share, cited, cited_ns)
+    else:
+        label = semconv.METRIC_LABELS.get(view.metric, view.metric)
+        note = ", network not measured" if unmeasured else ""
+        sentence = (
+            f"{_format_share(share)} of the {view.clock}-seen {label} "
+            f"({format_duration(value)}{note}) was {_segment_label(cited)} "
+            f"({format_duration(cited_ns)})"
+        )
+    numbers: dict[str, float | int | str] = {
+        "metric": view.metric,
+        "clock": view.clock,
+        "value_ms": _ms(value),
+        f"{cited}_ms": _ms(cited_ns),
+        "share": round(share, 4),
+        f"without_{cited}_ms": _ms(value - cited_ns),
+    }
+    runner_up = second_segment(ranked, config) if cited == segment else None
+    if runner_up is not None:
+        other, other_ns = runner_up
+        sentence += (
+            f" and {_format_share(other_ns / value)} {_segment_label(other)} "
+            f"({format_duration(other_ns)})"
+        )
+        numbers["second_segment"] = other
+        numbers[f"{other}_ms"] = _ms(other_ns)
     if finding.detail:
         sentence = f"{sentence}: {finding.detail}"
-
-    numbers: dict[str, float | int | str] = {
-        "e2e_ms": _ms(budget.e2e_ns),
-        f"{finding.cited_segment}_ms": _ms(basis_part_ns),
-        "share": round(share, 4),
-        "share_of": basis,
-    }
-    if budget.ttft_ns is not None:
-        numbers["ttft_ms"] = _ms(budget.ttft_ns)
-    if segment != finding.cited_segment:
+    if unmeasured:
+        numbers["network_measured"] = 0
+    if segment != cited:
         numbers["dominant_segment"] = segment
         numbers[f"{segment}_ms"] = _ms(segment_ns)
     numbers.update(finding.numbers)
@@ -349,87 +482,123 @@ def diagnose_request(
 
     if timeline.status_error is not None:
         error = _one_line(timeline.status_error, _MAX_ERROR_CHARS) or "error status"
-        sentence = f"Request failed ({error}) after {format_duration(budget.e2e_ns)}; {sentence}"
+        sentence = f"Request failed ({error}) after {format_duration(value)}; {sentence}"
         numbers["error"] = error
         numbers["underlying_cause"] = cause
         cause = CAUSE_ERROR
         advice = ADVICE[CAUSE_ERROR]
-    return Verdict(segment=segment, cause=cause, sentence=sentence, advice=advice, numbers=numbers)
+    return Verdict(
+        segment=segment,
+        cause=cause,
+        sentence=sentence,
+        advice=advice,
+        numbers=numbers,
+        metric=view.metric,
+        clock=view.clock,
+    )
 
 
-def _basis(record: RequestRecord, segment: str, segment_ns: int) -> tuple[str, int, int]:
-    """(``TTFT`` | ``E2E``, the segment's ns within it, its total ns)."""
-    budget = record.budget
-    ttft_ns = budget.ttft_ns
-    if segment in _PRE_FIRST_TOKEN_SEGMENTS and ttft_ns is not None and ttft_ns > 0:
-        in_ttft = budget.ttft_segments.get(segment, 0)
-        if in_ttft > 0:
-            return "TTFT", in_ttft, ttft_ns
-    return "E2E", segment_ns, budget.e2e_ns
+def _itl_head(
+    record: RequestRecord, config: DiagnosisConfig, share: float, cited: str, cited_ns: int
+) -> str:
+    """An ITL verdict speaks of the request's slow gaps (or says there were none)."""
+    gaps = record.metrics.itl
+    median = gap_median(gaps)
+    outliers = decode_facts_of(record).outlier_gaps
+    over = (
+        f"over {config.itl_spike_ratio:g}x its median gap {format_duration(median)}"
+        if median is not None
+        else "outliers"
+    )
+    if not outliers:
+        return (
+            f"its {_plural(len(gaps), 'inter-token gap')} were steady (largest "
+            f"{format_duration(max(gaps, default=0))}, none {over})"
+        )
+    total = sum(part.gap_ns for part in outliers)
+    return (
+        f"{_format_share(share)} of its {_plural(len(outliers), 'slow inter-token gap')} "
+        f"({format_duration(total)} in all, each {over}) was {_segment_label(cited)} "
+        f"({format_duration(cited_ns)})"
+    )
 
 
-def _find_cause(
+_NETWORK_METRICS: Final = frozenset({semconv.METRIC_TTFT, semconv.METRIC_E2E})
+"""Metrics whose client-seen value holds the network: a server-seen one says it lacks it."""
+
+
+def _segment_label(segment: str) -> str:
+    return SEGMENT_LABELS.get(segment, segment)
+
+
+def cause_of_segment(
     record: RequestRecord,
+    view: MetricBudget,
     segment: str,
-    segment_ns: int,
-    config: DiagnosisConfig,
-    seen_prefixes: Container[str] | None,
-) -> _Finding:
-    budget = record.budget
+    config: DiagnosisConfig = _DEFAULT_CONFIG,
+    *,
+    seen_prefixes: Container[str] | None = None,
+    preemption_rule: bool = True,
+) -> Finding:
+    """Why ``segment`` of ``record``'s ``view`` took its time: the rule table of the module
+    docstring. ``preemption_rule=False`` skips rule 3 (a window asking about one segment)."""
+    segments = view.segments
     if segment == semconv.SEGMENT_UNATTRIBUTED:
-        return _unattributed(record, segment_ns)
-
-    preempted_ns = budget.segments.get(semconv.SEGMENT_PREEMPTED, 0)
-    preempted_share = preempted_ns / budget.e2e_ns if budget.e2e_ns > 0 else 0.0
+        return _unattributed(record, segments.get(segment, 0))
+    preempted_ns = segments.get(semconv.SEGMENT_PREEMPTED, 0)
+    value = view.value_ns
     if segment == semconv.SEGMENT_PREEMPTED or (
-        preempted_ns > 0 and preempted_share >= config.preemption_share
+        preemption_rule
+        and preempted_ns > 0
+        and value > 0
+        and preempted_ns / value >= config.preemption_share
     ):
-        return _kv_cache_pressure(record, segment, segment_ns)
+        return _kv_cache_pressure(record, view, segment)
     if segment == semconv.SEGMENT_QUEUE:
         return _queueing(record)
     if segment == semconv.SEGMENT_COLD_START:
-        return _Finding(
+        return Finding(
             CAUSE_COLD_START, segment, "the request arrived before the server was ready", {}
         )
     if segment == semconv.SEGMENT_PREFILL:
         return _prefill(record, config, seen_prefixes)
     if segment == semconv.SEGMENT_DECODE:
-        return _decode(record, config)
+        if view.metric == semconv.METRIC_E2E:
+            return _decode(record, config)
+        return _decode_pace(record, config)
+    if segment == semconv.SEGMENT_INTERFERENCE:
+        return _interference(record, config)
+    if segment == semconv.SEGMENT_STALL:
+        return _stall(record)
     if segment == semconv.SEGMENT_NETWORK:
-        return _Finding(
-            CAUSE_NETWORK,
-            segment,
-            "time the client saw and the server did not (transfer, connection setup)",
-            {},
-        )
+        return _network(record)
+    if segment == semconv.SEGMENT_CONNECT:
+        return _connect(record)
+    if segment == semconv.SEGMENT_CLIENT:
+        return _client(record)
     if segment == semconv.SEGMENT_HTTP:
-        return _Finding(
-            CAUSE_HTTP,
-            segment,
-            "server time before the engine (parsing, chat templating, tokenisation)",
-            {},
-        )
+        return _http(record, view)
     if segment == semconv.SEGMENT_POSTPROCESS:
-        return _Finding(
+        return Finding(
             CAUSE_POSTPROCESS,
             segment,
             "after the last token (detokenisation, response assembly)",
             {},
         )
     # A segment this version does not know: name it without a specific cause.
-    return _Finding(CAUSE_UNATTRIBUTED, segment, f"segment {segment!r} has no diagnosis rule", {})
+    return Finding(CAUSE_UNATTRIBUTED, segment, f"segment {segment!r} has no diagnosis rule", {})
 
 
-def _unattributed(record: RequestRecord, segment_ns: int) -> _Finding:
+def _unattributed(record: RequestRecord, segment_ns: int) -> Finding:
     """Unattributed time, worded by what arrived: client spans only, or a server span whose
     phases cannot be placed."""
     segment = semconv.SEGMENT_UNATTRIBUTED
     if segment_ns <= 0:
-        return _Finding(CAUSE_UNATTRIBUTED, segment, "no time was attributed to any segment", {})
+        return Finding(CAUSE_UNATTRIBUTED, segment, "no time was attributed to any segment", {})
     timeline = record.timeline
     if not has_server_view(timeline):
         detail = "only client-side spans arrived; server-side spans are missing"
-        return _Finding(CAUSE_UNATTRIBUTED, segment, detail, {"server_span": 0})
+        return Finding(CAUSE_UNATTRIBUTED, segment, detail, {"server_span": 0})
     if timeline.dialect == DIALECT_VLLM:
         detail = (
             f"the server's {semconv.VLLM_SPAN_REQUEST} span has no "
@@ -437,7 +606,7 @@ def _unattributed(record: RequestRecord, segment_ns: int) -> _Finding:
         )
     else:
         detail = "the server span has no phase timings, so its time cannot be split into phases"
-    return _Finding(
+    return Finding(
         CAUSE_UNATTRIBUTED,
         segment,
         detail,
@@ -446,7 +615,7 @@ def _unattributed(record: RequestRecord, segment_ns: int) -> _Finding:
     )
 
 
-def _queueing(record: RequestRecord) -> _Finding:
+def _queueing(record: RequestRecord) -> Finding:
     timeline = record.timeline
     parts: list[str] = []
     numbers: dict[str, float | int | str] = {}
@@ -469,12 +638,12 @@ def _queueing(record: RequestRecord) -> _Finding:
             parts.append(f"{running:,}/{max_running:,} running at arrival")
     elif running is not None:
         parts.append(f"{running:,} running at arrival")
-    return _Finding(CAUSE_QUEUEING, semconv.SEGMENT_QUEUE, ", ".join(parts), numbers)
+    return Finding(CAUSE_QUEUEING, semconv.SEGMENT_QUEUE, ", ".join(parts), numbers)
 
 
 def _prefill(
     record: RequestRecord, config: DiagnosisConfig, seen_prefixes: Container[str] | None
-) -> _Finding:
+) -> Finding:
     timeline = record.timeline
     input_tokens = timeline.input_tokens
     cached = timeline.cached_tokens
@@ -497,14 +666,16 @@ def _prefill(
             f"shared prompt prefix {prefix[:_PREFIX_HASH_CHARS]} seen earlier in the window was "
             f"recomputed (0 cached tokens, {recomputed} prefilled{chunk_note})"
         )
-        return _Finding(CAUSE_PREFIX_CACHE_MISS, semconv.SEGMENT_PREFILL, detail, numbers)
+        return Finding(CAUSE_PREFIX_CACHE_MISS, semconv.SEGMENT_PREFILL, detail, numbers)
     cached_note = f", {cached:,} from the prefix cache" if cached else ""
-    if input_tokens is not None and input_tokens >= config.long_prompt_tokens:
+    # A prompt is long by what the prefill computed: cached tokens cost it nothing.
+    computed = None if input_tokens is None else input_tokens - (cached or 0)
+    if computed is not None and computed >= config.long_prompt_tokens:
         detail = (
             f"long prompt, {input_tokens:,} input tokens{cached_note}{chunk_note} "
             f"(long-prompt threshold {config.long_prompt_tokens:,})"
         )
-        return _Finding(CAUSE_LONG_PROMPT, semconv.SEGMENT_PREFILL, detail, numbers)
+        return Finding(CAUSE_LONG_PROMPT, semconv.SEGMENT_PREFILL, detail, numbers)
     if input_tokens is not None:
         prompt = (
             f"{input_tokens:,} input tokens{cached_note}{chunk_note}, "
@@ -513,62 +684,264 @@ def _prefill(
     else:
         prompt = f"prompt length unknown{chunk_note}"
     detail = f"{prompt}; compute-bound prefill or contention with other requests"
-    return _Finding(CAUSE_PREFILL, semconv.SEGMENT_PREFILL, detail, numbers)
+    return Finding(CAUSE_PREFILL, semconv.SEGMENT_PREFILL, detail, numbers)
 
 
-def _decode(record: RequestRecord, config: DiagnosisConfig) -> _Finding:
+def _per_token(record: RequestRecord, numbers: dict[str, float | int | str]) -> str:
+    """``N output tokens at X TPOT`` (the parts known), recording the numbers."""
+    timeline = record.timeline
+    tpot = record.metrics.tpot
+    parts: list[str] = []
+    if timeline.output_tokens is not None:
+        numbers["output_tokens"] = timeline.output_tokens
+        parts.append(_plural(timeline.output_tokens, "output token"))
+    if tpot is not None:
+        numbers["tpot_ms"] = _ms(tpot)
+        parts.append(f"{format_duration(tpot)} TPOT")
+    return " at ".join(parts)
+
+
+def _bandwidth_bound(
+    record: RequestRecord, config: DiagnosisConfig, numbers: dict[str, float | int | str]
+) -> str | None:
+    """The bandwidth-bound wording when the GPU samples (or the roofline) say so, else None."""
+    timeline = record.timeline
+    ratio = _finite(timeline.decode_bandwidth_peak_ratio)
+    roofline = _finite(timeline.decode_roofline_ratio)
+    # Measured bandwidth decides; without it, the roofline (weights read per token) does.
+    measured = ratio if ratio is not None else roofline
+    if measured is None or measured < config.bandwidth_bound_ratio:
+        return None
+    parts = []
+    if ratio is not None:
+        numbers["bandwidth_peak_ratio"] = round(ratio, 4)
+        parts.append(f"memory bandwidth at {ratio:.0%} of peak")
+    if roofline is not None:
+        numbers["roofline_ratio"] = round(roofline, 4)
+        parts.append(f"tokens at {roofline:.0%} of the weight-read limit")
+    return f"{', '.join(parts)} (bandwidth-bound)"
+
+
+def _bandwidth_finding(
+    record: RequestRecord, config: DiagnosisConfig, numbers: dict[str, float | int | str]
+) -> tuple[Finding | None, str]:
+    """(the bandwidth-bound finding when the GPU says so, else None; the per-token text)."""
+    per_token = _per_token(record, numbers)
+    bound = _bandwidth_bound(record, config, numbers)
+    if bound is None:
+        return None, per_token
+    detail = f"{bound}; {per_token}" if per_token else bound
+    return Finding(CAUSE_BANDWIDTH_BOUND_DECODE, semconv.SEGMENT_DECODE, detail, numbers), per_token
+
+
+def _decode(record: RequestRecord, config: DiagnosisConfig) -> Finding:
+    """Decode dominating E2E: bandwidth, spikes from co-scheduled prefills, or many tokens."""
     timeline = record.timeline
     metrics = record.metrics
     numbers: dict[str, float | int | str] = {}
-    per_token_parts: list[str] = []
-    if timeline.output_tokens is not None:
-        numbers["output_tokens"] = timeline.output_tokens
-        per_token_parts.append(_plural(timeline.output_tokens, "output token"))
-    if metrics.tpot is not None:
-        numbers["tpot_ms"] = _ms(metrics.tpot)
-        per_token_parts.append(f"{format_duration(metrics.tpot)} TPOT")
-    per_token = " at ".join(per_token_parts)
+    bound, per_token = _bandwidth_finding(record, config, numbers)
+    if bound is not None:
+        return bound
 
-    ratio = _finite(timeline.decode_bandwidth_peak_ratio)
-    roofline = _finite(timeline.decode_roofline_ratio)
-    threshold = config.bandwidth_bound_ratio
-    # Measured bandwidth decides; without it, the roofline (weights read per token) does.
-    measured = ratio if ratio is not None else roofline
-    if measured is not None and measured >= threshold:
-        parts = []
-        if ratio is not None:
-            numbers["bandwidth_peak_ratio"] = round(ratio, 4)
-            parts.append(f"memory bandwidth at {ratio:.0%} of peak")
-        if roofline is not None:
-            numbers["roofline_ratio"] = round(roofline, 4)
-            parts.append(f"tokens at {roofline:.0%} of the weight-read limit")
-        detail = f"{', '.join(parts)} (bandwidth-bound)"
-        if per_token:
-            detail = f"{detail}; {per_token}"
-        return _Finding(CAUSE_BANDWIDTH_BOUND_DECODE, semconv.SEGMENT_DECODE, detail, numbers)
-
+    facts = decode_facts_of(record)
+    split = facts.split
+    if facts.engine_steps or timeline.outlier_steps_with_prefill is not None:
+        # The engine said which slow gaps shared their steps with prefills: interference is a
+        # cause of E2E when it is a large part of decode, not merely present.
+        interference = split.get(semconv.SEGMENT_INTERFERENCE, 0)
+        decode_ns = sum(split.values())
+        if decode_ns and interference >= config.interference_share * decode_ns:
+            return _interference(record, config, cited=semconv.SEGMENT_DECODE)
+        return Finding(CAUSE_LONG_DECODE, semconv.SEGMENT_DECODE, per_token, numbers)
     spikes = _itl_spikes(metrics.itl, config)
     outliers = timeline.outlier_steps_with_prefill
     if spikes is not None and (outliers is None or outliers > 0):
-        median_ns, p99_ns = spikes
-        numbers["itl_median_ms"] = _ms(median_ns)
-        numbers["itl_p99_ms"] = _ms(p99_ns)
-        spread = (
-            f"{p99_ns / median_ns:.1f}x the median {format_duration(median_ns)}"
-            if median_ns > 0
-            else "the median gap is 0"
-        )
-        detail = f"spiky inter-token gaps, p99 {format_duration(p99_ns)} is {spread}"
-        if median_ns > 0:
-            numbers["itl_spike_ratio"] = round(p99_ns / median_ns, 2)
+        detail = _spike_text(spikes, numbers)
         if outliers is not None:
             numbers["outlier_steps_with_prefill"] = outliers
             detail = (
                 f"{detail}; {_plural(outliers, 'outlier step')} shared the batch with a prefill"
             )
-        return _Finding(CAUSE_BATCHING_INTERFERENCE, semconv.SEGMENT_DECODE, detail, numbers)
+        return Finding(CAUSE_BATCHING_INTERFERENCE, semconv.SEGMENT_DECODE, detail, numbers)
+    return Finding(CAUSE_LONG_DECODE, semconv.SEGMENT_DECODE, per_token, numbers)
 
-    return _Finding(CAUSE_LONG_DECODE, semconv.SEGMENT_DECODE, per_token, numbers)
+
+def _spike_text(spikes: tuple[int, int], numbers: dict[str, float | int | str]) -> str:
+    median_ns, p99_ns = spikes
+    numbers["itl_median_ms"] = _ms(median_ns)
+    numbers["itl_p99_ms"] = _ms(p99_ns)
+    if median_ns > 0:
+        numbers["itl_spike_ratio"] = round(p99_ns / median_ns, 2)
+        spread = f"{p99_ns / median_ns:.1f}x the median {format_duration(median_ns)}"
+    else:
+        spread = "the median gap is 0"
+    return f"spiky inter-token gaps, p99 {format_duration(p99_ns)} is {spread}"
+
+
+def _decode_pace(record: RequestRecord, config: DiagnosisConfig) -> Finding:
+    """The request's own per-token pace dominating TPOT/ITL: bandwidth, else the model's pace."""
+    numbers: dict[str, float | int | str] = {}
+    bound, per_token = _bandwidth_finding(record, config, numbers)
+    if bound is not None:
+        return bound
+    gaps = sorted(record.metrics.itl)
+    if gaps:
+        median = nearest_rank(gaps, 50)
+        numbers["itl_median_ms"] = _ms(median)
+        pace = f"every step of the request is slow: median gap {format_duration(median)}"
+    else:
+        pace = "every step of the request is slow"
+    running = record.timeline.max_running
+    if running is not None:
+        numbers["max_running"] = running
+        pace = f"{pace}, batch limit {running:,}"
+    detail = f"{pace} ({per_token})" if per_token else pace
+    return Finding(CAUSE_SLOW_DECODE, semconv.SEGMENT_DECODE, detail, numbers)
+
+
+def _outlier_gaps(record: RequestRecord, segment: str) -> int:
+    """How many of the request's outlier gaps had their excess put into ``segment``."""
+    return sum(1 for part in decode_facts_of(record).outlier_gaps if part.segments()[segment])
+
+
+def _interference(
+    record: RequestRecord,
+    config: DiagnosisConfig,
+    *,
+    cited: str = semconv.SEGMENT_INTERFERENCE,
+) -> Finding:
+    numbers: dict[str, float | int | str] = {}
+    facts = decode_facts_of(record)
+    interference = facts.split.get(semconv.SEGMENT_INTERFERENCE, 0)
+    if interference:
+        numbers["interference_ms"] = _ms(interference)
+    gaps = _outlier_gaps(record, semconv.SEGMENT_INTERFERENCE)
+    numbers["interfered_gaps"] = gaps
+    prefill_tokens = facts.max_step_prefill_tokens
+    parts = [
+        f"{_plural(gaps, 'slow inter-token gap')} ran engine steps that also prefilled other "
+        "requests' prompts"
+    ]
+    if prefill_tokens:
+        numbers["max_step_prefill_tokens"] = prefill_tokens
+        parts.append(f"up to {prefill_tokens:,} prompt tokens in one step")
+    spikes = _itl_spikes(record.metrics.itl, config)
+    if spikes is not None:
+        parts.append(_spike_text(spikes, numbers))
+    return Finding(CAUSE_BATCHING_INTERFERENCE, cited, "; ".join(parts), numbers)
+
+
+def _stall(record: RequestRecord) -> Finding:
+    gaps = _outlier_gaps(record, semconv.SEGMENT_STALL)
+    detail = (
+        f"{_plural(gaps, 'slow inter-token gap')} had no engine step of the request for most "
+        "of its length: the engine or its frontend did not step it"
+    )
+    return Finding(CAUSE_DECODE_STALL, semconv.SEGMENT_STALL, detail, {"stalled_gaps": gaps})
+
+
+def _network(record: RequestRecord) -> Finding:
+    timeline = record.timeline
+    numbers: dict[str, float | int | str] = {}
+    detail = "time between the client and the server that neither of them spent"
+    rtt = timeline.client_rtt_ns
+    if rtt is not None:
+        numbers["rtt_ms"] = _ms(rtt)
+        network = record.budget.segments.get(semconv.SEGMENT_NETWORK, 0)
+        if network > 4 * rtt:
+            detail = (
+                f"{detail}; the first hop's round trip is only {format_duration(rtt)}, so the "
+                "delay lies beyond it (a proxy, a load balancer or a long path)"
+            )
+        else:
+            detail = f"{detail}; the first hop's round trip is {format_duration(rtt)}"
+    return Finding(CAUSE_NETWORK, semconv.SEGMENT_NETWORK, detail, numbers)
+
+
+def _connect(record: RequestRecord) -> Finding:
+    timeline = record.timeline
+    numbers: dict[str, float | int | str] = {}
+    detail = "the request opened a new connection (TCP handshake, TLS)"
+    if timeline.client_connect_ns is not None:
+        numbers["connect_ms"] = _ms(timeline.client_connect_ns)
+        detail = f"{detail} that took {format_duration(timeline.client_connect_ns)}"
+    return Finding(CAUSE_CONNECTION_SETUP, semconv.SEGMENT_CONNECT, detail, numbers)
+
+
+def _client(record: RequestRecord) -> Finding:
+    timeline = record.timeline
+    numbers: dict[str, float | int | str] = {}
+    parts = []
+    for key, ns, text in (
+        ("send_wait_ms", timeline.client_send_wait_ns, "before sending"),
+        ("first_token_read_wait_ms", timeline.client_first_token_read_wait_ns, "to read its "
+         "first token after it arrived"),
+        ("read_wait_ms", timeline.client_read_wait_ns, "to read the response's end after it "
+         "arrived"),
+    ):  # fmt: skip
+        if ns:
+            numbers[key] = _ms(ns)
+            parts.append(f"{format_duration(ns)} {text}")
+    detail = "the client was late"
+    if parts:
+        detail = f"{detail}: {', '.join(parts)} (its event loop or CPU was busy)"
+    return Finding(CAUSE_CLIENT_SATURATED, semconv.SEGMENT_CLIENT, detail, numbers)
+
+
+def _http(record: RequestRecord, view: MetricBudget) -> Finding:
+    """The API server's own time: before the engine, waiting in the kernel, delivering."""
+    timeline = record.timeline
+    numbers: dict[str, float | int | str] = {}
+    parts = []
+    before_engine = record.budget.ttft_segments.get(semconv.SEGMENT_HTTP)
+    if before_engine is None:
+        before_engine = server_e2e_segments(record.budget).get(semconv.SEGMENT_HTTP, 0)
+    if before_engine:
+        numbers["http_before_engine_ms"] = _ms(before_engine)
+        parts.append(
+            f"{format_duration(before_engine)} in the API server before the engine (parsing, "
+            "chat templating, tokenisation)"
+        )
+    receive = timeline.http_receive_wait_ns
+    if view.clock == CLOCK_CLIENT and receive:
+        numbers["http_receive_wait_ms"] = _ms(receive)
+        parts.append(
+            f"{format_duration(receive)} with the request's bytes waiting in the server's "
+            "kernel before the app took them (accept queue, busy event loop)"
+        )
+    first_body, first_token = timeline.server_first_body, timeline.first_token
+    if (
+        view.metric == semconv.METRIC_TTFT
+        and view.clock == CLOCK_CLIENT
+        and first_body is not None
+        and first_token is not None
+        and first_body > first_token
+    ):
+        numbers["http_first_token_delivery_ms"] = _ms(first_body - first_token)
+        parts.append(
+            f"{format_duration(first_body - first_token)} delivering the first token after the "
+            "engine made it"
+        )
+    detail = "; ".join(parts) or "server time outside the engine"
+    return Finding(CAUSE_HTTP, semconv.SEGMENT_HTTP, detail, numbers)
+
+
+def _kv_cache_pressure(record: RequestRecord, view: MetricBudget, segment: str) -> Finding:
+    numbers: dict[str, float | int | str] = {}
+    evictions = len(record.timeline.preempted)
+    if evictions:
+        numbers["preemptions"] = evictions
+        detail = f"evicted {_plural(evictions, 'time')} and waited to resume (KV-cache pressure)"
+    else:
+        detail = "evicted and waited to resume (KV-cache pressure)"
+    value = view.value_ns
+    if segment != semconv.SEGMENT_PREEMPTED and value > 0:
+        largest = _format_share(view.segments.get(segment, 0) / value)
+        label = semconv.METRIC_LABELS.get(view.metric, view.metric)
+        detail = (
+            f"{detail}; the largest segment, {_segment_label(segment)}, was {largest} of {label}"
+        )
+    return Finding(CAUSE_KV_CACHE_PRESSURE, semconv.SEGMENT_PREEMPTED, detail, numbers)
 
 
 def _itl_spikes(gaps: Sequence[int], config: DiagnosisConfig) -> tuple[int, int] | None:
@@ -583,63 +956,8 @@ def _itl_spikes(gaps: Sequence[int], config: DiagnosisConfig) -> tuple[int, int]
     return median_ns, p99_ns
 
 
-def _kv_cache_pressure(record: RequestRecord, segment: str, segment_ns: int) -> _Finding:
-    budget = record.budget
-    numbers: dict[str, float | int | str] = {}
-    evictions = len(record.timeline.preempted)
-    if evictions:
-        numbers["preemptions"] = evictions
-        detail = f"evicted {_plural(evictions, 'time')} and waited to resume (KV-cache pressure)"
-    else:
-        detail = "evicted and waited to resume (KV-cache pressure)"
-    if segment != semconv.SEGMENT_PREEMPTED and budget.e2e_ns > 0:
-        label = _SEGMENT_LABELS.get(segment, segment)
-        largest = _format_share(segment_ns / budget.e2e_ns)
-        detail = f"{detail}; the largest segment, {label}, was {largest} of E2E"
-    return _Finding(CAUSE_KV_CACHE_PRESSURE, semconv.SEGMENT_PREEMPTED, detail, numbers)
-
-
-# --- per window ---------------------------------------------------------------------------------
-def diagnose_window(
-    records: Sequence[RequestRecord], config: DiagnosisConfig = _DEFAULT_CONFIG
-) -> WindowDiagnosis:
-    """The typical request's and the tail's dominant segment and most frequent cause.
-
-    Typical: requests whose E2E lies between the ``p50_band`` percentiles (p40-p60); tail:
-    requests at or above the ``tail_percentile`` (p95) E2E; nearest-rank percentiles, so both
-    groups hold at least one request. The segment is the largest by mean share of E2E; the
-    cause is the most frequent per-request cause (ties in ``CAUSES`` order). A prompt prefix
-    counts as seen for every request with that prefix except the first to arrive.
-    """
-    count = len(records)
-    if count == 0:
-        return WindowDiagnosis(requests=0, p50=None, tail=None)
-    order = sorted(range(count), key=lambda index: records[index].budget.e2e_ns)
-    e2e_sorted = [records[index].budget.e2e_ns for index in order]
-    band_low = nearest_rank(e2e_sorted, config.p50_band[0])
-    band_high = nearest_rank(e2e_sorted, config.p50_band[1])
-    tail_from = nearest_rank(e2e_sorted, config.tail_percentile)
-    typical = [i for i in order if band_low <= records[i].budget.e2e_ns <= band_high]
-    tail = [i for i in order if records[i].budget.e2e_ns >= tail_from]
-    seen = _SeenPrefixes(records)
-
-    range_text = (
-        format_duration(band_low)
-        if band_low == band_high
-        else f"{format_duration(band_low)}-{format_duration(band_high)}"
-    )
-    typical_verdict = _group_verdict(
-        records, typical, config, seen, f"typical requests (E2E {range_text}, around the median)"
-    )
-    typical_verdict.numbers["e2e_from_ms"] = _ms(band_low)
-    typical_verdict.numbers["e2e_to_ms"] = _ms(band_high)
-    tail_label = f"tail requests (E2E >= p{config.tail_percentile:g}, {format_duration(tail_from)})"
-    tail_verdict = _group_verdict(records, tail, config, seen, tail_label)
-    tail_verdict.numbers["e2e_from_ms"] = _ms(tail_from)
-    return WindowDiagnosis(requests=count, p50=typical_verdict, tail=tail_verdict)
-
-
-class _SeenPrefixes:
+# --- windows ------------------------------------------------------------------------------------
+class SeenPrefixes:
     """Per request of a window: the prefixes an earlier request of the window computed."""
 
     __slots__ = ("_first", "_repeated")
@@ -671,56 +989,3 @@ def _arrival(record: RequestRecord) -> int:
         if candidate is not None:
             return candidate
     return 0
-
-
-def _group_verdict(
-    records: Sequence[RequestRecord],
-    indices: Sequence[int],
-    config: DiagnosisConfig,
-    seen: _SeenPrefixes,
-    group_label: str,
-) -> Verdict:
-    """``N of M <group_label>: <cause>; on average X% of E2E was <segment> (<mean ms>)``."""
-    causes: Counter[str] = Counter()
-    share_sums: dict[str, float] = {}
-    ns_sums: dict[str, int] = {}
-    e2e_sum = 0
-    for index in indices:
-        record = records[index]
-        verdict = diagnose_request(record, config, seen_prefixes=seen.for_request(records, index))
-        causes[verdict.cause] += 1
-        e2e_ns = record.budget.e2e_ns
-        e2e_sum += e2e_ns
-        for segment, ns in record.budget.segments.items():
-            ns_sums[segment] = ns_sums.get(segment, 0) + ns
-            if e2e_ns > 0:
-                share_sums[segment] = share_sums.get(segment, 0.0) + ns / e2e_ns
-    size = len(indices)
-    mean_shares = {segment: total / size for segment, total in share_sums.items()}
-    segment = _dominant_segment(mean_shares)
-    cause_order = {cause: position for position, cause in enumerate(CAUSES)}
-    cause, cause_count = min(
-        causes.items(), key=lambda item: (-item[1], cause_order.get(item[0], len(CAUSES)))
-    )
-    mean_ns = ns_sums.get(segment, 0) / size
-    share = mean_shares.get(segment, 0.0)
-    label = _SEGMENT_LABELS.get(segment, segment)
-    sentence = (
-        f"{cause_count} of {size} {group_label}: "
-        f"{_CAUSE_LABELS.get(cause, cause)}; on average {_format_share(share)} of E2E was "
-        f"{label} ({format_duration(mean_ns)})"
-    )
-    numbers: dict[str, float | int | str] = {
-        "requests": size,
-        "cause_requests": cause_count,
-        "share": round(share, 4),
-        "mean_e2e_ms": _ms(e2e_sum / size),
-    }
-    for name in semconv.SEGMENTS:
-        if ns_sums.get(name, 0) > 0:
-            numbers[f"mean_{name}_ms"] = _ms(ns_sums[name] / size)
-    for name, seen_count in causes.items():
-        numbers[f"{name}_requests"] = seen_count
-    return Verdict(
-        segment=segment, cause=cause, sentence=sentence, advice=ADVICE[cause], numbers=numbers
-    )

@@ -27,6 +27,7 @@ _OWNED_KEYS: Final = frozenset(
         semconv.DIAGNOSIS_CAUSE,
         semconv.DIAGNOSIS_VERDICT,
         semconv.DIAGNOSIS_ADVICE,
+        semconv.DIAGNOSIS_METRIC,
         semconv.SLO_MET,
         semconv.SLO_BREACHED,
     }
@@ -125,6 +126,7 @@ def enrich_span(span: Span, record: RequestRecord) -> None:
         _add_str(attributes, semconv.DIAGNOSIS_CAUSE, verdict.cause)
         _add_str(attributes, semconv.DIAGNOSIS_VERDICT, verdict.sentence)
         _add_str(attributes, semconv.DIAGNOSIS_ADVICE, verdict.advice)
+        _add_str(attributes, semconv.DIAGNOSIS_METRIC, verdict.metric)
     if record.slo:
         met = sorted(name for name, ok in record.slo.items() if ok)
         breached = sorted(name for name, ok in record.slo.items() if not ok)

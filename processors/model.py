@@ -13,6 +13,9 @@ from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from tokentrace.agent import semconv
+from tokentrace.agent.recording import DEFAULT_ITL_OUTLIER_RATIO
+
 
 @dataclass(slots=True)
 class SpanRef:
@@ -58,11 +61,26 @@ class RequestTimeline:
     client_start: int | None = None
     client_end: int | None = None
     client_first_token: int | None = None
+    client_first_byte: int | None = None
+    client_stream: bool | None = None
+    client_connection_reused: bool | None = None
+    client_connect_ns: int | None = None
+    """Setup of the new connection the request opened (TCP, TLS), as the client measured it."""
+    client_send_wait_ns: int | None = None
+    client_first_token_read_wait_ns: int | None = None
+    client_read_wait_ns: int | None = None
+    client_rtt_ns: int | None = None
+    """The first hop's kernel round-trip time (not a proxy or load balancer behind it)."""
 
     # Server view. server_start/server_end come from the incoming HTTP server span when there is
     # one, else from the request span (llm.request / llm_request) itself.
     server_start: int | None = None
     server_end: int | None = None
+    http_receive_wait_ns: int | None = None
+    """How long the request's bytes waited in the server's kernel before the app started (the
+    accept queue, a busy event loop): time before ``server_start`` that only the server knows."""
+    server_first_body: int | None = None
+    """When the server handed the response's first body bytes over (a stream's first token)."""
     arrival: int | None = None
     """Engine arrival: when the engine queued the request - the start of ``llm.queue`` (else of
     ``llm.request``); for vLLM's span, first scheduled minus its queue time."""
@@ -95,11 +113,34 @@ class RequestTimeline:
     max_running: int | None = None
     prefix_hash: str | None = None
     outlier_steps_with_prefill: int | None = None
+    engine_steps: list[tuple[int, int, int]] = field(default_factory=list)
+    """(start, end, prefill tokens) of the engine steps exported under the request (those
+    inside its outlier inter-token gaps), in start order."""
     decode_bandwidth_peak_ratio: float | None = None
     """Mean GPU memory bandwidth during decode as a fraction of peak (node agent)."""
     decode_roofline_ratio: float | None = None
     """Weight bytes / peak bandwidth over the measured time per token (node agent): 1 is the
     memory-bandwidth limit of decode."""
+
+
+@dataclass(slots=True, frozen=True)
+class GapParts:
+    """One inter-token gap of a request (ns) and its parts; the parts sum to ``gap_ns``."""
+
+    gap_ns: int
+    decode_ns: int
+    interference_ns: int
+    stall_ns: int
+    preempted_ns: int
+    outlier: bool
+
+    def segments(self) -> dict[str, int]:
+        return {
+            semconv.SEGMENT_DECODE: self.decode_ns,
+            semconv.SEGMENT_INTERFERENCE: self.interference_ns,
+            semconv.SEGMENT_STALL: self.stall_ns,
+            semconv.SEGMENT_PREEMPTED: self.preempted_ns,
+        }
 
 
 @dataclass(slots=True)
@@ -116,6 +157,31 @@ class Budget:
     empty when ``ttft_ns`` is None)."""
     skew_clamped: bool = False
     """True when out-of-order timestamps (clock skew between processes or hosts) were clamped."""
+    server_e2e_ns: int | None = None
+    """E2E as the server saw it (its HTTP span, else its request span); None for a client-only
+    budget. ``e2e_ns`` minus this is the time outside the server (client-side segments and the
+    kernel wait before the app, in ``http``)."""
+    client_ttft_ns: int | None = None
+    """TTFT as the client saw it (client first token - client start); None without a client
+    span that marks its first token."""
+    client_ttft_segments: dict[str, int] = field(default_factory=dict)
+    """The client-seen TTFT's partition: the server-seen TTFT's segments plus the client-side
+    ones (``semconv.CLIENT_SIDE_SEGMENTS``); ``http`` also holds the kernel wait before the app
+    and the first token's delivery by the server. Sums to ``client_ttft_ns``."""
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeFacts:
+    """What the engine steps say about a request's decode (``decode_split.decode_facts_of``)."""
+
+    outlier_gaps: list[GapParts]
+    """The request's outlier inter-token gaps, each split by cause."""
+    split: dict[str, int]
+    """The budget's ``decode`` split into ``semconv.DECODE_SEGMENTS`` (sums to it)."""
+    engine_steps: int
+    """Engine steps exported for the request (those inside its outlier gaps)."""
+    max_step_prefill_tokens: int
+    """The most prompt tokens one of those steps prefilled (other requests')."""
 
 
 @dataclass(slots=True)
@@ -154,6 +220,13 @@ class Verdict:
     advice: str
     numbers: dict[str, float | int | str]
     """The values the verdict used, for scripts and the UI."""
+    metric: str = "e2e"
+    """The latency metric the verdict answers (``semconv.METRIC_TTFT`` ... ``METRIC_E2E``)."""
+    clock: str = "server"
+    """Whose clock measured the metric: ``client`` (what the user saw, network included) or
+    ``server``."""
+    why: str = ""
+    """Why this metric (for a request's default verdict: the SLO target it breached)."""
 
 
 @dataclass(slots=True)
@@ -165,5 +238,15 @@ class RequestRecord:
     metrics: RequestMetrics
     prompt_bucket: str
     verdict: Verdict | None = None
+    """The verdict about the metric of the first SLO target the request breached, else E2E
+    (the others are derived when asked for: ``diagnosis.diagnose_request``)."""
+    prefix_seen: bool = False
+    """The diagnosis found the request's prompt prefix computed earlier in its window: a
+    recomputed shared prefix, for the verdicts derived later about other metrics."""
+    outlier_ratio: float = DEFAULT_ITL_OUTLIER_RATIO
+    """An inter-token gap above this many median gaps is an outlier (``decode_split``)."""
+    decode_facts: DecodeFacts | None = None
+    """Derived on first use (``decode_split.decode_facts_of``): most requests' verdicts never
+    need it, and the pipeline must not pay for it per request."""
     slo: dict[str, bool] = field(default_factory=dict)
     """target name -> met."""

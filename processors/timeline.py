@@ -83,6 +83,15 @@ _REQUEST_KEYS: Final = (
     semconv.QUEUE_MAX_RUNNING,
     semconv.PROMPT_PREFIX_HASH,
     semconv.CLIENT_FIRST_TOKEN_TIME,
+    semconv.CLIENT_FIRST_BYTE_TIME,
+    semconv.CLIENT_STREAM,
+    semconv.OPENLLMETRY_IS_STREAMING,
+    semconv.CLIENT_CONNECTION_REUSED,
+    semconv.CLIENT_CONNECT_NS,
+    semconv.CLIENT_SEND_WAIT_NS,
+    semconv.CLIENT_FIRST_TOKEN_READ_WAIT_NS,
+    semconv.CLIENT_READ_WAIT_NS,
+    semconv.CLIENT_RTT_NS,
     semconv.GEN_AI_RESPONSE_ID,
     semconv.VLLM_LATENCY_TTFT,
     semconv.VLLM_LATENCY_QUEUE,
@@ -108,6 +117,15 @@ _REQUEST_SLOT: Final = {key: slot for slot, key in enumerate(_REQUEST_KEYS)}
     _MAX_RUNNING,
     _PREFIX_HASH,
     _CLIENT_FIRST_TOKEN,
+    _CLIENT_FIRST_BYTE,
+    _CLIENT_STREAM,
+    _OPENLLMETRY_STREAM,
+    _CLIENT_REUSED,
+    _CLIENT_CONNECT,
+    _CLIENT_SEND_WAIT,
+    _CLIENT_FIRST_TOKEN_READ_WAIT,
+    _CLIENT_READ_WAIT,
+    _CLIENT_RTT,
     _RESPONSE_ID,
     _VLLM_TTFT,
     _VLLM_QUEUE,
@@ -175,6 +193,12 @@ def _as_str(value: AnyValue | None) -> str | None:
     if value is None or value.WhichOneof("value") != "string_value":
         return None
     return value.string_value
+
+
+def _as_bool(value: AnyValue | None) -> bool | None:
+    if value is None or value.WhichOneof("value") != "bool_value":
+        return None
+    return value.bool_value
 
 
 def _as_float(value: AnyValue | None) -> float | None:
@@ -338,6 +362,7 @@ class _Context:
             times = _times(server)
             if times is not None:
                 timeline.server_start, timeline.server_end = times
+                _apply_http_server(timeline, server)
         if timeline.server_start is None:
             timeline.server_start = timeline.arrival if request_start is None else request_start
             timeline.server_end = timeline.end
@@ -357,8 +382,28 @@ def _apply_client(timeline: RequestTimeline, client: Span, slots: _Slots | None)
     times = _times(client)
     if times is not None:
         timeline.client_start, timeline.client_end = times
-    if slots is not None:
-        timeline.client_first_token = _as_timestamp(slots[_CLIENT_FIRST_TOKEN])
+    if slots is None:
+        return
+    timeline.client_first_token = _as_timestamp(slots[_CLIENT_FIRST_TOKEN])
+    timeline.client_first_byte = _as_timestamp(slots[_CLIENT_FIRST_BYTE])
+    stream = _as_bool(slots[_CLIENT_STREAM])
+    timeline.client_stream = stream if stream is not None else _as_bool(slots[_OPENLLMETRY_STREAM])
+    timeline.client_connection_reused = _as_bool(slots[_CLIENT_REUSED])
+    timeline.client_connect_ns = _as_int(slots[_CLIENT_CONNECT])
+    timeline.client_send_wait_ns = _as_int(slots[_CLIENT_SEND_WAIT])
+    timeline.client_first_token_read_wait_ns = _as_int(slots[_CLIENT_FIRST_TOKEN_READ_WAIT])
+    timeline.client_read_wait_ns = _as_int(slots[_CLIENT_READ_WAIT])
+    timeline.client_rtt_ns = _as_int(slots[_CLIENT_RTT])
+
+
+def _apply_http_server(timeline: RequestTimeline, server: Span) -> None:
+    """The HTTP server span's own facts: the kernel wait before the app, the first body."""
+    for kv in server.attributes:
+        key = kv.key
+        if key == semconv.HTTP_RECEIVE_WAIT_NS:
+            timeline.http_receive_wait_ns = _as_int(kv.value)
+        elif key == semconv.HTTP_FIRST_BODY_TIME:
+            timeline.server_first_body = _as_timestamp(kv.value)
 
 
 # --- dialects ------------------------------------------------------------------------------------
@@ -424,10 +469,14 @@ def _apply_phases(timeline: RequestTimeline, index: _TraceIndex, request_id: byt
             timeline.preempted.append((start, end))
         elif name == semconv.SPAN_ENGINE_STEP:
             outlier_steps += 1
-            if (_int_attribute(child, semconv.ENGINE_STEP_PREFILL_TOKENS) or 0) > 0:
+            prefill_tokens = _int_attribute(child, semconv.ENGINE_STEP_PREFILL_TOKENS) or 0
+            if prefill_tokens > 0:
                 outlier_steps_with_prefill += 1
+            timeline.engine_steps.append((start, end, prefill_tokens))
     if len(timeline.preempted) > 1:
         timeline.preempted.sort()
+    if len(timeline.engine_steps) > 1:
+        timeline.engine_steps.sort()
 
     if queue is not None:
         # Engine arrival: the engine queued the request (the request span may start earlier,

@@ -5,8 +5,14 @@ Pure and I/O-free. From the window's request records:
 - ``metrics``: per latency metric (``semconv.LATENCY_METRICS``; ITL pooled over every gap) the
   count, mean and percentiles;
 - ``segments``: per budget segment, the same over the requests plus the mean share of E2E;
-- ``diagnosis``: the dominant cost of the typical request and of the tail
-  (``diagnosis.diagnose_window``), with cause, advice and the numbers used;
+- ``findings``: one per SLO target, breached first: which segment of the target's metric
+  dominates the requests beyond its threshold, its cause, one fix and the counterfactual
+  (``findings.target_findings``);
+- ``metric_findings``: per metric (TTFT, TPOT, E2E), the typical request's and the tail's
+  dominant segment and cause (``findings.metric_findings``), on the client's clock when every
+  request has a client span;
+- ``perceived``: streaming, time to first byte and connection reuse as users felt them
+  (``findings.perceived_speed``);
 - ``slo``: per target, the value at its percentile, whether it is met, the compliance (share of
   requests inside, as ``slo.mark_request`` judges them) and the error-budget burn rate.
 
@@ -22,8 +28,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.processors.diagnosis import DiagnosisConfig, diagnose_window
-from tokentrace.processors.model import RequestRecord, Verdict
+from tokentrace.processors.diagnosis import DiagnosisConfig
+from tokentrace.processors.findings import metric_findings, perceived_speed, target_findings
+from tokentrace.processors.model import RequestRecord
 from tokentrace.processors.slo import SloTarget, burn_rate_of, mark_request
 from tokentrace.processors.stats import nearest_rank
 
@@ -63,14 +70,15 @@ def analyze_window(
         summary = summarize_ns(segment_values[segment], percents)
         summary["share"] = round(share_sums.get(segment, 0.0) / count, 4) if count else None
         segments[segment] = summary
-    window = diagnose_window(records, diagnosis)
     return {
         "requests": count,
         "metrics": {
             metric: summarize_ns(found, percents) for metric, found in values.items() if found
         },
         "segments": segments,
-        "diagnosis": {"p50": verdict_doc(window.p50), "tail": verdict_doc(window.tail)},
+        "findings": target_findings(records, targets, diagnosis),
+        "metric_findings": metric_findings(records, config=diagnosis),
+        "perceived": perceived_speed(records),
         "slo": slo_status(records, targets),
     }
 
@@ -133,18 +141,6 @@ def slo_status(
             )
         entries.append(entry)
     return entries
-
-
-def verdict_doc(verdict: Verdict | None) -> dict[str, Any] | None:
-    if verdict is None:
-        return None
-    return {
-        "segment": verdict.segment,
-        "cause": verdict.cause,
-        "sentence": verdict.sentence,
-        "advice": verdict.advice,
-        "numbers": dict(verdict.numbers),
-    }
 
 
 def _segment_order(found: dict[str, list[int]]) -> list[str]:

@@ -11,12 +11,22 @@ call that time ``network``; with it, the time is ``http`` (span start -> engine 
 The middleware wraps the app's whole middleware stack (it is the outermost layer). Per request:
 one clock read at the start and one just before the response's last bytes are sent (so the span
 ends before the client can see the response end, and a client span always contains it; the
-app's background tasks after that are not the request's), the ``traceparent`` header parsed, a
-span id chosen and a context variable set, which the framework's hooks read when the request
-reaches the engine (``current_http_span``), so that ``llm.request`` is the HTTP span's child.
-The span is planned and encoded on the emitter's thread. Only ``POST`` requests are traced:
-health checks, metrics scrapes and model listings would add a span per poll and carry no
-generation.
+app's background tasks after that are not the request's), one when the first non-empty body
+bytes are sent (``tokentrace.http.first_body_time``: for a stream, the first token's delivery;
+after it, one test of a flag per chunk), the ``traceparent`` header parsed, a span id chosen
+and a context variable set, which the framework's hooks read when the request reaches the
+engine (``current_http_span``), so that ``llm.request`` is the HTTP span's child. The span is
+planned and encoded on the emitter's thread. Only ``POST`` requests are traced: health checks,
+metrics scrapes and model listings would add a span per poll and carry no generation.
+
+What happened before the span starts: the request's bytes may have waited in the kernel (the
+accept queue, a busy event loop) before the app saw them. At the start, one ``TCP_INFO`` read on
+the request's socket says how long ago the kernel received its last bytes
+(``tokentrace.http.receive_wait_ns``, millisecond resolution), so the collector can tell the
+server's backlog from the network. ASGI gives the app no socket: under uvicorn, the ``send``
+the outermost layer receives is the bound ``RequestResponseCycle.send``, whose cycle holds the
+transport. With any other server (or when anything in that chain is not what it looks like)
+the attribute is absent; "measured 0" and "unknown" stay distinguishable.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from tokentrace.agent.spans import (
     random_span_id_bytes,
     random_trace_id,
 )
+from tokentrace.agent.tcp_info import read_tcp_info
 
 __all__ = [
     "HOOK_HTTP_SERVER",
@@ -83,6 +94,11 @@ class HttpServerSpan:
     """The matched route's template (FastAPI sets ``scope["route"]``), for the span's name."""
     error: str | None = None
     """The exception the app raised, by type name."""
+    receive_wait_ns: int | None = None
+    """How long the request's bytes had waited in the kernel when the app started (TCP_INFO,
+    ms resolution); None when the server's socket could not be read."""
+    first_body_ns: int = 0
+    """Read when the first non-empty ``http.response.body`` was sent (0 until then)."""
 
 
 _current: contextvars.ContextVar[HttpServerSpan | None] = contextvars.ContextVar(
@@ -126,8 +142,11 @@ class HttpServerTracer:
             return app
         return _TracingMiddleware(app, self, enabled)
 
-    def begin(self, scope: Scope) -> HttpServerSpan:
+    def begin(self, scope: Scope, send: Send) -> HttpServerSpan:
+        """The span of a request whose app starts now; ``send`` is the server's (see
+        ``_receive_wait_ns``)."""
         start_ns = self.clock()
+        receive_wait_ns = _receive_wait_ns(send)
         context = None
         for name, value in scope.get("headers") or ():
             if name == _TRACEPARENT_HEADER:
@@ -142,6 +161,7 @@ class HttpServerTracer:
             str(scope["method"]),
             str(scope.get("path", "")),
             start_ns,
+            receive_wait_ns=receive_wait_ns,
         )
 
     def end(self, span: HttpServerSpan, scope: Scope) -> None:
@@ -167,6 +187,10 @@ class HttpServerTracer:
             attributes[semconv.HTTP_RESPONSE_STATUS_CODE] = status
         if span.route:
             attributes[semconv.HTTP_ROUTE] = span.route
+        if span.receive_wait_ns is not None:
+            attributes[semconv.HTTP_RECEIVE_WAIT_NS] = span.receive_wait_ns
+        if span.first_body_ns:
+            attributes[semconv.HTTP_FIRST_BODY_TIME] = unix(span.first_body_ns)
         error = span.error
         if error is None and status >= _SERVER_ERROR_STATUS:
             error = f"HTTP {status}"  # 4xx is the client's error, not the server span's
@@ -182,6 +206,21 @@ class HttpServerTracer:
         return [
             SpanJob(span.trace_id, span.parent_span_id, [planned], {_ROOT_LOCAL_ID: span.span_id})
         ]
+
+
+def _receive_wait_ns(send: Send) -> int | None:
+    """TCP_INFO ``last_data_recv`` of the request's connection, if ``send`` is uvicorn's (a
+    bound ``RequestResponseCycle.send``: ``send.__self__.transport`` is the connection's); None
+    for any other server. Never raises: these are someone else's objects."""
+    try:
+        # getattr with defaults: no exception to pay for on the usual non-uvicorn path.
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
+        if transport is None:
+            return None
+        facts = read_tcp_info(transport.get_extra_info("socket"))
+    except Exception:
+        return None
+    return None if facts is None else facts.last_data_recv_ns
 
 
 class _TracingMiddleware:
@@ -204,15 +243,20 @@ class _TracingMiddleware:
         ):
             await self._app(scope, receive, send)
             return
-        span: HttpServerSpan | None = tracer.guard.run(HOOK_HTTP_SERVER, tracer.begin, scope)
+        span: HttpServerSpan | None = tracer.guard.run(HOOK_HTTP_SERVER, tracer.begin, scope, send)
         if span is None:
             await self._app(scope, receive, send)
             return
         clock = tracer.clock
+        first_body_pending = True  # a closure cell: cheaper per chunk than the span's attribute
 
         async def send_traced(message: Message) -> None:
+            nonlocal first_body_pending
             kind = message.get("type")
             if kind == _RESPONSE_BODY:
+                if first_body_pending and message.get("body"):
+                    span.first_body_ns = clock()
+                    first_body_pending = False
                 if not message.get("more_body", False):
                     # Read before the last bytes are handed over, so that the span ends before
                     # any client can see the response end (a client span always contains it).

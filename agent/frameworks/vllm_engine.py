@@ -48,7 +48,7 @@ from typing import Any, Final, NamedTuple
 from tokentrace.agent import semconv
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import ClockDomain
-from tokentrace.agent.recording import gap_median
+from tokentrace.agent.recording import DEFAULT_ITL_OUTLIER_RATIO, gap_median
 from tokentrace.agent.spans import (
     KIND_INTERNAL,
     SPAN_ID_BYTES,
@@ -84,7 +84,7 @@ HOOK_STEP_DONE: Final = "vllm.engine.update_from_output"
 
 _DEFAULT_RING_STEPS: Final = 4096
 _DEFAULT_SAMPLE_RATE: Final = 0.01
-_DEFAULT_OUTLIER_RATIO: Final = 3.0
+_DEFAULT_OUTLIER_RATIO: Final = DEFAULT_ITL_OUTLIER_RATIO
 _MAX_OUTLIER_STEPS: Final = 32
 """Engine step spans per request at most: a pathological request cannot flood the exporter."""
 _SWEEP_EVERY_STEPS: Final = 1024

@@ -3,7 +3,11 @@
 One ``llm.client.request`` span (kind CLIENT) per measured request, in the trace whose
 ``traceparent`` the request carried: its start is when the request was issued, its end when the
 response was complete, and ``tokentrace.client.first_token_time`` marks the first token chunk.
-With the server's spans in the same trace, the collector derives the ``network`` segment.
+With the server's spans in the same trace, the collector derives the time the client saw but
+the server did not, and splits it with what else the span carries (``tokentrace.client.*``:
+first byte time, streamed or not, connection reused or its setup time, the wait before sending,
+the kernel's read waits and round-trip time) into ``client``, ``connect`` and ``network``. An
+attribute is absent when its value is unknown.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Final
 
 from tokentrace.agent import semconv
 from tokentrace.agent.load.results import RequestResult
-from tokentrace.agent.otlp_export import OtlpExporterConfig, OtlpSender
+from tokentrace.agent.otlp_export import PROTOCOL_GRPC, OtlpExporterConfig, OtlpSender
 from tokentrace.agent.spans import (
     KIND_CLIENT,
     AttrValue,
@@ -49,6 +53,10 @@ class ClientSpanExporter:
     ) -> None:
         """Raises ValueError for an invalid ``config``."""
         self._sender = OtlpSender(config, signal="traces")
+        if config.protocol == PROTOCOL_GRPC:
+            # Imported now, before the run: the sender's thread would import it at the first
+            # export, mid-run, holding the GIL while the measured requests wait for the loop.
+            import grpc  # noqa: F401
         self._head = ResourceScope(
             resource_attributes={semconv.SERVICE_NAME: service_name}, scope_name=_SCOPE_NAME
         )
@@ -92,14 +100,23 @@ def _encode(result: RequestResult, *, model: str, path: str) -> bytes:
         semconv.HTTP_REQUEST_METHOD: _HTTP_METHOD,
         semconv.URL_PATH: path,
     }
-    if result.status is not None:
-        attributes[semconv.HTTP_RESPONSE_STATUS_CODE] = result.status
-    if result.first_token_ns is not None:
-        attributes[semconv.CLIENT_FIRST_TOKEN_TIME] = result.first_token_ns
-    if result.prompt_tokens is not None:
-        attributes[semconv.GEN_AI_USAGE_INPUT_TOKENS] = result.prompt_tokens
-    if result.output_tokens is not None:
-        attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = result.output_tokens
+    known: tuple[tuple[str, AttrValue | None], ...] = (
+        (semconv.HTTP_RESPONSE_STATUS_CODE, result.status),
+        (semconv.CLIENT_FIRST_TOKEN_TIME, result.first_token_ns),
+        (semconv.GEN_AI_USAGE_INPUT_TOKENS, result.prompt_tokens),
+        (semconv.GEN_AI_USAGE_OUTPUT_TOKENS, result.output_tokens),
+        (semconv.CLIENT_FIRST_BYTE_TIME, result.first_byte_ns),
+        (semconv.CLIENT_STREAM, result.stream),
+        (semconv.CLIENT_CONNECTION_REUSED, result.connection_reused),
+        (semconv.CLIENT_CONNECT_NS, result.connect_ns),
+        (semconv.CLIENT_SEND_WAIT_NS, result.send_wait_ns),
+        (semconv.CLIENT_FIRST_TOKEN_READ_WAIT_NS, result.first_token_read_wait_ns),
+        (semconv.CLIENT_READ_WAIT_NS, result.read_wait_ns),
+        (semconv.CLIENT_RTT_NS, result.rtt_ns),
+    )
+    for name, value in known:
+        if value is not None:
+            attributes[name] = value
     planned = PlannedSpan(
         0, -1, semconv.SPAN_CLIENT_REQUEST, KIND_CLIENT,
         result.start_ns, result.end_ns, attributes, result.error,

@@ -6,6 +6,17 @@ extra must stay free of web client dependencies. The client speaks just enough H
 OpenAI-compatible endpoints: POST with a JSON body, responses framed by Content-Length, chunked
 transfer coding or connection close, keep-alive connection reuse, and ``text/event-stream`` bodies.
 
+Each :class:`Response` also says what the client's side of the wire did, for the collector to
+split the time the client saw but the server did not: whether its connection was reused (else
+how long opening it took: for plain TCP to an IP address at most the round trip the kernel
+measured for its handshake, the rest being the client late to run), when the request was handed
+to the socket and when the response's first byte was read, and the kernel's view of the
+connection (``agent/tcp_info.py``) when the body was complete: how long its last bytes had
+waited before the client read them, and the smoothed round-trip time.
+:meth:`Response.tcp_facts` gives the same on demand (the load runner asks once, at the first
+token). None of this adds work per chunk: the client asks the kernel once per response, when its
+body is complete, and reads the clock anew only around opening a connection.
+
 Every socket-level failure (refused, reset, TLS, timeout, protocol violation) surfaces as
 :class:`HttpError` naming ``host:port``; every buffer is bounded.
 """
@@ -14,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import re
 import ssl
 import sys
@@ -23,6 +35,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import TypeVar
 from urllib.parse import urlsplit
+
+from tokentrace.agent.tcp_info import TcpFacts, read_tcp_info
 
 __all__ = ["HttpClient", "HttpError", "Response", "parse_base_url"]
 
@@ -100,6 +114,14 @@ def _translate(exc: BaseException, action: str, where: str, timeout_s: float) ->
     return None
 
 
+def _is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_base_url(url: str) -> tuple[str, str, int, str]:
     """(scheme ``'http'``/``'https'``, host, port, base path without trailing ``/``).
 
@@ -163,8 +185,10 @@ class _Connection:
         "_writer",
         "buf",
         "closed",
+        "connect_ns",
         "last_read_ns",
         "pos",
+        "sock",
         "where",
     )
 
@@ -176,12 +200,18 @@ class _Connection:
         where: str,
         timeout_s: float,
         clock: Callable[[], int],
+        connect_ns: int,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._timeout_s = timeout_s
         self._clock = clock
         self.where = where
+        self.sock: object = writer.get_extra_info("socket")
+        """The TCP socket (under TLS, the raw one), for TCP_INFO; None if the transport has none."""
+        self.connect_ns = connect_ns
+        """How long opening it took: name resolution and TLS included; for plain TCP to an IP
+        address at most the kernel's measured round trip of its handshake."""
         self.buf = b""
         self.pos = 0
         self.last_read_ns = 0
@@ -198,6 +228,7 @@ class _Connection:
         timeout_s: float,
         clock: Callable[[], int],
     ) -> _Connection:
+        started_ns = clock()
         try:
             reader, writer = await _within(
                 asyncio.open_connection(
@@ -213,7 +244,22 @@ class _Connection:
             if error is None:
                 raise
             raise error from exc
-        return cls(reader, writer, where=where, timeout_s=timeout_s, clock=clock)
+        connection = cls(
+            reader,
+            writer,
+            where=where,
+            timeout_s=timeout_s,
+            clock=clock,
+            connect_ns=clock() - started_ns,
+        )
+        if ssl_context is None and _is_ip_address(host):
+            # Plain TCP, no name to resolve: the kernel completes the handshake in one round
+            # trip, which it measured; opening took longer only when this client was late to run
+            # (a busy loop, a starved process): the client's own time, not the connection's.
+            facts = read_tcp_info(connection.sock)
+            if facts is not None and facts.rtt_ns:
+                connection.connect_ns = min(connection.connect_ns, facts.rtt_ns)
+        return connection
 
     @property
     def buffered(self) -> int:
@@ -315,8 +361,13 @@ class Response:
         "_keep_alive",
         "_mode",
         "_remaining",
+        "_sock",
         "_state",
         "_trailer_bytes",
+        "connect_ns",
+        "connection_reused",
+        "end_tcp_facts",
+        "first_byte_ns",
         "headers",
         "headers_ns",
         "reason",
@@ -333,7 +384,9 @@ class Response:
         reason: str,
         headers: dict[str, str],
         sent_ns: int,
+        first_byte_ns: int,
         headers_ns: int,
+        connection_reused: bool,
         mode: int,
         length: int,
         keep_alive: bool,
@@ -342,9 +395,20 @@ class Response:
         self.reason = reason
         self.headers: Mapping[str, str] = headers
         self.sent_ns = sent_ns
+        """Clock reading when the request's bytes were handed to the connection."""
+        self.first_byte_ns = first_byte_ns
+        """Clock reading of the read that delivered the response's first byte."""
         self.headers_ns = headers_ns
+        self.connection_reused = connection_reused
+        """The request went over a pooled connection (False: one opened for it)."""
+        self.connect_ns = None if connection_reused else conn.connect_ns
+        """How long opening the connection took; None when it was reused."""
+        self.end_tcp_facts: TcpFacts | None = None
+        """TCP_INFO taken right after the read that completed the body; None until then, or
+        when the kernel could not tell."""
         self._client = client
         self._conn: _Connection | None = conn
+        self._sock = conn.sock
         self._mode = mode
         self._remaining = length
         self._state = _CHUNK_SIZE_LINE
@@ -441,6 +505,13 @@ class Response:
         if self._conn is not None and not self._done:
             self._abort()
 
+    def tcp_facts(self) -> TcpFacts | None:
+        """TCP_INFO of the connection that carried this response, now; None when the kernel
+        cannot tell (closed, not TCP, not Linux). Ask right after a read of this response and
+        before awaiting anything: a connection whose response is complete may carry another
+        request from the next await on."""
+        return read_tcp_info(self._sock)
+
     # --- body decoding ---------------------------------------------------------------------------
     async def _next_piece(self) -> bytes:
         """The next piece of the decoded body as soon as any is available; b"" at its end."""
@@ -525,6 +596,7 @@ class Response:
         self._conn = None
         if conn is not None:
             self._end_ns = conn.last_read_ns
+            self.end_tcp_facts = read_tcp_info(conn.sock)  # before the pool lends conn out
             if self._keep_alive:
                 self._client._release(conn)
             else:
@@ -658,14 +730,14 @@ class HttpClient:
         request, close_requested = self._request(path, body, headers)
         conn, reused = await self._acquire(fresh=False)
         try:
-            return await self._exchange(conn, request, close_requested)
+            return await self._exchange(conn, request, close_requested, reused=reused)
         except _PeerClosed:
             if not reused:
                 raise
             # The server closed the idle connection as we sent: resend once on a fresh one.
             self._counters.stale_retries += 1
-        conn, _ = await self._acquire(fresh=True)
-        return await self._exchange(conn, request, close_requested)
+        conn, reused = await self._acquire(fresh=True)
+        return await self._exchange(conn, request, close_requested, reused=reused)
 
     async def aclose(self) -> None:
         """Close idle connections; later :meth:`post` calls raise HttpError. Responses still
@@ -755,22 +827,36 @@ class HttpClient:
             self._idle.popleft().close()
             self._counters.idle_discarded += 1
 
-    async def _exchange(self, conn: _Connection, request: bytes, close_requested: bool) -> Response:
+    async def _exchange(
+        self, conn: _Connection, request: bytes, close_requested: bool, *, reused: bool
+    ) -> Response:
         try:
             sent_ns = self._clock()
             await conn.send(request)
-            while True:
-                version, status, reason, headers = await self._read_head(conn)
-                # Interim responses (100 Continue, 103 Early Hints) precede the real one.
-                if not 100 <= status < 200 or status == 101:
-                    break
-            return self._response(conn, version, status, reason, headers, sent_ns, close_requested)
+            version, status, reason, headers, first_byte_ns = await self._read_head(conn)
+            # Interim responses (100 Continue, 103 Early Hints) precede the real one.
+            while 100 <= status < 200 and status != 101:
+                version, status, reason, headers, _ = await self._read_head(conn)
+            return self._response(
+                conn,
+                version,
+                status,
+                reason,
+                headers,
+                sent_ns=sent_ns,
+                first_byte_ns=first_byte_ns,
+                reused=reused,
+                close_requested=close_requested,
+            )
         except BaseException:
             conn.abort()
             raise
 
-    async def _read_head(self, conn: _Connection) -> tuple[bytes, int, str, dict[str, str]]:
+    async def _read_head(self, conn: _Connection) -> tuple[bytes, int, str, dict[str, str], int]:
+        """(version, status, reason, headers, clock reading of the read that delivered the
+        head's first byte)."""
         received_any = conn.buffered > 0
+        first_read_ns = conn.last_read_ns  # what is buffered came with the latest read
         scanned = 0  # bytes after conn.pos already searched for the blank line
         while True:
             buf, pos = conn.buf, conn.pos
@@ -803,7 +889,9 @@ class HttpClient:
                 if received_any:
                     raise HttpError(f"connection closed by {self._where} inside response headers")
                 raise _PeerClosed(f"{self._where} closed the connection without a response")
-            received_any = True
+            if not received_any:
+                first_read_ns = conn.last_read_ns
+                received_any = True
         head = buf[pos:head_end]
         conn.pos = block_end
         lines = head.split(b"\n")
@@ -834,7 +922,7 @@ class HttpClient:
             previous = headers.get(name)
             headers[name] = value if previous is None else f"{previous}, {value}"
             last_name = name
-        return parts[0], int(parts[1]), reason, headers
+        return parts[0], int(parts[1]), reason, headers, first_read_ns
 
     def _response(
         self,
@@ -843,7 +931,10 @@ class HttpClient:
         status: int,
         reason: str,
         headers: dict[str, str],
+        *,
         sent_ns: int,
+        first_byte_ns: int,
+        reused: bool,
         close_requested: bool,
     ) -> Response:
         keep_alive = (
@@ -883,7 +974,9 @@ class HttpClient:
             reason=reason,
             headers=headers,
             sent_ns=sent_ns,
+            first_byte_ns=first_byte_ns,
             headers_ns=conn.last_read_ns,
+            connection_reused=reused,
             mode=mode,
             length=length,
             keep_alive=keep_alive,

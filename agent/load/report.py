@@ -24,17 +24,6 @@ if TYPE_CHECKING:
     from tokentrace.processors.slo import SloTarget
 
 _NS_PER_MS: Final = 1_000_000
-METRIC_LABELS: Final = {
-    semconv.METRIC_TTFT: "TTFT",
-    semconv.METRIC_TPOT: "TPOT",
-    semconv.METRIC_ITL: "ITL",
-    semconv.METRIC_E2E: "E2E",
-    semconv.METRIC_QUEUE: "queue",
-    semconv.METRIC_PREFILL: "prefill",
-    semconv.METRIC_DECODE: "decode",
-    semconv.METRIC_NETWORK: "network",
-}
-"""How the load, diagnose and compare tables name each latency metric."""
 
 
 def client_slo(
@@ -124,8 +113,25 @@ def render(record: RunRecord, *, record_path: str | None, store_hint: str | None
         opened = record.http.get("connections_opened", 0)
         reused = record.http.get("connections_reused", 0)
         rows.append(("Connections opened / reused", f"{opened:,} / {reused:,}"))
+        stalled_ns = record.http.get("client_stall_ns", 0)
+        if stalled_ns:
+            longest = record.http.get("client_longest_stall_ns", 0)
+            rows.append(
+                (
+                    "Client loop stalls",
+                    f"{record.http.get('client_stalls', 0):,}, {stalled_ns / 1e6:,.0f} ms in all "
+                    f"(longest {longest / 1e6:,.0f} ms)",
+                )
+            )
     width = max(len(label) for label, _ in rows) + 2
     lines += [f"{label + ':':<{width}}{value}" for label, value in rows]
+    stalled_s = (record.http or {}).get("client_stall_ns", 0) / 1e9
+    if summary["duration_s"] and stalled_s >= _SATURATED_CLIENT_SHARE * summary["duration_s"]:
+        lines.append(
+            f"WARNING: this client's event loop stalled for {stalled_s / summary['duration_s']:.0%}"
+            " of the run: the client was itself saturated (CPU, concurrency); its delays are in"
+            " its latencies here and in the collector's `client` segment"
+        )
     if summary.get("errors"):
         kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(summary["errors"].items()))
         lines.append(f"{'Errors:':<{width}}{kinds}")
@@ -160,6 +166,10 @@ def render(record: RunRecord, *, record_path: str | None, store_hint: str | None
     return "\n".join(lines)
 
 
+_SATURATED_CLIENT_SHARE: Final = 0.05
+"""Event-loop stalls this large a share of the run: the client's own numbers are suspect."""
+
+
 def _title(record: RunRecord) -> str:
     config = record.config
     if config.get("rate") is not None:
@@ -184,7 +194,7 @@ def _metric_table(metrics: dict[str, dict[str, Any]]) -> list[str]:
         cells = "".join(
             f"{summary[label]:>10.2f}" if label in summary else f"{'-':>10}" for label in labels
         )
-        lines.append(f"{METRIC_LABELS[metric]:<12}{summary.get('count', 0):>8,}{cells}")
+        lines.append(f"{semconv.METRIC_LABELS[metric]:<12}{summary.get('count', 0):>8,}{cells}")
     return lines
 
 

@@ -14,6 +14,15 @@ Per successful request (streaming), with ``start`` taken just before the request
 Percentiles interpolate linearly between the two nearest values (``numpy.percentile``'s default,
 which ``vllm bench serve`` uses); failed requests are counted, never measured. A non-streaming
 request has an E2E (response complete - start) and no TTFT, TPOT or ITL.
+
+Each request also keeps what its client span needs for the collector to split the time the
+client saw but the server did not into the client's own delays, connection setup and the
+network: when the response's first byte was read, whether the request was streamed, whether
+its connection was reused (else how long opening it took), how long the client waited before
+handing the request to the socket, how long the first token's and the last bytes had waited in
+the client's kernel before it read them, and the connection's round-trip time. These are None
+when unknown (the kernel could not tell, the request failed first, or a run record written
+before they were kept).
 """
 
 from __future__ import annotations
@@ -62,6 +71,23 @@ class RequestResult:
     """The server's ``usage.prompt_tokens``."""
     output_tokens: int | None = None
     """The server's ``usage.completion_tokens``, else the chunks that carried a choice."""
+    first_byte_ns: int | None = None
+    """The read that delivered the response's first byte (its status line)."""
+    stream: bool | None = None
+    """The request asked for a streamed response."""
+    connection_reused: bool | None = None
+    """The request went over a kept-alive connection (False: the client opened one for it)."""
+    connect_ns: int | None = None
+    """How long opening the request's connection took; None when it was reused."""
+    send_wait_ns: int | None = None
+    """Start to the request's bytes handed to the socket, connection setup excluded (>= 0)."""
+    first_token_read_wait_ns: int | None = None
+    """How long the first token's bytes had waited in the kernel when the client read them
+    (TCP_INFO ``last_data_recv``, ms resolution)."""
+    read_wait_ns: int | None = None
+    """The same for the read that completed the response."""
+    rtt_ns: int | None = None
+    """The kernel's smoothed round-trip time of the connection when the response was complete."""
 
     @property
     def ok(self) -> bool:
@@ -86,28 +112,12 @@ class RequestResult:
         return (self.e2e_ns - ttft) / (tokens - 1)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "trace_id": self.trace_id,
-            "span_id": self.span_id,
-            "operation": self.operation,
-            "shared_prefix": self.shared_prefix,
-            "max_tokens": self.max_tokens,
-            "start_ns": self.start_ns,
-            "end_ns": self.end_ns,
-            "first_token_ns": self.first_token_ns,
-            "last_token_ns": self.last_token_ns,
-            "chunk_gaps_ns": self.chunk_gaps_ns,
-            "status": self.status,
-            "error": self.error,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-        }
+        return {name: getattr(self, name) for name in _FIELDS}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestResult:
         """Raises KeyError/TypeError/ValueError for a malformed entry (the record reader says
-        which one)."""
+        which one). Fields an older record lacks keep their defaults."""
         result = cls(**{name: data[name] for name in _FIELDS if name in data})
         for name in ("index", "start_ns", "end_ns", "max_tokens"):
             if not isinstance(getattr(result, name), int):

@@ -6,6 +6,19 @@ naming its client span, so the server's spans join the client's trace and the co
 compute the ``network`` segment (client-observed minus server-observed time). Warm-up requests
 go first, untraced and unmeasured. The window the run record keeps starts with the first
 measured request and ends with the last response.
+
+Besides the latencies, each request keeps the client's side of the wire (``results.py``): the
+HTTP client's facts about its connection and first byte, the wait before its bytes were sent,
+and the kernel's TCP_INFO taken twice at most: right after the read that completed the first
+token event (the runner asks: only it knows which event is a token) and right after the read
+that completed the response (the HTTP client takes it before the connection can be reused).
+
+The client's own lateness in reading its first token takes the larger of two measures: the
+kernel's wait at that read (how long ago the last bytes arrived: too short when later tokens
+kept arriving while the client was stalled) and the stalls of this process's event loop since
+the request was sent (``_LoopStalls``: a probe that wakes every few ms and records how late it
+woke: a busy loop, a starved process, a GIL held by another thread). The run's stalls in all
+are reported, so a saturated client says so instead of passing its delays off as the server's.
 """
 
 from __future__ import annotations
@@ -13,11 +26,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from tokentrace.agent.load.http import HttpClient, HttpError
+from tokentrace.agent.load.http import HttpClient, HttpError, Response
 from tokentrace.agent.load.results import RequestResult
 from tokentrace.agent.load.workload import (
     LoadConfig,
@@ -28,6 +42,11 @@ from tokentrace.agent.load.workload import (
 from tokentrace.agent.spans import format_traceparent, random_span_id_bytes, random_trace_id
 
 _DONE: Final = "[DONE]"
+_STALL_PROBE_INTERVAL_S: Final = 0.005
+_MIN_STALL_NS: Final = 1_000_000
+"""Later wake-ups than this count as stalls (below: ordinary scheduling jitter)."""
+_MAX_STALLS: Final = 100_000
+"""Stalls remembered at most (oldest forgotten first): bounded memory on long runs."""
 _MAX_ERROR_CHARS: Final = 300
 _NS_PER_S: Final = 1_000_000_000
 
@@ -72,6 +91,55 @@ class _Clock:
         return self._monotonic() + self.offset_ns
 
 
+class _LoopStalls:
+    """When this process's event loop ran late: a probe sleeps ``_STALL_PROBE_INTERVAL_S`` and
+    records each late wake-up as the interval (due, woke) on the runner's clock."""
+
+    __slots__ = ("_clock", "_due", "_stalls", "count", "longest_ns", "total_ns")
+
+    def __init__(self, clock: Callable[[], int]) -> None:
+        self._clock = clock
+        self._stalls: deque[tuple[int, int]] = deque(maxlen=_MAX_STALLS)
+        self._due: int | None = None
+        """When the probe is due to wake next (None: not running)."""
+        self.count = 0
+        self.total_ns = 0
+        self.longest_ns = 0
+
+    async def run(self) -> None:
+        interval_ns = int(_STALL_PROBE_INTERVAL_S * _NS_PER_S)
+        while True:
+            due = self._due = self._clock() + interval_ns
+            await asyncio.sleep(_STALL_PROBE_INTERVAL_S)
+            late = self._clock() - due
+            if late > _MIN_STALL_NS:
+                self._stalls.append((due, due + late))
+                self.count += 1
+                self.total_ns += late
+                self.longest_ns = max(self.longest_ns, late)
+
+    def within(self, start_ns: int, end_ns: int) -> int:
+        """ns of stalls inside [start, end] (recent windows: scanned from the newest), the one
+        still in progress included: after a stall the loop may run a reader before the probe,
+        which records the stall only when it wakes."""
+        total = 0
+        due = self._due
+        if due is not None and end_ns - due > _MIN_STALL_NS:
+            total += max(0, end_ns - max(due, start_ns))
+        for due, woke in reversed(self._stalls):
+            if woke <= start_ns:
+                break
+            total += max(0, min(woke, end_ns) - max(due, start_ns))
+        return total
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "client_stalls": self.count,
+            "client_stall_ns": self.total_ns,
+            "client_longest_stall_ns": self.longest_ns,
+        }
+
+
 class LoadRunner:
     def __init__(
         self,
@@ -97,6 +165,7 @@ class LoadRunner:
         self._results: list[RequestResult] = []
         self._in_flight = 0
         self._failed = 0
+        self._stalls = _LoopStalls(self._unix_ns)
 
     def run(self) -> RunOutcome:
         return asyncio.run(self.run_async())
@@ -111,6 +180,7 @@ class LoadRunner:
             headers=self._headers,
             clock=self._unix_ns,
         )
+        probe = asyncio.create_task(self._stalls.run())
         try:
             warmup_failed = await self._warm_up(client)
             started = self._unix_ns()
@@ -125,9 +195,10 @@ class LoadRunner:
                 warmup_failed=warmup_failed,
                 window_start_ns=min((r.start_ns for r in self._results), default=started),
                 window_end_ns=ended,
-                http_stats=client.stats(),
+                http_stats=client.stats() | self._stalls.stats(),
             )
         finally:
+            probe.cancel()
             await client.aclose()
 
     # --- scheduling ------------------------------------------------------------------------------
@@ -239,18 +310,23 @@ class LoadRunner:
             max_tokens=plan.max_tokens,
             start_ns=start,
             end_ns=start,
+            stream=self._config.stream,
         )
         try:
             response = await client.post(plan.path, plan.body, headers=headers)
             async with response:
-                result.status = response.status
+                _record_connection(response, result)
                 if response.status != 200:
                     body = await response.read()
                     result.error = f"http {response.status}: {_excerpt(body)}"
                 elif self._config.stream:
-                    await _read_stream(response, result)
+                    await _read_stream(response, result, self._stalls)
                 else:
                     _read_whole(await response.read(), result)
+                end = response.end_tcp_facts
+                if end is not None:
+                    result.read_wait_ns = end.last_data_recv_ns
+                    result.rtt_ns = end.rtt_ns
         except HttpError as error:
             result.error = f"connection: {error}"
         except (ValueError, KeyError, TypeError, AttributeError) as error:  # not the API's JSON
@@ -261,7 +337,17 @@ class LoadRunner:
         return result
 
 
-async def _read_stream(response: Any, result: RequestResult) -> None:
+def _record_connection(response: Response, result: RequestResult) -> None:
+    """What the response's head says about the request's connection and the client's wait to
+    send (after a stale-connection retry, the failed attempt counts as the client's own)."""
+    result.status = response.status
+    result.first_byte_ns = response.first_byte_ns
+    result.connection_reused = response.connection_reused
+    result.connect_ns = response.connect_ns
+    result.send_wait_ns = max(response.sent_ns - result.start_ns - (response.connect_ns or 0), 0)
+
+
+async def _read_stream(response: Response, result: RequestResult, stalls: _LoopStalls) -> None:
     chunks = 0
     previous: int | None = None
     async for at_ns, data in response.events():
@@ -277,6 +363,13 @@ async def _read_stream(response: Any, result: RequestResult) -> None:
             chunks += 1
             if previous is None:
                 result.first_token_ns = at_ns
+                # No await since the read that completed this event: the kernel's view is still
+                # the one right after it.
+                facts = response.tcp_facts()
+                stalled = stalls.within(response.sent_ns, at_ns)
+                kernel_wait = facts.last_data_recv_ns if facts is not None else 0
+                if facts is not None or stalled:
+                    result.first_token_read_wait_ns = max(kernel_wait, stalled)
             else:
                 result.chunk_gaps_ns.append(at_ns - previous)
             previous = at_ns

@@ -61,7 +61,7 @@ class ApiSettings:
 
 def create_app(settings: ApiSettings) -> FastAPI:
     """The API + UI application for one store."""
-    from tokentrace.collector.api import detail_route, list_route, window_routes
+    from tokentrace.collector.api import detail_route, diagnose_route, list_route, window_routes
 
     app = FastAPI(
         title="tokentrace",
@@ -93,6 +93,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.include_router(list_route.router, prefix=API_PREFIX)
     app.include_router(detail_route.router, prefix=API_PREFIX)
     app.include_router(window_routes.router, prefix=API_PREFIX)
+    app.include_router(diagnose_route.router, prefix=API_PREFIX)
 
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict[str, str]:

@@ -1,13 +1,14 @@
 """``GET /api/v1/requests/{trace_id}``: one request, drilled down (``docs/api.md``).
 
 The route reads the explain document and the trace's stored spans from the store; everything
-else is ``request_view`` (pure). Unknown ids answer 404, bad or ambiguous ids 400, and spans
-that cannot be decoded only empty the parts that need them (``warnings`` says so).
+else is ``request_view`` (pure). ``metric`` picks the verdict (``tokentrace explain --metric``).
+Unknown ids answer 404, bad or ambiguous ids and unknown metrics 400, and spans that cannot be
+decoded only empty the parts that need them (``warnings`` says so).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, Literal
 
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, Field
@@ -44,11 +45,19 @@ class GpuPhase(GpuAggregate):
     end_ms: float
 
 
+VerdictMetric = Literal["ttft", "tpot", "itl", "e2e"]
+"""``diagnosis.VERDICT_METRICS``: the metrics a verdict can answer about."""
+
+
 class WaterfallRow(BaseModel):
     label: str
     segment: str = Field(description="the budget segment the phase counts towards")
     intervals_ms: list[tuple[float, float]]
     duration_ms: float
+    dominant: bool = Field(
+        description="the phase holds the verdict's dominant segment (interference and stalls "
+        "are parts of decode)"
+    )
 
 
 class TokenGap(BaseModel):
@@ -100,7 +109,17 @@ class Links(BaseModel):
 
 class RequestDetail(BaseModel):
     request: dict[str, Any] = Field(description="the document `tokentrace explain --json` prints")
-    verdict_text: str
+    verdict: dict[str, Any] | None = Field(
+        description="the verdict answered: request.verdict, or request.verdicts[metric]"
+    )
+    verdict_metric: str | None = Field(
+        description="the metric the verdict answers about: ttft | tpot | itl | e2e (null: no "
+        "metric asked and no verdict)"
+    )
+    verdict_text: str = Field(description="its sentence (render.verdict_text)")
+    verdict_heading: str = Field(
+        description="which metric, whose clock, and why (render.verdict_heading)"
+    )
     waterfall: list[WaterfallRow]
     tokens: Tokens
     engine_steps: list[EngineStep]
@@ -128,6 +147,10 @@ def get_request(
         str | None,
         Query(description="pick one request of the trace (hex prefix)", max_length=32),
     ] = None,
+    metric: Annotated[
+        VerdictMetric | None,
+        Query(description="the verdict about this metric (default: the request's default)"),
+    ] = None,
 ) -> dict[str, Any]:
     store = store_of(request)
     try:
@@ -141,6 +164,7 @@ def get_request(
     return request_view(
         doc,
         store.trace_otlp(doc["trace_id"]),
+        metric=metric,
         trace_link_template=settings.trace_link,
         itl_spike_ratio=DEFAULT_ITL_SPIKE_RATIO,
     )

@@ -5,8 +5,10 @@ Pure: ``request_view(doc, otlp, ...)`` takes the document ``RequestStore.get`` g
 a serialised ``ExportTraceServiceRequest``) and returns the ``GET /api/v1/requests/{trace_id}``
 response (``docs/api.md``). Nothing here does I/O.
 
-- ``waterfall`` and ``verdict_text`` are ``render.waterfall_rows`` / ``render.verdict_text`` of
-  the document: the same phases and sentence ``tokentrace explain`` draws.
+- ``waterfall``, ``verdict_text`` and ``verdict_heading`` are ``render.waterfall_rows`` /
+  ``render.verdict_text`` / ``render.verdict_heading`` of the document, about one metric (the
+  default verdict's unless one is asked for): the phases and sentence ``tokentrace explain
+  [--metric]`` draws. The row holding that verdict's dominant segment is ``dominant``.
 - ``tokens``: the token ticks exactly as ``render.waterfall_rows`` places them (first token +
   offset), the gaps between consecutive ticks, and which gaps are outliers by the diagnosis'
   rule: a gap larger than ``itl_spike_ratio`` x the request's median gap
@@ -35,7 +37,13 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
 from tokentrace.agent.recording import gap_median
-from tokentrace.collector.render import verdict_text, waterfall_rows
+from tokentrace.collector.render import (
+    chosen_verdict,
+    verdict_heading,
+    verdict_text,
+    waterfall_rows,
+    waterfall_segment,
+)
 from tokentrace.collector.store.codec import ns_to_ms
 from tokentrace.processors.diagnosis import DiagnosisConfig
 
@@ -119,12 +127,14 @@ def request_view(
     doc: Mapping[str, Any],
     otlp: bytes | None,
     *,
+    metric: str | None = None,
     trace_link_template: str | None = None,
     itl_spike_ratio: float = DEFAULT_ITL_SPIKE_RATIO,
     max_spans: int = DEFAULT_MAX_SPANS,
     max_engine_steps: int = DEFAULT_MAX_ENGINE_STEPS,
 ) -> dict[str, Any]:
-    """The detail response of one request (``docs/api.md``, ``GET /api/v1/requests/{id}``)."""
+    """The detail response of one request (``docs/api.md``, ``GET /api/v1/requests/{id}``);
+    its verdict is about ``metric`` (None: the document's default verdict)."""
     warnings: list[str] = []
     origin_ns = int((doc.get("timeline") or {}).get("origin_unix_ns") or 0)
     tokens = token_gaps(doc, itl_spike_ratio=itl_spike_ratio)
@@ -153,15 +163,21 @@ def request_view(
     if steps_dropped:
         warnings.append(f"{steps_dropped} more engine step(s) not listed (cap)")
 
+    verdict = chosen_verdict(doc, metric)
+    highlighted = waterfall_segment((verdict or {}).get("segment"))
     return {
         "request": dict(doc),
-        "verdict_text": verdict_text(doc),
+        "verdict": None if verdict is None else dict(verdict),
+        "verdict_metric": metric or answered_metric(verdict),
+        "verdict_text": verdict_text(doc, metric),
+        "verdict_heading": verdict_heading(doc, metric),
         "waterfall": [
             {
                 "label": row.label,
                 "segment": row.segment,
                 "intervals_ms": [[start, end] for start, end in row.intervals_ms],
                 "duration_ms": row.duration_ms,
+                "dominant": highlighted is not None and row.segment == highlighted,
             }
             for row in waterfall_rows(doc)
         ],
@@ -174,6 +190,13 @@ def request_view(
         "other_span_ids": list(doc.get("other_span_ids") or []),
         "warnings": warnings,
     }
+
+
+def answered_metric(verdict: Mapping[str, Any] | None) -> str | None:
+    """The metric a verdict answers about; documents older than per-metric verdicts judged E2E."""
+    if verdict is None:
+        return None
+    return str(verdict.get("metric") or semconv.METRIC_E2E)
 
 
 # --- token gaps -------------------------------------------------------------------------------

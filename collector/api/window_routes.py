@@ -171,7 +171,7 @@ class CompareView(BaseModel):
 
 
 @dataclass(frozen=True, slots=True)
-class _Span:
+class BoundedWindow:
     """A bounded window in unix seconds and ns."""
 
     since_s: float
@@ -186,14 +186,14 @@ class _Span:
         return int(self.until_s * _NS_PER_S)
 
 
-def _bounded(window: Window, request: Request) -> _Span:
+def bounded_window(window: Window, request: Request) -> BoundedWindow:
     """An open side of the window is bounded by the epoch or by now."""
     clock: Callable[[], float] = request.app.state.clock
     since_s = 0.0 if window.since_s is None else window.since_s
     until_s = clock() if window.until_s is None else window.until_s
     if until_s <= since_s:
         raise ApiError(400, "the window is empty: since must be before until (and before now)")
-    return _Span(since_s, until_s)
+    return BoundedWindow(since_s, until_s)
 
 
 @dataclass(slots=True)
@@ -204,7 +204,11 @@ class _WindowData:
 
 
 def _read_window(
-    store: RequestStore, span: _Span, dims: Dimensions, *, sketch_metrics: Sequence[str] = ()
+    store: RequestStore,
+    span: BoundedWindow,
+    dims: Dimensions,
+    *,
+    sketch_metrics: Sequence[str] = (),
 ) -> _WindowData:
     """The window report, and the merged sketches of ``sketch_metrics`` over the window."""
     slices = select_slices(store.sketches_between(span.since_s, span.until_s), dims.as_selector())
@@ -228,7 +232,7 @@ def _read_window(
     return _WindowData(report, sketches, warnings)
 
 
-def _request_filter(span: _Span, dims: Dimensions, **extra: Any) -> RequestFilter:
+def _request_filter(span: BoundedWindow, dims: Dimensions, **extra: Any) -> RequestFilter:
     return RequestFilter(
         since_ns=span.since_ns,
         until_ns=span.until_ns,
@@ -242,7 +246,7 @@ def _request_filter(span: _Span, dims: Dimensions, **extra: Any) -> RequestFilte
 
 def _budget(
     store: RequestStore,
-    span: _Span,
+    span: BoundedWindow,
     dims: Dimensions,
     e2e_sketch: LatencySketch | None,
     warnings: list[str],
@@ -284,7 +288,8 @@ def _summaries(
 
 # --- routes -----------------------------------------------------------------------------------
 
-_default_window = window_dependency(_DEFAULT_WINDOW_S)
+default_window = window_dependency(_DEFAULT_WINDOW_S)
+"""since/until/last, by default the last hour (every window route, and ``/diagnose``)."""
 
 
 @router.get(
@@ -295,10 +300,10 @@ _default_window = window_dependency(_DEFAULT_WINDOW_S)
 )
 def get_window(
     request: Request,
-    window: Annotated[Window, Depends(_default_window)],
+    window: Annotated[Window, Depends(default_window)],
     dims: Annotated[Dimensions, Depends(dimensions)],
 ) -> dict[str, Any]:
-    return _read_window(store_of(request), _bounded(window, request), dims).report
+    return _read_window(store_of(request), bounded_window(window, request), dims).report
 
 
 @router.get(
@@ -307,10 +312,8 @@ def get_window(
     summary="SLO compliance and error-budget burn rate of one window",
     response_model=SloReport,
 )
-def get_slo(
-    request: Request, window: Annotated[Window, Depends(_default_window)]
-) -> dict[str, Any]:
-    span = _bounded(window, request)
+def get_slo(request: Request, window: Annotated[Window, Depends(default_window)]) -> dict[str, Any]:
+    span = bounded_window(window, request)
     report = _read_window(store_of(request), span, Dimensions()).report
     return {
         "since_s": report["since_s"],
@@ -328,11 +331,11 @@ def get_slo(
 )
 def get_fleet(
     request: Request,
-    window: Annotated[Window, Depends(_default_window)],
+    window: Annotated[Window, Depends(default_window)],
     dims: Annotated[Dimensions, Depends(dimensions)],
 ) -> dict[str, Any]:
     store = store_of(request)
-    span = _bounded(window, request)
+    span = bounded_window(window, request)
     data = _read_window(store, span, dims, sketch_metrics=DISTRIBUTION_METRICS)
     warnings = data.warnings
     e2e = data.sketches.get(semconv.METRIC_E2E)
@@ -366,13 +369,13 @@ def get_compare(
     b_until: Annotated[float, _required_unix_s("window B end")],
     dims: Annotated[Dimensions, Depends(dimensions)],
 ) -> dict[str, Any]:
-    spans: dict[str, _Span] = {}
+    spans: dict[str, BoundedWindow] = {}
     for label, since, until in (("a", a_since, a_until), ("b", b_since, b_until)):
         unix_s_to_ns(since, name=f"{label}_since")  # range checks, 400 on a unit mistake
         unix_s_to_ns(until, name=f"{label}_until")
         if until <= since:
             raise ApiError(400, f"{label}_until must be after {label}_since")
-        spans[label] = _Span(since, until)
+        spans[label] = BoundedWindow(since, until)
     store = store_of(request)
     data = {
         label: _read_window(store, span, dims, sketch_metrics=(semconv.METRIC_E2E,))

@@ -1,4 +1,8 @@
-"""The request store as a pipeline sink: request rows, trace spans, live percentile slices."""
+"""The request store as a pipeline sink: request rows, trace spans, live percentile slices.
+
+``stored_spans`` is the pipeline's look-up of a trace's stored spans, for late spans that join
+their request (the collector wires it in; the pipeline knows nothing of the store).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,18 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tokentrace.collector.config import StoreConfig
+from tokentrace.collector.store.codec import diagnosis_to_json
 from tokentrace.collector.store.sqlite import (
     META_COLLECTOR_STARTED_NS,
     META_COLLECTOR_STATS,
+    META_DIAGNOSIS,
     META_SLO_TARGETS,
     RequestStore,
     StoreWriteError,
 )
+from tokentrace.collector.window import stored_spans_by_trace
+from tokentrace.processors.diagnosis import DiagnosisConfig
+from tokentrace.processors.model import SpanRef
 from tokentrace.processors.slo import SloTarget
 
 if TYPE_CHECKING:
@@ -50,6 +59,7 @@ class StoreSink:
         config: StoreConfig,
         *,
         slo_targets: Sequence[SloTarget] = (),
+        diagnosis: DiagnosisConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = RequestStore(
@@ -62,6 +72,7 @@ class StoreSink:
         self._failed_batches = 0
         self._next_reject_log = clock()
         self._store.set_meta(META_SLO_TARGETS, targets_to_json(slo_targets))
+        self._store.set_meta(META_DIAGNOSIS, diagnosis_to_json(diagnosis or DiagnosisConfig()))
         self._store.set_meta(META_COLLECTOR_STARTED_NS, str(time.time_ns()))
 
     @property
@@ -75,7 +86,14 @@ class StoreSink:
         not stored at all is counted as failed and re-raised for the pipeline's error counters.
         """
         try:
-            self._store.write([(item.trace, item.records, item.otlp) for item in batch])
+            self._store.write(
+                [(item.trace, item.records, item.otlp) for item in batch],
+                replacing={
+                    item.trace.trace_id: item.replaces_stored
+                    for item in batch
+                    if item.replaces_stored
+                },
+            )
         except StoreWriteError as error:
             self._written_requests += error.written
             self._rejected_records += error.rejected
@@ -91,6 +109,19 @@ class StoreSink:
             self._failed_batches += 1
             raise
         self._written_requests += sum(len(item.records) for item in batch)
+
+    def stored_spans(self, trace_id: bytes) -> list[SpanRef] | None:
+        """The spans stored for ``trace_id`` (each span id once), or None when the store holds
+        none or more than its ``max_trace_bytes`` (not read: the cost stays bounded).
+
+        Runs on the pipeline thread, which is also this sink's writer: the read goes through a
+        read-only connection of its own, which sees every batch written so far (committed
+        before ``export_traces`` returned). Raises when the store or the spans cannot be read.
+        """
+        otlp = self._store.trace_otlp(trace_id, max_bytes=self._store.max_trace_bytes)
+        if otlp is None:
+            return None
+        return stored_spans_by_trace(otlp).get(trace_id)
 
     def housekeeping(self, pipeline: Pipeline, *, final: bool = False) -> None:
         if pipeline.percentiles is not None:

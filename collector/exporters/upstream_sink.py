@@ -37,6 +37,8 @@ class UpstreamSink:
         }
 
     def export_traces(self, batch: Sequence[ProcessedTrace]) -> None:
+        """Queue each trace's enriched spans; a re-derived late fragment's ``otlp`` holds only
+        its own spans (the stored ones went upstream with their trace)."""
         self._traces.export_encoded([(item.otlp, len(item.trace.spans)) for item in batch])
 
     def housekeeping(self, pipeline: Pipeline, *, final: bool = False) -> None:

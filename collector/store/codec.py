@@ -8,6 +8,11 @@ Writing is hot, reading is rare, so the work is split between them:
   row only counts them).
 - ``document_from_row`` builds the document ``tokentrace explain --json`` prints from such a row,
   at read time. ``record_to_dict`` is the same document straight from a record (one code path).
+  The row keeps the request's default verdict (the metric of the target it breached); each
+  metric's budget and the verdicts about its other metrics are derived here, from a record
+  rebuilt from the row and the request's decode and engine-step spans, by the collector's
+  diagnosis settings (``META_DIAGNOSIS``): the collector does not pay per request for verdicts
+  that only a drill-down asks for.
 
 Document durations are milliseconds as floats rounded to 3 decimals, i.e. exact microseconds.
 Budget segments are rounded on their cumulative boundaries, so the segments' microseconds sum
@@ -19,19 +24,36 @@ exactly to the rounded E2E (the budget partitions E2E, and the document keeps th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
-from tokentrace.processors.budget import inter_token_gaps_ns
-from tokentrace.processors.diagnosis import ADVICE
-from tokentrace.processors.model import RequestRecord, RequestTimeline
+from tokentrace.processors.budget import (
+    CLOCK_CLIENT,
+    CLOCK_SERVER,
+    inter_token_gaps_ns,
+    metric_budget,
+)
+from tokentrace.processors.diagnosis import (
+    ADVICE,
+    VERDICT_METRICS,
+    DiagnosisConfig,
+    diagnose_request,
+)
+from tokentrace.processors.model import (
+    Budget,
+    RequestMetrics,
+    RequestRecord,
+    RequestTimeline,
+)
 from tokentrace.processors.stats import nearest_rank
 
 DOC_VERSION: Final = 1
@@ -46,6 +68,8 @@ TIMELINE_BOUNDARIES: Final = (
     "ready",
     "first_scheduled",
     "first_token",
+    "server_first_body",
+    "client_first_byte",
     "client_first_token",
     "last_token",
     "end",
@@ -63,32 +87,48 @@ _CONTEXT_FIELDS: Final = (
     "decode_roofline_ratio",
     "prefix_hash",
 )
-
-REQUEST_COLUMNS: Final = (
-    "trace_id",
-    "span_id",
-    "start_ns",
-    "service",
-    "model",
-    "operation",
-    "prompt_bucket",
-    "dialect",
-    "e2e_ns",
-    "ttft_ns",
-    "tpot_ns",
-    "queue_ns",
-    "prefill_ns",
-    "decode_ns",
-    "network_ns",
-    "input_tokens",
-    "output_tokens",
-    "segment",
-    "cause",
-    "verdict",
-    "slo_breached",
-    "request_id",
-    "detail",
+_WIRE_FIELDS: Final = (
+    "client_stream",
+    "client_connection_reused",
+    "client_connect_ns",
+    "client_send_wait_ns",
+    "client_first_token_read_wait_ns",
+    "client_read_wait_ns",
+    "client_rtt_ns",
+    "http_receive_wait_ns",
 )
+"""What the client and the server measured of the time outside the server span."""
+
+
+class StoredRow(NamedTuple):
+    """A ``requests`` row by column name, in ``REQUEST_COLUMNS`` order."""
+
+    trace_id: bytes
+    span_id: bytes
+    start_ns: int
+    service: str
+    model: str
+    operation: str
+    prompt_bucket: str
+    dialect: str
+    e2e_ns: int
+    ttft_ns: int | None
+    tpot_ns: int | None
+    queue_ns: int | None
+    prefill_ns: int | None
+    decode_ns: int | None
+    network_ns: int | None
+    input_tokens: int | None
+    output_tokens: int | None
+    segment: str | None
+    cause: str | None
+    verdict: str | None
+    slo_breached: int
+    request_id: str | None
+    detail: str
+
+
+REQUEST_COLUMNS: Final = StoredRow._fields
 """The ``requests`` columns in the order of a ``request_row`` tuple (and of the store's SELECTs).
 ``detail`` stays last (the store sums its sizes as ``row[-1]``)."""
 
@@ -104,6 +144,7 @@ METRIC_COLUMNS: Final = {
 """Per-request metrics -> their ``requests`` column: the only column names a metric ordering
 (``slowest``, the list's sorts) puts into SQL."""
 
+
 SUMMARY_COLUMNS: Final = tuple(
     column for column in REQUEST_COLUMNS if column not in ("dialect", "detail")
 )
@@ -114,12 +155,14 @@ TOP_QUANTILES: Final = ((0.5, "p50"), (0.95, "p95"), (0.99, "p99"))
 """The quantiles ``window_report`` reports for every metric."""
 
 _NS_PER_US: Final = 1_000
+_DEFAULT_DIAGNOSIS: Final = DiagnosisConfig()
 _US_PER_MS: Final = 1_000
 _NS_PER_S: Final = 1_000_000_000
 
 # Field getters in C: one call per group instead of one getattr per field.
 _boundaries_of: Final = operator.attrgetter(*TIMELINE_BOUNDARIES)
 _context_of: Final = operator.attrgetter(*_CONTEXT_FIELDS)
+_wire_of: Final = operator.attrgetter(*_WIRE_FIELDS)
 # Non-finite floats (a verdict number, a bandwidth ratio) are written as NaN/Infinity, which
 # Python's JSON reader accepts; the document turns them into null (``_finite``).
 _encode_detail: Final = json.JSONEncoder(
@@ -144,6 +187,13 @@ _D_CONTEXT: Final = "ctx"
 _D_ADVICE: Final = "advice"
 _D_NUMBERS: Final = "numbers"
 _D_SLO: Final = "slo"
+_D_VERDICT_METRIC: Final = "vm"
+_D_VERDICT_CLOCK: Final = "vc"
+_D_VERDICT_WHY: Final = "vw"
+_D_PREFIX_SEEN: Final = "ps"
+_D_CLIENT_TTFT: Final = "cttft"
+_D_CLIENT_TTFT_SEGMENTS: Final = "ctseg"
+_D_WIRE: Final = "wire"
 
 
 def ns_to_ms(value_ns: int | None) -> float | None:
@@ -165,13 +215,25 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _partition_ms(segments: Mapping[str, int]) -> dict[str, float]:
-    """Every segment (``semconv.SEGMENTS`` order, then any unknown ones) in exact µs as ms.
+_METRIC_BUDGET_ORDER: Final = (
+    *semconv.SEGMENTS[: semconv.SEGMENTS.index(semconv.SEGMENT_DECODE) + 1],
+    semconv.SEGMENT_INTERFERENCE,
+    semconv.SEGMENT_STALL,
+    *semconv.SEGMENTS[semconv.SEGMENTS.index(semconv.SEGMENT_DECODE) + 1 :],
+)
+"""Every segment a metric budget can hold, in time order (decode's split after decode)."""
+
+
+def _partition_ms(segments: Mapping[str, int], *, present_only: bool = False) -> dict[str, float]:
+    """Every segment (``semconv.SEGMENTS`` order, then any unknown ones) in exact µs as ms;
+    with ``present_only`` only the given ones (a metric budget's), in time order.
 
     Rounds the running sum, not each segment, so the rounded segments add up to the rounded
     total whenever the ns segments add up to ``total_ns``.
     """
-    names = list(semconv.SEGMENTS) + sorted(s for s in segments if s not in semconv.SEGMENTS)
+    known = _METRIC_BUDGET_ORDER if present_only else semconv.SEGMENTS
+    names = [name for name in known if not present_only or name in segments]
+    names += sorted(name for name in segments if name not in known)
     out: dict[str, float] = {}
     cumulative_ns = 0
     previous_us = 0
@@ -269,6 +331,21 @@ def request_row(record: RequestRecord) -> tuple[Any, ...]:
         detail[_D_NUMBERS] = verdict.numbers
         if verdict.advice != ADVICE.get(verdict.cause):  # the usual advice is not repeated
             detail[_D_ADVICE] = verdict.advice
+        detail[_D_VERDICT_METRIC] = verdict.metric
+        detail[_D_VERDICT_CLOCK] = verdict.clock
+        if verdict.why:
+            detail[_D_VERDICT_WHY] = verdict.why
+    # What the verdicts about the other metrics need, derived when a document is read:
+    if record.prefix_seen:
+        detail[_D_PREFIX_SEEN] = 1
+    if budget.client_ttft_ns is not None:
+        detail[_D_CLIENT_TTFT] = int(budget.client_ttft_ns)
+        detail[_D_CLIENT_TTFT_SEGMENTS] = {
+            k: v for k, v in budget.client_ttft_segments.items() if v
+        }
+    wire = _wire_of(timeline)
+    if any(value is not None for value in wire):
+        detail[_D_WIRE] = wire
     return (
         trace_id,
         span_id,
@@ -296,35 +373,168 @@ def request_row(record: RequestRecord) -> tuple[Any, ...]:
     )
 
 
-def token_offsets_from_otlp(otlp: bytes, request_span_id: bytes) -> list[int] | None:
-    """The token offsets (µs after the first token) on the decode span of a request, read from
-    a stored serialised ``ExportTraceServiceRequest``; None when that span is not there.
+def _stored_record(
+    stored: StoredRow,
+    detail: Mapping[str, Any],
+    spans: DecodeSpans,
+    diagnosis: DiagnosisConfig,
+) -> RequestRecord:
+    """The record a row was written from, as far as the verdicts and budgets of the document
+    need it: rebuilt from the row, its ``detail`` and the request's token offsets, never from
+    the stored spans of other requests (so every reader derives the same document)."""
+    at = dict(zip(TIMELINE_BOUNDARIES, detail.get(_D_BOUNDARIES) or (), strict=False))
+    timeline = RequestTimeline(
+        trace_id=bytes(stored.trace_id),
+        span_id=bytes(stored.span_id),
+        dialect=str(stored.dialect),
+        service=str(stored.service),
+        model=str(stored.model),
+        operation=str(stored.operation),
+        preempted=[(int(a), int(b)) for a, b in detail.get(_D_PREEMPTED) or ()],
+        prefill_chunks=[(int(a), int(b), int(c)) for a, b, c in detail.get(_D_CHUNKS) or ()],
+        token_offsets_us=spans.token_offsets or [],
+        engine_steps=spans.engine_steps,
+        input_tokens=stored.input_tokens,
+        output_tokens=stored.output_tokens,
+        cached_tokens=detail.get(_D_CACHED),
+        finish_reason=detail.get(_D_FINISH),
+        request_id=stored.request_id,
+        status_error=detail.get(_D_ERROR),
+    )
+    for name, value in at.items():
+        setattr(timeline, name, value)
+    for names, values in (
+        (_CONTEXT_FIELDS, detail.get(_D_CONTEXT)),
+        (_WIRE_FIELDS, detail.get(_D_WIRE)),
+    ):
+        for name, value in zip(names, values or (), strict=False):
+            setattr(timeline, name, value)
+    segments = {str(name): int(ns) for name, ns in detail[_D_SEGMENTS].items()}
+    server_view = timeline.server_start is not None or timeline.arrival is not None
+    budget = Budget(
+        e2e_ns=int(stored.e2e_ns),
+        segments=segments,
+        ttft_ns=_optional_int(detail.get(_D_TTFT_NS)),
+        ttft_segments={str(k): int(v) for k, v in (detail.get(_D_TTFT_SEGMENTS) or {}).items()},
+        skew_clamped=bool(detail.get(_D_SKEW)),
+        server_e2e_ns=_optional_int(detail.get(_D_E2E_METRIC)) if server_view else None,
+        client_ttft_ns=_optional_int(detail.get(_D_CLIENT_TTFT)),
+        client_ttft_segments=dict(detail.get(_D_CLIENT_TTFT_SEGMENTS) or {}),
+    )
+    metrics = RequestMetrics(
+        ttft=stored.ttft_ns,
+        tpot=stored.tpot_ns,
+        e2e=int(detail.get(_D_E2E_METRIC, stored.e2e_ns)),
+        queue=stored.queue_ns,
+        prefill=stored.prefill_ns,
+        decode=stored.decode_ns,
+        network=stored.network_ns,
+        itl=inter_token_gaps_ns(spans.token_offsets or []),
+    )
+    return RequestRecord(
+        timeline=timeline,
+        budget=budget,
+        metrics=metrics,
+        prompt_bucket=str(stored.prompt_bucket),
+        slo={str(name): bool(met) for name, met in (detail.get(_D_SLO) or {}).items()},
+        prefix_seen=bool(detail.get(_D_PREFIX_SEEN)),
+        outlier_ratio=diagnosis.itl_spike_ratio,
+    )
 
-    The decode span is the earliest ``llm.decode`` child of the request span, as in
-    ``processors.timeline``; elements that are not integers are skipped, as there.
-    """
+
+def _metric_budgets_doc(record: RequestRecord) -> dict[str, dict[str, Any]]:
+    """Every metric budget of the request (``budget.metric_budget``), on each clock it has."""
+    budgets: dict[str, dict[str, Any]] = {}
+    for metric in VERDICT_METRICS:
+        for clock in (CLOCK_SERVER, CLOCK_CLIENT):
+            view = metric_budget(record, metric, clock=clock)
+            if view is not None:
+                present = {name: ns for name, ns in view.segments.items() if ns}
+                budgets.setdefault(metric, {})[clock] = {
+                    "value_ms": ns_to_ms(view.value_ns),
+                    "segments": _partition_ms(present, present_only=True),
+                }
+    return budgets
+
+
+def _verdicts_doc(
+    record: RequestRecord, default: dict[str, Any], diagnosis: DiagnosisConfig
+) -> dict[str, dict[str, Any]]:
+    """The stored default verdict, and the verdicts about the request's other metrics derived
+    now (``diagnosis.diagnose_request``, with the window's prefix judgement it was stored
+    with), in ``VERDICT_METRICS`` order."""
+    prefix = record.timeline.prefix_hash
+    seen = frozenset((prefix,)) if record.prefix_seen and prefix else frozenset()
+    verdicts: dict[str, dict[str, Any]] = {}
+    for metric in VERDICT_METRICS:
+        if metric == default["metric"]:
+            verdicts[metric] = default
+            continue
+        verdict = diagnose_request(record, diagnosis, metric=metric, seen_prefixes=seen)
+        if verdict is not None:
+            verdicts[metric] = _verdict_doc(
+                verdict.segment,
+                verdict.cause,
+                verdict.sentence,
+                verdict.advice,
+                verdict.numbers,
+                metric=metric,
+                clock=verdict.clock,
+            )
+    return verdicts
+
+
+class DecodeSpans(NamedTuple):
+    """What a request's stored decode and engine-step spans hold (``decode_from_otlp``)."""
+
+    token_offsets: list[int] | None
+    """µs after the first token; None when the request's decode span is not stored."""
+    engine_steps: list[tuple[int, int, int]]
+    """(start, end, prefill tokens) of the engine steps under the request span."""
+
+
+def decode_from_otlp(otlp: bytes, request_span_id: bytes) -> DecodeSpans:
+    """The token offsets on the decode span of a request and its engine steps, read from a
+    stored serialised ``ExportTraceServiceRequest`` the way ``processors.timeline`` reads them:
+    the earliest ``llm.decode`` child of the request span, integer elements only; every valid
+    ``llm.engine.step`` child, in start order."""
     request = ExportTraceServiceRequest.FromString(otlp)
     decode = None
+    steps: list[tuple[int, int, int]] = []
     for resource_spans in request.resource_spans:
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
-                if span.parent_span_id != request_span_id or span.name != semconv.SPAN_DECODE:
+                if span.parent_span_id != request_span_id:
                     continue
                 start = span.start_time_unix_nano
                 if not start or span.end_time_unix_nano < start:
                     continue
-                if decode is None or start < decode.start_time_unix_nano:
+                if span.name == semconv.SPAN_ENGINE_STEP:
+                    steps.append((start, span.end_time_unix_nano, _prefill_tokens(span)))
+                elif span.name == semconv.SPAN_DECODE and (
+                    decode is None or start < decode.start_time_unix_nano
+                ):
                     decode = span
+    steps.sort()
     if decode is None:
-        return None
+        return DecodeSpans(None, steps)
     for attribute in decode.attributes:
         if attribute.key == semconv.DECODE_TOKEN_OFFSETS:
-            return [
+            offsets = [
                 element.int_value
                 for element in attribute.value.array_value.values
                 if element.WhichOneof("value") == "int_value"
             ]
-    return []
+            return DecodeSpans(offsets, steps)
+    return DecodeSpans([], steps)
+
+
+def _prefill_tokens(step: Span) -> int:
+    for attribute in step.attributes:
+        if attribute.key == semconv.ENGINE_STEP_PREFILL_TOKENS:
+            value = attribute.value
+            return value.int_value if value.WhichOneof("value") == "int_value" else 0
+    return 0
 
 
 # --- read side: the document of one row ---------------------------------------------------------
@@ -361,45 +571,27 @@ def _timeline_doc(
 
 
 def document_from_row(
-    row: Sequence[Any], *, load_token_offsets: Callable[[], Sequence[int] | None]
+    row: Sequence[Any],
+    *,
+    load_decode: Callable[[], DecodeSpans],
+    diagnosis: DiagnosisConfig = _DEFAULT_DIAGNOSIS,
 ) -> dict[str, Any]:
     """The JSON-ready document of one stored request (see the module docstring for units).
 
-    ``row`` is in ``REQUEST_COLUMNS`` order. ``load_token_offsets`` is called only when the
-    request recorded token offsets; when it cannot give them all (the trace's spans were
-    evicted), the document counts them in ``token_offsets_dropped``. Raises
+    ``row`` is in ``REQUEST_COLUMNS`` order. ``load_decode`` (the request's token offsets and
+    engine steps from its stored spans) is called only when the request recorded token
+    offsets; when it cannot give them all (the trace's spans were evicted), the document counts
+    them in ``token_offsets_dropped``. Each metric's budget and
+    the verdicts about the metrics other than the stored default one's are derived here, by
+    ``diagnosis`` (the collector's, from the store's meta). Raises
     (TypeError/ValueError/KeyError) on a row that is not a valid stored request.
     """
-    (
-        trace_id,
-        span_id,
-        start_ns,
-        service,
-        model,
-        operation,
-        bucket,
-        dialect,
-        e2e_ns,
-        ttft_ns,
-        tpot_ns,
-        queue_ns,
-        prefill_ns,
-        decode_ns,
-        network_ns,
-        input_tokens,
-        output_tokens,
-        segment,
-        cause,
-        sentence,
-        _slo_breached,
-        request_id,
-        detail_json,
-    ) = row
-    detail = _decode_detail(detail_json)
-    start_ns = int(start_ns)
+    stored = StoredRow._make(row)
+    start_ns = int(stored.start_ns)
+    detail = _decode_detail(stored.detail)
 
     budget_doc: dict[str, Any] = dict(_partition_ms(detail[_D_SEGMENTS]))
-    budget_doc["e2e_ms"] = ns_to_ms(int(e2e_ns))
+    budget_doc["e2e_ms"] = ns_to_ms(int(stored.e2e_ns))
     ttft_budget_doc: dict[str, Any] | None = None
     budget_ttft_ns = detail.get(_D_TTFT_NS)
     if budget_ttft_ns is not None:
@@ -407,27 +599,34 @@ def document_from_row(
         ttft_budget_doc["ttft_ms"] = ns_to_ms(int(budget_ttft_ns))
 
     recorded, dropped = detail.get(_D_OFFSETS) or (0, 0)
-    offsets: list[int] = []
+    spans = DecodeSpans(None, [])
     if recorded:
-        loaded = load_token_offsets()
-        if loaded is not None and len(loaded) == recorded:
-            offsets = [int(v) for v in loaded]
-        else:  # the spans that hold them are gone: say how many are missing
+        spans = load_decode()
+        if spans.token_offsets is None or len(spans.token_offsets) != recorded:
+            # The spans that hold them are gone: say how many are missing.
+            spans = DecodeSpans(None, spans.engine_steps)
             dropped += recorded
+    offsets = [int(v) for v in spans.token_offsets or ()]
     itl = _itl_summary(offsets)
+
+    record = _stored_record(stored, detail, spans, diagnosis)
     if len(offsets) > DOC_TOKEN_OFFSETS_CAP:
         dropped += len(offsets) - DOC_TOKEN_OFFSETS_CAP
-        del offsets[DOC_TOKEN_OFFSETS_CAP:]
-
+        offsets = offsets[:DOC_TOKEN_OFFSETS_CAP]
     verdict_doc: dict[str, Any] | None = None
-    if segment is not None:
-        verdict_doc = {
-            "segment": segment,
-            "cause": cause,
-            "sentence": sentence,
-            "advice": str(detail.get(_D_ADVICE, ADVICE.get(cause, ""))),
-            "numbers": {str(k): _finite(v) for k, v in (detail.get(_D_NUMBERS) or {}).items()},
-        }
+    verdicts_doc: dict[str, dict[str, Any]] = {}
+    if stored.segment is not None:
+        verdict_doc = _verdict_doc(
+            stored.segment,
+            stored.cause,
+            stored.verdict,
+            detail.get(_D_ADVICE, ADVICE.get(str(stored.cause), "")),
+            detail.get(_D_NUMBERS),
+            metric=str(detail.get(_D_VERDICT_METRIC, semconv.METRIC_E2E)),
+            clock=str(detail.get(_D_VERDICT_CLOCK, CLOCK_SERVER)),
+        )
+        verdict_doc["why"] = str(detail.get(_D_VERDICT_WHY, ""))
+        verdicts_doc = _verdicts_doc(record, verdict_doc, diagnosis)
 
     context = {
         name: _finite(value)
@@ -437,30 +636,30 @@ def document_from_row(
 
     return {
         "doc_version": DOC_VERSION,
-        "trace_id": bytes(trace_id).hex(),
-        "span_id": bytes(span_id).hex(),
-        "service": service,
-        "model": model,
-        "operation": operation,
-        "dialect": dialect,
-        "prompt_bucket": bucket,
-        "request_id": request_id,
+        "trace_id": bytes(stored.trace_id).hex(),
+        "span_id": bytes(stored.span_id).hex(),
+        "service": stored.service,
+        "model": stored.model,
+        "operation": stored.operation,
+        "dialect": stored.dialect,
+        "prompt_bucket": stored.prompt_bucket,
+        "request_id": stored.request_id,
         "start": {"iso": iso_utc(start_ns), "unix_ns": start_ns},
         "tokens": {
-            "input": input_tokens,
-            "output": output_tokens,
+            "input": stored.input_tokens,
+            "output": stored.output_tokens,
             "cached": detail.get(_D_CACHED),
         },
         "finish_reason": detail.get(_D_FINISH),
         "status_error": detail.get(_D_ERROR),
         "metrics_ms": {
-            semconv.METRIC_TTFT: ns_to_ms(ttft_ns),
-            semconv.METRIC_TPOT: ns_to_ms(tpot_ns),
-            semconv.METRIC_E2E: ns_to_ms(int(detail.get(_D_E2E_METRIC, e2e_ns))),
-            semconv.METRIC_QUEUE: ns_to_ms(queue_ns),
-            semconv.METRIC_PREFILL: ns_to_ms(prefill_ns),
-            semconv.METRIC_DECODE: ns_to_ms(decode_ns),
-            semconv.METRIC_NETWORK: ns_to_ms(network_ns),
+            semconv.METRIC_TTFT: ns_to_ms(stored.ttft_ns),
+            semconv.METRIC_TPOT: ns_to_ms(stored.tpot_ns),
+            semconv.METRIC_E2E: ns_to_ms(int(detail.get(_D_E2E_METRIC, stored.e2e_ns))),
+            semconv.METRIC_QUEUE: ns_to_ms(stored.queue_ns),
+            semconv.METRIC_PREFILL: ns_to_ms(stored.prefill_ns),
+            semconv.METRIC_DECODE: ns_to_ms(stored.decode_ns),
+            semconv.METRIC_NETWORK: ns_to_ms(stored.network_ns),
             semconv.METRIC_ITL: itl,
         },
         "budget": budget_doc,
@@ -475,18 +674,44 @@ def document_from_row(
         "token_offsets_us": offsets,
         "token_offsets_dropped": int(dropped),
         "context": context,
+        "budgets": _metric_budgets_doc(record),
         "verdict": verdict_doc,
+        "verdicts": verdicts_doc,
         "slo": {str(name): bool(met) for name, met in (detail.get(_D_SLO) or {}).items()},
     }
 
 
-def record_to_dict(record: RequestRecord) -> dict[str, Any]:
+def _verdict_doc(
+    segment: Any,
+    cause: Any,
+    sentence: Any,
+    advice: Any,
+    numbers: Any,
+    *,
+    metric: str,
+    clock: str,
+) -> dict[str, Any]:
+    return {
+        "metric": metric,
+        "clock": clock,
+        "segment": segment,
+        "cause": cause,
+        "sentence": sentence,
+        "advice": str(advice),
+        "numbers": {str(k): _finite(v) for k, v in (numbers or {}).items()},
+    }
+
+
+def record_to_dict(
+    record: RequestRecord, *, diagnosis: DiagnosisConfig = _DEFAULT_DIAGNOSIS
+) -> dict[str, Any]:
     """The document of one record, exactly as the store gives it back after writing it.
 
     Raises (TypeError/ValueError/AttributeError) on a malformed record.
     """
-    offsets = record.timeline.token_offsets_us
-    return document_from_row(request_row(record), load_token_offsets=lambda: offsets)
+    timeline = record.timeline
+    spans = DecodeSpans(timeline.token_offsets_us, timeline.engine_steps)
+    return document_from_row(request_row(record), load_decode=lambda: spans, diagnosis=diagnosis)
 
 
 def summary_from_row(row: Sequence[Any]) -> dict[str, Any]:
@@ -577,6 +802,27 @@ def _ms_from_s(value_s: float | None) -> float | None:
     if value_s is None or not math.isfinite(value_s):
         return None
     return round(value_s * _US_PER_MS, 3)
+
+
+def diagnosis_to_json(config: DiagnosisConfig) -> str:
+    """The collector's diagnosis settings as the store keeps them (``META_DIAGNOSIS``)."""
+    return json.dumps(dataclasses.asdict(config))
+
+
+def diagnosis_from_json(raw: str | None) -> DiagnosisConfig:
+    """Settings from ``diagnosis_to_json``; the defaults for none or unreadable ones, and
+    settings this version does not know are ignored."""
+    if not raw:
+        return _DEFAULT_DIAGNOSIS
+    try:
+        loaded = json.loads(raw)
+        known = {field.name for field in dataclasses.fields(DiagnosisConfig)}
+        settings = {k: v for k, v in loaded.items() if k in known}
+        if "p50_band" in settings:
+            settings["p50_band"] = tuple(settings["p50_band"])
+        return DiagnosisConfig(**settings)
+    except (ValueError, TypeError, AttributeError):
+        return _DEFAULT_DIAGNOSIS
 
 
 def load_slo_targets(raw: str | None) -> tuple[list[dict[str, Any]], list[str]]:

@@ -6,6 +6,13 @@ transaction each). Readers (CLI, API) use short-lived read-only connections, so 
 read while the writer writes. Every SQL value is a bound parameter; the only identifiers put
 into SQL text come from fixed tables in this module.
 
+A late fragment (spans that reached the collector after their trace was assembled) re-derives
+its trace's requests from the stored spans plus its own: its batch item says which stored request
+rows its records replace (``write``'s ``replacing``), and those rows are deleted in the same
+transaction that inserts the new ones, while only the fragment's spans are appended to the
+stored trace. The collector reads the stored spans back on the writer's thread through a
+read-only connection (``trace_otlp``, size-capped), which sees every committed batch.
+
 Writes are hot, reads are rare: a request row holds the columns the queries use and a compact
 ``detail`` (``codec.request_row``); the document ``explain`` prints is built when it is read
 (``codec.document_from_row``), with token times read back from the stored spans. WAL
@@ -23,7 +30,7 @@ import sqlite3
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager, suppress
 from typing import Any, Final, TypeAlias
 
@@ -32,12 +39,14 @@ from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.collector.store.codec import (
     METRIC_COLUMNS,
     REQUEST_COLUMNS,
+    DecodeSpans,
     SketchSlice,
     budget_segments_ms,
     budget_segments_ns,
+    decode_from_otlp,
+    diagnosis_from_json,
     document_from_row,
     request_row,
-    token_offsets_from_otlp,
 )
 from tokentrace.collector.store.query import (
     START_INDEX_COLUMNS,
@@ -50,6 +59,7 @@ from tokentrace.collector.store.query import (
     run_rows,
     trace_prefix_range,
 )
+from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.model import AssembledTrace, RequestRecord
 
 SCHEMA_VERSION: Final = 3
@@ -87,6 +97,9 @@ META_COLLECTOR_STARTED_NS: Final = "collector_started_ns"
 """Meta key: unix ns at which the collector writing this store started."""
 META_COLLECTOR_STATS: Final = "collector_stats"
 """Meta key: the collector's counters as JSON, rewritten about once a second."""
+META_DIAGNOSIS: Final = "diagnosis"
+"""Meta key: the collector's diagnosis settings as JSON (``DiagnosisConfig`` fields), by which
+a document's verdicts about its other metrics are derived when it is read."""
 
 WriteItem: TypeAlias = (
     "tuple[AssembledTrace, Sequence[RequestRecord]]"
@@ -189,6 +202,7 @@ _INSERT_REQUEST: Final = (
     f"VALUES ({', '.join('?' * len(REQUEST_COLUMNS))})"
 )
 _SELECT_REQUEST: Final = f"SELECT {_COLUMN_LIST} FROM requests"
+_DELETE_REQUEST: Final = "DELETE FROM requests WHERE trace_id = ? AND span_id = ?"
 # Spans of a trace that arrive in several assembled parts (late spans, several requests in one
 # trace) are appended: concatenated serialised ExportTraceServiceRequests parse as one message
 # holding all their resource_spans. Past the size cap the newest part replaces the stored ones;
@@ -472,12 +486,22 @@ class RequestStore:
 
     # --- writer API --------------------------------------------------------------------------
 
-    def write(self, batch: Sequence[WriteItem]) -> None:
+    def write(
+        self,
+        batch: Sequence[WriteItem],
+        *,
+        replacing: Mapping[bytes, Collection[bytes]] | None = None,
+    ) -> None:
         """Store every request record of the batch and each trace's spans, in one transaction.
 
         Items are ``(trace, records)`` or ``(trace, records, otlp)`` where ``otlp`` is the trace
         already serialised as an ``ExportTraceServiceRequest`` (the pipeline encodes each trace
         once for every exporter); without it (or when empty) the store encodes the spans.
+
+        ``replacing``: trace id -> span ids of that trace's stored request rows that the
+        batch's records of the trace replace (a late fragment re-derived with its stored
+        spans). They are deleted in the same transaction, before the batch's rows are inserted,
+        and only when the trace's item is stored; rows of the trace not named stay.
 
         A malformed record is left out (counted in ``rejected_records``) and the rest is stored;
         then StoreWriteError reports it. A database error rolls the whole batch back and raises
@@ -485,6 +509,7 @@ class RequestStore:
         """
         request_rows: list[tuple[Any, ...]] = []
         trace_rows: list[tuple[bytes, int, bytes, int]] = []
+        replaced_rows: list[tuple[bytes, bytes]] = []
         rejected = 0
         traces_failed = 0
         written_bytes = 0
@@ -502,26 +527,31 @@ class RequestStore:
                 continue
             if not rows and not trace.late:
                 continue
-            # A late fragment (a client span after its server spans were assembled) has no
-            # records of its own; its spans are appended to the stored trace all the same, so
-            # that re-deriving the trace (diagnose, compare) sees the whole request.
+            # A late fragment's spans are appended to the stored trace, records or not: the
+            # stored spans are what the next re-derivation (and diagnose, compare) reads.
+            trace_key = bytes(trace.trace_id)
+            if replacing:
+                replaced_rows.extend(
+                    (trace_key, bytes(span_id)) for span_id in replacing.get(trace_key, ())
+                )
             request_rows.extend(rows)
             try:
                 otlp = item[2] if len(item) > 2 else None
                 if not otlp:
                     otlp = encode_trace_request(trace.spans)
-                trace_rows.append((bytes(trace.trace_id), received_ns, otlp, max_trace_bytes))
+                trace_rows.append((trace_key, received_ns, otlp, max_trace_bytes))
                 written_bytes += len(otlp)
             except Exception as error:  # the requests are still worth keeping without spans
                 traces_failed += 1
                 first_problem = first_problem or f"{type(error).__name__}: {error}"
 
-        if request_rows or trace_rows:
+        if request_rows or trace_rows or replaced_rows:
             with self._lock:
                 connection = self._require_writer()
                 self._replaced_in_batch = 0
                 try:
                     connection.execute("BEGIN IMMEDIATE")
+                    connection.executemany(_DELETE_REQUEST, replaced_rows)
                     connection.executemany(_INSERT_REQUEST, request_rows)
                     connection.executemany(_UPSERT_TRACE, trace_rows)
                     connection.execute("COMMIT")
@@ -733,21 +763,29 @@ class RequestStore:
                 if not picked:
                     return None
                 chosen = picked[0]
-            doc = self._document(connection, chosen, {})
+            doc = self._document(connection, chosen, {}, self._diagnosis(connection))
         doc["other_span_ids"] = [bytes(row[1]).hex() for row in rows if row is not chosen]
         return doc
 
-    def trace_otlp(self, trace_id: str | bytes) -> bytes | None:
-        """The stored spans of a trace as a serialised ``ExportTraceServiceRequest``."""
+    def trace_otlp(self, trace_id: str | bytes, *, max_bytes: int | None = None) -> bytes | None:
+        """The stored spans of a trace as a serialised ``ExportTraceServiceRequest``; None when
+        the store has none, or more than ``max_bytes`` (then they are not read)."""
         key = (
             bytes.fromhex(_parse_id(trace_id, what="trace id"))
             if isinstance(trace_id, str)
             else bytes(trace_id)
         )
         with self._reader() as connection:
-            row = connection.execute(
-                "SELECT otlp FROM traces WHERE trace_id = ?", (key,)
-            ).fetchone()
+            if max_bytes is None:
+                row = connection.execute(
+                    "SELECT otlp FROM traces WHERE trace_id = ?", (key,)
+                ).fetchone()
+            else:
+                # length() of a BLOB reads its size from the record header, not the value.
+                row = connection.execute(
+                    "SELECT otlp FROM traces WHERE trace_id = ? AND length(otlp) <= ?",
+                    (key, int(max_bytes)),
+                ).fetchone()
         return None if row is None else bytes(row[0])
 
     def traces_otlp(self, trace_ids: Iterable[bytes]) -> Iterator[tuple[bytes, bytes]]:
@@ -799,20 +837,31 @@ class RequestStore:
         with self._reader() as connection:
             rows = connection.execute(query, params).fetchall()
             spans_of: dict[bytes, bytes | None] = {}
-            return [self._document(connection, row, spans_of) for row in rows]
+            diagnosis = self._diagnosis(connection)
+            return [self._document(connection, row, spans_of, diagnosis) for row in rows]
+
+    @staticmethod
+    def _diagnosis(connection: sqlite3.Connection) -> DiagnosisConfig:
+        """The collector's diagnosis settings (``META_DIAGNOSIS``); the defaults when none or
+        unreadable ones were stored (a newer collector's, a hand-edited store)."""
+        found = connection.execute(
+            "SELECT value FROM meta WHERE key = ?", (META_DIAGNOSIS,)
+        ).fetchone()
+        return diagnosis_from_json(None if found is None else str(found[0]))
 
     def _document(
         self,
         connection: sqlite3.Connection,
         row: Sequence[Any],
         spans_of: dict[bytes, bytes | None],
+        diagnosis: DiagnosisConfig,
     ) -> dict[str, Any]:
         """The document of one stored row; its token times come from the trace's stored spans
         (read once per trace and call through ``spans_of``)."""
         trace_id = bytes(row[0])
         span_id = bytes(row[1])
 
-        def load_token_offsets() -> list[int] | None:
+        def load_decode() -> DecodeSpans:
             if trace_id not in spans_of:
                 found = connection.execute(
                     "SELECT otlp FROM traces WHERE trace_id = ?", (trace_id,)
@@ -820,14 +869,14 @@ class RequestStore:
                 spans_of[trace_id] = None if found is None else bytes(found[0])
             otlp = spans_of[trace_id]
             if otlp is None:
-                return None
+                return DecodeSpans(None, [])
             try:
-                return token_offsets_from_otlp(otlp, span_id)
+                return decode_from_otlp(otlp, span_id)
             except Exception:  # undecodable spans: the document says the times are missing
-                return None
+                return DecodeSpans(None, [])
 
         try:
-            return document_from_row(row, load_token_offsets=load_token_offsets)
+            return document_from_row(row, load_decode=load_decode, diagnosis=diagnosis)
         except (TypeError, ValueError, KeyError, AttributeError) as error:
             raise StoreError(
                 f"store {self.path}: request {trace_id.hex()}/{span_id.hex()} is unreadable "

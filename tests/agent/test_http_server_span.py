@@ -1,17 +1,24 @@
 """The HTTP server span (``agent/frameworks/asgi.py``) through the vLLM instrumentor's patch of
 the real Starlette, on a real FastAPI app that drives the stand-in vLLM frontend the way vLLM's
 OpenAI server does: ``add_request`` in the request's task, outputs while the response streams.
+
+In process (httpx's ASGI transport) for the span's structure; behind a real uvicorn on loopback
+for what needs the server's socket (the kernel's receive wait) and real send timing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -44,6 +51,12 @@ _BACKGROUND_S = 0.05
 _CALLER_TRACE_ID = bytes(range(1, 17))
 _CALLER_SPAN_ID = bytes(range(1, 9))
 _TOKENS = 3
+_NS_PER_MS = 1_000_000
+_BEFORE_FIRST_CHUNK_S = 0.02
+"""The streaming route's wait before it produces its first chunk."""
+_LOOP_BLOCK_S = 0.3
+"""How long a route blocks the server's event loop while another request waits in the kernel."""
+_SOCKET_TIMEOUT_S = 10.0
 
 
 def completions_app(engine: AsyncLLM) -> FastAPI:
@@ -130,7 +143,11 @@ def test_a_post_is_a_server_span_that_parents_llm_request_and_honours_traceparen
     (span,) = job.spans
     assert (job.trace_id, job.parent_span_id) == (_CALLER_TRACE_ID, _CALLER_SPAN_ID)
     assert span.kind == 2 and span.name == "POST /v1/completions" and span.error is None
-    assert span.attributes == {
+    attributes = dict(span.attributes)
+    first_body = attributes.pop(semconv.HTTP_FIRST_BODY_TIME)
+    assert isinstance(first_body, int) and span.start_ns < first_body <= span.end_ns
+    # No receive wait: httpx's in-process transport is not uvicorn and has no socket.
+    assert attributes == {
         semconv.HTTP_REQUEST_METHOD: "POST",
         semconv.URL_PATH: "/v1/completions",
         semconv.HTTP_RESPONSE_STATUS_CODE: 200,
@@ -224,7 +241,7 @@ def test_an_app_built_before_uninstrument_serves_untraced_after_it(
 def test_a_failing_http_hook_is_disabled_and_requests_are_served_and_traced_without_it(
     vllm_stand_in: Setup, app: FastAPI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(self: HttpServerTracer, scope: Any) -> None:
+    def broken(self: HttpServerTracer, scope: Any, send: Any) -> None:
         raise KeyError("a scope we misread")
 
     monkeypatch.setattr(HttpServerTracer, "begin", broken)
@@ -251,3 +268,232 @@ def test_the_span_ends_when_the_response_was_sent_not_after_the_apps_background_
     (job,) = http_spans(vllm_stand_in)
     (span,) = job.spans
     assert span.end_ns - span.start_ns < _BACKGROUND_S * 1e9
+
+
+# --- behind a real uvicorn ------------------------------------------------------------------------
+class TimingApp:
+    """Routes whose timing the tests control: a stream that notes when it produced its first
+    chunk, a route that blocks the event loop until told, and a quick one."""
+
+    def __init__(self) -> None:
+        self.first_chunk_ns: list[int] = []
+        """Monotonic ns at which the stream produced its first chunk."""
+        self.blocking = threading.Event()
+        """Set when the blocking route has started."""
+        self.release = threading.Event()
+        """The blocking route waits for this, then blocks the loop for ``_LOOP_BLOCK_S`` more."""
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/stream")
+        async def stream() -> StreamingResponse:
+            async def chunks() -> AsyncIterator[bytes]:
+                await asyncio.sleep(_BEFORE_FIRST_CHUNK_S)
+                self.first_chunk_ns.append(time.monotonic_ns())
+                yield b"data: 0\n\n"
+                await asyncio.sleep(_BEFORE_FIRST_CHUNK_S)
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+
+        @app.post("/block")
+        async def block() -> JSONResponse:
+            # A blocking call in an async route: the whole event loop stops, as under overload.
+            self.blocking.set()
+            self.release.wait(_SOCKET_TIMEOUT_S)
+            time.sleep(_LOOP_BLOCK_S)
+            return JSONResponse({"blocked": True})
+
+        @app.post("/quick")
+        async def quick() -> JSONResponse:
+            return JSONResponse({"quick": True})
+
+        return app
+
+
+@contextlib.contextmanager
+def uvicorn_serving(app: FastAPI, *, loop: str, http: str) -> Iterator[int]:
+    """``app`` served by uvicorn on 127.0.0.1 in a thread; yields the port."""
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        loop=loop,
+        http=http,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn-http-span", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + _SOCKET_TIMEOUT_S
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=_SOCKET_TIMEOUT_S)
+
+
+def post_bytes(path: str) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        "Content-Length: 2\r\nConnection: close\r\n\r\n{}"
+    ).encode()
+
+
+def response_of(connection: socket.socket) -> bytes:
+    """Everything the server sent until it closed the connection."""
+    connection.settimeout(_SOCKET_TIMEOUT_S)
+    parts = []
+    while data := connection.recv(65536):
+        parts.append(data)
+    connection.close()
+    return b"".join(parts)
+
+
+def planned_by_path(setup: Setup, count: int) -> dict[str, list[Any]]:
+    """Once ``count`` requests were traced: their planned spans by URL path, in order."""
+    deadline = time.monotonic() + _SOCKET_TIMEOUT_S
+    while len(setup.http_jobs) < count:  # the server thread submits after the app returned
+        assert time.monotonic() < deadline, f"{len(setup.http_jobs)} of {count} spans"
+        time.sleep(0.01)
+    by_path: dict[str, list[Any]] = {}
+    for job in http_spans(setup):
+        (span,) = job.spans
+        by_path.setdefault(str(span.attributes[semconv.URL_PATH]), []).append(span)
+    return by_path
+
+
+# The stdlib loop with h11 and uvloop with httptools (vLLM's default): both send callables are
+# a bound RequestResponseCycle.send, and their transports' sockets differ in type.
+SERVERS = [("asyncio", "h11"), ("uvloop", "httptools")]
+
+
+@pytest.mark.parametrize(("loop", "http"), SERVERS)
+def test_first_body_time_is_when_the_first_chunk_went_out(
+    vllm_stand_in: Setup, loop: str, http: str
+) -> None:
+    vllm_stand_in.instrument()
+    timing = TimingApp()
+    with uvicorn_serving(timing.app(), loop=loop, http=http) as port:
+        response = httpx.post(f"http://127.0.0.1:{port}/stream", json={}, timeout=10)
+        assert response.status_code == 200 and response.text.endswith("[DONE]\n\n")
+        (span,) = planned_by_path(vllm_stand_in, 1)["/stream"]
+    first_body = span.attributes[semconv.HTTP_FIRST_BODY_TIME]
+    assert isinstance(first_body, int)
+    assert span.start_ns < first_body <= span.end_ns
+    (produced_ns,) = timing.first_chunk_ns
+    assert first_body >= vllm_stand_in.http_clock.to_unix_ns(produced_ns)
+    # The route's sleeps on both sides of it (uvloop's timers may fire up to a ms early).
+    assert first_body - span.start_ns >= _BEFORE_FIRST_CHUNK_S * 1e9 * 0.8
+    assert span.end_ns - first_body >= _BEFORE_FIRST_CHUNK_S * 1e9 * 0.8
+
+
+@pytest.mark.parametrize(("loop", "http"), SERVERS)
+def test_receive_wait_is_how_long_a_request_waited_for_a_busy_event_loop(
+    vllm_stand_in: Setup, loop: str, http: str
+) -> None:
+    vllm_stand_in.instrument()
+    timing = TimingApp()
+    with uvicorn_serving(timing.app(), loop=loop, http=http) as port:
+        blocker = socket.create_connection(("127.0.0.1", port), timeout=_SOCKET_TIMEOUT_S)
+        blocker.sendall(post_bytes("/block"))
+        assert timing.blocking.wait(_SOCKET_TIMEOUT_S), "the blocking route did not start"
+        # Its bytes reach the server's kernel while the server's loop is blocked.
+        waiting = socket.create_connection(("127.0.0.1", port), timeout=_SOCKET_TIMEOUT_S)
+        waiting.sendall(post_bytes("/quick"))
+        timing.release.set()
+        assert b'{"blocked":true}' in response_of(blocker)
+        assert b'{"quick":true}' in response_of(waiting)
+        unloaded = socket.create_connection(("127.0.0.1", port), timeout=_SOCKET_TIMEOUT_S)
+        unloaded.sendall(post_bytes("/quick"))
+        assert b'{"quick":true}' in response_of(unloaded)
+        spans = planned_by_path(vllm_stand_in, 3)
+    (blocking,) = spans["/block"]
+    waited, after = spans["/quick"]
+    # Kernel ticks are up to 10 ms; the loop was blocked for _LOOP_BLOCK_S after the bytes came.
+    assert waited.attributes[semconv.HTTP_RECEIVE_WAIT_NS] >= 200 * _NS_PER_MS
+    for idle in (blocking, after):  # arrived at an idle loop: measured, and small
+        assert 0 <= idle.attributes[semconv.HTTP_RECEIVE_WAIT_NS] < 50 * _NS_PER_MS
+    assert vllm_stand_in.guard.failures == {}
+
+
+class _RaisingTransport:
+    def get_extra_info(self, name: str) -> Any:
+        raise RuntimeError("not a transport we know")
+
+
+class _SocketlessTransport:
+    def get_extra_info(self, name: str) -> Any:
+        return None
+
+
+class _UnixTransport:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def get_extra_info(self, name: str) -> Any:
+        return self.sock
+
+
+class _LookalikeCycle:
+    """A server whose ``send`` is a bound method of an object with a ``transport``, like
+    uvicorn's, whose transport is something else."""
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.messages: list[dict[str, Any]] = []
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+
+
+@pytest.mark.parametrize("transport", ["raising", "socketless", "unix", "none"])
+def test_a_send_that_is_not_uvicorns_gives_no_receive_wait_and_never_fails(
+    vllm_stand_in: Setup, transport: str
+) -> None:
+    vllm_stand_in.instrument()
+    app = TimingApp().app()
+    unix, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    transports = {
+        "raising": _RaisingTransport(),
+        "socketless": _SocketlessTransport(),
+        "unix": _UnixTransport(unix),
+        "none": None,
+    }
+    cycle = _LookalikeCycle(transports[transport])
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/quick",
+        "raw_path": b"/quick",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    with unix, peer:
+        asyncio.run(app(scope, receive, cycle.send))
+    assert [message["type"] for message in cycle.messages] == [
+        "http.response.start",
+        "http.response.body",
+    ]
+    (job,) = http_spans(vllm_stand_in)
+    (span,) = job.spans
+    assert semconv.HTTP_RECEIVE_WAIT_NS not in span.attributes
+    assert span.attributes[semconv.HTTP_RESPONSE_STATUS_CODE] == 200
+    assert span.start_ns <= span.attributes[semconv.HTTP_FIRST_BODY_TIME] <= span.end_ns
+    assert vllm_stand_in.guard.failures == {}

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.api.replayed import replayed_store
 from tests.spanbuild import T0, key_value, request_spans, span, trace
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks.vllm_engine import outlier_gap_ends
@@ -18,12 +19,19 @@ from tokentrace.collector.api.app import ApiSettings, create_app
 from tokentrace.collector.api.request_view import request_view, token_gaps
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.pipeline import Pipeline
-from tokentrace.collector.render import verdict_text, waterfall_rows
+from tokentrace.collector.render import (
+    verdict_heading,
+    verdict_text,
+    waterfall_rows,
+    waterfall_segment,
+)
 from tokentrace.collector.store import RequestStore
-from tokentrace.processors.diagnosis import DiagnosisConfig
+from tokentrace.processors.diagnosis import VERDICT_METRICS, DiagnosisConfig
 
 MS = 1_000_000
 TRACE = bytes.fromhex("a1b2c3d4" + "5a" * 12)
+ONE_TOKEN_TRACE = bytes.fromhex("0e0e0e0e" + "01" * 12)
+"""A request with one output token: it has a TTFT and an E2E, no TPOT and no ITL."""
 REQUEST_ID = "req-7"
 OFFSETS_US = (0, 10_000, 20_000, 70_000, 80_000, 90_000)
 """Gaps 10, 10, 50, 10, 10 ms: median 10 ms, so only gap 3 (50 ms) exceeds 3 x the median."""
@@ -146,6 +154,7 @@ def store_path(tmp_path: Path) -> Path:
     # Two traces sharing their first 8 hex digits: that prefix is ambiguous.
     for suffix in ("01", "02"):
         _write(store, _request_trace(bytes.fromhex("deadbeef" + suffix + "00" * 11)))
+    _write(store, trace(*request_spans(token_offsets_us=(0,), trace_id=ONE_TOKEN_TRACE)))
     store.close()
     return path
 
@@ -186,6 +195,87 @@ def test_document_verdict_and_waterfall_are_those_of_explain(
         [list(interval) for interval in row.intervals_ms] for row in rows
     ]
     assert {r["label"] for r in detail["waterfall"]} >= {"http", "queue", "prefill", "decode"}
+
+
+def test_the_default_verdict_its_metric_heading_and_dominant_phase(
+    detail: dict[str, Any], doc: dict[str, Any]
+) -> None:
+    verdict = doc["verdict"]
+    assert detail["verdict"] == verdict
+    assert detail["verdict_metric"] == verdict["metric"]
+    assert detail["verdict_heading"] == verdict_heading(doc)
+    assert verdict["why"] and verdict["why"] in detail["verdict_heading"]
+    dominant = [row["segment"] for row in detail["waterfall"] if row["dominant"]]
+    assert dominant == [waterfall_segment(verdict["segment"])]
+
+
+def test_a_metric_without_a_value_answers_that_it_has_none(client: TestClient) -> None:
+    for metric in ("tpot", "itl"):
+        response = client.get(
+            f"/api/v1/requests/{ONE_TOKEN_TRACE.hex()}", params={"metric": metric}
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["verdict_text"] == f"no {metric.upper()} for this request"
+        assert body["verdict_metric"] == metric
+        assert body["verdict"] is None and body["verdict_heading"] == ""
+        assert not any(row["dominant"] for row in body["waterfall"])
+        assert metric not in body["request"]["verdicts"]
+    ttft = client.get(f"/api/v1/requests/{ONE_TOKEN_TRACE.hex()}", params={"metric": "ttft"})
+    assert ttft.json()["verdict"]["metric"] == "ttft"
+
+
+@pytest.mark.parametrize("metric", ["TTFT", "p95", "queue", ""])
+def test_an_unknown_metric_is_400(client: TestClient, metric: str) -> None:
+    response = client.get(f"/api/v1/requests/{TRACE.hex()}", params={"metric": metric})
+    assert response.status_code == 400
+    assert response.json()["error"].startswith("metric: ")
+
+
+def test_the_metric_parameter_takes_every_verdict_metric() -> None:
+    schema = create_app(ApiSettings(store_path="unused.db")).openapi()
+    parameters = schema["paths"]["/api/v1/requests/{trace_id}"]["get"]["parameters"]
+    metric = next(p for p in parameters if p["name"] == "metric")
+    assert tuple(metric["schema"]["anyOf"][0]["enum"]) == VERDICT_METRICS
+
+
+@pytest.fixture(scope="module")
+def replayed_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    path = replayed_store(tmp_path_factory.mktemp("replayed") / "store.db", scenario="mixed")
+    with TestClient(create_app(ApiSettings(store_path=str(path)))) as test_client:
+        yield test_client
+
+
+def test_the_metric_parameter_switches_the_verdict_and_the_dominant_phase(
+    replayed_client: TestClient,
+) -> None:
+    """On replayed traffic: the slowest TTFT's default verdict is about the breached TTFT target
+    (queue wait, client-seen); asked about TPOT it is about decode, server-seen."""
+    slowest = replayed_client.get("/api/v1/requests", params={"sort": "ttft", "limit": 1}).json()[
+        "items"
+    ][0]
+    path = f"/api/v1/requests/{slowest['trace_id']}"
+    default = replayed_client.get(path).json()
+    doc = default["request"]
+    assert default["verdict_metric"] == "ttft"
+    assert (default["verdict"]["segment"], default["verdict"]["clock"]) == ("queue", "client")
+    assert "ttft-p95" in default["verdict_heading"]
+    sentences = set()
+    for metric in doc["verdicts"]:
+        body = replayed_client.get(path, params={"metric": metric}).json()
+        verdict = doc["verdicts"][metric]
+        assert body["verdict_metric"] == metric
+        assert body["verdict"] == verdict
+        assert body["verdict_text"] == verdict_text(doc, metric) == verdict["sentence"]
+        assert body["verdict_heading"] == verdict_heading(doc, metric)
+        dominant = [row["segment"] for row in body["waterfall"] if row["dominant"]]
+        assert dominant == [waterfall_segment(verdict["segment"])]
+        sentences.add(body["verdict_text"])
+    assert len(sentences) == len(doc["verdicts"]) == 4
+    tpot = replayed_client.get(path, params={"metric": "tpot"}).json()
+    assert tpot["verdict"]["clock"] == "server"
+    assert [row["segment"] for row in tpot["waterfall"] if row["dominant"]] == ["decode"]
+    assert "server-seen TPOT" in tpot["verdict_text"]
 
 
 def test_token_ticks_and_gaps_follow_the_offsets(

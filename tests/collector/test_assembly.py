@@ -147,3 +147,31 @@ def test_received_spans_count_every_accepted_span() -> None:
     assembler = make(FakeClock())
     add(assembler, ref(1, 1, parent=None), ref(1, 2, parent=1), ref(2, 1, parent=9))
     assert assembler.stats.received_spans == 3
+
+
+def test_a_late_fragment_finished_early_stays_late() -> None:
+    clock = FakeClock()
+    assembler = make(clock, max_traces=1)
+    add(assembler, ref(1, 1, parent=None))
+    clock.now += 1
+    assert len(assembler.pop_finished()) == 1
+    add(assembler, ref(1, 2, parent=1))  # late
+    add(assembler, ref(2, 1, parent=None))  # finishes the fragment early
+    (fragment,) = assembler.pop_finished()
+    assert fragment.late
+    assert [r.span.span_id[-1] for r in fragment.spans] == [2]
+
+
+def test_late_spans_finished_with_their_early_part_join_it() -> None:
+    clock = FakeClock()
+    assembler = make(clock, max_traces=1)
+    add(assembler, ref(1, 2, parent=1))
+    add(assembler, ref(2, 1, parent=None))  # finishes trace 1 early; not popped yet
+    add(assembler, ref(1, 1, parent=None))  # late for trace 1
+    finished = assembler.pop_finished(flush_all=True)
+    assert [(t.trace_id[-1], t.late, len(t.spans)) for t in finished] == [
+        (1, False, 2),
+        (2, False, 1),
+    ]
+    assert assembler.pending_spans == 0 and assembler.pending_traces == 0
+    assert assembler.stats.traces_finished == 2

@@ -311,7 +311,7 @@ def rich_doc() -> dict[str, object]:
 def test_waterfall_has_one_row_per_phase_in_time_order() -> None:
     rows = waterfall_rows(rich_doc())
     assert [row.label for row in rows] == [
-        "network",
+        "outside server",
         "http",
         "cold start",
         "queue",
@@ -322,7 +322,7 @@ def test_waterfall_has_one_row_per_phase_in_time_order() -> None:
         "postprocess",
     ]
     durations = {row.label: row.duration_ms for row in rows}
-    assert durations["network"] == 20.0  # both legs
+    assert durations["outside server"] == 20.0  # both legs
     assert durations["cold start"] == 40.0
     assert durations["queue"] == 60.0  # the 100 ms wait minus the 40 ms before ready
     assert durations["prefill 1/2"] == 20.0 and durations["prefill 2/2"] == 40.0

@@ -17,7 +17,7 @@ def test_no_config_listens_on_standard_loopback_ports_and_stores_locally() -> No
     assert config.http is not None and config.http.endpoint == "127.0.0.1:4318"
     assert config.store is not None and config.store.path == "./tokentrace.db"
     assert config.upstream == ()
-    assert config.processors == ("assembly", "diagnosis", "slo", "percentiles")
+    assert config.processors == ("assembly", "slo", "diagnosis", "percentiles")
 
 
 def test_upstream_export_only_when_the_environment_says_where() -> None:
@@ -192,3 +192,27 @@ def test_the_shipped_deploy_configs_are_valid() -> None:
     for path in configs:
         config = load_config(path, environ={"TOKENTRACE_RECEIVER_TOKEN": "t"})
         assert config.grpc is not None and config.grpc.auth_token == "t", path
+
+
+@pytest.mark.parametrize(
+    "listed",
+    [
+        ["assembly", "slo", "diagnosis", "percentiles"],
+        ["assembly", "diagnosis", "slo", "percentiles"],  # written before the verdict followed SLO
+    ],
+)
+def test_slo_and_diagnosis_may_be_listed_in_either_order(listed: list[str]) -> None:
+    config = parse({"service": {"pipelines": {"traces": {"processors": listed}}}})
+    assert config.processors == tuple(listed)
+    assert config.diagnosis is not None and config.slo_targets == ()
+
+
+def test_percentiles_before_the_verdict_is_still_refused() -> None:
+    with pytest.raises(ConfigError, match="must run in the order assembly, slo, diagnosis"):
+        parse(
+            {
+                "service": {
+                    "pipelines": {"traces": {"processors": ["assembly", "percentiles", "slo"]}}
+                }
+            }
+        )

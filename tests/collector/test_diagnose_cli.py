@@ -227,8 +227,27 @@ def test_diagnose_time_window_json(capsys: pytest.CaptureFixture[str], replayed:
     assert document["window"]["cut_at"] is None
     assert document["metrics"][semconv.METRIC_E2E]["count"] == REQUESTS
     assert semconv.SEGMENT_NETWORK in document["segments"]
-    assert document["diagnosis"]["p50"]["cause"]
     assert [entry["target"] for entry in document["slo"]] == STORE_TARGET_NAMES
+    # One finding per target, breached ones first, each naming a segment of its own metric.
+    findings = document["findings"]
+    assert sorted(f["target"] for f in findings) == sorted(STORE_TARGET_NAMES)
+    met = [f["met"] for f in findings]
+    assert met == sorted(met, key=lambda value: {False: 0, True: 1, None: 2}[value])
+    ttft = next(f for f in findings if f["metric"] == semconv.METRIC_TTFT)
+    assert ttft["segment"] in {
+        semconv.SEGMENT_HTTP,
+        semconv.SEGMENT_COLD_START,
+        semconv.SEGMENT_QUEUE,
+        semconv.SEGMENT_PREFILL,
+        semconv.SEGMENT_PREEMPTED,
+    }
+    assert ttft["counterfactual"]["without_ms"] <= ttft["counterfactual"]["value_ms"]
+    # The metrics without a target get their typical and tail findings.
+    assert {(f["metric"], f["group"]) for f in document["metric_findings"]} >= {
+        (semconv.METRIC_E2E, "typical"),
+        (semconv.METRIC_E2E, "tail"),
+    }
+    assert document["perceived"]["requests"] == REQUESTS
 
 
 def test_diagnose_time_window_text(capsys: pytest.CaptureFixture[str], replayed: Replayed) -> None:
@@ -236,11 +255,12 @@ def test_diagnose_time_window_text(capsys: pytest.CaptureFixture[str], replayed:
     assert code == 0, err
     lines = out.splitlines()
     assert f"{REQUESTS:,} requests" in lines[0]
-    assert "Dominant cost" in lines
+    assert "Targets (breached first): what dominates each target's metric" in lines
     assert any(line.startswith("budget segment (ms)") for line in lines)
     for segment in (semconv.SEGMENT_NETWORK, semconv.SEGMENT_QUEUE, semconv.SEGMENT_DECODE):
         assert any(line.split()[:2] == [segment, f"{REQUESTS:,}"] for line in lines), segment
-    assert any("typical request (p50)" in line for line in lines)
+    assert any(line.startswith("  typical E2E:") for line in lines)
+    assert any("without" in line and "fix" in line for line in lines)  # the counterfactual
     assert all(name in out for name in STORE_TARGET_NAMES)
     assert "no client spans" not in out
 
@@ -252,9 +272,10 @@ def test_diagnose_until_ends_the_window_earlier(
     store = str(replayed.path)
     document = run_json(capsys, "diagnose", "--since", "1h", "--until", "30m", "--store", store)
     assert document["requests"] == 0
-    assert document["diagnosis"] == {"p50": None, "tail": None}
+    assert document["metric_findings"] == []
+    assert all(finding["met"] is None for finding in document["findings"])
     code, out, _ = run_cli(capsys, "diagnose", "--since", "1h", "--until", "30m", "--store", store)
-    assert code == 0 and "0 requests" in out and "Dominant cost" not in out
+    assert code == 0 and "0 requests" in out and "Targets" not in out
 
 
 def test_diagnose_run_selects_its_requests_and_says_what_is_missing(
@@ -401,7 +422,13 @@ def test_compare_two_runs_of_the_same_load_with_the_store(
     assert code == 0, err
     assert "Same load" in out and "WARNING" not in out
     assert "client side" in out and "server side (collector)" in out
-    assert "Budget segments (mean per request):" in out and "Dominant cost:" in out
+    assert "Budget segments (mean per request):" in out
+    assert "Dominant segment before (A) and after (B):" in out
+    rows = comparison["findings"]
+    assert sorted(row["target"] for row in rows) == sorted(STORE_TARGET_NAMES)
+    for row in rows:
+        assert row["direction"] in DIRECTIONS
+        assert row["a_segment"] and row["sentence"].startswith(row["target"])
 
 
 def test_compare_warns_when_the_loads_differ(

@@ -107,6 +107,7 @@ def make_record(
     ttft = first_token - start_ns
     budget = Budget(
         e2e_ns=e2e,
+        server_e2e_ns=e2e,
         segments=segments,
         ttft_ns=ttft,
         ttft_segments={
@@ -936,3 +937,110 @@ def test_a_late_fragment_without_records_is_appended_to_its_stored_trace(tmp_pat
     store.write([(other, [], encode_trace_request(other.spans))])
     assert store.trace_otlp(trace_id(7)) is None
     store.close()
+
+
+# --- per-metric budgets and verdicts in the document --------------------------------------------
+def _views_ms(record: RequestRecord) -> dict[str, dict[str, dict[str, float]]]:
+    """``budget.metric_budget`` of every metric and clock, in the document's ms."""
+    from tokentrace.processors.budget import metric_budget
+
+    views: dict[str, dict[str, dict[str, float]]] = {}
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        for clock in ("server", "client"):
+            view = metric_budget(record, metric, clock=clock)
+            if view is not None:
+                views.setdefault(metric, {})[clock] = {
+                    name: round(ns / 1e6, 3) for name, ns in view.segments.items() if ns
+                } | {"value": round(view.value_ns / 1e6, 3)}
+    return views
+
+
+def _doc_views(doc: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    return {
+        metric: {
+            clock: dict(budget["segments"]) | {"value": budget["value_ms"]}
+            for clock, budget in clocks.items()
+        }
+        for metric, clocks in doc["budgets"].items()
+    }
+
+
+def test_document_budgets_are_the_records_metric_budgets() -> None:
+    # Replayed traffic: client spans, outlier gaps split by the agent's prefill count.
+    from tests.processors.test_window import replayed_records
+    from tokentrace.processors.decode_split import decode_facts_of
+
+    records = replayed_records("mixed", requests=40, seed=11)
+    assert any(decode_facts_of(record).outlier_gaps for record in records)
+    for record in records:
+        doc = record_to_dict(record)
+        views, doc_views = _views_ms(record), _doc_views(doc)
+        assert set(doc_views) == set(views)
+        for metric, clocks in views.items():
+            for clock, view in clocks.items():
+                got = doc_views[metric][clock]
+                assert got["value"] == pytest.approx(view["value"], abs=0.002), (metric, clock)
+                for name, value in view.items():
+                    assert got.get(name, 0.0) == pytest.approx(value, abs=0.002), (metric, name)
+
+
+def test_document_carries_every_metric_verdict_and_the_default_one() -> None:
+    from tests.processors.test_window import replayed_records
+    from tokentrace.processors.diagnosis import default_verdict, diagnose_request
+
+    # Replayed traffic: client spans, queues, outlier gaps; the verdicts about the other
+    # metrics are derived from the stored row when read and must equal the record's own.
+    checked = 0
+    for record in replayed_records("mixed", requests=40, seed=11):
+        record.verdict = default_verdict(record, breached_metrics=[("chat-ttft", "ttft")])
+        doc = record_to_dict(record)
+        assert doc["verdict"]["metric"] == record.verdict.metric
+        assert doc["verdict"]["why"] == record.verdict.why
+        assert doc["verdicts"][record.verdict.metric] == doc["verdict"]
+        for metric in ("ttft", "tpot", "itl", "e2e"):
+            verdict = diagnose_request(record, metric=metric)
+            if verdict is None:
+                assert metric not in doc["verdicts"]
+                continue
+            if metric == record.verdict.metric:
+                continue
+            derived = doc["verdicts"][metric]
+            assert derived["sentence"] == verdict.sentence, metric
+            assert (derived["cause"], derived["segment"], derived["clock"]) == (
+                verdict.cause,
+                verdict.segment,
+                verdict.clock,
+            )
+            checked += 1
+    assert checked > 40
+
+
+def test_documents_derive_other_verdicts_by_the_collectors_diagnosis_settings(
+    tmp_path: Path,
+) -> None:
+    from tests.processors.test_window import replayed_records
+    from tokentrace.collector.store.codec import diagnosis_from_json, diagnosis_to_json
+    from tokentrace.collector.store.sqlite import META_DIAGNOSIS
+    from tokentrace.processors.diagnosis import DiagnosisConfig, default_verdict, diagnose_request
+
+    strict = DiagnosisConfig(long_prompt_tokens=100)
+    assert diagnosis_from_json(diagnosis_to_json(strict)) == strict
+    assert diagnosis_from_json("not json") == DiagnosisConfig()
+    assert diagnosis_from_json('{"tie_ratio": 5}') == DiagnosisConfig()  # invalid: defaults
+    assert diagnosis_from_json('{"a_newer_setting": 1}') == DiagnosisConfig()  # unknown: ignored
+    # A request whose TTFT is prefill-bound: a long prompt only by the strict threshold.
+    record = next(
+        r
+        for r in replayed_records("mixed", requests=80, seed=11)
+        if (verdict := diagnose_request(r, strict, metric="ttft")) is not None
+        and verdict.cause == "long_prompt"
+    )
+    record.verdict = default_verdict(record, strict)  # E2E: no target
+    store = RequestStore(tmp_path / "store.db")
+    store.set_meta(META_DIAGNOSIS, diagnosis_to_json(strict))
+    store.write([(assembled(record), [record])])
+    doc = store.get(record.timeline.trace_id.hex())
+    store.close()
+    assert doc is not None
+    assert doc["verdicts"]["ttft"]["cause"] == "long_prompt"  # derived by the stored settings
+    assert record_to_dict(record)["verdicts"]["ttft"]["cause"] != "long_prompt"  # the defaults

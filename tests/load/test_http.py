@@ -101,7 +101,7 @@ def test_sse_stream_from_uvicorn(app_url: str) -> None:
     expected = [json.dumps({"index": index}) for index in range(len(gaps_ms))] + ["[DONE]"]
     assert [data for _, data in events] == expected
     stamps = [at_ns for at_ns, _ in events]
-    assert response.sent_ns <= response.headers_ns <= stamps[0]
+    assert response.sent_ns <= response.first_byte_ns <= response.headers_ns <= stamps[0]
     assert stamps == sorted(stamps)
     spaced = gaps_ms.index(50)  # the server slept 50 ms before this event
     assert stamps[spaced] - stamps[spaced - 1] >= 45 * _NS_PER_MS
@@ -109,8 +109,9 @@ def test_sse_stream_from_uvicorn(app_url: str) -> None:
 
 @pytest.mark.parametrize(("reuse", "opened"), [(True, 1), (False, 5)])
 def test_connection_reuse_against_uvicorn(app_url: str, reuse: bool, opened: int) -> None:
-    async def scenario() -> tuple[list[dict[str, Any]], dict[str, int]]:
+    async def scenario() -> tuple[list[dict[str, Any]], dict[str, int], list[Response]]:
         echoes = []
+        responses = []
         async with HttpClient(
             app_url, reuse_connections=reuse, headers={"Authorization": "Bearer t"}
         ) as client:
@@ -118,12 +119,21 @@ def test_connection_reuse_against_uvicorn(app_url: str, reuse: bool, opened: int
                 response = await client.post("/echo", f'{{"n": {index}}}'.encode())
                 assert response.status == 200
                 echoes.append(json.loads(await response.read()))
-            return echoes, client.stats()
+                responses.append(response)
+            return echoes, client.stats(), responses
 
-    echoes, stats = _run(scenario())
+    echoes, stats, responses = _run(scenario())
     assert stats["connections_opened"] == opened
     assert stats["connections_reused"] == 5 - opened
     assert stats["stale_retries"] == 0
+    # Each response says whether its connection was opened for it, and how long that took.
+    assert [response.connection_reused for response in responses] == [False] + [reuse] * 4
+    for response in responses:
+        assert (response.connect_ns is None) is response.connection_reused
+        assert response.connect_ns is None or response.connect_ns > 0
+        assert response.sent_ns <= response.first_byte_ns <= response.headers_ns
+        facts = response.end_tcp_facts  # taken when the body was complete
+        assert facts is not None and facts.rtt_ns > 0 and facts.last_data_recv_ns >= 0
     for index, echo in enumerate(echoes):
         assert echo["path"] == "/v1/echo"
         assert echo["body"] == f'{{"n": {index}}}'
@@ -416,16 +426,20 @@ def test_stale_keep_alive_is_retried_once() -> None:
             # The keep-alive timeout fires as the next request arrives: close without answering.
             await _read_request(reader)
 
-    async def scenario() -> tuple[list[bytes], dict[str, int]]:
+    async def scenario() -> tuple[list[bytes], dict[str, int], Response]:
         async with _raw_server(handler) as url, HttpClient(url) as client:
-            bodies = [await (await client.post("/", b"%d" % n)).read() for n in range(2)]
-            return bodies, client.stats()
+            first = await (await client.post("/", b"0")).read()
+            retried = await client.post("/", b"1")
+            return [first, await retried.read()], client.stats(), retried
 
-    bodies, stats = _run(scenario())
+    bodies, stats, retried = _run(scenario())
     assert bodies == [b"0", b"1"]
     assert stats["stale_retries"] == 1
     assert stats["connections_opened"] == 2
     assert stats["connections_reused"] == 1
+    # The response describes the connection that carried it: the fresh one.
+    assert retried.connection_reused is False
+    assert retried.connect_ns is not None and retried.connect_ns > 0
 
 
 def test_idle_connection_closed_by_server_is_not_an_error() -> None:

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from tests.collector.upstream import UpstreamOtlp, iter_spans
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
+from tokentrace.agent.load import http as http_module
 from tokentrace.agent.load import record as run_record
 from tokentrace.agent.load.results import RequestResult
 from tokentrace.agent.load.workload import arrival_offsets_s
@@ -51,6 +52,19 @@ _MS_ROUNDING = 6e-4
 """The summary rounds milliseconds to 3 decimals."""
 _SERVER_START_TIMEOUT_S = 10.0
 _SPAN_WAIT_S = 5.0
+_CLIENT_BLOCK_S = 0.5
+"""How long a test blocks the client's event loop right after it sent a request."""
+_CLIENT_SIDE_ATTRIBUTES = {
+    semconv.CLIENT_FIRST_BYTE_TIME: "first_byte_ns",
+    semconv.CLIENT_STREAM: "stream",
+    semconv.CLIENT_CONNECTION_REUSED: "connection_reused",
+    semconv.CLIENT_CONNECT_NS: "connect_ns",
+    semconv.CLIENT_SEND_WAIT_NS: "send_wait_ns",
+    semconv.CLIENT_FIRST_TOKEN_READ_WAIT_NS: "first_token_read_wait_ns",
+    semconv.CLIENT_READ_WAIT_NS: "read_wait_ns",
+    semconv.CLIENT_RTT_NS: "rtt_ns",
+}
+"""Client span attribute -> the run record's field it carries (absent: None)."""
 
 
 # --- the fake OpenAI-compatible server ------------------------------------------------------------
@@ -350,6 +364,34 @@ def _assert_summary_matches(
             assert summary[label] == pytest.approx(want, abs=_MS_ROUNDING), (metric, label)
 
 
+def _assert_client_side_facts(result: RequestResult, *, stream: bool) -> None:
+    """What every successful request knows about its own side of the wire."""
+    assert result.stream is stream
+    assert result.first_byte_ns is not None
+    assert result.start_ns < result.first_byte_ns <= result.end_ns
+    if result.first_token_ns is not None:
+        assert result.first_byte_ns <= result.first_token_ns
+    assert isinstance(result.connection_reused, bool)
+    if result.connection_reused:
+        assert result.connect_ns is None
+    else:
+        assert result.connect_ns is not None and result.connect_ns > 0
+    assert result.send_wait_ns is not None and result.send_wait_ns >= 0
+    assert result.rtt_ns is not None and result.rtt_ns > 0
+    assert result.read_wait_ns is not None and result.read_wait_ns >= 0
+    if stream:
+        assert result.first_token_read_wait_ns is not None
+        assert result.first_token_read_wait_ns >= 0
+    else:
+        assert result.first_token_read_wait_ns is None
+
+
+def _assert_span_carries_client_side_facts(span: Span, result: RequestResult) -> None:
+    attributes = _attributes(span)
+    for attribute, field_name in _CLIENT_SIDE_ATTRIBUTES.items():
+        assert attributes.get(attribute) == getattr(result, field_name), attribute
+
+
 def _closed_port() -> int:
     with socket.socket() as probe:  # nothing listens on it once the probe is closed
         probe.bind(("127.0.0.1", 0))
@@ -434,6 +476,13 @@ def test_closed_loop_chat_stream_traces_and_measures_every_request(
         assert attributes[semconv.HTTP_RESPONSE_STATUS_CODE] == 200
         assert attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] == 8
         assert attributes[semconv.GEN_AI_USAGE_INPUT_TOKENS] == result.prompt_tokens
+        _assert_client_side_facts(result, stream=True)
+        _assert_span_carries_client_side_facts(span, result)
+        first_byte = attributes[semconv.CLIENT_FIRST_BYTE_TIME]
+        assert span.start_time_unix_nano < first_byte <= first_token
+    # Four workers: each opened one connection for its first request and reused it after.
+    opened = [result for result in results if not result.connection_reused]
+    assert len(opened) == run.http["connections_opened"] == 4
 
 
 def _bodies_by_index(run: run_record.RunRecord, seen: list[SeenRequest]) -> list[dict[str, Any]]:
@@ -462,6 +511,7 @@ def test_open_loop_completions_whole_responses_are_reproducible(
     for result in first.results:
         assert result.ok and result.status == 200
         assert result.first_token_ns is None and result.chunk_gaps_ns == []
+        _assert_client_side_facts(result, stream=False)
         assert result.output_tokens == 4
         assert result.end_ns - result.start_ns >= whole_delay_ns
     for request in first_seen:
@@ -674,11 +724,16 @@ def test_connections_are_reused_by_default(served: Served, tmp_path: Path) -> No
     out = tmp_path / "run.json"
     options = ("--concurrency", "4", "--requests", "20", "--warmup", "2", "--output-tokens", "2")
     assert _load(served.url, out, *options) == 0
-    http = run_record.load(out).http
+    run = run_record.load(out)
+    http = run.http
     seen = served.fake.seen
     assert len(seen) == 22
     assert 1 <= http["connections_opened"] <= 4
     assert http["connections_opened"] + http["connections_reused"] == 22
+    # The warm-up opened connections too: most measured requests went over a reused one.
+    assert sum(1 for result in run.results if result.connection_reused) >= 20 - 4
+    for result in run.results:
+        _assert_client_side_facts(result, stream=True)
     # Kept-alive connections stay open for the whole run, so their client ports are distinct.
     assert len({request.client_port for request in seen}) == http["connections_opened"]
 
@@ -687,12 +742,70 @@ def test_no_reuse_opens_a_connection_per_request(served: Served, tmp_path: Path)
     out = tmp_path / "run.json"
     options = ("--concurrency", "4", "--requests", "20", "--warmup", "2", "--output-tokens", "2")
     assert _load(served.url, out, *options, "--no-reuse-connections") == 0
-    http = run_record.load(out).http
+    run = run_record.load(out)
+    http = run.http
     seen = served.fake.seen
     assert len(seen) == 22
     assert http["connections_opened"] == 22
     assert http["connections_reused"] == 0
     assert all(request.headers.get("connection") == "close" for request in seen)
+    for result in run.results:
+        assert result.connection_reused is False
+        _assert_client_side_facts(result, stream=True)
+
+
+def test_a_blocked_client_loop_shows_as_read_wait_not_as_send_wait(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = ("--requests", "2", "--output-tokens", "2", "--prompt-tokens", "8")
+    assert _load(served.url, tmp_path / "free.json", *options) == 0
+    free = run_record.load(tmp_path / "free.json").results
+
+    send = http_module._Connection.send
+
+    async def send_then_block(connection: Any, data: bytes) -> None:
+        await send(connection, data)
+        # The client's loop stalls (a saturated client) while the response arrives.
+        time.sleep(_CLIENT_BLOCK_S)
+
+    monkeypatch.setattr(http_module._Connection, "send", send_then_block)
+    assert _load(served.url, tmp_path / "blocked.json", *options) == 0
+    blocked = run_record.load(tmp_path / "blocked.json").results
+    for result in [*free, *blocked]:
+        assert result.ok
+        _assert_client_side_facts(result, stream=True)
+    block_ns = _CLIENT_BLOCK_S * _NS_PER_S
+    # The server answers in about 30 ms: most of the block, the bytes waited in the kernel.
+    # Bounded below only (a loaded machine adds its own delays).
+    for free_result, blocked_result in zip(free, blocked, strict=True):
+        assert blocked_result.read_wait_ns is not None and free_result.read_wait_ns is not None
+        assert blocked_result.read_wait_ns - free_result.read_wait_ns >= block_ns / 2
+        first_wait, free_first_wait = (
+            blocked_result.first_token_read_wait_ns,
+            free_result.first_token_read_wait_ns,
+        )
+        assert first_wait is not None and free_first_wait is not None
+        assert first_wait - free_first_wait >= block_ns / 2
+        # Sent before the block: the wait to send does not include it.
+        assert blocked_result.send_wait_ns is not None
+        assert blocked_result.send_wait_ns < block_ns / 2
+
+
+def test_a_record_from_before_the_client_side_facts_still_loads(
+    served: Served, tmp_path: Path
+) -> None:
+    out = tmp_path / "run.json"
+    assert _load(served.url, out, "--requests", "2", "--output-tokens", "2") == 0
+    data = json.loads(out.read_text(encoding="utf-8"))
+    for entry in data["requests"]:
+        for field_name in _CLIENT_SIDE_ATTRIBUTES.values():
+            del entry[field_name]
+    out.write_text(json.dumps(data), encoding="utf-8")
+    results = run_record.load(out).results
+    assert len(results) == 2
+    for result in results:
+        assert result.ok
+        assert all(getattr(result, name) is None for name in _CLIENT_SIDE_ATTRIBUTES.values())
 
 
 def test_warmup_requests_are_untraced_and_unrecorded(

@@ -66,6 +66,8 @@ def test_typical_request_segments() -> None:
     assert_partition(budget)
     assert budget.e2e_ns == 100 * MS
     assert budget.segments == {
+        semconv.SEGMENT_CLIENT: 0,
+        semconv.SEGMENT_CONNECT: 0,
         semconv.SEGMENT_NETWORK: 0,
         semconv.SEGMENT_HTTP: 2 * MS,
         semconv.SEGMENT_COLD_START: 0,

@@ -1,8 +1,7 @@
-"""Diagnosis: one table case per cause, rule boundaries, sentence content, window verdicts."""
+"""Diagnosis: one table case per cause, per metric; rule boundaries; sentence content."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,10 @@ from tokentrace.processors.diagnosis import (
     ADVICE,
     CAUSE_BANDWIDTH_BOUND_DECODE,
     CAUSE_BATCHING_INTERFERENCE,
+    CAUSE_CLIENT_SATURATED,
     CAUSE_COLD_START,
+    CAUSE_CONNECTION_SETUP,
+    CAUSE_DECODE_STALL,
     CAUSE_ERROR,
     CAUSE_HTTP,
     CAUSE_KV_CACHE_PRESSURE,
@@ -29,15 +31,19 @@ from tokentrace.processors.diagnosis import (
     CAUSE_PREFILL,
     CAUSE_PREFIX_CACHE_MISS,
     CAUSE_QUEUEING,
+    CAUSE_SLOW_DECODE,
     CAUSE_UNATTRIBUTED,
     CAUSES,
+    NETWORK_NOT_MEASURED,
     DiagnosisConfig,
+    default_verdict,
     diagnose_request,
-    diagnose_window,
     format_duration,
 )
 from tokentrace.processors.model import (
     Budget,
+    DecodeFacts,
+    GapParts,
     RequestMetrics,
     RequestRecord,
     RequestTimeline,
@@ -46,7 +52,13 @@ from tokentrace.processors.timeline import DIALECT_GENAI_CLIENT, DIALECT_VLLM, n
 
 MS = 1_000_000
 S = 1_000_000_000
+TTFT = semconv.METRIC_TTFT
+TPOT = semconv.METRIC_TPOT
+ITL = semconv.METRIC_ITL
+E2E = semconv.METRIC_E2E
 _PRE_FIRST_TOKEN = (
+    semconv.SEGMENT_CLIENT,
+    semconv.SEGMENT_CONNECT,
     semconv.SEGMENT_NETWORK,
     semconv.SEGMENT_HTTP,
     semconv.SEGMENT_COLD_START,
@@ -67,12 +79,16 @@ def make_record(
     tpot: int | None = None,
     arrival: int = 1_700_000_000 * S,
     client_only: bool = False,
+    decode_split: dict[str, int] | None = None,
+    outlier_gaps: list[GapParts] | None = None,
     **timeline_fields: Any,
 ) -> RequestRecord:
-    """A record whose budget is ``segments``; TTFT defaults to the pre-first-token segments.
+    """A record whose (client-seen when it has client-side segments) E2E budget is
+    ``segments``; its TTFT defaults to the pre-first-token segments.
 
     ``client_only``: the timeline has only a client span (from ``arrival``), no server view."""
     e2e = sum(segments.values())
+    client_side = sum(segments.get(name, 0) for name in semconv.CLIENT_SIDE_SEGMENTS)
     if ttft_segments is None:
         ttft_segments = {k: v for k, v in segments.items() if k in _PRE_FIRST_TOKEN}
     if ttft_ns is None:
@@ -86,22 +102,47 @@ def make_record(
         operation=semconv.OPERATION_CHAT,
         **timeline_fields,
     )
+    budget = Budget(e2e_ns=e2e, segments=segments, ttft_ns=ttft_ns, ttft_segments={})
     if client_only:
         timeline.client_start, timeline.client_end = arrival, arrival + e2e
+        budget.ttft_segments = ttft_segments
     else:
-        timeline.arrival, timeline.end = arrival, arrival + e2e
-    budget = Budget(e2e_ns=e2e, segments=segments, ttft_ns=ttft_ns, ttft_segments=ttft_segments)
+        timeline.arrival, timeline.end = arrival, arrival + e2e - client_side
+        budget.server_e2e_ns = e2e - client_side
+        server_ttft = {
+            k: v for k, v in ttft_segments.items() if k not in semconv.CLIENT_SIDE_SEGMENTS
+        }
+        budget.ttft_segments = server_ttft
+        budget.ttft_ns = (
+            None
+            if ttft_ns is None
+            else ttft_ns - (sum(ttft_segments.values()) - sum(server_ttft.values()))
+        )
+        if client_side:
+            timeline.client_start, timeline.client_end = arrival - client_side, arrival + e2e
+            timeline.client_first_token = timeline.client_start + ttft_ns
+            budget.client_ttft_ns = ttft_ns
+            budget.client_ttft_segments = ttft_segments
     metrics = RequestMetrics(
-        ttft=ttft_ns,
+        ttft=budget.ttft_ns,
         tpot=tpot,
-        e2e=e2e,
+        e2e=e2e - client_side,
         queue=segments.get(semconv.SEGMENT_QUEUE),
         prefill=segments.get(semconv.SEGMENT_PREFILL),
         decode=segments.get(semconv.SEGMENT_DECODE),
-        network=segments.get(semconv.SEGMENT_NETWORK),
+        network=segments.get(semconv.SEGMENT_NETWORK) if client_side else None,
         itl=list(itl or []),
     )
-    return RequestRecord(timeline=timeline, budget=budget, metrics=metrics, prompt_bucket="0-127")
+    record = RequestRecord(timeline=timeline, budget=budget, metrics=metrics, prompt_bucket="0-127")
+    if decode_split is not None or outlier_gaps is not None:
+        steps = timeline.engine_steps
+        record.decode_facts = DecodeFacts(
+            outlier_gaps=outlier_gaps or [],
+            split=decode_split or {},
+            engine_steps=len(steps),
+            max_step_prefill_tokens=max((tokens for _, _, tokens in steps), default=0),
+        )
+    return record
 
 
 @dataclass(frozen=True)
@@ -110,6 +151,7 @@ class Case:
     segment: str
     build: Callable[[], RequestRecord]
     seen_prefixes: Container[str] | None = None
+    metric: str = E2E
 
 
 def _decode_record(**extra: Any) -> RequestRecord:
@@ -125,6 +167,33 @@ def _decode_record(**extra: Any) -> RequestRecord:
         {semconv.SEGMENT_QUEUE: 5 * MS, semconv.SEGMENT_PREFILL: 20 * MS, "decode": 1000 * MS},
         input_tokens=100,
         **fields,
+    )
+
+
+def _outlier(gap_ms: int, **parts_ms: int) -> GapParts:
+    """One outlier gap of ``gap_ms`` whose excess went to the named parts (the rest decode)."""
+    parts = {name: ms * MS for name, ms in parts_ms.items()}
+    return GapParts(
+        gap_ms * MS,
+        gap_ms * MS - sum(parts.values()),
+        parts.get("interference", 0),
+        parts.get("stall", 0),
+        parts.get("preempted", 0),
+        True,
+    )
+
+
+def _split_record(**split_ms: int) -> RequestRecord:
+    """A decode-bound request whose 1 s of decode splits as given (the rest its own pace),
+    the split carried by three outlier gaps of 120 ms each."""
+    split = {name: ms * MS for name, ms in split_ms.items()}
+    split["decode"] = 1000 * MS - sum(split.values())
+    per_gap = {name: ms // 3 for name, ms in split_ms.items()}
+    return _decode_record(
+        itl=_SPIKY_ITL,
+        decode_split=split,
+        outlier_gaps=[_outlier(120, **per_gap) for _ in range(3)],
+        engine_steps=[(1, 2, 0)],
     )
 
 
@@ -147,16 +216,19 @@ CASES = [
             running_at_arrival=256,
             max_running=256,
         ),
+        metric=TTFT,
     ),
     Case(
         CAUSE_COLD_START,
         semconv.SEGMENT_COLD_START,
         lambda: make_record(_small(cold_start=30 * S), input_tokens=100),
+        metric=TTFT,
     ),
     Case(
         CAUSE_LONG_PROMPT,
         semconv.SEGMENT_PREFILL,
         lambda: make_record(_small(prefill=800 * MS), input_tokens=6000, cached_tokens=0),
+        metric=TTFT,
     ),
     Case(
         CAUSE_PREFIX_CACHE_MISS,
@@ -165,12 +237,14 @@ CASES = [
             _small(prefill=300 * MS), input_tokens=600, cached_tokens=0, prefix_hash="9f8e7d6c"
         ),
         seen_prefixes=frozenset({"9f8e7d6c"}),
+        metric=TTFT,
     ),
     Case(
         CAUSE_PREFILL,
         semconv.SEGMENT_PREFILL,
         lambda: make_record(_small(prefill=300 * MS), input_tokens=600, prefix_hash="9f8e7d6c"),
         seen_prefixes=frozenset({"other"}),
+        metric=TTFT,
     ),
     Case(
         CAUSE_BANDWIDTH_BOUND_DECODE,
@@ -179,10 +253,18 @@ CASES = [
     ),
     Case(
         CAUSE_BATCHING_INTERFERENCE,
-        semconv.SEGMENT_DECODE,
-        lambda: _decode_record(itl=_SPIKY_ITL, outlier_steps_with_prefill=3),
+        semconv.SEGMENT_INTERFERENCE,
+        lambda: _split_record(interference=330),
+        metric=ITL,
     ),
     Case(CAUSE_LONG_DECODE, semconv.SEGMENT_DECODE, lambda: _decode_record()),
+    Case(CAUSE_SLOW_DECODE, semconv.SEGMENT_DECODE, lambda: _decode_record(), metric=TPOT),
+    Case(
+        CAUSE_DECODE_STALL,
+        semconv.SEGMENT_STALL,
+        lambda: _split_record(stall=330),
+        metric=ITL,
+    ),
     Case(
         CAUSE_KV_CACHE_PRESSURE,
         semconv.SEGMENT_PREEMPTED,
@@ -191,8 +273,29 @@ CASES = [
             preempted=[(1, 2), (3, 4), (5, 6)],
         ),
     ),
-    Case(CAUSE_NETWORK, semconv.SEGMENT_NETWORK, lambda: make_record(_small(network=300 * MS))),
-    Case(CAUSE_HTTP, semconv.SEGMENT_HTTP, lambda: make_record(_small(http=200 * MS))),
+    Case(
+        CAUSE_NETWORK,
+        semconv.SEGMENT_NETWORK,
+        lambda: make_record(_small(network=300 * MS)),
+        metric=TTFT,
+    ),
+    Case(
+        CAUSE_CONNECTION_SETUP,
+        semconv.SEGMENT_CONNECT,
+        lambda: make_record(_small(connect=300 * MS), client_connect_ns=300 * MS),
+        metric=TTFT,
+    ),
+    Case(
+        CAUSE_CLIENT_SATURATED,
+        semconv.SEGMENT_CLIENT,
+        lambda: make_record(_small(client=300 * MS), client_read_wait_ns=300 * MS),
+    ),
+    Case(
+        CAUSE_HTTP,
+        semconv.SEGMENT_HTTP,
+        lambda: make_record(_small(http=200 * MS)),
+        metric=TTFT,
+    ),
     Case(
         CAUSE_POSTPROCESS,
         semconv.SEGMENT_POSTPROCESS,
@@ -220,9 +323,11 @@ def test_cases_cover_every_cause_once() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[case.cause for case in CASES])
 def test_each_cause_rule(case: Case) -> None:
-    verdict = diagnose_request(case.build(), seen_prefixes=case.seen_prefixes)
+    verdict = diagnose_request(case.build(), metric=case.metric, seen_prefixes=case.seen_prefixes)
+    assert verdict is not None
     assert verdict.cause == case.cause
     assert verdict.segment == case.segment
+    assert verdict.metric == case.metric
     assert verdict.advice == ADVICE[case.cause]
     assert verdict.advice
     assert "\n" not in verdict.sentence
@@ -232,6 +337,12 @@ def test_each_cause_rule(case: Case) -> None:
 def test_every_cause_has_distinct_advice() -> None:
     assert set(ADVICE) == set(CAUSES)
     assert len(set(ADVICE.values())) == len(CAUSES)
+
+
+def e2e_verdict(record: RequestRecord, config: DiagnosisConfig | None = None, **kwargs: Any) -> Any:
+    verdict = diagnose_request(record, config or DiagnosisConfig(), **kwargs)
+    assert verdict is not None  # every request has an E2E
+    return verdict
 
 
 # --- rule boundaries ----------------------------------------------------------------------------
@@ -257,7 +368,8 @@ def test_preemption_share_rule_applies_without_dominating(preempted_ms: int, exp
     assert verdict.cause == expected
     assert verdict.segment == semconv.SEGMENT_QUEUE  # still the dominant segment
     if expected == CAUSE_KV_CACHE_PRESSURE:
-        assert f"{preempted_ms / 10:.0f}% of E2E was preemption" in verdict.sentence
+        assert f"{preempted_ms / 10:.0f}% of the server-seen E2E" in verdict.sentence
+        assert "was preemption" in verdict.sentence
 
 
 def test_preemption_share_is_configurable() -> None:
@@ -326,11 +438,26 @@ def test_bandwidth_ratio_threshold_is_inclusive() -> None:
 
 @pytest.mark.parametrize(
     ("outliers", "expected"),
-    [(None, CAUSE_BATCHING_INTERFERENCE), (2, CAUSE_BATCHING_INTERFERENCE), (0, CAUSE_LONG_DECODE)],
+    [(None, CAUSE_BATCHING_INTERFERENCE), (2, CAUSE_LONG_DECODE), (0, CAUSE_LONG_DECODE)],
 )
-def test_spiky_itl_needs_prefill_outliers_or_unknown(outliers: int | None, expected: str) -> None:
+def test_without_step_data_a_spiky_itl_is_interference(outliers: int | None, expected: str) -> None:
+    # No step spans: only when the agent did not count the prefill outliers at all do the
+    # spikes alone say interference; a count that split no decode time says it was small.
     record = _decode_record(itl=_SPIKY_ITL, outlier_steps_with_prefill=outliers)
     assert diagnose_request(record).cause == expected
+
+
+@pytest.mark.parametrize(
+    ("interference_ms", "expected"), [(250, CAUSE_BATCHING_INTERFERENCE), (240, CAUSE_LONG_DECODE)]
+)
+def test_decode_dominated_e2e_is_interference_when_it_is_a_large_part(
+    interference_ms: int, expected: str
+) -> None:
+    # interference_share 0.25 of the 1 s decode.
+    verdict = diagnose_request(_split_record(interference=interference_ms))
+    assert verdict is not None
+    assert verdict.cause == expected
+    assert verdict.segment == semconv.SEGMENT_DECODE
 
 
 def test_itl_spike_ratio_boundary() -> None:
@@ -373,14 +500,92 @@ def test_queue_sentence_against_ttft() -> None:
         running_at_arrival=256,
         max_running=256,
     )
-    verdict = diagnose_request(record)
+    verdict = diagnose_request(record, metric=TTFT)
+    assert verdict is not None
     assert verdict.cause == CAUSE_QUEUEING
-    assert verdict.sentence.startswith("82% of TTFT was queue wait (410 ms)")
+    assert verdict.clock == "server"
+    assert verdict.sentence.startswith(
+        "82% of the server-seen TTFT (500 ms, network not measured) was queue wait (410 ms)"
+    )
     assert "37 requests ahead" in verdict.sentence
     assert "batch full (256/256 running)" in verdict.sentence
     assert verdict.numbers["requests_ahead"] == 37
     assert verdict.numbers["queue_ms"] == 410
-    assert verdict.numbers["share_of"] == "TTFT"
+    assert verdict.numbers["metric"] == TTFT
+    assert verdict.numbers["without_queue_ms"] == 90
+    assert verdict.numbers["network_measured"] == 0
+
+
+def test_a_ttft_verdict_never_names_decode() -> None:
+    # E2E is decode-bound; the first token waited on the queue.
+    record = make_record(
+        {semconv.SEGMENT_QUEUE: 300 * MS, semconv.SEGMENT_PREFILL: 50 * MS, "decode": 5 * S},
+        output_tokens=500,
+        tpot=10 * MS,
+    )
+    ttft = diagnose_request(record, metric=TTFT)
+    e2e = diagnose_request(record)
+    assert ttft is not None and e2e is not None
+    assert ttft.segment == semconv.SEGMENT_QUEUE
+    assert e2e.segment == semconv.SEGMENT_DECODE
+
+
+def test_client_seen_verdict_includes_the_network() -> None:
+    record = make_record(
+        {
+            semconv.SEGMENT_NETWORK: 43 * MS,
+            semconv.SEGMENT_HTTP: 314 * MS,
+            semconv.SEGMENT_PREFILL: 181 * MS,
+            "decode": 200 * MS,
+        }
+    )
+    verdict = diagnose_request(record, metric=TTFT)
+    assert verdict is not None
+    assert verdict.clock == "client"
+    assert verdict.sentence.startswith("58% of the client-seen TTFT (538 ms) was HTTP handling")
+    assert "network not measured" not in verdict.sentence
+    server = diagnose_request(record, metric=TTFT, clock="server")
+    assert server is not None and server.numbers["value_ms"] == 495
+
+
+def test_two_segments_within_the_tie_ratio_are_both_named() -> None:
+    record = make_record(
+        {semconv.SEGMENT_QUEUE: 200 * MS, semconv.SEGMENT_PREFILL: 190 * MS, "decode": 10 * MS}
+    )
+    verdict = diagnose_request(record, metric=TTFT)
+    assert verdict is not None
+    assert "was queue wait (200 ms) and 49% prefill (190 ms)" in verdict.sentence
+    assert verdict.numbers["second_segment"] == semconv.SEGMENT_PREFILL
+    strict = diagnose_request(record, DiagnosisConfig(tie_ratio=0.99), metric=TTFT)
+    assert strict is not None and "prefill" not in strict.sentence.split(":")[0]
+
+
+def test_default_verdict_answers_the_first_breached_target() -> None:
+    record = make_record(
+        {semconv.SEGMENT_QUEUE: 300 * MS, "decode": 5 * S}, output_tokens=500, tpot=10 * MS
+    )
+    default = default_verdict(record, breached_metrics=[("chat-ttft", TTFT), ("e2e-p95", E2E)])
+    assert default.metric == TTFT
+    assert default.segment == semconv.SEGMENT_QUEUE
+    assert "chat-ttft" in default.why and "breached" in default.why
+    fallback = default_verdict(record)
+    assert fallback.metric == E2E
+    assert "no SLO target breached" in fallback.why
+
+
+def test_a_metric_the_request_lacks_has_no_verdict() -> None:
+    record = make_record({semconv.SEGMENT_QUEUE: 3 * MS, "decode": 0}, output_tokens=1)
+    assert diagnose_request(record, metric=TPOT) is None
+    assert diagnose_request(record, metric=ITL) is None
+    default = default_verdict(record, breached_metrics=[("tpot", TPOT)])
+    assert default.metric == E2E  # the breached metric has no verdict: fall back
+
+
+def test_network_not_measured_is_said_and_explained() -> None:
+    assert "traceparent" in NETWORK_NOT_MEASURED
+    verdict = diagnose_request(make_record(_small(queue=400 * MS)))
+    assert verdict is not None
+    assert "network not measured" in verdict.sentence
 
 
 def test_queue_not_full_batch_is_not_called_full() -> None:
@@ -394,7 +599,8 @@ def test_decode_sentence_against_e2e_cites_tokens_and_tpot() -> None:
     record = _decode_record(output_tokens=512, tpot=6_250_000)
     verdict = diagnose_request(record)
     e2e = record.budget.e2e_ns
-    assert verdict.sentence.startswith(f"{round(1000 * MS / e2e * 100)}% of E2E was decode")
+    assert verdict.sentence.startswith(f"{round(1000 * MS / e2e * 100)}% of the server-seen E2E")
+    assert "was decode (1.00 s)" in verdict.sentence
     assert "1.00 s" in verdict.sentence
     assert "512 output tokens" in verdict.sentence
     assert "6.25 ms" in verdict.sentence
@@ -406,18 +612,36 @@ def test_bandwidth_sentence_cites_ratio() -> None:
 
 
 def test_interference_sentence_cites_gaps() -> None:
-    verdict = diagnose_request(_decode_record(itl=_SPIKY_ITL, outlier_steps_with_prefill=3))
+    verdict = diagnose_request(_split_record(interference=330), metric=ITL)
+    assert verdict is not None
+    assert verdict.sentence.startswith("92% of its 3 slow inter-token gaps (360 ms in all")
+    assert "over 3x its median gap 10.0 ms" in verdict.sentence
+    assert "3 slow inter-token gaps ran engine steps that also prefilled" in verdict.sentence
+    assert "12.0x" in verdict.sentence
+    assert verdict.numbers["interfered_gaps"] == 3
+
+
+def test_spiky_itl_sentence_without_step_data_cites_gaps() -> None:
+    verdict = diagnose_request(_decode_record(itl=_SPIKY_ITL, outlier_steps_with_prefill=None))
+    assert verdict is not None
     assert "120 ms" in verdict.sentence
     assert "12.0x" in verdict.sentence
     assert "10.0 ms" in verdict.sentence
-    assert "3 outlier steps" in verdict.sentence
+
+
+def test_steady_itl_says_so() -> None:
+    verdict = diagnose_request(_decode_record(), metric=ITL)
+    assert verdict is not None
+    assert verdict.cause == CAUSE_SLOW_DECODE
+    assert verdict.sentence.startswith("its 100 inter-token gaps were steady (largest 10.0 ms")
 
 
 def test_long_prompt_sentence_cites_tokens() -> None:
     record = make_record(_small(prefill=800 * MS), input_tokens=6000)
-    verdict = diagnose_request(record)
+    verdict = diagnose_request(record, metric=TTFT)
+    assert verdict is not None
     assert "6,000 input tokens" in verdict.sentence
-    assert "of TTFT was prefill (800 ms)" in verdict.sentence
+    assert "was prefill (800 ms)" in verdict.sentence
 
 
 def test_unattributed_client_only_sentence_says_server_spans_are_missing() -> None:
@@ -478,11 +702,12 @@ def test_server_span_without_phases_in_another_dialect() -> None:
     assert "client-side" not in verdict.sentence
 
 
-def test_without_ttft_budget_pre_token_segments_use_e2e() -> None:
+def test_without_a_first_token_there_is_no_ttft_verdict() -> None:
     record = make_record(_small(queue=400 * MS), ttft_segments={}, ttft_ns=None)
     record.budget.ttft_ns = None
+    assert diagnose_request(record, metric=TTFT) is None
     verdict = diagnose_request(record)
-    assert " of E2E was queue wait" in verdict.sentence
+    assert verdict is not None and " of the server-seen E2E" in verdict.sentence
 
 
 @pytest.mark.parametrize(
@@ -571,121 +796,6 @@ def test_any_record_gets_one_line_verdict_on_the_largest_segment(
         assert verdict.cause == CAUSE_ERROR
 
 
-# --- windows ------------------------------------------------------------------------------------
-def test_empty_window() -> None:
-    diagnosis = diagnose_window([])
-    assert diagnosis.requests == 0
-    assert diagnosis.p50 is None
-    assert diagnosis.tail is None
-
-
-def _mixed_window() -> list[RequestRecord]:
-    """90 decode-bound requests around 1 s and 10 queue-bound ones from 4 s."""
-    records = [
-        make_record(
-            {
-                semconv.SEGMENT_QUEUE: 10 * MS,
-                semconv.SEGMENT_PREFILL: 40 * MS,
-                "decode": (900 + i) * MS,
-            },
-            output_tokens=200,
-            tpot=4 * MS,
-            itl=_UNIFORM_ITL,
-            outlier_steps_with_prefill=0,
-        )
-        for i in range(90)
-    ]
-    records += [
-        make_record(
-            {
-                semconv.SEGMENT_QUEUE: (3000 + 100 * i) * MS,
-                semconv.SEGMENT_PREFILL: 40 * MS,
-                "decode": 900 * MS,
-            },
-            requests_ahead=40 + i,
-            running_at_arrival=256,
-            max_running=256,
-        )
-        for i in range(10)
-    ]
-    return records[::-1]  # order in the window must not matter
-
-
-def test_mixed_window_tail_differs_from_typical() -> None:
-    records = _mixed_window()
-    diagnosis = diagnose_window(records)
-    assert diagnosis.requests == 100
-    assert diagnosis.p50 is not None
-    assert diagnosis.tail is not None
-    assert diagnosis.p50.cause == CAUSE_LONG_DECODE
-    assert diagnosis.p50.segment == semconv.SEGMENT_DECODE
-    assert diagnosis.tail.cause == CAUSE_QUEUEING
-    assert diagnosis.tail.segment == semconv.SEGMENT_QUEUE
-    assert diagnosis.tail.advice == ADVICE[CAUSE_QUEUEING]
-
-    # The tail is every request at or above the nearest-rank p95 E2E.
-    e2es = sorted(r.budget.e2e_ns for r in records)
-    p95 = e2es[math.ceil(0.95 * len(e2es)) - 1]
-    tail = [r for r in records if r.budget.e2e_ns >= p95]
-    assert diagnosis.tail.numbers["requests"] == len(tail)
-    assert diagnosis.tail.sentence.startswith(f"{len(tail)} of {len(tail)} tail requests")
-    mean_queue_ms = sum(r.budget.segments[semconv.SEGMENT_QUEUE] for r in tail) / len(tail) / MS
-    assert diagnosis.tail.numbers["mean_queue_ms"] == pytest.approx(mean_queue_ms)
-    assert format_duration(mean_queue_ms * MS) in diagnosis.tail.sentence
-
-    # The typical group lies between p40 and p60 and is all decode-bound.
-    p40 = e2es[math.ceil(0.40 * len(e2es)) - 1]
-    p60 = e2es[math.ceil(0.60 * len(e2es)) - 1]
-    typical = [r for r in records if p40 <= r.budget.e2e_ns <= p60]
-    assert diagnosis.p50.numbers["requests"] == len(typical)
-    assert diagnosis.p50.sentence.startswith(f"{len(typical)} of {len(typical)} typical")
-    assert "long decode" in diagnosis.p50.sentence
-
-
-def test_window_cause_is_the_most_frequent_with_its_count() -> None:
-    # Tail of 4 equal-E2E requests: 3 queue-bound, 1 network-bound.
-    def slow(segment: str) -> RequestRecord:
-        return make_record({segment: 3000 * MS, "decode": 1000 * MS})
-
-    records = [make_record({"decode": 100 * MS}) for _ in range(75)]
-    records += [slow(semconv.SEGMENT_QUEUE) for _ in range(3)] + [slow(semconv.SEGMENT_NETWORK)]
-    diagnosis = diagnose_window(records)
-    assert diagnosis.tail is not None
-    assert diagnosis.tail.cause == CAUSE_QUEUEING
-    assert diagnosis.tail.numbers["cause_requests"] == 3
-    assert diagnosis.tail.numbers[f"{CAUSE_NETWORK}_requests"] == 1
-    assert diagnosis.tail.sentence.startswith("3 of 4 tail requests")
-
-
-def test_window_prefix_is_a_miss_only_after_its_first_request() -> None:
-    def prefill_bound(prefill_ms: int, arrival_s: int, prefix: str) -> RequestRecord:
-        return make_record(
-            _small(prefill=prefill_ms * MS),
-            input_tokens=600,
-            cached_tokens=0,
-            prefix_hash=prefix,
-            arrival=arrival_s * S,
-        )
-
-    # The first to arrive computed the prefix (slowest: the tail); the later one recomputed it.
-    first = prefill_bound(500, 100, "shared")
-    later = prefill_bound(300, 101, "shared")
-    unique = prefill_bound(200, 99, "unique")
-    diagnosis = diagnose_window([later, unique, first])
-    assert diagnosis.tail is not None and diagnosis.p50 is not None
-    assert diagnosis.tail.numbers["requests"] == 1
-    assert diagnosis.tail.cause == CAUSE_PREFILL
-    assert diagnosis.p50.numbers["requests"] == 1
-    assert diagnosis.p50.cause == CAUSE_PREFIX_CACHE_MISS
-
-
-def test_single_request_window() -> None:
-    record = make_record(_small(http=200 * MS))
-    diagnosis = diagnose_window([record])
-    assert diagnosis.p50 is not None and diagnosis.tail is not None
-    assert diagnosis.p50.cause == diagnosis.tail.cause == CAUSE_HTTP
-
-
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -695,6 +805,8 @@ def test_single_request_window() -> None:
         {"tail_percentile": 101.0},
         {"preemption_share": 0.0},
         {"itl_spike_ratio": -1.0},
+        {"tie_ratio": 0.0},
+        {"tie_ratio": 1.5},
     ],
 )
 def test_invalid_config_is_rejected(overrides: dict[str, Any]) -> None:
@@ -719,3 +831,14 @@ def test_the_decode_roofline_decides_when_bandwidth_was_not_measured() -> None:
     )
     assert both.cause == CAUSE_BANDWIDTH_BOUND_DECODE
     assert "85% of peak, tokens at 70% of the weight-read limit" in both.sentence
+
+
+def test_a_long_prompt_mostly_from_the_prefix_cache_is_not_a_long_prompt() -> None:
+    # 1,067 tokens of which 1,024 came from the prefix cache: prefill computed 43.
+    record = make_record(_small(prefill=300 * MS), input_tokens=1067, cached_tokens=1024)
+    verdict = diagnose_request(record, metric=TTFT)
+    assert verdict is not None and verdict.cause == CAUSE_PREFILL
+    assert "1,024 from the prefix cache" in verdict.sentence
+    uncached = make_record(_small(prefill=300 * MS), input_tokens=1067, cached_tokens=0)
+    long_prompt = diagnose_request(uncached, metric=TTFT)
+    assert long_prompt is not None and long_prompt.cause == CAUSE_LONG_PROMPT

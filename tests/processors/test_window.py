@@ -25,7 +25,6 @@ from tokentrace.processors.window import (
     analyze_window,
     slo_status,
     summarize_ns,
-    verdict_doc,
 )
 
 NS_PER_MS = 1_000_000
@@ -153,26 +152,36 @@ def test_segments_follow_budget_order_and_their_shares_sum_to_one(
     assert max(segments, key=lambda name: segments[name]["share"]) == semconv.SEGMENT_DECODE
 
 
-def test_diagnosis_names_a_known_cause_for_the_median_and_the_tail(
+def test_metric_findings_name_a_known_cause_for_the_median_and_the_tail(
     mixed: list[RequestRecord],
 ) -> None:
-    diagnosis = analyze_window(mixed)["diagnosis"]
-    for key in ("p50", "tail"):
-        verdict = diagnosis[key]
-        assert verdict is not None, key
-        assert verdict["cause"] in CAUSES
-        assert verdict["segment"] in semconv.SEGMENTS
-        assert verdict["sentence"] and verdict["advice"]
-        assert verdict["numbers"]["requests"] >= 1
+    findings = analyze_window(mixed)["metric_findings"]
+    assert [(f["metric"], f["group"]) for f in findings] == [
+        (metric, group)
+        for metric in (semconv.METRIC_TTFT, semconv.METRIC_TPOT, semconv.METRIC_E2E)
+        for group in ("typical", "tail")
+    ]
+    for finding in findings:
+        assert finding["cause"] in CAUSES
+        assert finding["segment"] in {entry["segment"] for entry in finding["segments"]}
+        assert finding["sentence"] and finding["advice"]
+        assert finding["units"] >= 1
+    # The replay's client spans cover every request: the findings are client-seen.
+    assert {f["clock"] for f in findings if f["metric"] != semconv.METRIC_TPOT} == {"client"}
+    tail = next(f for f in findings if f["metric"] == semconv.METRIC_E2E and f["group"] == "tail")
     # The tail group is the requests at or above the p95 E2E: at least 5% of the window.
-    assert diagnosis["tail"]["numbers"]["requests"] >= math.ceil(0.05 * len(mixed))
+    assert tail["units"] >= math.ceil(0.05 * len(mixed))
 
 
 def test_saturated_batch_is_diagnosed_as_queueing(saturated: list[RequestRecord]) -> None:
     window = analyze_window(saturated)
-    p50 = window["diagnosis"]["p50"]
-    assert p50["cause"] == CAUSE_QUEUEING
-    assert p50["segment"] == semconv.SEGMENT_QUEUE
+    typical = next(
+        f
+        for f in window["metric_findings"]
+        if f["metric"] == semconv.METRIC_TTFT and f["group"] == "typical"
+    )
+    assert typical["cause"] == CAUSE_QUEUEING
+    assert typical["segment"] == semconv.SEGMENT_QUEUE
     # The verdict's segment is where the typical request's time went: queue beats prefill.
     segments = window["segments"]
     assert segments[semconv.SEGMENT_QUEUE]["p50"] > segments[semconv.SEGMENT_PREFILL]["p50"]
@@ -180,7 +189,8 @@ def test_saturated_batch_is_diagnosed_as_queueing(saturated: list[RequestRecord]
 
 def test_a_healthy_window_is_not_called_queueing() -> None:
     steady = replayed_records("steady", requests=60, seed=3)
-    assert analyze_window(steady)["diagnosis"]["p50"]["cause"] != CAUSE_QUEUEING
+    causes = {finding["cause"] for finding in analyze_window(steady)["metric_findings"]}
+    assert CAUSE_QUEUEING not in causes
 
 
 def test_empty_window() -> None:
@@ -188,7 +198,11 @@ def test_empty_window() -> None:
     window = analyze_window([], targets=[target])
     assert window["requests"] == 0
     assert window["metrics"] == {} and window["segments"] == {}
-    assert window["diagnosis"] == {"p50": None, "tail": None}
+    assert window["metric_findings"] == []
+    assert window["perceived"] == {"requests": 0, "issues": []}
+    (finding,) = window["findings"]
+    assert finding["met"] is None and finding["population"] == 0
+    assert "no matching requests" in finding["sentence"]
     (entry,) = window["slo"]
     assert entry["requests"] == 0 and entry["met"] is None and entry["compliance"] is None
 
@@ -199,10 +213,6 @@ def test_summarize_ns_in_milliseconds_rounded_to_the_microsecond() -> None:
     # Sorted: 1.234567, 2, 3 ms; p50 is rank ceil(1.5) = 2; mean 6.234567 / 3.
     assert summary == {"count": 3, "mean": 2.078, "p50": 2.0, "p100": 3.0}
     assert summarize_ns(iter([7]), (50.0,)) == {"count": 1, "mean": 0.0, "p50": 0.0}
-
-
-def test_verdict_doc_of_none_is_none() -> None:
-    assert verdict_doc(None) is None
 
 
 # --- SLO status -----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from tests.api.replayed import replayed_store
 from tests.ui.stores import CraftedStore, RealStore, crafted_store, real_trace_store
 from tests.vllm.conftest import INSTALL_HINT as VLLM_INSTALL_HINT
 from tests.vllm.conftest import vllm_available
@@ -221,3 +222,10 @@ def real_store(tmp_path_factory: pytest.TempPathFactory) -> RealStore:
 @pytest.fixture(scope="session")
 def crafted(tmp_path_factory: pytest.TempPathFactory) -> CraftedStore:
     return crafted_store(tmp_path_factory.mktemp("ui-crafted") / "store.db")
+
+
+@pytest.fixture(scope="session")
+def replayed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store a real collector filled from ``tokentrace replay``'s mixed traffic: client spans
+    on every request (so client- and server-seen figures) and a breached TTFT target."""
+    return replayed_store(tmp_path_factory.mktemp("ui-replayed") / "store.db", scenario="mixed")

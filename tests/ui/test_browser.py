@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Final
 
 import pytest
@@ -32,6 +33,8 @@ from tests.ui.stores import (
     RealStore,
 )
 from tokentrace.collector.api import ApiSettings
+from tokentrace.collector.store import query as store_query
+from tokentrace.processors.diagnosis import VERDICT_METRICS
 
 pytestmark = pytest.mark.slow
 
@@ -117,15 +120,25 @@ def check_request_page(page: UiPage, detail: Mapping[str, Any]) -> None:
     """What the request page shows against the API's detail document of that request."""
     doc = detail["request"]
     assert page.testid("verdict").text_content() == detail["verdict_text"]
-    for key in (doc.get("verdict") or {}).get("numbers") or {}:
-        assert page.testid("verdict-numbers", f' [data-key="{key}"]').count() == 1, key
+    panel = page.testid("verdict-panel")
+    assert panel.get_attribute("data-metric") == detail["verdict_metric"]
+    verdict = detail["verdict"] or {}
+    assert panel.get_attribute("data-segment") == verdict.get("segment")
+    assert panel.get_attribute("data-clock") == verdict.get("clock")
+    for key in verdict.get("numbers") or {}:
+        # The metric and its clock are the panel's own attributes, not numbers.
+        expected_count = 0 if key in ("metric", "clock") else 1
+        assert page.testid("verdict-numbers", f' [data-key="{key}"]').count() == expected_count
 
     rows = page.page.eval_on_selector_all(
         '[data-testid="waterfall-row"]',
         "rows => rows.map(row => [row.dataset.segment, row.dataset.label,"
-        " row.querySelectorAll('rect.seg').length])",
+        " row.querySelectorAll('rect.seg').length, row.dataset.dominant === 'true'])",
     )
-    expected = [[r["segment"], r["label"], len(r["intervals_ms"])] for r in detail["waterfall"]]
+    expected = [
+        [r["segment"], r["label"], len(r["intervals_ms"]), r["dominant"]]
+        for r in detail["waterfall"]
+    ]
     assert rows == expected
     assert len(expected) > 0
 
@@ -545,3 +558,165 @@ def test_a_long_request_draws_a_bounded_number_of_ticks_and_every_outlier(
     assert page.testid("token-tick", '[data-outlier="true"]').count() == len(outliers)
     assert elapsed_s < _RENDER_BUDGET_S, f"the request page took {elapsed_s:.1f} s"
     page.assert_clean()
+
+
+# --- one metric at a time --------------------------------------------------------------------
+
+
+def dominant_rows(page: UiPage, testid: str) -> list[str]:
+    """The ``data-segment`` of every element marked ``data-dominant`` that is, or is inside,
+    an element with that test id."""
+    segments: list[str] = page.page.locator(
+        f'[data-testid="{testid}"][data-dominant="true"], '
+        f'[data-testid="{testid}"] [data-dominant="true"]'
+    ).evaluate_all("rows => rows.map(row => row.dataset.segment)")
+    return segments
+
+
+def budget_rows(page: UiPage) -> dict[str, str]:
+    """Segment -> ms cell of the budget table shown."""
+    rows: dict[str, str] = page.testid("budget-table").evaluate(
+        "table => Object.fromEntries([...table.querySelectorAll('tr[data-segment]')]"
+        ".map(row => [row.dataset.segment, row.cells[1].textContent]))"
+    )
+    return rows
+
+
+def check_budget(page: UiPage, budget: Mapping[str, Any], clock: str) -> None:
+    assert page.testid("budget-table").get_attribute("data-clock") == clock
+    rows = budget_rows(page)
+    assert sorted(rows) == sorted(name for name, ms in budget["segments"].items() if ms > 0)
+    for segment, text in rows.items():
+        assert_shows_ms(text, budget["segments"][segment], f"{clock} {segment}")
+    total = page.testid("budget-table").locator('[data-field="value"]').text_content()
+    assert_shows_ms(total, budget["value_ms"], f"{clock} total")
+
+
+def test_the_metric_switch_answers_about_each_metric_on_its_clock(
+    replayed: Path, serve: Serve, open_ui: OpenUi
+) -> None:
+    app = serve(ApiSettings(store_path=str(replayed)))
+    trace_id = app.api("requests", {"sort": "ttft", "limit": 1})["items"][0]["trace_id"]
+    default = app.api(f"requests/{trace_id}")
+    tpot = app.api(f"requests/{trace_id}", {"metric": "tpot"})
+    doc = default["request"]
+    # The slowest TTFT breached the TTFT target: queue wait, as the client saw it.
+    assert (default["verdict_metric"], default["verdict"]["segment"]) == ("ttft", "queue")
+    assert default["verdict"]["clock"] == "client"
+    assert (tpot["verdict"]["segment"], tpot["verdict"]["clock"]) == ("decode", "server")
+
+    page = open_ui(app)
+    page.goto(f"#/request/{trace_id}")
+    page.wait_for("verdict-panel", '[data-metric="ttft"]')
+    check_request_page(page, default)
+    switch = page.testid("metric-switch").locator("button")
+    assert switch.evaluate_all("buttons => buttons.map(b => b.dataset.metric)") == [
+        metric for metric in VERDICT_METRICS if metric in doc["verdicts"]
+    ]
+    default_button = page.testid("metric-switch").locator('button[data-default="true"]')
+    assert default_button.get_attribute("data-metric") == "ttft"
+    assert default_button.get_attribute("aria-pressed") == "true"
+    heading = page.testid("verdict-heading").text_content()
+    assert heading == default["verdict_heading"] and doc["verdict"]["why"] in heading
+    assert dominant_rows(page, "waterfall-row") == ["queue"]
+    assert dominant_rows(page, "budget-table") == ["queue"]
+    check_budget(page, doc["budgets"]["ttft"]["client"], "client")
+    assert "client-seen" in page.testid("clock-label").all_text_contents()
+    # The latency line says whose clock measured each figure.
+    e2e = page.testid("metrics").locator('[data-metric="e2e"] dd')
+    server_text, client_text = e2e.locator("[data-clock]").all_text_contents()
+    assert server_text.startswith("server ") and client_text.startswith("client ")
+    assert_shows_ms(server_text.removeprefix("server "), doc["metrics_ms"]["e2e"], "server E2E")
+    assert_shows_ms(
+        client_text.removeprefix("client "), doc["budgets"]["e2e"]["client"]["value_ms"], "E2E"
+    )
+    page.screenshot("request-metric-ttft")
+
+    # With the keyboard: TPOT, decode, on the server's clock; the focus stays on the switch.
+    page.testid("metric-switch").locator('button[data-metric="tpot"]').focus()
+    page.page.keyboard.press("Enter")
+    page.wait_for("verdict-panel", '[data-metric="tpot"]')
+    check_request_page(page, tpot)
+    assert "metric=tpot" in page.page.url
+    page.page.wait_for_function("document.activeElement?.dataset.metric === 'tpot'")
+    pressed = page.testid("metric-switch").locator('button[aria-pressed="true"]')
+    assert pressed.get_attribute("data-metric") == "tpot"
+    assert page.testid("verdict-heading").text_content() == tpot["verdict_heading"]
+    assert doc["verdict"]["why"] in page.testid("default-why").text_content()
+    assert dominant_rows(page, "waterfall-row") == ["decode"]
+    assert dominant_rows(page, "budget-table") == ["decode"]
+    check_budget(page, doc["budgets"]["tpot"]["server"], "server")
+    assert page.testid("clock-toggle").count() == 0  # TPOT has the server's clock only
+    assert "server-seen" in page.testid("clock-label").all_text_contents()
+    page.screenshot("request-metric-tpot")
+
+    # Back to the default, and its budget on the server's clock: no network in it.
+    page.testid("metric-switch").locator('button[data-metric="ttft"]').click()
+    page.wait_for("verdict-panel", '[data-metric="ttft"]')
+    assert "metric=" not in page.page.url
+    page.testid("clock-toggle").locator('button[data-clock="server"]').click()
+    page.wait_for("budget-table", '[data-clock="server"]')
+    check_budget(page, doc["budgets"]["ttft"]["server"], "server")
+    assert "network" not in budget_rows(page)
+    page.assert_clean()
+
+
+# --- the fleet's diagnosis -----------------------------------------------------------------------
+
+
+def test_the_fleet_diagnosis_puts_the_missed_target_first_with_its_counterfactual(
+    crafted: CraftedStore, serve: Serve, open_ui: OpenUi
+) -> None:
+    app = serve(ApiSettings(store_path=str(crafted.path)))
+    diagnosis = app.api("diagnose", {"last": "1h"})
+    findings = diagnosis["findings"]
+    assert findings[0]["met"] is False and findings[0]["counterfactual"]
+    page = open_ui(app)
+    page.goto("#/fleet?last=1h")
+    page.wait_for("diagnosis", '[data-state="ready"]')
+    page_is_inert(page)  # the first target's name is a hostile string
+
+    cards = page.testid("finding-card")
+    assert cards.evaluate_all("cards => cards.map(c => [c.dataset.target, c.dataset.met])") == [
+        [f["target"], str(f["met"]).lower()] for f in findings
+    ]
+    first = cards.first
+    assert first.locator('[data-testid="finding-status"]').text_content() == "MISSED"
+    assert first.locator(".finding-head").text_content() == "MISSED" + findings[0]["lines"][0]
+    lines = first.locator('[data-testid="finding-line"]').all_text_contents()
+    assert lines == findings[0]["lines"][1:]
+    counterfactual = findings[0]["counterfactual"]
+    assert any(
+        line.startswith(f"p{findings[0]['percentile']:g} TTFT") and " without " in line
+        for line in lines
+    ), lines
+    assert first.get_attribute("data-segment") == counterfactual["segment"]
+
+    # The metrics no target judges, then how users perceived the window.
+    judged = {f["metric"] for f in findings}
+    per_metric = [f for f in diagnosis["metric_findings"] if f["metric"] not in judged]
+    metric_cards = page.testid("metric-finding-card")
+    assert metric_cards.evaluate_all(
+        "cards => cards.map(c => [c.dataset.metric, c.dataset.group])"
+    ) == [[f["metric"], f["group"]] for f in per_metric]
+    assert page.testid("perceived-unknown").count() == 1  # no client spans in this store
+    summary = page.testid("diagnosis-summary").text_content()
+    assert f"{diagnosis['requests']} requests" in summary
+    page.screenshot("fleet-diagnosis")
+    page.assert_clean()
+
+
+def test_the_fleet_diagnosis_says_when_it_ran_past_the_time_budget(
+    crafted: CraftedStore, serve: Serve, open_ui: OpenUi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_query, "QUERY_BUDGET_S", 0.0)
+    app = serve(ApiSettings(store_path=str(crafted.path)))
+    page = open_ui(app)
+    page.goto("#/fleet?last=1h")
+    section = page.wait_for("diagnosis", '[data-state="error"]')
+    assert section.get_attribute("data-status") == "503"
+    error = page.testid("diagnosis-error").text_content()
+    assert error.startswith("The diagnosis did not finish: ")
+    assert "narrow the window or lower the request limit" in error
+    assert page.testid("fleet-table").count() == 1  # the rest of the view is there
+    page.assert_clean(allowed_console=("status of 503",))

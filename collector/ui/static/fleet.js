@@ -1,13 +1,16 @@
-// The fleet view: SLO status, the percentile table per model and bucket, distributions, where
-// time goes at p50 vs p99, and the slowest and breaching requests one click away.
+// The fleet view: SLO status, what dominates each target's metric (the diagnosis), the
+// percentile table per model and bucket, distributions, where time goes at p50 vs p99, and the
+// slowest and breaching requests one click away.
 
-import { apiGet } from "./api.js";
-import { el } from "./dom.js";
+import { ApiError, apiGet } from "./api.js";
+import { add, clear, el } from "./dom.js";
 import { budgetBars, budgetParts, histogram, segmentLegend } from "./charts.js";
-import { formatChange, formatCount, formatMs, formatPercent, formatUnixS, isNumber } from "./format.js";
+import { formatChange, formatCount, formatMs, formatPercent, formatUnixS, isNumber, segmentClass } from "./format.js";
 import { requestRow } from "./list.js";
 
-const WINDOW_PARAMS = ["since", "until", "last", "service", "model", "operation", "prompt_bucket"];
+const TIME_PARAMS = ["since", "until", "last"];
+const DIMENSION_PARAMS = ["service", "model", "operation", "prompt_bucket"];
+const WINDOW_PARAMS = [...TIME_PARAMS, ...DIMENSION_PARAMS];
 const LAST_CHOICES = [
   ["5m", "last 5 min"],
   ["15m", "last 15 min"],
@@ -64,6 +67,7 @@ export async function renderFleet(context) {
       `${formatCount(report.requests ?? 0)} requests · ${formatUnixS(report.since_s)} → ${formatUnixS(report.until_s)}`,
     ),
     sloTable(report.slo ?? [], report.slo_errors ?? []),
+    diagnosisSection(picked, context),
     percentileTable(report.keys ?? [], context),
     distributions(data.distributions ?? {}, report.slo ?? []),
     budgetSection(data.budget ?? {}),
@@ -146,6 +150,110 @@ function sloTable(entries, errors) {
   }
   for (const error of errors) section.appendChild(el("p", { class: "bad", text: `target not evaluated: ${error}` }));
   return section;
+}
+
+/**
+ * The diagnosis of the window (GET /diagnose): it re-derives every request from its spans, so it
+ * loads after the rest of the view, into this section.
+ */
+function diagnosisSection(picked, context) {
+  const body = el("div", {}, el("p", { class: "muted", text: "Diagnosing the window's requests…" }));
+  const section = el(
+    "section",
+    { class: "diagnosis-section", "data-testid": "diagnosis", "data-state": "loading", "aria-busy": "true" },
+    el("h2", { text: "Diagnosis: what dominates each target's metric" }),
+    body,
+  );
+  const times = Object.fromEntries(TIME_PARAMS.filter((name) => picked[name]).map((name) => [name, picked[name]]));
+  const filtered = DIMENSION_PARAMS.some((name) => picked[name]);
+  const settle = (state, ...children) => {
+    if (!context.isCurrent()) return;
+    add(clear(body), children);
+    section.setAttribute("data-state", state);
+    section.removeAttribute("aria-busy");
+  };
+  apiGet("diagnose", times).then(
+    (analysis) => settle("ready", diagnosisContent(analysis, filtered)),
+    (error) => {
+      const status = error instanceof ApiError ? error.status : 0;
+      section.setAttribute("data-status", String(status));
+      const what = status === 503 ? "The diagnosis did not finish: " : "No diagnosis: ";
+      settle("error", el("p", { class: "message error", "data-testid": "diagnosis-error" }, el("strong", { text: what }), error?.message ?? String(error)));
+    },
+  );
+  return section;
+}
+
+function diagnosisContent(analysis, filtered) {
+  const findings = Array.isArray(analysis.findings) ? analysis.findings : [];
+  // As `tokentrace diagnose` prints them: targets first, then the metrics no target judges.
+  const judged = new Set(findings.map((finding) => finding.metric));
+  const perMetric = (Array.isArray(analysis.metric_findings) ? analysis.metric_findings : []).filter((finding) => !judged.has(finding.metric));
+  const read = analysis.window ?? {};
+  // Exact nearest-rank percentiles: in a small window they can differ from the SLO table's,
+  // which come from the stored sketches.
+  const notes = [`${formatCount(analysis.requests ?? 0)} requests re-derived from their spans; exact percentiles.`];
+  if (isNumber(read.cut_at)) notes.push(`The window held more: only its most recent ${formatCount(read.cut_at)} traces were read.`);
+  if (read.undecodable) notes.push(`${formatCount(read.undecodable)} stored traces could not be re-derived.`);
+  if (filtered) notes.push("Over every request of the window: the diagnosis does not apply the service, model, operation and prompt filters.");
+  const parts = [el("p", { class: "muted", "data-testid": "diagnosis-summary", text: notes.join(" ") })];
+  for (const error of analysis.slo_errors ?? []) parts.push(el("p", { class: "bad", text: `target not judged: ${error}` }));
+  if (findings.length) {
+    parts.push(el("h3", { text: "Targets, breached first" }), findings.map((finding) => findingCard(finding, "finding-card")));
+  }
+  if (perMetric.length) {
+    parts.push(el("h3", { text: findings.length ? "Where the time goes in the metrics without a target" : "Where the time goes" }), perMetric.map((finding) => findingCard(finding, "metric-finding-card")));
+  }
+  if (!findings.length && !perMetric.length) parts.push(el("p", { class: "muted", text: "No requests in this window." }));
+  parts.push(el("h3", { text: "Perceived speed" }), perceivedList(analysis.perceived ?? {}));
+  return parts;
+}
+
+function findingStatus(finding) {
+  if (!finding.target) return null;
+  if (finding.met === false) return { text: "MISSED", cls: "bad" };
+  return finding.met ? { text: "met", cls: "good" } : { text: "no data", cls: "muted" };
+}
+
+/** One finding: its lines as `tokentrace diagnose` prints them, the first as its head. */
+function findingCard(finding, testid) {
+  const lines = Array.isArray(finding.lines) ? finding.lines.map(String) : [String(finding.sentence ?? "")];
+  const [head, ...rest] = lines;
+  const status = findingStatus(finding);
+  return el(
+    "article",
+    {
+      class: ["finding-card", finding.segment ? segmentClass(finding.segment) : ""],
+      "data-testid": testid,
+      "data-target": finding.target ?? undefined,
+      "data-met": finding.target ? String(finding.met) : undefined,
+      "data-metric": String(finding.metric ?? ""),
+      "data-group": finding.group ?? undefined,
+      "data-segment": finding.segment ?? undefined,
+    },
+    el(
+      "p",
+      { class: "finding-head" },
+      status ? el("span", { class: ["status-badge", status.cls], "data-testid": "finding-status", text: status.text }) : null,
+      el("span", { text: head }),
+    ),
+    rest.map((line) => el("p", { class: "finding-line", "data-testid": "finding-line", text: line })),
+  );
+}
+
+function perceivedList(perceived) {
+  const issues = Array.isArray(perceived.issues) ? perceived.issues : [];
+  if (!perceived.requests) {
+    return el("p", { class: "muted", "data-testid": "perceived-unknown", text: "No client spans in this window: how users perceived it is unknown (send the load with tokentrace load --otlp-endpoint)." });
+  }
+  if (!issues.length) {
+    return el("p", { class: "muted", "data-testid": "perceived-fine", text: `No perceived-speed issue among the ${formatCount(perceived.requests)} requests with a client span.` });
+  }
+  return el(
+    "ul",
+    { class: "issues" },
+    issues.map((issue) => el("li", { "data-testid": "perceived-issue", "data-kind": String(issue.kind ?? ""), text: String(issue.sentence ?? "") })),
+  );
 }
 
 function selectorText(selector) {

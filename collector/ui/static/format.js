@@ -1,6 +1,10 @@
 // Number formatting shared by every view (the same precision rules as `tokentrace explain`).
 
+// Budget segments in time order (semconv.SEGMENTS), with decode's parts in the TPOT/ITL budgets
+// (interference, stall) after it.
 export const SEGMENTS = [
+  "client",
+  "connect",
   "network",
   "http",
   "cold_start",
@@ -8,9 +12,14 @@ export const SEGMENTS = [
   "prefill",
   "preempted",
   "decode",
+  "interference",
+  "stall",
   "postprocess",
   "unattributed",
 ];
+
+/** The metrics a verdict can answer about, in the order views list them (diagnosis.VERDICT_METRICS). */
+export const VERDICT_METRICS = ["ttft", "tpot", "itl", "e2e"];
 
 const SEGMENT_CLASSES = new Set(SEGMENTS);
 
@@ -21,6 +30,11 @@ export function segmentClass(segment) {
 
 export function isNumber(value) {
   return typeof value === "number" && Number.isFinite(value);
+}
+
+/** Whose clock measured a figure, as every view says it: "client-seen" or "server-seen". */
+export function clockText(clock) {
+  return clock === "client" || clock === "server" ? `${clock}-seen` : "";
 }
 
 /** A duration in ms with as many decimals as are useful; "-" when missing. */

@@ -1,11 +1,14 @@
-// One request: the verdict with its numbers on top, then the shared-axis timeline (waterfall,
-// token ticks, engine steps, GPU lanes), the budget, the outlier engine steps, GPU phases and
-// the request's spans.
+// One request: the verdict with its numbers on top, about one metric at a time (a switch picks
+// TTFT, TPOT, ITL or E2E; `?metric=` in the route), then the shared-axis timeline (waterfall,
+// token ticks, engine steps, GPU lanes), that metric's budget, the outlier engine steps, GPU
+// phases and the request's spans.
 
 import { apiGet } from "./api.js";
-import { clear, el, isHexId, link, requestRoute } from "./dom.js";
-import { segmentLegend } from "./charts.js";
+import { add, clear, el, isHexId, link, requestRoute } from "./dom.js";
+import { budgetParts, segmentLegend } from "./charts.js";
 import {
+  VERDICT_METRICS,
+  clockText,
   formatBytes,
   formatCount,
   formatIso,
@@ -21,6 +24,13 @@ import { MAX_TICKS_DRAWN, drawTimeline, stepSummary } from "./timeline.js";
 const MAX_STEP_ROWS = 200;
 const MAX_SPAN_ROWS = 500;
 const MIN_TIMELINE_WIDTH = 640;
+const CLOCKS = ["client", "server"];
+// What one unit of a per-token metric's budget is (TTFT and E2E are one span of time).
+const BUDGET_UNITS = { tpot: "per output token", itl: "the slow inter-token gaps together (all gaps when none is slow)" };
+
+// The metric whose switch button was pressed: its button gets the focus back once the page
+// is drawn again for it (the switch is a route change, so the keyboard user stays in place).
+let switchedTo = null;
 
 export async function renderRequest(context) {
   const traceId = (context.parts[1] ?? "").toLowerCase();
@@ -29,21 +39,29 @@ export async function renderRequest(context) {
     return el("section", { class: "message error", "data-testid": "error", text: "A request is opened by its trace id (hex, at least 8 digits)." });
   }
   const params = isHexId(spanId, { min: 16, max: 16 }) ? { span_id: spanId } : {};
+  const metric = context.params.get("metric");
+  if (VERDICT_METRICS.includes(metric)) params.metric = metric;
   const data = await apiGet(`requests/${encodeURIComponent(traceId)}`, params);
   if (!context.isCurrent()) return el("div");
   const doc = data.request ?? {};
   const view = el("div", { class: "view request-view", "data-testid": "request-view" });
+  const switcher = metricSwitch(doc, data, context);
   view.append(
     header(doc, data),
-    verdictPanel(doc, data),
+    verdictPanel(doc, data, switcher),
     metricsStrip(doc),
     notes(doc, data),
     timelineSection(data),
-    el("div", { class: "columns" }, budgetSection(doc), tokenSection(data)),
+    el("div", { class: "columns" }, budgetSection(doc, data), tokenSection(data)),
     stepsSection(data),
     gpuSection(data),
     spansSection(data),
   );
+  const focusMetric = switchedTo;
+  switchedTo = null;
+  const pressed = focusMetric && switcher?.querySelector(`button[data-metric="${CSS.escape(focusMetric)}"]`);
+  // After the router has put the view in the page (it does so once this function returns).
+  if (pressed) window.setTimeout(() => pressed.focus(), 0);
   return view;
 }
 
@@ -81,27 +99,91 @@ function header(doc, data) {
   return title;
 }
 
-function verdictPanel(doc, data) {
-  const verdict = doc.verdict ?? null;
+/** One button per metric the request has a verdict about; the default verdict's is marked. */
+function metricSwitch(doc, data, context) {
+  const verdicts = doc.verdicts && typeof doc.verdicts === "object" ? doc.verdicts : {};
+  const metrics = VERDICT_METRICS.filter((metric) => verdicts[metric]);
+  if (metrics.length === 0) return null;
+  const defaultMetric = doc.verdict?.metric ?? null;
+  const base = requestRoute(doc.trace_id, doc.span_id);
+  const group = el("div", { class: "metric-switch", role: "group", "aria-label": "verdict about", "data-testid": "metric-switch" }, el("span", { class: "switch-label", text: "Verdict about" }));
+  for (const metric of metrics) {
+    const isDefault = metric === defaultMetric;
+    group.appendChild(
+      el(
+        "button",
+        {
+          type: "button",
+          "data-metric": metric,
+          "data-default": isDefault ? "true" : undefined,
+          "aria-pressed": metric === data.verdict_metric ? "true" : "false",
+          title: isDefault && doc.verdict?.why ? `the default: ${doc.verdict.why}` : undefined,
+          onclick: () => {
+            if (base === null) return;
+            switchedTo = metric;
+            context.navigate(isDefault ? base : `${base}?metric=${metric}`);
+          },
+        },
+        metric.toUpperCase(),
+        isDefault ? el("span", { class: "default-mark", text: " · default" }) : null,
+      ),
+    );
+  }
+  return group;
+}
+
+/** The keys of a verdict's numbers that are figures of its metric's budget (on its clock). */
+function budgetKeys(doc, verdict) {
+  const segments = Object.keys(doc.budgets?.[verdict.metric]?.[verdict.clock]?.segments ?? {});
+  return new Set(["value_ms", ...segments.flatMap((segment) => [`${segment}_ms`, `without_${segment}_ms`])]);
+}
+
+function clockTag(clock) {
+  const text = clockText(clock);
+  return text ? el("span", { class: "clock", "data-testid": "clock-label", "data-clock": clock, text }) : null;
+}
+
+function verdictPanel(doc, data, switcher) {
+  const verdict = data.verdict ?? null;
+  const metric = data.verdict_metric ?? null;
   const panel = el("section", {
     class: ["verdict-panel", verdict?.segment ? segmentClass(verdict.segment) : "no-verdict"],
     "data-testid": "verdict-panel",
+    "data-metric": metric ?? undefined,
+    "data-clock": verdict?.clock ?? undefined,
     "data-segment": verdict?.segment ?? undefined,
     "data-cause": verdict?.cause ?? undefined,
   });
+  if (switcher) panel.appendChild(switcher);
+  if (data.verdict_heading) panel.appendChild(el("p", { class: "verdict-heading", "data-testid": "verdict-heading", text: data.verdict_heading }));
+  const defaultVerdict = doc.verdict ?? null;
+  if (defaultVerdict?.why && defaultVerdict.metric !== metric) {
+    panel.appendChild(el("p", { class: "muted", "data-testid": "default-why", text: `The default is ${String(defaultVerdict.metric).toUpperCase()}: ${defaultVerdict.why}` }));
+  }
   panel.appendChild(el("p", { class: "verdict", "data-testid": "verdict", text: data.verdict_text ?? "no diagnosis for this request" }));
   if (verdict) {
+    const numbers = verdict.numbers && typeof verdict.numbers === "object" ? verdict.numbers : {};
     const facts = el("p", { class: "verdict-facts" });
-    if (verdict.segment) facts.append("dominant ", el("strong", { "data-field": "segment", text: String(verdict.segment) }));
-    if (verdict.cause) facts.append(" · cause ", el("strong", { "data-field": "cause", text: String(verdict.cause) }));
+    if (metric) {
+      add(facts, String(metric).toUpperCase(), " ", isNumber(numbers.value_ms) ? [el("strong", { "data-field": "value", text: formatMs(numbers.value_ms) }), " "] : null, clockTag(verdict.clock));
+    }
+    if (verdict.segment) add(facts, " · dominant ", el("strong", { "data-field": "segment", text: String(verdict.segment) }));
+    if (verdict.cause) add(facts, " · cause ", el("strong", { "data-field": "cause", text: String(verdict.cause) }));
     panel.appendChild(facts);
     if (verdict.advice) panel.appendChild(el("p", { class: "advice", "data-testid": "advice", text: verdict.advice }));
-    const numbers = verdict.numbers && typeof verdict.numbers === "object" ? Object.entries(verdict.numbers) : [];
-    if (numbers.length) {
+    // The metric and clock are said above; the budget's figures carry whose clock they are on.
+    const shown = Object.entries(numbers).filter(([key]) => key !== "metric" && key !== "clock");
+    if (shown.length) {
+      const onClock = budgetKeys(doc, verdict);
       const list = el("dl", { class: "numbers", "data-testid": "verdict-numbers" });
-      for (const [key, value] of numbers) {
+      for (const [key, value] of shown) {
         list.appendChild(
-          el("div", { class: "number", "data-key": key }, el("dt", { text: humanise(key.replace(/_ms$/, "")) }), el("dd", { text: formatVerdictNumber(key, value) })),
+          el(
+            "div",
+            { class: "number", "data-key": key },
+            el("dt", { text: humanise(key.replace(/_ms$/, "")) }),
+            el("dd", {}, formatVerdictNumber(key, value), onClock.has(key) ? [" ", clockTag(verdict.clock)] : null),
+          ),
         );
       }
       panel.appendChild(list);
@@ -110,21 +192,29 @@ function verdictPanel(doc, data) {
   return panel;
 }
 
+/** "server 202.7 ms · client 245.5 ms": a metric on each clock that measured it. */
+function clockFigures(doc, metric, serverValue) {
+  const figures = [el("span", { "data-clock": "server", text: `server ${serverValue}` })];
+  const client = doc.budgets?.[metric]?.client;
+  if (client) figures.push(" · ", el("span", { "data-clock": "client", text: `client ${formatMs(client.value_ms)}` }));
+  return figures;
+}
+
 function metricsStrip(doc) {
   const metrics = doc.metrics_ms ?? {};
   const itl = metrics.itl ?? {};
   const tokens = doc.tokens ?? {};
   const items = [
-    ["E2E", formatMs(metrics.e2e), "e2e"],
-    ["TTFT", formatMs(metrics.ttft), "ttft"],
-    ["TPOT", formatMs(metrics.tpot), "tpot"],
-    ["ITL p50 / p99 / max", itl.count ? `${formatMs(itl.p50)} / ${formatMs(itl.p99)} / ${formatMs(itl.max)}` : "-", "itl"],
+    ["E2E", clockFigures(doc, "e2e", formatMs(metrics.e2e)), "e2e"],
+    ["TTFT", clockFigures(doc, "ttft", formatMs(metrics.ttft)), "ttft"],
+    ["TPOT", clockFigures(doc, "tpot", formatMs(metrics.tpot)), "tpot"],
+    ["ITL p50 / p99 / max", itl.count ? clockFigures(doc, "itl", `${formatMs(itl.p50)} / ${formatMs(itl.p99)} / ${formatMs(itl.max)}`) : "-", "itl"],
     ["tokens in / out", `${tokens.input ?? "-"}${tokens.cached ? ` (${tokens.cached} cached)` : ""} / ${tokens.output ?? "-"}`, "tokens"],
     ["finish", doc.finish_reason ?? "-", "finish"],
   ];
   const strip = el("dl", { class: "metrics-strip", "data-testid": "metrics" });
   for (const [label, value, key] of items) {
-    strip.appendChild(el("div", { class: "metric", "data-metric": key }, el("dt", { text: label }), el("dd", { text: value })));
+    strip.appendChild(el("div", { class: "metric", "data-metric": key }, el("dt", { text: label }), el("dd", {}, value)));
   }
   const slo = doc.slo && typeof doc.slo === "object" ? Object.entries(doc.slo) : [];
   if (slo.length) {
@@ -198,32 +288,68 @@ function timelineSection(data) {
   return section;
 }
 
-function budgetSection(doc) {
-  const budget = doc.budget ?? {};
-  const ttftBudget = doc.ttft_budget ?? {};
-  const e2e = budget.e2e_ms;
-  const ttft = ttftBudget.ttft_ms;
+/** The budget of the verdict's metric on one clock, with a client/server toggle where the
+ * request has both; the verdict's dominant segment highlighted. */
+function budgetSection(doc, data) {
+  const metric = data.verdict_metric ?? "e2e";
+  const name = metric.toUpperCase();
+  const onClocks = doc.budgets?.[metric] ?? {};
+  const clocks = CLOCKS.filter((clock) => onClocks[clock]);
+  const section = el("section", { class: "budget-section", "data-testid": "budget-section", "data-metric": metric }, el("h2", { text: `Budget of ${name}` }));
+  if (clocks.length === 0) {
+    section.appendChild(el("p", { class: "muted", "data-testid": "budget-empty", text: `No ${name} budget for this request.` }));
+    return section;
+  }
+  const verdictClock = data.verdict?.clock;
+  let shown = clocks.includes(verdictClock) ? verdictClock : clocks[0];
+  const holder = el("div");
+  const draw = () => clear(holder).appendChild(budgetTable(metric, shown, onClocks[shown], data.verdict?.segment));
+  if (clocks.length > 1) {
+    const toggle = el("div", { class: "clock-toggle", role: "group", "aria-label": "whose clock", "data-testid": "clock-toggle" });
+    for (const clock of clocks) {
+      toggle.appendChild(
+        el("button", {
+          type: "button",
+          "data-clock": clock,
+          "aria-pressed": clock === shown ? "true" : "false",
+          text: clockText(clock),
+          onclick: () => {
+            shown = clock;
+            for (const button of toggle.querySelectorAll("button")) button.setAttribute("aria-pressed", button.dataset.clock === clock ? "true" : "false");
+            draw();
+          },
+        }),
+      );
+    }
+    section.appendChild(toggle);
+  }
+  draw();
+  section.appendChild(holder);
+  if (BUDGET_UNITS[metric]) section.appendChild(el("p", { class: "muted", text: `${name}: ${BUDGET_UNITS[metric]}.` }));
+  return section;
+}
+
+function budgetTable(metric, clock, budget, dominant) {
+  const name = metric.toUpperCase();
+  const total = budget?.value_ms;
   const body = el("tbody");
-  for (const [segment, value] of Object.entries(budget)) {
-    if (segment === "e2e_ms" || !isNumber(value) || value <= 0) continue;
-    const ttftPart = ttftBudget[segment];
+  for (const { segment, ms } of budgetParts(budget?.segments)) {
+    const isDominant = segment === dominant;
     body.appendChild(
       el(
         "tr",
-        { "data-segment": segment, class: doc.verdict?.segment === segment ? "dominant" : "" },
+        { "data-segment": segment, "data-dominant": isDominant ? "true" : undefined, class: isDominant ? "dominant" : "" },
         el("td", {}, el("span", { class: ["swatch", segmentClass(segment)], "aria-hidden": "true" }), humanise(segment)),
-        el("td", { class: "num", text: formatMs(value, { unit: false }) }),
-        el("td", { class: "num", text: isNumber(e2e) && e2e > 0 ? formatPercent(value / e2e) : "-" }),
-        el("td", { class: "num", text: isNumber(ttftPart) && ttftPart > 0 && isNumber(ttft) && ttft > 0 ? formatPercent(ttftPart / ttft) : "-" }),
+        el("td", { class: "num", text: formatMs(ms, { unit: false }) }),
+        el("td", { class: "num", text: isNumber(total) && total > 0 ? formatPercent(ms / total) : "-" }),
       ),
     );
   }
-  body.appendChild(el("tr", { class: "total" }, el("td", { text: "E2E" }), el("td", { class: "num", text: formatMs(e2e, { unit: false }) }), el("td", { class: "num", text: "100.0%" }), el("td")));
-  if (isNumber(ttft)) {
-    body.appendChild(el("tr", { class: "total" }, el("td", { text: "TTFT" }), el("td", { class: "num", text: formatMs(ttft, { unit: false }) }), el("td"), el("td", { class: "num", text: "100.0%" })));
-  }
-  const head = el("tr", {}, el("th", { text: "segment" }), el("th", { class: "num", text: "ms" }), el("th", { class: "num", text: "% E2E" }), el("th", { class: "num", text: "% TTFT" }));
-  return el("section", { class: "budget-section" }, el("h2", { text: "Budget" }), el("table", { class: "data compact", "data-testid": "budget-table" }, el("thead", {}, head), body));
+  body.appendChild(
+    el("tr", { class: "total" }, el("td", {}, `${name} `, clockTag(clock)), el("td", { class: "num", "data-field": "value", text: formatMs(total, { unit: false }) }), el("td", { class: "num", text: "100.0%" })),
+  );
+  const head = el("tr", {}, el("th", { text: "segment" }), el("th", { class: "num", text: "ms" }), el("th", { class: "num", text: `% of ${name}` }));
+  return el("table", { class: "data compact", "data-testid": "budget-table", "data-clock": clock }, el("thead", {}, head), body);
 }
 
 function tokenSection(data) {

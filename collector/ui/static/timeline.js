@@ -66,7 +66,6 @@ export function drawTimeline(data, { width, onStep } = {}) {
   const scale = linearScale(lo, hi, x0, x1);
   const parts = [];
   let y = AXIS_HEIGHT;
-  const dominant = data.request?.verdict?.segment ?? null;
 
   // --- waterfall ---------------------------------------------------------------------------
   const waterfall = data.waterfall ?? [];
@@ -74,10 +73,12 @@ export function drawTimeline(data, { width, onStep } = {}) {
   for (const row of waterfall) {
     const intervals = (row.intervals_ms ?? []).filter((pair) => Array.isArray(pair) && isNumber(pair[0]) && isNumber(pair[1]));
     const duration = intervals.reduce((sum, [start, end]) => sum + Math.max(0, end - start), 0);
+    // The API marks the phase holding the dominant segment of the verdict shown.
     const group = svg("g", {
-      class: ["wf-row", row.segment === dominant ? "dominant" : ""],
+      class: ["wf-row", row.dominant ? "dominant" : ""],
       "data-testid": "waterfall-row",
       "data-segment": String(row.segment ?? ""),
+      "data-dominant": row.dominant ? "true" : undefined,
       "data-label": String(row.label ?? ""),
       "data-duration-ms": duration,
     });
