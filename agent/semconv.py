@@ -286,6 +286,13 @@ SEGMENT_STALL: Final = "stall"
 DECODE_SEGMENTS: Final = (SEGMENT_DECODE, SEGMENT_INTERFERENCE, SEGMENT_STALL)
 """How the TPOT/ITL budgets split the E2E budget's ``decode``: the request's own steps at its
 usual pace, and the excess of its outlier gaps by what the engine steps say caused it."""
+METRIC_BUDGET_SEGMENTS: Final = tuple(
+    part
+    for segment in SEGMENTS
+    for part in (DECODE_SEGMENTS if segment == SEGMENT_DECODE else (segment,))
+)
+"""Every segment a metric budget can hold, in time order: ``SEGMENTS`` with decode followed by
+the rest of its split."""
 
 
 def budget_attribute(segment: str) -> str:
@@ -328,6 +335,13 @@ METRIC_LABELS: Final = {
     METRIC_NETWORK: "network",
 }
 """How every view (load, explain, diagnose, compare, the API) names each latency metric."""
+VERDICT_METRICS: Final = (METRIC_TTFT, METRIC_TPOT, METRIC_ITL, METRIC_E2E)
+"""The metrics a verdict can answer about (an SLO target's metric), in the order views list
+them."""
+CLOCK_CLIENT: Final = "client"
+"""A metric as the client saw it (what the user saw, the time outside the server included)."""
+CLOCK_SERVER: Final = "server"
+"""A metric as the server saw it (what the SLO targets judge)."""
 
 # OTLP metric names (exponential histograms, unit seconds). GenAI names where they exist.
 OTLP_METRIC_NAMES: Final = {

@@ -18,6 +18,7 @@ import time
 from typing import Any, Final, TextIO
 
 # Standard library only, like this module.
+from tokentrace.agent import semconv
 from tokentrace.processors.durations import parse_duration_ns
 
 _DEFAULT_STORE: Final = "./tokentrace.db"
@@ -29,9 +30,6 @@ _DEFAULT_TERMINAL: Final = (100, 24)
 _EXIT_OK: Final = 0
 _EXIT_USAGE: Final = 2
 _CLEAR_SCREEN: Final = "\x1b[H\x1b[2J"
-_EXPLAIN_METRICS: Final = ("ttft", "tpot", "itl", "e2e")
-"""``diagnosis.VERDICT_METRICS``, spelled here so that ``--help`` imports no processors."""
-_SLOWEST_DEFAULT_METRIC: Final = "e2e"
 _NS_PER_S: Final = 1_000_000_000
 _DEFAULT_UI_LISTEN: Final = "127.0.0.1:8700"
 UI_TOKEN_ENV: Final = "TOKENTRACE_UI_TOKEN"
@@ -147,7 +145,7 @@ class ExplainCommand:
         )
         parser.add_argument(
             "--metric",
-            choices=_EXPLAIN_METRICS,
+            choices=semconv.VERDICT_METRICS,
             help="the metric the verdict answers about, and what --slowest orders by (default: "
             "the metric of the first SLO target the request breached, else E2E; --slowest "
             "orders by E2E)",
@@ -178,7 +176,7 @@ class ExplainCommand:
         try:
             store = RequestStore.open_readonly(args.store)
             if args.slowest:
-                order = args.metric or _SLOWEST_DEFAULT_METRIC
+                order = args.metric or semconv.METRIC_E2E
                 if order not in SLOWEST_METRIC_COLUMNS:
                     return _fail(
                         self.name,
@@ -220,7 +218,7 @@ class ExplainCommand:
         else:
             from tokentrace.collector.render import render_slowest_list
 
-            _emit(render_slowest_list(docs, metric=args.metric or _SLOWEST_DEFAULT_METRIC))
+            _emit(render_slowest_list(docs, metric=args.metric or semconv.METRIC_E2E))
         return _EXIT_OK
 
 
@@ -381,9 +379,7 @@ class UiCommand:
 def _slo_targets_for(command: str, args: argparse.Namespace, store: Any) -> list[Any]:
     """Targets from ``--slo FILE``, else the ones the collector wrote into the store."""
     from tokentrace.collector.config import ConfigError, load_slo_file
-    from tokentrace.collector.store import META_SLO_TARGETS
-    from tokentrace.collector.store.codec import load_slo_targets
-    from tokentrace.processors.slo import parse_targets
+    from tokentrace.collector.diagnose import stored_slo_targets
 
     if args.slo:
         try:
@@ -392,21 +388,19 @@ def _slo_targets_for(command: str, args: argparse.Namespace, store: Any) -> list
             raise ValueError(f"--slo: {error}") from None
     if store is None:
         return []
-    raw_targets, problems = load_slo_targets(store.meta(META_SLO_TARGETS))
+    targets, problems = stored_slo_targets(store)
     for problem in problems:
         print(f"tokentrace {command}: ignoring SLO targets: {problem}", file=sys.stderr)
-    try:
-        return parse_targets(raw_targets, path="the store's SLO targets")
-    except ValueError as error:
-        print(f"tokentrace {command}: ignoring SLO targets: {error}", file=sys.stderr)
-        return []
+    return targets
 
 
 class DiagnoseCommand:
     name = "diagnose"
     help = (
-        "for a load run or a time window: percentiles per metric and budget segment, the "
-        "dominant cost at p50 and in the tail, its cause and advice, and SLO status"
+        "for a load run or a time window: percentiles per metric and budget segment; per SLO "
+        "target, the segment that dominates its metric, its cause, one fix and what removing "
+        "it would give; the same for the typical and tail requests of the other metrics; "
+        "perceived speed and SLO status"
     )
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

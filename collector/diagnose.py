@@ -16,12 +16,13 @@ from typing import Any, Final
 from tokentrace.agent import semconv
 from tokentrace.agent.load.record import RunRecord
 from tokentrace.agent.load.report import target_text
-from tokentrace.collector.store.sqlite import RequestStore
+from tokentrace.collector.store.codec import load_slo_targets
+from tokentrace.collector.store.sqlite import META_SLO_TARGETS, RequestStore
 from tokentrace.collector.window import records_of_traces
 from tokentrace.processors.compare import compare_metrics
 from tokentrace.processors.diagnosis import format_duration
 from tokentrace.processors.findings import compare_findings, finding_lines
-from tokentrace.processors.slo import SloTarget
+from tokentrace.processors.slo import SloTarget, parse_targets
 from tokentrace.processors.window import DEFAULT_PERCENTILES, analyze_window
 
 DEFAULT_MAX_REQUESTS: Final = 50_000
@@ -32,6 +33,19 @@ RECENT_RUN_S: Final = 120.0
 _POLL_INTERVAL_S: Final = 0.5
 _SEGMENT_CHANGE_MIN_MS: Final = 0.5
 """Mean segment changes below this are noise on any machine: not reported as shrank/grew."""
+
+
+def stored_slo_targets(store: RequestStore) -> tuple[list[SloTarget], list[str]]:
+    """The targets the collector stored, and why any could not be read; one bad target (e.g.
+    written by a newer collector) leaves the others, as in ``codec.window_report``."""
+    raw, problems = load_slo_targets(store.meta(META_SLO_TARGETS))
+    targets: list[SloTarget] = []
+    for index, entry in enumerate(raw):
+        try:
+            targets += parse_targets([entry], path=f"the store's SLO targets[{index}]")
+        except (ValueError, TypeError) as error:
+            problems.append(str(error))
+    return targets, problems
 
 
 def diagnose_run(
@@ -57,7 +71,7 @@ def diagnose_run(
         while window.traces_found < window.traces_asked and clock() < deadline:
             sleep(_POLL_INTERVAL_S)
             window = records_of_traces(store, trace_ids)
-    analysis = analyze_window(window.records, targets=targets)
+    analysis = analyze_window(window.records, targets=targets, diagnosis=window.diagnosis)
     analysis["window"] = {
         "start_ns": record.window_start_ns,
         "end_ns": record.window_end_ns,
@@ -83,7 +97,7 @@ def diagnose_range(
     ``deadline`` (``time.monotonic``): QueryTimeoutError once re-deriving them runs past it."""
     trace_ids, cut = store.trace_ids_between(since_ns, until_ns, limit=max_requests)
     window = records_of_traces(store, trace_ids, deadline=deadline)
-    analysis = analyze_window(window.records, targets=targets)
+    analysis = analyze_window(window.records, targets=targets, diagnosis=window.diagnosis)
     analysis["window"] = {
         "start_ns": since_ns,
         "end_ns": until_ns,

@@ -41,7 +41,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
@@ -195,29 +195,14 @@ def _percentiles_processor(store: PercentileStore) -> RequestProcessor:
     return record_percentiles
 
 
-def _not_yet_recorded(metrics: RequestMetrics, recorded: RequestMetrics) -> RequestMetrics | None:
-    """``metrics`` without the values that ``recorded`` (the same request's earlier record)
-    already put in the sketches; None when nothing is left. The percentile store skips absent
-    values, so ``e2e`` (always recorded before) is left as None here."""
-    unrecorded: dict[str, Any] = {}
-    for metric in fields(RequestMetrics):
-        value = getattr(metrics, metric.name)
-        if getattr(recorded, metric.name) in (None, []):
-            unrecorded[metric.name] = value
-        else:
-            unrecorded[metric.name] = [] if isinstance(value, list) else None
-    if all(value in (None, []) for value in unrecorded.values()):
-        return None
-    return RequestMetrics(**unrecorded)
-
-
 def _record_unrecorded(
     store: PercentileStore, recorded: RequestMetrics | None, record: RequestRecord
 ) -> None:
     """Record a re-derived request's metrics, less those its earlier record put there."""
-    metrics = record.metrics if recorded is None else _not_yet_recorded(record.metrics, recorded)
-    if metrics is not None:
-        store.record(_sketch_key(record), metrics)
+    skip: frozenset[str] = frozenset()
+    if recorded is not None:
+        skip = frozenset(m for m in semconv.LATENCY_METRICS if recorded.value(m) is not None)
+    store.record(_sketch_key(record), record.metrics, skip=skip)
 
 
 class Pipeline:

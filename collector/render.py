@@ -261,7 +261,7 @@ def metric_budget_doc(
     """(clock, ``{value_ms, segments}``) of one metric's budget in a request document: on
     ``clock``, else the client's when the document has it, else the server's."""
     clocks: Mapping[str, Any] = (doc.get("budgets") or {}).get(metric) or {}
-    for candidate in (clock,) if clock else ("client", "server"):
+    for candidate in (clock,) if clock else (semconv.CLOCK_CLIENT, semconv.CLOCK_SERVER):
         found = clocks.get(candidate)
         if found:
             return candidate, found
@@ -344,8 +344,9 @@ def verdict_heading(doc: Mapping[str, Any], metric: str | None = None) -> str:
     verdict = chosen_verdict(doc, metric)
     if not verdict:
         return ""
-    name = str(verdict.get("metric", "e2e")).upper()
-    clock = verdict.get("clock", "server")
+    metric_name = str(verdict.get("metric", semconv.METRIC_E2E))
+    name = semconv.METRIC_LABELS.get(metric_name, metric_name.upper())
+    clock = verdict.get("clock", semconv.CLOCK_SERVER)
     why = verdict.get("why")  # only the default verdict has one, asked for or not
     if not why and metric is not None:
         why = "as asked"
@@ -392,9 +393,9 @@ def _metrics_line(doc: Mapping[str, Any], glyphs: Glyphs) -> str:
     """Every latency with its clock: server-seen (what the SLOs judge), client-seen beside it."""
     metrics = doc.get("metrics_ms") or {}
     parts = []
-    for metric, label in ((semconv.METRIC_E2E, "E2E"), (semconv.METRIC_TTFT, "TTFT")):
-        text = f"{label} server {format_ms(metrics.get(metric))}"
-        client = metric_budget_doc(doc, metric, "client")
+    for metric in (semconv.METRIC_E2E, semconv.METRIC_TTFT):
+        text = f"{semconv.METRIC_LABELS[metric]} server {format_ms(metrics.get(metric))}"
+        client = metric_budget_doc(doc, metric, semconv.CLOCK_CLIENT)
         if client is not None:
             text += f" client {format_ms(client[1].get('value_ms'))}"
         parts.append(text)

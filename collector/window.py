@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -21,6 +21,7 @@ from tokentrace.collector.pipeline import group_by_trace
 from tokentrace.collector.store.query import QueryTimeoutError
 from tokentrace.collector.store.sqlite import RequestStore
 from tokentrace.processors.budget import request_record
+from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.model import AssembledTrace, RequestRecord, SpanRef
 from tokentrace.processors.timeline import normalize
 
@@ -34,6 +35,9 @@ class StoredWindow:
     traces_asked: int
     undecodable: int = 0
     """Stored traces whose spans could not be parsed or normalised (logged, skipped)."""
+    diagnosis: DiagnosisConfig = field(default_factory=DiagnosisConfig)
+    """The collector's diagnosis settings (the store's), by which the records were derived and
+    by which the window is to be diagnosed, as the store's request documents are."""
 
 
 def records_of_traces(
@@ -48,7 +52,8 @@ def records_of_traces(
     ``deadline`` (on ``clock``): past it, QueryTimeoutError instead of reading on (re-deriving
     costs about half a millisecond per request: an API must not hold a worker for a minute)."""
     asked = list(dict.fromkeys(trace_ids))
-    window = StoredWindow(records=[], traces_found=0, traces_asked=len(asked))
+    diagnosis = store.diagnosis_settings()
+    window = StoredWindow(records=[], traces_found=0, traces_asked=len(asked), diagnosis=diagnosis)
     for trace_id, otlp in store.traces_otlp(asked):
         if deadline is not None and clock() > deadline:
             raise QueryTimeoutError(
@@ -59,7 +64,9 @@ def records_of_traces(
         try:
             for grouped_id, spans in stored_spans_by_trace(otlp).items():
                 for timeline in normalize(AssembledTrace(grouped_id, spans)):
-                    window.records.append(request_record(timeline))
+                    window.records.append(
+                        request_record(timeline, outlier_ratio=diagnosis.itl_spike_ratio)
+                    )
         except Exception:  # one bad trace must not hide the window
             window.undecodable += 1
             _log.warning("stored trace %s could not be re-derived", trace_id.hex(), exc_info=True)

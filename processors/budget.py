@@ -395,10 +395,6 @@ def request_record(
 
 
 # --- one budget per latency metric ----------------------------------------------------------------
-CLOCK_SERVER: Final = "server"
-CLOCK_CLIENT: Final = "client"
-
-
 @dataclass(slots=True, frozen=True)
 class MetricBudget:
     """One latency metric of one request, split into the segments that make it up.
@@ -442,19 +438,19 @@ def metric_budget(
                 client_view = (budget.e2e_ns, budget.segments)
             if budget.server_e2e_ns is not None:
                 server_view = (budget.server_e2e_ns, server_e2e_segments(budget))
-        if clock == CLOCK_CLIENT or (clock is None and client_view is not None):
-            view, chosen = client_view, CLOCK_CLIENT
+        if clock == semconv.CLOCK_CLIENT or (clock is None and client_view is not None):
+            view, chosen = client_view, semconv.CLOCK_CLIENT
         else:
-            view, chosen = server_view, CLOCK_SERVER
+            view, chosen = server_view, semconv.CLOCK_SERVER
         return None if view is None else MetricBudget(metric, chosen, view[0], view[1])
-    if clock == CLOCK_CLIENT or client_only:
+    if clock == semconv.CLOCK_CLIENT or client_only:
         return None
     if metric == semconv.METRIC_TPOT:
         tpot = record.metrics.tpot
         if tpot is None or budget.ttft_ns is None or not timeline.output_tokens:
             return None
         after = after_first_token_segments(budget, decode_facts_of(record).split)
-        return MetricBudget(metric, CLOCK_SERVER, tpot, apportion(after, tpot))
+        return MetricBudget(metric, semconv.CLOCK_SERVER, tpot, apportion(after, tpot))
     if metric == semconv.METRIC_ITL:
         gaps = record.metrics.itl
         if not gaps:
@@ -462,12 +458,14 @@ def metric_budget(
         outliers = decode_facts_of(record).outlier_gaps
         if not outliers:  # steady gaps: all of it is the request's own pace
             total = sum(gaps)
-            return MetricBudget(metric, CLOCK_SERVER, total, {semconv.SEGMENT_DECODE: total})
+            return MetricBudget(
+                metric, semconv.CLOCK_SERVER, total, {semconv.SEGMENT_DECODE: total}
+            )
         segments = dict.fromkeys((*semconv.DECODE_SEGMENTS, semconv.SEGMENT_PREEMPTED), 0)
         for part in outliers:
             for segment, ns in part.segments().items():
                 segments[segment] += ns
-        return MetricBudget(metric, CLOCK_SERVER, sum(segments.values()), segments)
+        return MetricBudget(metric, semconv.CLOCK_SERVER, sum(segments.values()), segments)
     return None
 
 

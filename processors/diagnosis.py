@@ -1,7 +1,7 @@
 """Name the dominant cost of one latency metric of a request, with a cause, advice and numbers.
 
 The method this serves: a target is a metric at a percentile, so a verdict answers about one
-metric (``VERDICT_METRICS``: TTFT, TPOT, ITL, E2E), from that metric's own budget
+metric (``semconv.VERDICT_METRICS``: TTFT, TPOT, ITL, E2E), from that metric's own budget
 (``budget.metric_budget``): decode time cannot delay a first token, so a TTFT verdict never names
 it. The budget is the client-seen one when a client span came (what the user saw, network
 included), else the server-seen one, and the sentence says which.
@@ -43,8 +43,6 @@ from typing import Final
 from tokentrace.agent import semconv
 from tokentrace.agent.recording import DEFAULT_ITL_OUTLIER_RATIO, gap_median
 from tokentrace.processors.budget import (
-    CLOCK_CLIENT,
-    CLOCK_SERVER,
     MetricBudget,
     has_server_view,
     metric_budget,
@@ -54,14 +52,6 @@ from tokentrace.processors.decode_split import decode_facts_of
 from tokentrace.processors.model import RequestRecord, Verdict
 from tokentrace.processors.stats import nearest_rank
 from tokentrace.processors.timeline import DIALECT_VLLM
-
-VERDICT_METRICS: Final = (
-    semconv.METRIC_TTFT,
-    semconv.METRIC_TPOT,
-    semconv.METRIC_ITL,
-    semconv.METRIC_E2E,
-)
-"""The metrics a verdict can answer about, in the order views list them."""
 
 # --- causes -------------------------------------------------------------------------------------
 CAUSE_QUEUEING: Final = "queueing"
@@ -256,12 +246,9 @@ _DEFAULT_CONFIG: Final = DiagnosisConfig()
 
 # --- wording ------------------------------------------------------------------------------------
 _SEGMENT_ORDER: Final = {
-    segment: index
-    for index, segment in enumerate(
-        (*semconv.SEGMENTS[:-1], semconv.SEGMENT_INTERFERENCE, semconv.SEGMENT_STALL)
-    )
+    segment: index for index, segment in enumerate(semconv.METRIC_BUDGET_SEGMENTS)
 }
-"""Time order of every segment a metric budget can hold (ties go to the earlier one)."""
+"""Ties between segments go to the earlier one in time."""
 SEGMENT_LABELS: Final[Mapping[str, str]] = {
     semconv.SEGMENT_CLIENT: "the client's own delay",
     semconv.SEGMENT_CONNECT: "connection setup",
@@ -322,7 +309,8 @@ def _three_digits(value: float) -> str:
     return f"{value:.3g}"
 
 
-def _format_share(share: float) -> str:
+def format_share(share: float) -> str:
+    """A share as sentences say it: ``42%``, ``<1%``, ``>99%``."""
     percent = share * 100
     if 0 < percent < 1:
         return "<1%"
@@ -331,7 +319,8 @@ def _format_share(share: float) -> str:
     return f"{percent:.0f}%"
 
 
-def _plural(count: int, noun: str) -> str:
+def plural(count: int, noun: str) -> str:
+    """``1 request``, ``1,024 requests``."""
     return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
 
 
@@ -441,14 +430,14 @@ def _verdict(
     cited_ns = view.segments.get(cited, 0)
     value = view.value_ns
     share = cited_ns / value if value > 0 else 0.0
-    unmeasured = view.clock == CLOCK_SERVER and view.metric in _NETWORK_METRICS
+    unmeasured = view.clock == semconv.CLOCK_SERVER and view.metric in _NETWORK_METRICS
     if view.metric == semconv.METRIC_ITL:
         sentence = _itl_head(record, config, share, cited, cited_ns)
     else:
         label = semconv.METRIC_LABELS.get(view.metric, view.metric)
         note = ", network not measured" if unmeasured else ""
         sentence = (
-            f"{_format_share(share)} of the {view.clock}-seen {label} "
+            f"{format_share(share)} of the {view.clock}-seen {label} "
             f"({format_duration(value)}{note}) was {_segment_label(cited)} "
             f"({format_duration(cited_ns)})"
         )
@@ -464,7 +453,7 @@ def _verdict(
     if runner_up is not None:
         other, other_ns = runner_up
         sentence += (
-            f" and {_format_share(other_ns / value)} {_segment_label(other)} "
+            f" and {format_share(other_ns / value)} {_segment_label(other)} "
             f"({format_duration(other_ns)})"
         )
         numbers["second_segment"] = other
@@ -512,12 +501,12 @@ def _itl_head(
     )
     if not outliers:
         return (
-            f"its {_plural(len(gaps), 'inter-token gap')} were steady (largest "
+            f"its {plural(len(gaps), 'inter-token gap')} were steady (largest "
             f"{format_duration(max(gaps, default=0))}, none {over})"
         )
     total = sum(part.gap_ns for part in outliers)
     return (
-        f"{_format_share(share)} of its {_plural(len(outliers), 'slow inter-token gap')} "
+        f"{format_share(share)} of its {plural(len(outliers), 'slow inter-token gap')} "
         f"({format_duration(total)} in all, each {over}) was {_segment_label(cited)} "
         f"({format_duration(cited_ns)})"
     )
@@ -623,7 +612,7 @@ def _queueing(record: RequestRecord) -> Finding:
     running = timeline.running_at_arrival
     max_running = timeline.max_running
     if ahead is not None:
-        parts.append(f"{_plural(ahead, 'request')} ahead")
+        parts.append(f"{plural(ahead, 'request')} ahead")
         numbers["requests_ahead"] = ahead
     if running is not None:
         numbers["running_at_arrival"] = running
@@ -694,7 +683,7 @@ def _per_token(record: RequestRecord, numbers: dict[str, float | int | str]) -> 
     parts: list[str] = []
     if timeline.output_tokens is not None:
         numbers["output_tokens"] = timeline.output_tokens
-        parts.append(_plural(timeline.output_tokens, "output token"))
+        parts.append(plural(timeline.output_tokens, "output token"))
     if tpot is not None:
         numbers["tpot_ms"] = _ms(tpot)
         parts.append(f"{format_duration(tpot)} TPOT")
@@ -759,9 +748,7 @@ def _decode(record: RequestRecord, config: DiagnosisConfig) -> Finding:
         detail = _spike_text(spikes, numbers)
         if outliers is not None:
             numbers["outlier_steps_with_prefill"] = outliers
-            detail = (
-                f"{detail}; {_plural(outliers, 'outlier step')} shared the batch with a prefill"
-            )
+            detail = f"{detail}; {plural(outliers, 'outlier step')} shared the batch with a prefill"
         return Finding(CAUSE_BATCHING_INTERFERENCE, semconv.SEGMENT_DECODE, detail, numbers)
     return Finding(CAUSE_LONG_DECODE, semconv.SEGMENT_DECODE, per_token, numbers)
 
@@ -784,9 +771,9 @@ def _decode_pace(record: RequestRecord, config: DiagnosisConfig) -> Finding:
     bound, per_token = _bandwidth_finding(record, config, numbers)
     if bound is not None:
         return bound
-    gaps = sorted(record.metrics.itl)
-    if gaps:
-        median = nearest_rank(gaps, 50)
+    # The median the outlier rule and the ITL verdict use, so that the sentences agree.
+    median = gap_median(record.metrics.itl)
+    if median is not None:
         numbers["itl_median_ms"] = _ms(median)
         pace = f"every step of the request is slow: median gap {format_duration(median)}"
     else:
@@ -819,7 +806,7 @@ def _interference(
     numbers["interfered_gaps"] = gaps
     prefill_tokens = facts.max_step_prefill_tokens
     parts = [
-        f"{_plural(gaps, 'slow inter-token gap')} ran engine steps that also prefilled other "
+        f"{plural(gaps, 'slow inter-token gap')} ran engine steps that also prefilled other "
         "requests' prompts"
     ]
     if prefill_tokens:
@@ -834,7 +821,7 @@ def _interference(
 def _stall(record: RequestRecord) -> Finding:
     gaps = _outlier_gaps(record, semconv.SEGMENT_STALL)
     detail = (
-        f"{_plural(gaps, 'slow inter-token gap')} had no engine step of the request for most "
+        f"{plural(gaps, 'slow inter-token gap')} had no engine step of the request for most "
         "of its length: the engine or its frontend did not step it"
     )
     return Finding(CAUSE_DECODE_STALL, semconv.SEGMENT_STALL, detail, {"stalled_gaps": gaps})
@@ -903,7 +890,7 @@ def _http(record: RequestRecord, view: MetricBudget) -> Finding:
             "chat templating, tokenisation)"
         )
     receive = timeline.http_receive_wait_ns
-    if view.clock == CLOCK_CLIENT and receive:
+    if view.clock == semconv.CLOCK_CLIENT and receive:
         numbers["http_receive_wait_ms"] = _ms(receive)
         parts.append(
             f"{format_duration(receive)} with the request's bytes waiting in the server's "
@@ -912,7 +899,7 @@ def _http(record: RequestRecord, view: MetricBudget) -> Finding:
     first_body, first_token = timeline.server_first_body, timeline.first_token
     if (
         view.metric == semconv.METRIC_TTFT
-        and view.clock == CLOCK_CLIENT
+        and view.clock == semconv.CLOCK_CLIENT
         and first_body is not None
         and first_token is not None
         and first_body > first_token
@@ -931,12 +918,12 @@ def _kv_cache_pressure(record: RequestRecord, view: MetricBudget, segment: str) 
     evictions = len(record.timeline.preempted)
     if evictions:
         numbers["preemptions"] = evictions
-        detail = f"evicted {_plural(evictions, 'time')} and waited to resume (KV-cache pressure)"
+        detail = f"evicted {plural(evictions, 'time')} and waited to resume (KV-cache pressure)"
     else:
         detail = "evicted and waited to resume (KV-cache pressure)"
     value = view.value_ns
     if segment != semconv.SEGMENT_PREEMPTED and value > 0:
-        largest = _format_share(view.segments.get(segment, 0) / value)
+        largest = format_share(view.segments.get(segment, 0) / value)
         label = semconv.METRIC_LABELS.get(view.metric, view.metric)
         detail = (
             f"{detail}; the largest segment, {_segment_label(segment)}, was {largest} of {label}"

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.processors.budget import CLOCK_CLIENT, CLOCK_SERVER, metric_budget
+from tokentrace.processors.budget import metric_budget
 from tokentrace.processors.decode_split import gap_parts
 from tokentrace.processors.diagnosis import (
     ADVICE,
@@ -48,6 +48,8 @@ from tokentrace.processors.diagnosis import (
     SeenPrefixes,
     cause_of_segment,
     format_duration,
+    format_share,
+    plural,
     ranked_segments,
     second_segment,
 )
@@ -137,11 +139,11 @@ def target_findings(
     findings = []
     for target in targets:
         indices = [index for index, record in enumerate(records) if target.matches(record)]
-        units = _units(records, indices, target.metric, CLOCK_SERVER, config)
+        units = _units(records, indices, target.metric, semconv.CLOCK_SERVER, config)
         finding: dict[str, Any] = {
             "target": target.name,
             "metric": target.metric,
-            "clock": CLOCK_SERVER,
+            "clock": semconv.CLOCK_SERVER,
             "percentile": target.percentile,
             "threshold_ms": _ms(target.threshold_ns),
             "met": None,
@@ -164,7 +166,7 @@ def target_findings(
                     units,
                     beyond,
                     metric=target.metric,
-                    clock=CLOCK_SERVER,
+                    clock=semconv.CLOCK_SERVER,
                     group=group,
                     percentile=target.percentile,
                     threshold_ns=target.threshold_ns,
@@ -189,13 +191,13 @@ def metric_findings(
     findings = []
     everyone = range(len(records))
     for metric in metrics:
-        client_units = _units(records, everyone, metric, CLOCK_CLIENT, config)
-        units = _units(records, everyone, metric, CLOCK_SERVER, config)
-        clock = CLOCK_SERVER
+        client_units = _units(records, everyone, metric, semconv.CLOCK_CLIENT, config)
+        units = _units(records, everyone, metric, semconv.CLOCK_SERVER, config)
+        clock = semconv.CLOCK_SERVER
         if client_units and len({unit.record for unit in client_units}) >= len(
             {unit.record for unit in units}
         ):
-            units, clock = client_units, CLOCK_CLIENT
+            units, clock = client_units, semconv.CLOCK_CLIENT
         if not units:
             continue
         ordered = sorted(unit.value_ns for unit in units)
@@ -370,8 +372,7 @@ def _means(units: Sequence[_Unit]) -> dict[str, float]:
 
 # --- wording --------------------------------------------------------------------------------------
 def _unit_noun(metric: str, count: int) -> str:
-    noun = "gap" if metric == semconv.METRIC_ITL else "request"
-    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+    return plural(count, "gap" if metric == semconv.METRIC_ITL else "request")
 
 
 def _facts_text(facts: Mapping[str, float]) -> str:
@@ -385,7 +386,7 @@ def _facts_text(facts: Mapping[str, float]) -> str:
         elif key.endswith("_ratio"):
             parts.append(f"{label} {value:.2f}")
         elif key == "batch_full":
-            parts.append(f"{_percent(value)} arrived to a full batch")
+            parts.append(f"{format_share(value)} arrived to a full batch")
         else:
             parts.append(f"{value:,.1f} {label}" if value % 1 else f"{value:,.0f} {label}")
     return ", ".join(parts)
@@ -397,14 +398,14 @@ def _dominance_text(finding: Mapping[str, Any]) -> str:
     label = semconv.METRIC_LABELS.get(finding["metric"], finding["metric"])
     means = {entry["segment"]: entry for entry in finding["segments"]}
     text = (
-        f"{_percent(finding['share'])} of their {finding['clock']}-seen {label} was "
+        f"{format_share(finding['share'])} of their {finding['clock']}-seen {label} was "
         f"{SEGMENT_LABELS.get(segment, segment)} (mean {_ms_text(means[segment]['mean_ms'])})"
     )
     second = finding.get("second_segment")
     if second:
         entry = means[second]
         text += (
-            f" and {_percent(entry['share'])} {SEGMENT_LABELS.get(second, second)} "
+            f" and {format_share(entry['share'])} {SEGMENT_LABELS.get(second, second)} "
             f"(mean {_ms_text(entry['mean_ms'])})"
         )
     cause = finding["cause"]
@@ -475,15 +476,6 @@ def _sentence(finding: Mapping[str, Any]) -> str:
     return ". ".join(line.rstrip(".") for line in lines[:3]) + "."
 
 
-def _percent(share: float | None) -> str:
-    if share is None:
-        return "-"
-    percent = share * 100
-    if 0 < percent < 1:
-        return "<1%"
-    return f"{percent:.0f}%"
-
-
 def _ms_text(value_ms: float | None) -> str:
     return format_duration(None if value_ms is None else value_ms * _NS_PER_MS)
 
@@ -519,7 +511,7 @@ def perceived_speed(records: Sequence[RequestRecord]) -> dict[str, Any]:
                 "share": round(share, 4),
                 "p95_ms": p95,
                 "sentence": (
-                    f"{_percent(share)} of requests were not streamed: the user waited for the "
+                    f"{format_share(share)} of requests were not streamed: the user waited for the "
                     f"whole response (p95 {_ms_text(p95)}) before the first word. Stream them."
                 ),
             }
@@ -565,7 +557,7 @@ def perceived_speed(records: Sequence[RequestRecord]) -> dict[str, Any]:
                     "share": round(share, 4),
                     "p95_ms": _ms(p95_setup),
                     "sentence": (
-                        f"a new connection on {_percent(share)} of requests, p95 setup "
+                        f"a new connection on {format_share(share)} of requests, p95 setup "
                         f"{_ms_text(_ms(p95_setup))}: reuse connections (keep-alive, a "
                         "connection pool)."
                     ),

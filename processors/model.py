@@ -200,7 +200,7 @@ class RequestMetrics:
 
     def value(self, metric: str) -> int | None:
         """The single value of ``metric`` (ITL: the largest gap) or None when undefined."""
-        if metric == "itl":
+        if metric == semconv.METRIC_ITL:
             return max(self.itl) if self.itl else None
         value: int | None = getattr(self, metric)
         return value
@@ -220,11 +220,11 @@ class Verdict:
     advice: str
     numbers: dict[str, float | int | str]
     """The values the verdict used, for scripts and the UI."""
-    metric: str = "e2e"
-    """The latency metric the verdict answers (``semconv.METRIC_TTFT`` ... ``METRIC_E2E``)."""
-    clock: str = "server"
-    """Whose clock measured the metric: ``client`` (what the user saw, network included) or
-    ``server``."""
+    metric: str = semconv.METRIC_E2E
+    """The latency metric the verdict answers (one of ``semconv.VERDICT_METRICS``)."""
+    clock: str = semconv.CLOCK_SERVER
+    """Whose clock measured the metric: ``semconv.CLOCK_CLIENT`` (what the user saw, network
+    included) or ``semconv.CLOCK_SERVER``."""
     why: str = ""
     """Why this metric (for a request's default verdict: the SLO target it breached)."""
 

@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final, NamedTuple
@@ -247,17 +247,21 @@ class PercentileStore:
         self.record_errors = 0
 
     # --- writing (pipeline thread) ---------------------------------------------------------
-    def record(self, key: SketchKey, metrics: RequestMetrics) -> None:
+    def record(self, key: SketchKey, metrics: RequestMetrics, *, skip: Container[str] = ()) -> None:
         """Add one request's latencies (ns) as seconds; None values are skipped, ITL adds
-        every gap."""
+        every gap. ``skip``: metrics not to add (a re-derived request's, added before)."""
         try:
             singles = [
                 (metric, value / _NS_PER_S)
                 for metric in _SINGLE_VALUE_METRICS
-                if (value := getattr(metrics, metric)) is not None
+                if metric not in skip and (value := getattr(metrics, metric)) is not None
             ]
             # Keyed outside the lock, so readers wait less.
-            gaps = KeyedValues.of_ns(metrics.itl, scale=self.config.scale) if metrics.itl else None
+            gaps = None
+            if metrics.itl and semconv.METRIC_ITL not in skip:
+                gaps = KeyedValues.of_ns(metrics.itl, scale=self.config.scale)
+            if not singles and gaps is None:
+                return
             now = self._clock()
             with self._lock:
                 self._advance(now)

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from tokentrace.processors.slo import SloTarget
 
 _NS_PER_MS: Final = 1_000_000
+_SATURATED_CLIENT_SHARE: Final = 0.05
+"""Event-loop stalls this large a share of the run: the client's own numbers are suspect."""
 
 
 def client_slo(
@@ -164,10 +166,6 @@ def render(record: RunRecord, *, record_path: str | None, store_hint: str | None
         store = store_hint or "STORE"
         lines.append(f"Next: tokentrace diagnose --run {record_path} --store {store}")
     return "\n".join(lines)
-
-
-_SATURATED_CLIENT_SHARE: Final = 0.05
-"""Event-loop stalls this large a share of the run: the client's own numbers are suspect."""
 
 
 def _title(record: RunRecord) -> str:

@@ -46,7 +46,7 @@ class GpuPhase(GpuAggregate):
 
 
 VerdictMetric = Literal["ttft", "tpot", "itl", "e2e"]
-"""``diagnosis.VERDICT_METRICS``: the metrics a verdict can answer about."""
+"""``semconv.VERDICT_METRICS`` (spelled out: the API schema lists them)."""
 
 
 class WaterfallRow(BaseModel):

@@ -20,12 +20,9 @@ from pydantic import BaseModel, Field
 from tokentrace.collector.api.app import store_of
 from tokentrace.collector.api.params import Window
 from tokentrace.collector.api.window_routes import SloStatus, bounded_window, default_window
-from tokentrace.collector.diagnose import diagnose_range
-from tokentrace.collector.store import META_SLO_TARGETS, RequestStore
+from tokentrace.collector.diagnose import diagnose_range, stored_slo_targets
 from tokentrace.collector.store import query as store_query
-from tokentrace.collector.store.codec import load_slo_targets
 from tokentrace.processors.findings import finding_lines
-from tokentrace.processors.slo import SloTarget, parse_targets
 
 router = APIRouter(tags=["windows"])
 
@@ -133,22 +130,6 @@ class WindowDiagnosis(BaseModel):
     slo: list[SloStatus] = Field(description="per target over the window's exact values")
     slo_errors: list[str] = Field(description="stored SLO targets that could not be read")
     window: DiagnosisWindow
-
-
-# --- reading within the budget ------------------------------------------------------------------
-
-
-def stored_slo_targets(store: RequestStore) -> tuple[list[SloTarget], list[str]]:
-    """The targets the collector stored, and why any could not be read; one bad target (e.g.
-    written by a newer collector) leaves the others, as in ``codec.window_report``."""
-    raw, problems = load_slo_targets(store.meta(META_SLO_TARGETS))
-    targets: list[SloTarget] = []
-    for index, entry in enumerate(raw):
-        try:
-            targets += parse_targets([entry], path=f"the store's SLO targets[{index}]")
-        except (ValueError, TypeError) as error:
-            problems.append(str(error))
-    return targets, problems
 
 
 # --- route --------------------------------------------------------------------------------------

@@ -36,18 +36,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
-from tokentrace.processors.budget import (
-    CLOCK_CLIENT,
-    CLOCK_SERVER,
-    inter_token_gaps_ns,
-    metric_budget,
-)
-from tokentrace.processors.diagnosis import (
-    ADVICE,
-    VERDICT_METRICS,
-    DiagnosisConfig,
-    diagnose_request,
-)
+from tokentrace.processors.budget import inter_token_gaps_ns, metric_budget
+from tokentrace.processors.diagnosis import ADVICE, DiagnosisConfig, diagnose_request
 from tokentrace.processors.model import (
     Budget,
     RequestMetrics,
@@ -215,15 +205,6 @@ def _finite(value: Any) -> Any:
     return value
 
 
-_METRIC_BUDGET_ORDER: Final = (
-    *semconv.SEGMENTS[: semconv.SEGMENTS.index(semconv.SEGMENT_DECODE) + 1],
-    semconv.SEGMENT_INTERFERENCE,
-    semconv.SEGMENT_STALL,
-    *semconv.SEGMENTS[semconv.SEGMENTS.index(semconv.SEGMENT_DECODE) + 1 :],
-)
-"""Every segment a metric budget can hold, in time order (decode's split after decode)."""
-
-
 def _partition_ms(segments: Mapping[str, int], *, present_only: bool = False) -> dict[str, float]:
     """Every segment (``semconv.SEGMENTS`` order, then any unknown ones) in exact µs as ms;
     with ``present_only`` only the given ones (a metric budget's), in time order.
@@ -231,7 +212,7 @@ def _partition_ms(segments: Mapping[str, int], *, present_only: bool = False) ->
     Rounds the running sum, not each segment, so the rounded segments add up to the rounded
     total whenever the ns segments add up to ``total_ns``.
     """
-    known = _METRIC_BUDGET_ORDER if present_only else semconv.SEGMENTS
+    known = semconv.METRIC_BUDGET_SEGMENTS if present_only else semconv.SEGMENTS
     names = [name for name in known if not present_only or name in segments]
     names += sorted(name for name in segments if name not in known)
     out: dict[str, float] = {}
@@ -445,8 +426,8 @@ def _stored_record(
 def _metric_budgets_doc(record: RequestRecord) -> dict[str, dict[str, Any]]:
     """Every metric budget of the request (``budget.metric_budget``), on each clock it has."""
     budgets: dict[str, dict[str, Any]] = {}
-    for metric in VERDICT_METRICS:
-        for clock in (CLOCK_SERVER, CLOCK_CLIENT):
+    for metric in semconv.VERDICT_METRICS:
+        for clock in (semconv.CLOCK_SERVER, semconv.CLOCK_CLIENT):
             view = metric_budget(record, metric, clock=clock)
             if view is not None:
                 present = {name: ns for name, ns in view.segments.items() if ns}
@@ -462,11 +443,11 @@ def _verdicts_doc(
 ) -> dict[str, dict[str, Any]]:
     """The stored default verdict, and the verdicts about the request's other metrics derived
     now (``diagnosis.diagnose_request``, with the window's prefix judgement it was stored
-    with), in ``VERDICT_METRICS`` order."""
+    with), in ``semconv.VERDICT_METRICS`` order."""
     prefix = record.timeline.prefix_hash
     seen = frozenset((prefix,)) if record.prefix_seen and prefix else frozenset()
     verdicts: dict[str, dict[str, Any]] = {}
-    for metric in VERDICT_METRICS:
+    for metric in semconv.VERDICT_METRICS:
         if metric == default["metric"]:
             verdicts[metric] = default
             continue
@@ -623,7 +604,7 @@ def document_from_row(
             detail.get(_D_ADVICE, ADVICE.get(str(stored.cause), "")),
             detail.get(_D_NUMBERS),
             metric=str(detail.get(_D_VERDICT_METRIC, semconv.METRIC_E2E)),
-            clock=str(detail.get(_D_VERDICT_CLOCK, CLOCK_SERVER)),
+            clock=str(detail.get(_D_VERDICT_CLOCK, semconv.CLOCK_SERVER)),
         )
         verdict_doc["why"] = str(detail.get(_D_VERDICT_WHY, ""))
         verdicts_doc = _verdicts_doc(record, verdict_doc, diagnosis)

@@ -840,6 +840,12 @@ class RequestStore:
             diagnosis = self._diagnosis(connection)
             return [self._document(connection, row, spans_of, diagnosis) for row in rows]
 
+    def diagnosis_settings(self) -> DiagnosisConfig:
+        """The collector's diagnosis settings, by which documents and windows of this store
+        are derived (``_diagnosis``)."""
+        with self._reader() as connection:
+            return self._diagnosis(connection)
+
     @staticmethod
     def _diagnosis(connection: sqlite3.Connection) -> DiagnosisConfig:
         """The collector's diagnosis settings (``META_DIAGNOSIS``); the defaults when none or

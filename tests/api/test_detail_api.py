@@ -26,7 +26,7 @@ from tokentrace.collector.render import (
     waterfall_segment,
 )
 from tokentrace.collector.store import RequestStore
-from tokentrace.processors.diagnosis import VERDICT_METRICS, DiagnosisConfig
+from tokentrace.processors.diagnosis import DiagnosisConfig
 
 MS = 1_000_000
 TRACE = bytes.fromhex("a1b2c3d4" + "5a" * 12)
@@ -236,7 +236,7 @@ def test_the_metric_parameter_takes_every_verdict_metric() -> None:
     schema = create_app(ApiSettings(store_path="unused.db")).openapi()
     parameters = schema["paths"]["/api/v1/requests/{trace_id}"]["get"]["parameters"]
     metric = next(p for p in parameters if p["name"] == "metric")
-    assert tuple(metric["schema"]["anyOf"][0]["enum"]) == VERDICT_METRICS
+    assert tuple(metric["schema"]["anyOf"][0]["enum"]) == semconv.VERDICT_METRICS
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import sqlite3
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,10 @@ from tokentrace.agent.load.results import CLIENT_METRICS, RequestResult, summari
 from tokentrace.agent.load.workload import LoadConfig
 from tokentrace.collector.config import ConfigError, load_config, load_slo_file
 from tokentrace.collector.store import RequestStore
-from tokentrace.collector.store.codec import request_start_ns
+from tokentrace.collector.store.codec import diagnosis_to_json, request_start_ns
+from tokentrace.collector.store.sqlite import META_DIAGNOSIS
 from tokentrace.collector.window import records_of_traces
+from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.model import RequestRecord
 
 REQUESTS = 120
@@ -263,6 +267,29 @@ def test_diagnose_time_window_text(capsys: pytest.CaptureFixture[str], replayed:
     assert any("without" in line and "fix" in line for line in lines)  # the counterfactual
     assert all(name in out for name in STORE_TARGET_NAMES)
     assert "no client spans" not in out
+
+
+def test_diagnose_judges_the_window_by_the_collectors_diagnosis_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], replayed: Replayed
+) -> None:
+    # The same requests in a store whose collector diagnoses tails from p80 on.
+    copy = tmp_path / "copy.db"
+    with closing(sqlite3.connect(replayed.path)) as source, closing(sqlite3.connect(copy)) as to:
+        source.backup(to)
+    store = RequestStore(copy)
+    try:
+        store.set_meta(META_DIAGNOSIS, diagnosis_to_json(DiagnosisConfig(tail_percentile=80.0)))
+    finally:
+        store.close()
+
+    def tail_percentiles(document: dict[str, Any]) -> set[float]:
+        return {f["percentile"] for f in document["metric_findings"] if f["group"] == "tail"}
+
+    default = run_json(capsys, "diagnose", "--since", "1h", "--store", str(replayed.path))
+    tuned = run_json(capsys, "diagnose", "--since", "1h", "--store", str(copy))
+    assert tail_percentiles(default) == {DiagnosisConfig().tail_percentile}
+    assert tail_percentiles(tuned) == {80.0}
+    assert tuned["requests"] == default["requests"] == REQUESTS
 
 
 def test_diagnose_until_ends_the_window_earlier(

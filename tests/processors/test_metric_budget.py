@@ -11,8 +11,6 @@ from tests.processors.test_budget import MS, US, arbitrary_timelines, typical
 from tests.spanbuild import T0
 from tokentrace.agent import semconv
 from tokentrace.processors.budget import (
-    CLOCK_CLIENT,
-    CLOCK_SERVER,
     apportion,
     compute_budget,
     metric_budget,
@@ -101,23 +99,23 @@ def test_client_seen_ttft_adds_delivery_and_the_outside_time() -> None:
 
 def test_server_seen_views_exclude_the_client_side() -> None:
     record = request_record(with_client(160, http_receive_wait_ns=20 * MS))
-    server = metric_budget(record, semconv.METRIC_E2E, clock=CLOCK_SERVER)
+    server = metric_budget(record, semconv.METRIC_E2E, clock=semconv.CLOCK_SERVER)
     client = metric_budget(record, semconv.METRIC_E2E)
     assert server is not None and client is not None
-    assert client.clock == CLOCK_CLIENT and client.value_ns == 160 * MS
+    assert client.clock == semconv.CLOCK_CLIENT and client.value_ns == 160 * MS
     assert server.value_ns == 100 * MS == record.metrics.e2e
     assert server.segments[semconv.SEGMENT_HTTP] == 2 * MS  # the kernel wait is outside
     assert all(server.segments[name] == 0 for name in semconv.CLIENT_SIDE_SEGMENTS)
     assert sum(server.segments.values()) == server.value_ns
-    ttft = metric_budget(record, semconv.METRIC_TTFT, clock=CLOCK_SERVER)
+    ttft = metric_budget(record, semconv.METRIC_TTFT, clock=semconv.CLOCK_SERVER)
     assert ttft is not None and ttft.value_ns == record.metrics.ttft
 
 
 def test_without_a_client_span_only_server_views_exist() -> None:
     record = request_record(typical())
-    assert metric_budget(record, semconv.METRIC_TTFT, clock=CLOCK_CLIENT) is None
+    assert metric_budget(record, semconv.METRIC_TTFT, clock=semconv.CLOCK_CLIENT) is None
     default = metric_budget(record, semconv.METRIC_E2E)
-    assert default is not None and default.clock == CLOCK_SERVER
+    assert default is not None and default.clock == semconv.CLOCK_SERVER
 
 
 def decoding(offsets_ms: list[float], **fields: object) -> RequestTimeline:
@@ -283,7 +281,7 @@ def test_every_metric_budget_sums_to_its_value(
     if split:
         assert sum(split.values()) == budget.segments[semconv.SEGMENT_DECODE]
     for metric in (*semconv.LATENCY_METRICS[:4],):
-        for clock in (CLOCK_SERVER, CLOCK_CLIENT):
+        for clock in (semconv.CLOCK_SERVER, semconv.CLOCK_CLIENT):
             view = metric_budget(record, metric, clock=clock)
             if view is None:
                 continue

@@ -32,9 +32,9 @@ from tests.ui.stores import (
     CraftedStore,
     RealStore,
 )
+from tokentrace.agent import semconv
 from tokentrace.collector.api import ApiSettings
 from tokentrace.collector.store import query as store_query
-from tokentrace.processors.diagnosis import VERDICT_METRICS
 
 pytestmark = pytest.mark.slow
 
@@ -611,7 +611,7 @@ def test_the_metric_switch_answers_about_each_metric_on_its_clock(
     check_request_page(page, default)
     switch = page.testid("metric-switch").locator("button")
     assert switch.evaluate_all("buttons => buttons.map(b => b.dataset.metric)") == [
-        metric for metric in VERDICT_METRICS if metric in doc["verdicts"]
+        metric for metric in semconv.VERDICT_METRICS if metric in doc["verdicts"]
     ]
     default_button = page.testid("metric-switch").locator('button[data-default="true"]')
     assert default_button.get_attribute("data-metric") == "ttft"
