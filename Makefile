@@ -34,17 +34,17 @@ install: venv
 	@"$(PY)" -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null
 
 lint: install
-	"$(VENV)/bin/ruff" check agent collector processors tests bench
-	"$(VENV)/bin/ruff" format --check agent collector processors tests bench
+	"$(VENV)/bin/ruff" check agent collector processors loadgen tests bench
+	"$(VENV)/bin/ruff" format --check agent collector processors loadgen tests bench
 
 # mypy cannot follow setuptools' package-dir mapping (nor symlinked folders), so it reads the
 # code through hard links laid out as the installed namespace (tokentrace/agent -> agent, ...);
 # sed maps the paths in its messages back to the source files.
 typecheck: install
 	rm -rf build/mypy && mkdir -p build/mypy/tokentrace
-	for pkg in agent collector processors; do cp -al "$$pkg" "build/mypy/tokentrace/$$pkg"; done
+	for pkg in agent collector processors loadgen; do cp -al "$$pkg" "build/mypy/tokentrace/$$pkg"; done
 	cd build/mypy && "$(VENV)/bin/mypy" --config-file "$(CURDIR)/pyproject.toml" \
-		-p tokentrace.agent -p tokentrace.collector -p tokentrace.processors 2>&1 \
+		-p tokentrace.agent -p tokentrace.collector -p tokentrace.processors -p tokentrace.loadgen 2>&1 \
 		| sed -e 's#^tokentrace/##'
 
 # The web UI's browser tests drive the system's Chromium (Debian's package; no browser download).

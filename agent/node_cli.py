@@ -86,7 +86,7 @@ class NodeAgentCommand:
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        from tokentrace.agent.receivers import ReceiverStartError
+        from tokentrace.collector.receivers import ReceiverStartError
 
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         try:

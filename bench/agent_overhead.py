@@ -350,8 +350,8 @@ def _import_test_support() -> tuple[ModuleType, ModuleType]:
     import importlib
 
     return (
-        importlib.import_module("tests.vllm.server"),
-        importlib.import_module("tests.vllm.tiny_model"),
+        importlib.import_module("tokentrace.loadgen.local_vllm"),
+        importlib.import_module("tokentrace.loadgen.tiny_model"),
     )
 
 

@@ -90,7 +90,7 @@ def _neighbour(
 
 
 def _build_batches(requests: int, seed: int) -> tuple[list[bytes], int, int]:
-    from tokentrace.agent.replay import simulate, to_otlp_requests
+    from tokentrace.loadgen.replay import simulate, to_otlp_requests
 
     simulated = simulate("mixed", requests=requests, seed=seed)
     messages = to_otlp_requests(simulated, batch_spans=512)
@@ -190,8 +190,8 @@ def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
     """Each stage alone over the same data, single-threaded: seconds per stage."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from tokentrace.agent.receivers.validate import sanitize
     from tokentrace.collector.pipeline import Pipeline, group_by_trace
+    from tokentrace.collector.receivers.validate import sanitize
     from tokentrace.collector.store.sqlite import RequestStore
 
     timings: dict[str, float] = {}

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.vllm.server import running_vllm_server
-from tests.vllm.tiny_model import build_tiny_model
+from tokentrace.loadgen.local_vllm import running_vllm_server
+from tokentrace.loadgen.tiny_model import build_tiny_model
 
 _METRICS = ("ttft", "tpot", "itl", "e2e")
 _VLLM_NAMES = {"ttft": "ttft", "tpot": "tpot", "itl": "itl", "e2e": "e2el"}

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.vllm.server import running_vllm_server
-from tests.vllm.tiny_model import build_tiny_model
 from tokentrace.collector.demo import start_collector, wait_for_requests
+from tokentrace.loadgen.local_vllm import running_vllm_server
+from tokentrace.loadgen.tiny_model import build_tiny_model
 
 SLO_FILE = """\
 targets:

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tokentrace.agent.consumer import Overloaded
+from tokentrace.collector.consumer import Overloaded
 from tokentrace.processors.model import AssembledTrace, SpanRef
 
 _RECENTLY_FINISHED_CAP = 100_000

@@ -425,9 +425,9 @@ class DiagnoseCommand:
         _add_store_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from tokentrace.agent.load.record import RunRecordError, load
         from tokentrace.collector.diagnose import diagnose_range, diagnose_run, render_diagnosis
         from tokentrace.collector.store import RequestStore, StoreError
+        from tokentrace.loadgen.record import RunRecordError, load
 
         if args.until is not None and args.since is None:
             return _fail(self.name, "--until needs --since")
@@ -490,9 +490,9 @@ class CompareCommand:
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        from tokentrace.agent.load.record import RunRecordError, load
         from tokentrace.collector.diagnose import compare_runs, diagnose_run, render_comparison
         from tokentrace.collector.store import RequestStore, StoreError
+        from tokentrace.loadgen.record import RunRecordError, load
 
         store = None
         try:
@@ -504,7 +504,7 @@ class CompareCommand:
                 analysis_a = diagnose_run(store, record_a, targets=targets, wait_s=args.wait)
                 analysis_b = diagnose_run(store, record_b, targets=targets, wait_s=args.wait)
             elif targets:
-                from tokentrace.agent.load.report import client_slo
+                from tokentrace.loadgen.report import client_slo
 
                 record_a.slo = client_slo(record_a.results, targets, model=record_a.model)
                 record_b.slo = client_slo(record_b.results, targets, model=record_b.model)

@@ -148,14 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _can_run_vllm() -> bool:
-    """vLLM is installed and the demo runs in a checkout (the tiny-model builder and the server
-    runner live in the test suite)."""
-    if importlib.util.find_spec("vllm") is None:
-        return False
-    try:
-        return importlib.util.find_spec("tests.vllm.tiny_model") is not None
-    except ImportError:  # no `tests` package on the path: an installed wheel, not a checkout
-        return False
+    """vLLM is installed (checked without importing it: that alone takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
 
 
 def run_replay(port: int, scenario: str, requests: int) -> int:
@@ -185,10 +179,9 @@ def run_replay(port: int, scenario: str, requests: int) -> int:
 
 def run_vllm_load(collector_port: int, workdir: Path, *, requests: int) -> int:
     """Real vLLM under ``tokentrace run`` and a concurrent streaming load; returns requests done."""
-    # The tiny-model builder and the server runner are the test suite's (make demo runs in the
-    # checkout); they build a random-weight Llama without downloads and start vLLM on loopback.
-    from tests.vllm.server import running_vllm_server
-    from tests.vllm.tiny_model import build_tiny_model
+    # A random-weight Llama built without downloads, and vLLM started on loopback.
+    from tokentrace.loadgen.local_vllm import running_vllm_server
+    from tokentrace.loadgen.tiny_model import build_tiny_model
 
     model_dir = workdir / "tiny-llama"
     print("\n==> building a tiny random-weight Llama (no downloads)")
@@ -219,7 +212,7 @@ def _load(
 ) -> int:
     """``tokentrace load`` with client spans to the collector; the requests that succeeded.
     The model's tokenizer makes prompt lengths exact: they must fit the tiny model's context."""
-    from tokentrace.agent.load import record as run_record
+    from tokentrace.loadgen import record as run_record
 
     record_path = workdir / "demo-run.json"
     command = _tokentrace(

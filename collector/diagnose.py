@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.load.record import RunRecord
-from tokentrace.agent.load.report import target_text
 from tokentrace.collector.store.codec import load_slo_targets
 from tokentrace.collector.store.sqlite import META_SLO_TARGETS, RequestStore
 from tokentrace.collector.window import records_of_traces
+from tokentrace.loadgen.record import RunRecord
+from tokentrace.loadgen.report import target_text
 from tokentrace.processors.compare import compare_metrics
 from tokentrace.processors.diagnosis import format_duration
 from tokentrace.processors.findings import compare_findings, finding_lines

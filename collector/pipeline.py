@@ -49,9 +49,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from tokentrace.agent import semconv
-from tokentrace.agent.consumer import Unavailable
 from tokentrace.collector.assembly import TraceAssembler, unique_spans
 from tokentrace.collector.config import CollectorConfig
+from tokentrace.collector.consumer import Unavailable
 from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.processors.budget import request_record
 from tokentrace.processors.diagnosis import DiagnosisConfig, default_verdict

@@ -117,8 +117,8 @@ class Collector:
         self.ui = server
 
     def _start_receivers(self, pipeline: Pipeline) -> None:
-        from tokentrace.agent.receivers.otlp_grpc import OtlpGrpcReceiver
-        from tokentrace.agent.receivers.otlp_http import OtlpHttpReceiver
+        from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
+        from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
 
         config = self.config
         receivers: list[OtlpGrpcReceiver | OtlpHttpReceiver] = []

@@ -18,6 +18,7 @@ CODE_FOLDERS = {
     "agent": "tokentrace/agent",
     "collector": "tokentrace/collector",
     "processors": "tokentrace/processors",
+    "loadgen": "tokentrace/loadgen",
 }
 
 
@@ -55,7 +56,9 @@ def test_every_package_folder_is_in_the_wheel(tmp_path: Path) -> None:
         for source in (ROOT / folder).rglob("*.py"):
             relative = source.relative_to(ROOT / folder).as_posix()
             assert f"{installed}/{relative}" in names, f"{source} is missing from the wheel"
-    assert not any(name.startswith(("agent/", "collector/", "processors/")) for name in names)
+    assert not any(
+        name.startswith(tuple(f"{folder}/" for folder in CODE_FOLDERS)) for name in names
+    )
 
 
 def test_telemetry_doc_is_generated_from_the_contract() -> None:
@@ -88,18 +91,91 @@ def test_no_module_but_semconv_spells_a_contract_name() -> None:
     assert not offenders, "use the semconv constants instead:\n" + "\n".join(offenders)
 
 
-def test_agent_never_imports_the_collector_or_web_stack() -> None:
-    forbidden = ("tokentrace.collector", "fastapi", "uvicorn", "sqlite3")
-    offenders = []
-    for source in (ROOT / "agent").rglob("*.py"):
-        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            offenders += [f"{source.name}: {n}" for n in names if n.startswith(forbidden)]
+def _imported_names(source: Path) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def test_nothing_in_the_package_imports_the_test_suite() -> None:
+    offenders = [
+        f"{source.relative_to(ROOT)}: {name}"
+        for folder in CODE_FOLDERS
+        for source in (ROOT / folder).rglob("*.py")
+        for name in _imported_names(source)
+        if name == "tests" or name.startswith("tests.")
+    ]
     assert not offenders
+
+
+def _modules_loaded_by(*modules: str) -> set[str]:
+    """What importing ``modules`` loads, in a fresh interpreter."""
+    code = (
+        "import importlib, sys\n"
+        f"for name in {list(modules)!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print('\\n'.join(sorted(sys.modules)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    return set(result.stdout.split())
+
+
+# What an inference server's process must never load because tokentrace is in it: the
+# collector's side, client tools, the web and SQL stacks, the sketches, and (until the engine
+# itself imports them) the engine and the gRPC stack.
+_NOT_IN_AN_INFERENCE_SERVER = (
+    "tokentrace.collector",
+    "tokentrace.processors",
+    "tokentrace.loadgen",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "httpx",
+    "sqlite3",
+    "yaml",
+    "ddsketch",
+    "numpy",
+    "grpc",
+    "vllm",
+    "torch",
+)
+
+
+def _loaded_from(loaded: set[str], packages: tuple[str, ...]) -> list[str]:
+    return sorted(
+        name for name in loaded for package in packages
+        if name == package or name.startswith(f"{package}.")
+    )  # fmt: skip
+
+
+def test_the_in_process_agent_loads_nothing_beyond_its_footprint() -> None:
+    # The footprint rule is on what is loaded, not on folders: `tokentrace run`'s bootstrap, the
+    # runtime (recorder, span building, export) and every framework patch.
+    loaded = _modules_loaded_by(
+        "tokentrace.agent.bootstrap",
+        "tokentrace.agent.runtime",
+        "tokentrace.agent.frameworks.vllm",
+        "tokentrace.agent.frameworks.asgi",
+    )
+    assert "tokentrace.agent.spans" in loaded  # the probe did import the agent
+    assert _loaded_from(loaded, _NOT_IN_AN_INFERENCE_SERVER) == []
+
+
+def test_the_node_agent_loads_the_receivers_but_not_the_collector() -> None:
+    loaded = _modules_loaded_by("tokentrace.agent.node.service", "tokentrace.agent.node_cli")
+    collector_side = {name for name in loaded if name.startswith("tokentrace.collector.")}
+    allowed = ("tokentrace.collector.consumer", "tokentrace.collector.receivers")
+    assert {name for name in collector_side if not name.startswith(allowed)} == set()
+    not_in_a_node_agent = tuple(
+        name for name in _NOT_IN_AN_INFERENCE_SERVER if name not in ("tokentrace.collector", "grpc")
+    )
+    assert _loaded_from(loaded, not_in_a_node_agent) == []
 
 
 def test_tokentrace_help_lists_commands_without_importing_heavy_modules() -> None:

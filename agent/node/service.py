@@ -30,7 +30,6 @@ from typing import Any, Final
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokentrace.agent import semconv
-from tokentrace.agent.consumer import Overloaded, Unavailable
 from tokentrace.agent.identity import host_resource
 from tokentrace.agent.node.enrich import SpanEnricher
 from tokentrace.agent.node.metrics import GpuMetrics
@@ -41,6 +40,7 @@ from tokentrace.agent.otlp_export import (
     OtlpExporterConfig,
     OtlpSender,
 )
+from tokentrace.collector.consumer import Overloaded, Unavailable
 
 _log = logging.getLogger(__name__)
 
@@ -257,8 +257,8 @@ class NodeAgent:
     def start(self) -> None:
         """Start downstream first: sampler, relay and metric threads, then the receivers.
         Raises ReceiverStartError when a receiver cannot bind."""
-        from tokentrace.agent.receivers.otlp_grpc import OtlpGrpcReceiver
-        from tokentrace.agent.receivers.otlp_http import OtlpHttpReceiver
+        from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
+        from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
 
         # A sampler handed in already open is driven by its owner (tests, benchmarks).
         if not self.sampler.available:

@@ -8,9 +8,9 @@ from typing import Any
 
 import httpx
 
-from tokentrace.agent.replay import simulate, to_otlp_requests
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
+from tokentrace.loadgen.replay import simulate, to_otlp_requests
 
 SLO_TARGETS = [
     {"name": "ttft-p95", "metric": "ttft", "percentile": 95, "threshold": "500ms"},

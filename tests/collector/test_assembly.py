@@ -5,8 +5,8 @@ from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from tokentrace.agent.consumer import Overloaded
 from tokentrace.collector.assembly import TraceAssembler
+from tokentrace.collector.consumer import Overloaded
 from tokentrace.processors.model import SpanRef
 
 RESOURCE = Resource()

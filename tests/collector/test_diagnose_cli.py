@@ -22,14 +22,14 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from tests.api.replayed import SLO_TARGETS, replayed_store
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main
-from tokentrace.agent.load import record as run_record
-from tokentrace.agent.load.results import CLIENT_METRICS, RequestResult, summarize
-from tokentrace.agent.load.workload import LoadConfig
 from tokentrace.collector.config import ConfigError, load_config, load_slo_file
 from tokentrace.collector.store import RequestStore
 from tokentrace.collector.store.codec import diagnosis_to_json, request_start_ns
 from tokentrace.collector.store.sqlite import META_DIAGNOSIS
 from tokentrace.collector.window import records_of_traces
+from tokentrace.loadgen import record as run_record
+from tokentrace.loadgen.results import CLIENT_METRICS, RequestResult, summarize
+from tokentrace.loadgen.workload import LoadConfig
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.model import RequestRecord
 

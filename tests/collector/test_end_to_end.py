@@ -19,10 +19,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 from tests.collector.upstream import UpstreamOtlp
 from tokentrace.agent import semconv
-from tokentrace.agent.replay import SimulatedRequest, emit_sdk, simulate
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
 from tokentrace.collector.store.sqlite import RequestStore
+from tokentrace.loadgen.replay import SimulatedRequest, emit_sdk, simulate
 
 pytestmark = pytest.mark.slow
 
@@ -198,7 +198,7 @@ def test_malformed_input_never_crashes_or_corrupts_the_store(
 ) -> None:
     import sqlite3
 
-    from tokentrace.agent.replay import to_otlp_requests
+    from tokentrace.loadgen.replay import to_otlp_requests
 
     collector = start_collector(tmp_path, upstream)
     good = simulate("steady", requests=10, seed=9)

@@ -36,10 +36,10 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tokentrace.agent.consumer import Overloaded, Unavailable
-from tokentrace.agent.receivers import ReceiverStartError
-from tokentrace.agent.receivers.otlp_grpc import OtlpGrpcReceiver
-from tokentrace.agent.receivers.otlp_http import OtlpHttpReceiver
+from tokentrace.collector.consumer import Overloaded, Unavailable
+from tokentrace.collector.receivers import ReceiverStartError
+from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
+from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
 
 SERVICE_NAME = "receiver-test-service"
 TOKEN = "s3cret-token"

@@ -24,9 +24,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from tokentrace.agent.receivers.otlp_grpc import OtlpGrpcReceiver
-from tokentrace.agent.receivers.otlp_http import OtlpHttpReceiver
-from tokentrace.agent.receivers.validate import REJECTION_REASONS, sanitize
+from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
+from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
+from tokentrace.collector.receivers.validate import REJECTION_REASONS, sanitize
 
 BODY_LIMIT = 256 * 1024
 GRPC_LIMIT = 64 * 1024

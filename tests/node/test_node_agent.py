@@ -22,13 +22,13 @@ from tests.node.nvml_stand_in import NvmlStandIn
 from tests.spanbuild import decode_value
 from tokentrace.agent import semconv
 from tokentrace.agent.config import load_agent_config
-from tokentrace.agent.consumer import Overloaded
 from tokentrace.agent.node.enrich import ENRICHED_SPANS
 from tokentrace.agent.node.sampler import GpuSample, NvmlSampler
 from tokentrace.agent.node.service import NodeAgent, NodeAgentConfig
 from tokentrace.agent.otlp_export import OtlpExporterConfig
 from tokentrace.agent.runtime import AgentRuntime
 from tokentrace.agent.spans import random_trace_id
+from tokentrace.collector.consumer import Overloaded
 
 
 def relayed(upstream: UpstreamOtlp) -> list[tuple[dict[str, Any], Span]]:

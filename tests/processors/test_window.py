@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import pytest
 
 from tokentrace.agent import semconv
-from tokentrace.agent.replay import simulate, to_otlp_requests
+from tokentrace.loadgen.replay import simulate, to_otlp_requests
 from tokentrace.processors.budget import request_record
 from tokentrace.processors.diagnosis import CAUSE_QUEUEING, CAUSES
 from tokentrace.processors.model import AssembledTrace, RequestRecord, SpanRef

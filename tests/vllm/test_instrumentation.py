@@ -27,7 +27,6 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from tests.collector.upstream import UpstreamOtlp
 from tests.spanbuild import attributes_of
 from tests.vllm.conftest import require_vllm
-from tests.vllm.server import VllmServer, running_vllm_server
 from tests.vllm.traces import (
     Agreement,
     RequestTree,
@@ -39,6 +38,7 @@ from tests.vllm.traces import (
     vllm_request_spans,
 )
 from tokentrace.agent import semconv
+from tokentrace.loadgen.local_vllm import VllmServer, running_vllm_server
 from tokentrace.processors.budget import compute_budget
 from tokentrace.processors.model import AssembledTrace, SpanRef
 from tokentrace.processors.timeline import normalize

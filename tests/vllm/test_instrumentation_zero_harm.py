@@ -23,7 +23,6 @@ import pytest
 
 from tests.collector.upstream import UpstreamOtlp
 from tests.vllm.conftest import require_vllm
-from tests.vllm.server import VllmServer, running_vllm_server
 from tests.vllm.test_instrumentation import (
     endpoint,
     new_traceparent,
@@ -36,6 +35,7 @@ from tokentrace.agent import semconv
 from tokentrace.agent.frameworks.asgi import HOOK_HTTP_SERVER
 from tokentrace.agent.frameworks.vllm import HOOK_OUTPUTS
 from tokentrace.agent.frameworks.vllm_engine import HOOK_STEP_DONE
+from tokentrace.loadgen.local_vllm import VllmServer, running_vllm_server
 
 require_vllm()
 

@@ -46,8 +46,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from tests.collector.upstream import UpstreamOtlp
 from tests.vllm.conftest import require_vllm
 from tests.vllm.prometheus import Histogram, parse_histogram
-from tests.vllm.server import VllmServer, running_vllm_server
 from tokentrace.agent import semconv
+from tokentrace.loadgen.local_vllm import VllmServer, running_vllm_server
 from tokentrace.processors.budget import compute_budget, compute_metrics
 from tokentrace.processors.model import AssembledTrace, RequestMetrics, SpanRef
 from tokentrace.processors.timeline import normalize

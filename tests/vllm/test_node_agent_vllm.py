@@ -24,10 +24,10 @@ from tests.node.node_agent_process import start_node_agent
 from tests.node.nvml_stand_in import build_stand_in, library_env
 from tests.spanbuild import attributes_of
 from tests.vllm.conftest import require_vllm
-from tests.vllm.server import running_vllm_server
 from tests.vllm.test_instrumentation import request_body, traced_server_env
 from tests.vllm.traces import exported_spans
 from tokentrace.agent import semconv
+from tokentrace.loadgen.local_vllm import running_vllm_server
 
 require_vllm()
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.vllm.conftest import require_vllm
 from tests.vllm.prometheus import parse_histogram
-from tests.vllm.server import VllmServer
+from tokentrace.loadgen.local_vllm import VllmServer
 
 require_vllm()
 

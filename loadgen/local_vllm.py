@@ -1,4 +1,4 @@
-"""Start and stop a real vLLM OpenAI-compatible server as a child process, for tests and benches.
+"""Start and stop a real vLLM OpenAI-compatible server as a child process (demo, tests, benches).
 
 The CPU backend needs a bounded KV cache (`VLLM_CPU_KVCACHE_SPACE`, GiB) or start-up asks for most
 of the machine's memory; `--enforce-eager` skips the cold torch.compile (~35 s). The `vllm`

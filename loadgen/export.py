@@ -16,7 +16,6 @@ import time
 from typing import Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.load.results import RequestResult
 from tokentrace.agent.otlp_export import PROTOCOL_GRPC, OtlpExporterConfig, OtlpSender
 from tokentrace.agent.spans import (
     KIND_CLIENT,
@@ -26,6 +25,7 @@ from tokentrace.agent.spans import (
     encode_span,
     export_request,
 )
+from tokentrace.loadgen.results import RequestResult
 
 DEFAULT_SERVICE_NAME: Final = "tokentrace-load"
 _SCOPE_NAME: Final = "tokentrace.load"

@@ -28,7 +28,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import build_parser
-from tokentrace.agent.replay import (
+from tokentrace.agent.spans import encode_recordings
+from tokentrace.loadgen.replay import (
     SCENARIOS,
     Scenario,
     SimulatedRequest,
@@ -37,8 +38,7 @@ from tokentrace.agent.replay import (
     span_count,
     to_otlp_requests,
 )
-from tokentrace.agent.replay_cli import ReplayCommand
-from tokentrace.agent.spans import encode_recordings
+from tokentrace.loadgen.replay_cli import ReplayCommand
 
 T0 = 1_700_000_000_000_000_000
 MS = 1_000_000
@@ -754,7 +754,7 @@ def test_rejected_export_is_reported_as_a_failure(capsys: pytest.CaptureFixture[
 
 
 def test_endpoint_defaults_follow_the_otlp_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tokentrace.agent.replay_cli import ReplayError, resolve_target
+    from tokentrace.loadgen.replay_cli import ReplayError, resolve_target
 
     for name in (
         "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -781,7 +781,7 @@ def test_replay_is_registered_as_a_tokentrace_command() -> None:
     from pathlib import Path
 
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-    assert 'replay = "tokentrace.agent.replay_cli:ReplayCommand"' in pyproject.read_text()
+    assert 'replay = "tokentrace.loadgen.replay_cli:ReplayCommand"' in pyproject.read_text()
 
 
 def test_command_module_imports_only_the_standard_library() -> None:
@@ -790,7 +790,7 @@ def test_command_module_imports_only_the_standard_library() -> None:
 
     code = (
         "import sys\n"
-        "from tokentrace.agent.replay_cli import ReplayCommand\n"
+        "from tokentrace.loadgen.replay_cli import ReplayCommand\n"
         "import argparse\n"
         "ReplayCommand().add_arguments(argparse.ArgumentParser())\n"
         "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry', 'grpc', "

@@ -27,8 +27,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import (
     add_TraceServiceServicer_to_server,
 )
 
-from tokentrace.agent.consumer import Overloaded, TraceConsumer, Unavailable
-from tokentrace.agent.receivers import (
+from tokentrace.collector.consumer import Overloaded, TraceConsumer, Unavailable
+from tokentrace.collector.receivers import (
     ConsumerFailed,
     OtlpReceiverBase,
     ReceiverCounters,

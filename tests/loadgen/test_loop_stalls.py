@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tokentrace.agent.load.runner import _LoopStalls
+from tokentrace.loadgen.runner import _LoopStalls
 
 BLOCK_S = 0.2
 MS = 1_000_000

@@ -147,11 +147,11 @@ class _RunError(Exception):
 def _run(args: argparse.Namespace) -> int:
     import json
 
-    from tokentrace.agent.load import record as run_record
-    from tokentrace.agent.load.report import client_slo, render
-    from tokentrace.agent.load.results import summarize
-    from tokentrace.agent.load.runner import LoadRunner
-    from tokentrace.agent.load.workload import RequestPlanner, WorkloadError, prompt_builder
+    from tokentrace.loadgen import record as run_record
+    from tokentrace.loadgen.report import client_slo, render
+    from tokentrace.loadgen.results import summarize
+    from tokentrace.loadgen.runner import LoadRunner
+    from tokentrace.loadgen.workload import RequestPlanner, WorkloadError, prompt_builder
 
     config = _config(args)
     if args.otlp_protocol and not args.otlp_endpoint:  # before any request reaches the server
@@ -206,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from tokentrace.agent.load.workload import LoadConfig, WorkloadError, parse_length
+    from tokentrace.loadgen.workload import LoadConfig, WorkloadError, parse_length
     from tokentrace.processors.durations import parse_duration_ns
 
     def seconds(option: str, text: str | None) -> float | None:
@@ -274,7 +274,7 @@ def _slo_targets(path: str) -> list[Any]:
 
 def _headers(options: list[str], api_key: str | None) -> dict[str, str]:
     """``--header`` options and the API key as request headers; a usage error for bad ones."""
-    from tokentrace.agent.load.http import FRAMING_HEADERS, check_header
+    from tokentrace.loadgen.http import FRAMING_HEADERS, check_header
 
     headers: dict[str, str] = {}
     if api_key is not None:
@@ -316,8 +316,8 @@ def _discover_model(server_url: str, *, headers: dict[str, str], timeout_s: floa
 
 
 def _exporter(args: argparse.Namespace) -> Any:
-    from tokentrace.agent.load.export import ClientSpanExporter
     from tokentrace.agent.otlp_export import OtlpExporterConfig
+    from tokentrace.loadgen.export import ClientSpanExporter
 
     config: OtlpExporterConfig | None
     try:

@@ -31,15 +31,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from tokentrace.agent.load.http import HttpClient, HttpError, Response
-from tokentrace.agent.load.results import RequestResult
-from tokentrace.agent.load.workload import (
+from tokentrace.agent.spans import format_traceparent, random_span_id_bytes, random_trace_id
+from tokentrace.loadgen.http import HttpClient, HttpError, Response
+from tokentrace.loadgen.results import RequestResult
+from tokentrace.loadgen.workload import (
     LoadConfig,
     RequestPlan,
     RequestPlanner,
     arrival_offsets_s,
 )
-from tokentrace.agent.spans import format_traceparent, random_span_id_bytes, random_trace_id
 
 _DONE: Final = "[DONE]"
 _STALL_PROBE_INTERVAL_S: Final = 0.005

@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from tokentrace.agent.load import http as http_module
-from tokentrace.agent.load.http import HttpClient, HttpError, Response, parse_base_url
+from tokentrace.loadgen import http as http_module
+from tokentrace.loadgen.http import HttpClient, HttpError, Response, parse_base_url
 
 _T = TypeVar("_T")
 _NS_PER_MS = 1_000_000

@@ -4,7 +4,7 @@ collector's store -> ``tokentrace diagnose`` / ``compare``.
 One server for the module, made to show each diagnosis on purpose: a batch of 2
 (``--max-num-seqs 2``, so concurrent requests queue), prefix caching off (a shared system prompt
 is recomputed every time), a 2048-token context (long prompts fit), and a test middleware
-(``tests/load/support/frontend_delay.py``) that blocks the API server's event loop for requests
+(``tests/loadgen/support/frontend_delay.py``) that blocks the API server's event loop for requests
 that ask. The network delay comes from a delaying TCP proxy on loopback between the load and the
 server.
 
@@ -30,18 +30,18 @@ from typing import Any
 
 import pytest
 
-from tests.load.delay_proxy import DelayProxy
-from tests.load.support import frontend_delay
+from tests.loadgen.delay_proxy import DelayProxy
+from tests.loadgen.support import frontend_delay
 from tests.vllm.conftest import require_vllm
-from tests.vllm.server import VllmServer, running_vllm_server
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
-from tokentrace.agent.load.record import RunRecord, load
-from tokentrace.agent.load.results import percentile
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
 from tokentrace.collector.store.sqlite import RequestStore
 from tokentrace.collector.window import records_of_traces
+from tokentrace.loadgen.local_vllm import VllmServer, running_vllm_server
+from tokentrace.loadgen.record import RunRecord, load
+from tokentrace.loadgen.results import percentile
 from tokentrace.processors.budget import has_server_view
 from tokentrace.processors.model import RequestRecord
 
@@ -77,7 +77,7 @@ class Loop:
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop]:
-    from tests.vllm.tiny_model import build_tiny_model
+    from tokentrace.loadgen.tiny_model import build_tiny_model
 
     workdir = tmp_path_factory.mktemp("load-loop")
     model_dir = build_tiny_model(workdir / "model", max_positions=_MAX_MODEL_LEN)

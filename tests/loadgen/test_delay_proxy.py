@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.load.delay_proxy import DelayProxy
+from tests.loadgen.delay_proxy import DelayProxy
 
 _DELAY_S = 0.05
 _ROUND_TRIP_SLACK_S = 0.08

@@ -1,11 +1,12 @@
 """A tiny random-weight Llama with its own byte-level BPE tokenizer, built locally in seconds.
 
-No model hub is reachable here, and the tests only need something vLLM loads and serves through
-its normal paths (tokenizer, chat template, Llama model runner, KV cache), not sensible text. The
+No model hub needs to be reachable: the demo, the tests and the benches only need something vLLM
+loads and serves through its normal paths (tokenizer, chat template, Llama model runner, KV
+cache), not sensible text. The
 tokenizer is trained on the Python standard library's own sources, so nothing is downloaded, and
 the same interpreter and seed give byte-identical files.
 
-    python -m tests.vllm.tiny_model DIR    # writes the model directory DIR and prints it
+    python -m tokentrace.loadgen.tiny_model DIR    # writes the model directory DIR and prints it
 """
 
 from __future__ import annotations

@@ -13,14 +13,14 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.load.results import (
+from tokentrace.loadgen.results import (
     CLIENT_METRICS,
     RequestResult,
     percentile,
 )
 
 if TYPE_CHECKING:
-    from tokentrace.agent.load.record import RunRecord
+    from tokentrace.loadgen.record import RunRecord
     from tokentrace.processors.slo import SloTarget
 
 _NS_PER_MS: Final = 1_000_000

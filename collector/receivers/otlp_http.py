@@ -28,8 +28,8 @@ from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, status_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tokentrace.agent.consumer import Overloaded, TraceConsumer, Unavailable
-from tokentrace.agent.receivers import (
+from tokentrace.collector.consumer import Overloaded, TraceConsumer, Unavailable
+from tokentrace.collector.receivers import (
     ConsumerFailed,
     OtlpReceiverBase,
     ReceiverStartError,

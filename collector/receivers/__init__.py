@@ -15,8 +15,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from tokentrace.agent.consumer import Overloaded, TraceConsumer, Unavailable
-from tokentrace.agent.receivers.validate import sanitize
+from tokentrace.collector.consumer import Overloaded, TraceConsumer, Unavailable
+from tokentrace.collector.receivers.validate import sanitize
 
 __all__ = [
     "ConsumerFailed",

@@ -32,10 +32,10 @@ from starlette.routing import Route
 from tests.collector.upstream import UpstreamOtlp, iter_spans
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
-from tokentrace.agent.load import http as http_module
-from tokentrace.agent.load import record as run_record
-from tokentrace.agent.load.results import RequestResult
-from tokentrace.agent.load.workload import arrival_offsets_s
+from tokentrace.loadgen import http as http_module
+from tokentrace.loadgen import record as run_record
+from tokentrace.loadgen.results import RequestResult
+from tokentrace.loadgen.workload import arrival_offsets_s
 
 _MODEL = "fake-model"
 _FIRST_TOKEN_DELAY_S = 0.010

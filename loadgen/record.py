@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Final
 
-from tokentrace.agent.load.results import RequestResult
+from tokentrace.loadgen.results import RequestResult
 
 RECORD_KIND: Final = "tokentrace.load.run"
 RECORD_VERSION: Final = 1

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tokentrace.agent import semconv
-from tokentrace.agent.load import workload
-from tokentrace.agent.load.workload import (
+from tokentrace.loadgen import workload
+from tokentrace.loadgen.workload import (
     API_CHAT,
     API_COMPLETIONS,
     PROMPT_WORDS,
@@ -795,7 +795,7 @@ def test_tokenizer_prompt_builder_explains_what_is_missing(
 
 def test_module_import_stays_light() -> None:
     code = (
-        "import sys, tokentrace.agent.load.workload; "
+        "import sys, tokentrace.loadgen.workload; "
         "print(sorted({'transformers', 'tokenizers'} & set(sys.modules)))"
     )
     result = subprocess.run(
