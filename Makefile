@@ -5,8 +5,10 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
 VENV_ROOT ?= $(HOME)/.cache/tokentrace/venvs
-DEPS_FILES := pyproject.toml constraints.txt requirements-vllm-test.txt
-DEPS_HASH := $(shell cat $(DEPS_FILES) | sha256sum | cut -c1-16)
+# pyproject.toml counts up to its entry points: the package list and tool settings below them
+# change with the code, not with what the environment must hold.
+DEPS_HASH := $(shell { sed -n '1,/^\[project.scripts\]/p' pyproject.toml; \
+	cat constraints.txt requirements-vllm-test.txt; } | sha256sum | cut -c1-16)
 VENV ?= $(VENV_ROOT)/$(DEPS_HASH)
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=

@@ -1,7 +1,8 @@
 """One request's tokentrace spans, and their OTLP protobuf encoding.
 
-The agent turns each finished request's ``RequestRecording`` into DESIGN.md's span subtree once,
-off the serving thread (``tokentrace replay`` does the same with its simulated requests)::
+The agent turns each finished request's ``RequestRecording`` into the span subtree of the span
+contract (docs/architecture.md) once, off the serving thread (``tokentrace replay`` does the same
+with its simulated requests)::
 
     llm.request             arrival -> response complete; parent: the incoming HTTP server span
       llm.queue             engine arrival (queued; else arrival) -> first scheduled

@@ -13,7 +13,7 @@ Each simulated request yields the ``RequestRecording`` the real agent would reco
 (``SimulatedRequest.recording``), and its server-side spans are the agent's own: the layout and
 the encoder of ``tokentrace.agent.spans``. Replay adds what surrounds the request in a
 deployment: the HTTP server span (the recording's parent) and the load generator's client span.
-Emission, one span layout (the tokentrace dialect: DESIGN.md's span tree) three ways:
+Emission, one span layout (the tokentrace dialect: the span contract of docs/architecture.md) three ways:
 
 - ``emit_sdk``: through the OpenTelemetry SDK (the caller configures the exporter), so the
   collector sees a real OTLP client;

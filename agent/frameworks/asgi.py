@@ -6,7 +6,7 @@ handed to the transport, after the engine's last token (detokenisation, SSE enco
 server's event loop is busy (many concurrent streams on a few cores) both stretches grow to
 seconds. Without this span the budget has no server start and end but the engine's, and can only
 call that time ``network``; with it, the time is ``http`` (span start -> engine arrival) and
-``postprocess`` (last token -> span end), as DESIGN.md defines them.
+``postprocess`` (last token -> span end), as docs/architecture.md defines them.
 
 The middleware wraps the app's whole middleware stack (it is the outermost layer). Per request:
 one clock read at the start and one just before the response's last bytes are sent (so the span
