@@ -13,7 +13,7 @@ VENV ?= $(VENV_ROOT)/$(DEPS_HASH)
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv install browser test lint typecheck pytest demo bench docs clean
+.PHONY: venv install browser test test-fast lint typecheck pytest demo bench docs clean
 
 # No prerequisites: the path already carries the hash of the dependency files' content, and a
 # fresh clone's newer mtimes must not force a rebuild of an identical environment.
@@ -57,6 +57,11 @@ pytest: install browser
 	"$(PY)" -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# The inner loop: unit and in-process tests, without the `slow` ones (real vLLM, the browser,
+# servers in child processes); `make test` stays the full suite and CI's command.
+test-fast: install
+	"$(PY)" -m pytest -m "not slow" $(PYTEST_ARGS)
 
 demo: install
 	"$(PY)" -m tokentrace.collector.demo

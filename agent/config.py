@@ -36,9 +36,9 @@ from typing import Final
 from urllib.parse import unquote, urlsplit
 
 from tokentrace.agent import semconv
+from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO
 from tokentrace.agent.identity import kubernetes_resource, visible_gpu_uuids
-from tokentrace.agent.otlp_export import PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF, OtlpExporterConfig
-from tokentrace.agent.recording import DEFAULT_ITL_OUTLIER_RATIO
+from tokentrace.agent.otlp_config import PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF, OtlpExporterConfig
 from tokentrace.agent.spans import AttrValue
 
 _log = logging.getLogger(__name__)

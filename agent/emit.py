@@ -2,7 +2,7 @@
 
 The serving path only calls ``submit`` (a length check and a deque append). The emitter's thread
 (started by the first ``submit``) wakes every ``interval_s``, converts the finished timers to Unix
-time, builds and encodes their spans in one batch (``spans.encode_recordings``) and hands the
+time, builds and encodes their spans in one batch (``span_encoding.SpanBatchEncoder``) and hands the
 bytes to ``send`` (the OTLP sender's non-blocking ``submit``). Bounded: a full queue drops the new
 request and counts it, so a stalled exporter never grows the host's memory; a sender without room
 (``has_room``) makes the emitter drop batches before encoding them.
@@ -19,13 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tokentrace.agent.otlp_export import RateLimitedWarning
-from tokentrace.agent.recorder import ClockDomain, RequestTimer, to_recording
-from tokentrace.agent.spans import (
-    DEFAULT_MAX_TOKEN_OFFSETS,
-    DeferredSpans,
-    RecordingEncoder,
-    SpanJob,
-)
+from tokentrace.agent.recorder import ClockDomain, RequestTimer, to_finished_request
+from tokentrace.agent.span_encoding import SpanBatchEncoder
+from tokentrace.agent.spans import DEFAULT_MAX_TOKEN_OFFSETS, DeferredSpans, SpanJob
 
 _log = logging.getLogger(__name__)
 
@@ -65,7 +61,7 @@ class SpanEmitter:
         bound of its spans); when it says no, the batch is dropped unencoded."""
         self._send = send
         self._has_room = has_room
-        self._encoder = RecordingEncoder(
+        self._encoder = SpanBatchEncoder(
             resource_attributes=resource_attributes,
             scope_name=scope_name,
             scope_version=scope_version,
@@ -153,18 +149,18 @@ class SpanEmitter:
                 self._count_unsent(len(batch))  # endpoint down or slow: do not encode for nothing
                 continue
             try:
-                recordings = []
+                finished_requests = []
                 jobs: list[SpanJob] = []
                 for item in batch:
                     if type(item) is RequestTimer:
-                        recordings.append(to_recording(item, self._clock))
+                        finished_requests.append(to_finished_request(item, self._clock))
                     elif type(item) is SpanJob:
                         jobs.append(item)
                     else:
                         jobs += self._plan(item)  # type: ignore[arg-type]
-                skipped_before = self._encoder.recordings_skipped
-                payload, spans = self._encoder.encode(recordings, jobs)
-                skipped = self._encoder.recordings_skipped - skipped_before
+                skipped_before = self._encoder.skipped
+                payload, spans = self._encoder.encode(finished_requests, jobs)
+                skipped = self._encoder.skipped - skipped_before
             except Exception:  # a bad timer must not stop the emitter
                 self.failed_batches += 1
                 self._count_unencodable(len(batch), exc_info=True)

@@ -141,7 +141,7 @@ class NodeAgentCommand:
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
     """The ``NodeAgentConfig`` of flags over environment over defaults; ValueError if invalid."""
     from tokentrace.agent.node.service import DEFAULT_UPSTREAM, NodeAgentConfig
-    from tokentrace.agent.otlp_export import PROTOCOL_GRPC, OtlpExporterConfig, options_from_env
+    from tokentrace.agent.otlp_config import PROTOCOL_GRPC, OtlpExporterConfig, options_from_env
 
     # The default upstream stands in for an unset endpoint variable, so that the other
     # OTEL_EXPORTER_OTLP_* variables (headers, timeout, compression) still apply.

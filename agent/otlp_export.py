@@ -12,76 +12,33 @@ the bytes of one serialised ``Export*ServiceRequest`` go to a bounded queue; whe
 are dropped and counted. The worker thread sends one request at a time over gRPC (the
 pre-serialised bytes through a raw unary call; ``grpc`` is imported only then) or OTLP/HTTP
 (``application/x-protobuf``, gzip), retries retryable failures and counts everything it could not
-deliver. ``OtlpExporterConfig.from_env`` reads the standard ``OTEL_EXPORTER_OTLP_*`` variables.
+deliver. Configuration (``OtlpExporterConfig``, ``OTEL_EXPORTER_OTLP_*``) is ``otlp_config``'s;
+the gRPC and HTTP transports, one attempt each, are ``otlp_transport``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import email.utils
-import enum
-import gzip
-import http.client
-import importlib.metadata
 import logging
 import math
 import os
 import random
-import socket
-import ssl
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar
-from urllib.parse import unquote, urlsplit
+from collections.abc import Callable
+from typing import Final
 
-from google.protobuf.message import DecodeError, Message
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
-    ExportMetricsServiceResponse,
+from tokentrace.agent.otlp_config import (
+    SIGNAL_SPECS,
+    TOKENTRACE_VERSION,
+    OtlpExporterConfig,
+    Signal,
 )
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-
-if TYPE_CHECKING:
-    import grpc
+from tokentrace.agent.otlp_transport import SendResult, Transport, make_transport
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_GRPC: Final = "grpc"
-PROTOCOL_HTTP_PROTOBUF: Final = "http/protobuf"
-PROTOCOLS: Final = (PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF)
-COMPRESSION_GZIP: Final = "gzip"
-COMPRESSION_NONE: Final = "none"
-COMPRESSIONS: Final = (COMPRESSION_GZIP, COMPRESSION_NONE)
-SIGNAL_TRACES: Final = "traces"
-SIGNAL_METRICS: Final = "metrics"
-Signal = Literal["traces", "metrics"]
-"""What one sender carries: ``ExportTraceServiceRequest`` or ``ExportMetricsServiceRequest``."""
-
-
-def _installed_version() -> str:
-    try:
-        return importlib.metadata.version("tokentrace")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a bare source tree
-        return ""
-
-
-TOKENTRACE_VERSION: Final = _installed_version()
-"""The installed tokentrace version; empty when running from a bare source tree."""
-
-_DEFAULT_PROTOCOL: Final = PROTOCOL_HTTP_PROTOBUF
-"""The OpenTelemetry exporter specification's default transport."""
-_DEFAULT_TIMEOUT_S: Final = 10.0
-_DEFAULT_COMPRESSION: Final = COMPRESSION_GZIP
-"""Upstream links may leave the node: compress by default, as the OpenTelemetry Collector does."""
-_DEFAULT_QUEUE_SIZE: Final = 10_000
-_DEFAULT_MAX_BATCH_SPANS: Final = 512
-_DEFAULT_RETRY_INITIAL_INTERVAL_S: Final = 0.5
-_DEFAULT_RETRY_MAX_INTERVAL_S: Final = 5.0
-_DEFAULT_RETRY_MAX_ELAPSED_S: Final = 60.0
 _DEFAULT_FLUSH_TIMEOUT_S: Final = 10.0
 _DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 10.0
 _DEFAULT_USER_AGENT: Final = f"tokentrace-agent/{TOKENTRACE_VERSION or 'dev'}"
@@ -94,558 +51,6 @@ _DROP_WARNING_INTERVAL_S: Final = 10.0
 """At most one drop warning per sender in this many seconds; the counters carry the rest."""
 _SHUTDOWN_ABORT_GRACE_S: Final = 1.0
 """After the shutdown timeout, how long to wait for the cancelled in-flight call to unwind."""
-_GZIP_LEVEL: Final = 6
-_ERROR_BODY_PREVIEW_BYTES: Final = 200
-
-_GRPC_RETRYABLE_CODES: Final = frozenset(
-    {
-        "CANCELLED",
-        "DEADLINE_EXCEEDED",
-        "RESOURCE_EXHAUSTED",
-        "ABORTED",
-        "OUT_OF_RANGE",
-        "UNAVAILABLE",
-        "DATA_LOSS",
-    }
-)
-"""The OTLP specification's retryable gRPC codes, by ``grpc.StatusCode`` name (grpc is imported
-only by the gRPC transport); RESOURCE_EXHAUSTED honours RetryInfo."""
-_HTTP_RETRYABLE: Final = frozenset({429, 502, 503, 504})
-_GRPC_STATUS_DETAILS_KEY: Final = "grpc-status-details-bin"
-
-_ENV_PREFIX: Final = "OTEL_EXPORTER_OTLP_"
-
-_ConfigT = TypeVar("_ConfigT", bound="OtlpExporterConfig")
-
-
-# --- configuration --------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RetryConfig:
-    """Exponential backoff for retryable failures (the Collector's ``retry_on_failure``)."""
-
-    initial_interval_s: float = _DEFAULT_RETRY_INITIAL_INTERVAL_S
-    max_interval_s: float = _DEFAULT_RETRY_MAX_INTERVAL_S
-    max_elapsed_s: float = _DEFAULT_RETRY_MAX_ELAPSED_S
-    """Give a batch up (drop and count it) once retrying would pass this; 0 never retries."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OtlpExporterConfig:
-    """Where and how traces and metrics are sent as OTLP. ``validate()`` before use (an
-    ``OtlpSender`` validates the one it is given).
-
-    One configuration serves both signals, like the ``OTEL_EXPORTER_OTLP_*`` variables: a base
-    ``endpoint`` plus optional per-signal endpoints that override it.
-    """
-
-    endpoint: str = ""
-    """Base endpoint. gRPC: ``http://host:4317`` (plaintext), ``https://host:4317`` or
-    ``host:4317`` (TLS). OTLP/HTTP: a base URL such as ``http://host:4318``; the signal path
-    (``/v1/traces``, ``/v1/metrics``) is appended to it."""
-    traces_endpoint: str = ""
-    """Overrides ``endpoint`` for traces; for OTLP/HTTP the full URL, used as it is."""
-    metrics_endpoint: str = ""
-    """Overrides ``endpoint`` for metrics; for OTLP/HTTP the full URL, used as it is."""
-    protocol: str = _DEFAULT_PROTOCOL
-    """``grpc`` | ``http/protobuf``."""
-    headers: Mapping[str, str] = field(default_factory=dict)
-    """Sent with every request (gRPC metadata keys are lower-cased)."""
-    timeout_s: float = _DEFAULT_TIMEOUT_S
-    """Per attempt."""
-    compression: str = _DEFAULT_COMPRESSION
-    """``gzip`` | ``none``."""
-    queue_size: int = _DEFAULT_QUEUE_SIZE
-    """Items (spans, metric data points) waiting to be sent, at most; new batches beyond it are
-    dropped and counted."""
-    max_batch_spans: int = _DEFAULT_MAX_BATCH_SPANS
-    """Items per request at most (spans for traces, data points for metrics); whoever forms the
-    requests honours it (the sender sends each submitted payload as one request)."""
-    retry: RetryConfig = field(default_factory=RetryConfig)
-    insecure: bool | None = None
-    """gRPC only: plaintext instead of TLS. None: from the endpoint scheme (``http://`` is
-    plaintext; ``https://`` and scheme-less are TLS). OTLP/HTTP follows the URL scheme."""
-
-    def endpoint_for(self, signal: str) -> str | None:
-        """The endpoint ``signal`` (``traces`` | ``metrics``) is sent to; None when unset."""
-        spec = _SIGNAL_SPECS[signal]
-        specific = self.traces_endpoint if signal == SIGNAL_TRACES else self.metrics_endpoint
-        if specific:
-            return specific
-        if not self.endpoint:
-            return None
-        if self.protocol == PROTOCOL_HTTP_PROTOBUF:
-            return self.endpoint.rstrip("/") + spec.http_path
-        return self.endpoint
-
-    def uses_tls(self, endpoint: str) -> bool:
-        """Whether sending to ``endpoint`` (one of this config's) uses TLS."""
-        if self.protocol == PROTOCOL_GRPC and self.insecure is not None:
-            return not self.insecure
-        return _scheme(endpoint) != "http"
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"protocol: {self.protocol!r} is not one of {PROTOCOLS}")
-        endpoints = {
-            "endpoint": self.endpoint,
-            "traces_endpoint": self.traces_endpoint,
-            "metrics_endpoint": self.metrics_endpoint,
-        }
-        if not any(endpoints.values()):
-            raise ValueError("endpoint: no endpoint configured")
-        for name, endpoint in endpoints.items():
-            if endpoint:
-                _validate_endpoint(name, endpoint, self.protocol)
-                if (
-                    self.protocol == PROTOCOL_HTTP_PROTOBUF
-                    and self.insecure is not None
-                    and self.insecure != (_scheme(endpoint) == "http")
-                ):
-                    raise ValueError(
-                        f"insecure: OTLP/HTTP takes TLS from the URL scheme; "
-                        f"insecure={self.insecure} contradicts {name} {endpoint!r}"
-                    )
-        for key, value in self.headers.items():
-            if not isinstance(key, str) or not key or not isinstance(value, str):
-                raise ValueError(f"headers: {key!r}={value!r} must be non-empty str = str")
-            if any(char in key + value for char in "\r\n\0"):
-                raise ValueError(f"headers: {key!r} contains a control character")
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"compression: {self.compression!r} is not one of {COMPRESSIONS}")
-        if self.max_batch_spans < 1:
-            raise ValueError(f"max_batch_spans: must be >= 1, got {self.max_batch_spans}")
-        if self.queue_size < self.max_batch_spans:
-            raise ValueError(
-                f"queue_size: must be >= max_batch_spans ({self.max_batch_spans}), "
-                f"got {self.queue_size}"
-            )
-        retry = self.retry
-        if not (math.isfinite(retry.initial_interval_s) and retry.initial_interval_s > 0):
-            raise ValueError(
-                f"retry.initial_interval_s: must be > 0, got {retry.initial_interval_s}"
-            )
-        if not (retry.max_interval_s >= retry.initial_interval_s):
-            raise ValueError(
-                f"retry.max_interval_s: must be >= initial_interval_s, got {retry.max_interval_s}"
-            )
-        if not (math.isfinite(retry.max_elapsed_s) and retry.max_elapsed_s >= 0):
-            raise ValueError(f"retry.max_elapsed_s: must be >= 0, got {retry.max_elapsed_s}")
-
-    @classmethod
-    def from_env(
-        cls: type[_ConfigT], environ: Mapping[str, str], *, signal: Signal | None = None
-    ) -> _ConfigT | None:
-        """The configuration the standard ``OTEL_EXPORTER_OTLP_*`` variables describe, or None
-        when none of ``..._ENDPOINT``, ``..._TRACES_ENDPOINT``, ``..._METRICS_ENDPOINT`` is set.
-
-        Read: ``ENDPOINT`` (for OTLP/HTTP the signal paths are appended), ``TRACES_ENDPOINT`` /
-        ``METRICS_ENDPOINT`` (used as they are), ``PROTOCOL``, ``HEADERS`` (``k=v,k2=v2``,
-        URL-encoded), ``TIMEOUT`` (milliseconds), ``COMPRESSION``, ``INSECURE`` (gRPC). With
-        ``signal``, that signal's own variables (``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` ...)
-        override the general ones, and the result is meant for that signal's sender only. Empty
-        values count as unset. Invalid values raise ValueError naming the variable: better no
-        export than export somewhere unintended.
-        """
-        options = options_from_env(environ, signal=signal)
-        if options is None:
-            return None
-        config = cls(**options)
-        config.validate()
-        return config
-
-
-def options_from_env(
-    environ: Mapping[str, str], *, signal: Signal | None = None
-) -> dict[str, Any] | None:
-    """``OtlpExporterConfig`` keyword arguments from ``OTEL_EXPORTER_OTLP_*`` (see
-    ``OtlpExporterConfig.from_env``), not yet validated: for callers that lay settings of their
-    own over the environment. None when no endpoint variable is set."""
-    if signal is not None and signal not in _SIGNAL_SPECS:
-        raise ValueError(f"signal: {signal!r} is not one of {tuple(_SIGNAL_SPECS)}")
-    specific_prefix = f"{_ENV_PREFIX}{signal.upper()}_" if signal is not None else None
-
-    def read(name: str) -> tuple[str, str]:
-        """The value of ``name`` and the variable it came from (the signal's own first)."""
-        if specific_prefix is not None:
-            variable = f"{specific_prefix}{name}"
-            if value := environ.get(variable, "").strip():
-                return value, variable
-        variable = f"{_ENV_PREFIX}{name}"
-        return environ.get(variable, "").strip(), variable
-
-    options: dict[str, Any] = {
-        "endpoint": environ.get(f"{_ENV_PREFIX}ENDPOINT", "").strip(),
-        "traces_endpoint": environ.get(f"{_ENV_PREFIX}TRACES_ENDPOINT", "").strip(),
-        "metrics_endpoint": environ.get(f"{_ENV_PREFIX}METRICS_ENDPOINT", "").strip(),
-    }
-    if not any(options.values()):
-        return None
-    # ``grpc://host:port`` (vLLM's --otlp-traces-endpoint convention, which vLLM also writes to
-    # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT in its processes): plaintext OTLP/gRPC.
-    grpc_scheme = [key for key, value in options.items() if _scheme(value) == _GRPC_SCHEME]
-    for key in grpc_scheme:
-        options[key] = "http://" + options[key].split("://", 1)[1]
-    protocol, variable = read("PROTOCOL")
-    if protocol:
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"{variable}: {protocol!r} is not one of {PROTOCOLS}")
-        if grpc_scheme and protocol != PROTOCOL_GRPC:
-            raise ValueError(
-                f"{variable}: {protocol!r} contradicts the grpc:// endpoint in "
-                f"{_ENV_PREFIX}{grpc_scheme[0].upper()}"
-            )
-        options["protocol"] = protocol
-    elif grpc_scheme:
-        options["protocol"] = PROTOCOL_GRPC
-    headers, variable = read("HEADERS")
-    if headers:
-        options["headers"] = _parse_headers(variable, headers)
-    timeout, variable = read("TIMEOUT")
-    if timeout:
-        try:
-            timeout_ms = float(timeout)
-        except ValueError:
-            raise ValueError(f"{variable}: {timeout!r} is not a number of ms") from None
-        if not (math.isfinite(timeout_ms) and timeout_ms > 0):
-            raise ValueError(f"{variable}: must be > 0 ms, got {timeout!r}")
-        options["timeout_s"] = timeout_ms / 1000.0
-    compression, variable = read("COMPRESSION")
-    compression = compression.lower()
-    if compression:
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"{variable}: {compression!r} is not one of {COMPRESSIONS}")
-        options["compression"] = compression
-    insecure, variable = read("INSECURE")
-    insecure = insecure.lower()
-    if insecure and options.get("protocol", _DEFAULT_PROTOCOL) == PROTOCOL_GRPC:
-        if insecure not in ("true", "false"):
-            raise ValueError(f"{variable}: {insecure!r} is not true or false")
-        options["insecure"] = insecure == "true"
-    return options
-
-
-def _parse_headers(variable: str, value: str) -> dict[str, str]:
-    """``k=v,k2=v2`` with URL-encoded keys and values (the W3C baggage format the spec uses)."""
-    headers: dict[str, str] = {}
-    for item in value.split(","):
-        if not item.strip():
-            continue
-        key, separator, header_value = item.partition("=")
-        key = unquote(key.strip())
-        if not separator or not key:
-            raise ValueError(f"{variable}: {item.strip()!r} is not key=value")
-        headers[key] = unquote(header_value.strip())
-    return headers
-
-
-_GRPC_SCHEME: Final = "grpc"
-
-
-def _scheme(endpoint: str) -> str:
-    return endpoint.split("://", 1)[0].lower() if "://" in endpoint else ""
-
-
-def _validate_endpoint(name: str, endpoint: str, protocol: str) -> None:
-    if any(char.isspace() for char in endpoint):
-        raise ValueError(f"{name}: {endpoint!r} contains whitespace")
-    checked = endpoint
-    if "://" not in endpoint and protocol == PROTOCOL_GRPC:
-        checked = f"https://{endpoint}"  # a bare gRPC target: check it as host:port
-    parts = urlsplit(checked)
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"{name}: {endpoint!r} needs an http:// or https:// scheme")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"{name}: {endpoint!r} has an invalid port") from None
-    if not parts.hostname:
-        raise ValueError(f"{name}: {endpoint!r} has no host")
-    if protocol == PROTOCOL_GRPC and port is None:
-        raise ValueError(f"{name}: gRPC endpoint {endpoint!r} needs a port")
-
-
-# --- one signal's wire details ---------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class _SignalSpec:
-    name: str
-    item: str
-    """What the counters count: ``spans`` | ``data_points``."""
-    grpc_method: str
-    http_path: str
-    response_type: type[Message]
-    rejected_field: str
-    """The partial-success field counting rejected items."""
-
-
-_SIGNAL_SPECS: Final = {
-    SIGNAL_TRACES: _SignalSpec(
-        name=SIGNAL_TRACES,
-        item="spans",
-        grpc_method="/opentelemetry.proto.collector.trace.v1.TraceService/Export",
-        http_path="/v1/traces",
-        response_type=ExportTraceServiceResponse,
-        rejected_field="rejected_spans",
-    ),
-    SIGNAL_METRICS: _SignalSpec(
-        name=SIGNAL_METRICS,
-        item="data_points",
-        grpc_method="/opentelemetry.proto.collector.metrics.v1.MetricsService/Export",
-        http_path="/v1/metrics",
-        response_type=ExportMetricsServiceResponse,
-        rejected_field="rejected_data_points",
-    ),
-}
-
-
-def _rejected_items(response: Message, signal: _SignalSpec) -> tuple[int, str]:
-    partial = getattr(response, "partial_success", None)
-    if partial is None:
-        return 0, ""
-    return int(getattr(partial, signal.rejected_field)), str(partial.error_message)
-
-
-# --- transports -------------------------------------------------------------------------------
-class _Result(enum.Enum):
-    SENT = "sent"
-    RETRYABLE = "retryable"
-    PERMANENT = "permanent"
-
-
-@dataclass(frozen=True, slots=True)
-class _Outcome:
-    result: _Result
-    rejected: int = 0
-    retry_after_s: float | None = None
-    """The delay the server asked for (RetryInfo / Retry-After), if any."""
-    detail: str = ""
-
-
-class _Transport(Protocol):
-    def prepare(self, payload: bytes) -> bytes:
-        """Once per batch, before the first attempt (e.g. compress)."""
-
-    def send(self, body: bytes, timeout_s: float) -> _Outcome:
-        """One attempt; never raises for network or server errors."""
-
-    def close(self) -> None:
-        """Release the connection; may be called from another thread to cancel a send."""
-
-
-def _identity(payload: bytes) -> bytes:
-    return payload
-
-
-class _GrpcTransport:
-    """A raw unary call carrying the pre-serialised request bytes."""
-
-    def __init__(
-        self, config: OtlpExporterConfig, signal: _SignalSpec, endpoint: str, user_agent: str
-    ) -> None:
-        import grpc  # here, not at module level: an OTLP/HTTP sender never loads it
-
-        self._signal = signal
-        target = urlsplit(endpoint).netloc if "://" in endpoint else endpoint
-        options = [("grpc.enable_retries", 0), ("grpc.primary_user_agent", user_agent)]
-        compression = (
-            grpc.Compression.Gzip
-            if config.compression == COMPRESSION_GZIP
-            else grpc.Compression.NoCompression
-        )
-        if config.uses_tls(endpoint):
-            self._channel = grpc.secure_channel(
-                target, grpc.ssl_channel_credentials(), options=options, compression=compression
-            )
-        else:
-            self._channel = grpc.insecure_channel(target, options=options, compression=compression)
-        self._call = self._channel.unary_unary(
-            signal.grpc_method,
-            request_serializer=_identity,
-            response_deserializer=signal.response_type.FromString,
-        )
-        self._metadata = tuple((key.lower(), value) for key, value in config.headers.items())
-
-    def prepare(self, payload: bytes) -> bytes:
-        return payload  # the channel compresses
-
-    def send(self, body: bytes, timeout_s: float) -> _Outcome:
-        import grpc  # loaded by __init__ already: a module-cache lookup
-
-        try:
-            response = self._call(body, timeout=timeout_s, metadata=self._metadata)
-        except grpc.RpcError as error:
-            if not isinstance(error, grpc.Call):
-                return _Outcome(_Result.RETRYABLE, detail=repr(error))
-            code = error.code()
-            detail = f"gRPC {code.name}: {error.details()}"
-            if code.name in _GRPC_RETRYABLE_CODES:
-                return _Outcome(
-                    _Result.RETRYABLE, retry_after_s=_grpc_retry_delay(error), detail=detail
-                )
-            return _Outcome(_Result.PERMANENT, detail=detail)
-        rejected, message = _rejected_items(response, self._signal)
-        return _Outcome(_Result.SENT, rejected=rejected, detail=message)
-
-    def close(self) -> None:
-        self._channel.close()
-
-
-def _grpc_retry_delay(error: grpc.Call) -> float | None:
-    """The RetryInfo delay in the error's ``grpc-status-details-bin`` trailer, if any."""
-    try:  # googleapis-common-protos, which grpc deployments normally carry
-        from google.rpc import error_details_pb2, status_pb2
-    except ImportError:  # pragma: no cover - then the delay comes from the backoff alone
-        return None
-    for key, value in error.trailing_metadata() or ():
-        if key != _GRPC_STATUS_DETAILS_KEY or not isinstance(value, bytes):
-            continue
-        try:
-            status = status_pb2.Status.FromString(value)
-            for detail in status.details:
-                if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-                    info = error_details_pb2.RetryInfo()
-                    detail.Unpack(info)
-                    delay = info.retry_delay
-                    return max(0.0, delay.seconds + delay.nanos / 1e9)
-        except DecodeError:
-            return None
-    return None
-
-
-class _HttpTransport:
-    """OTLP/HTTP over one persistent ``http.client`` connection, re-opened after errors."""
-
-    def __init__(
-        self, config: OtlpExporterConfig, signal: _SignalSpec, url: str, user_agent: str
-    ) -> None:
-        self._signal = signal
-        parts = urlsplit(url)
-        path = parts.path or "/"
-        self._path = f"{path}?{parts.query}" if parts.query else path
-        self._host = parts.hostname or ""
-        self._tls = parts.scheme == "https"
-        self._port = parts.port or (443 if self._tls else 80)
-        self._gzip = config.compression == COMPRESSION_GZIP
-        self._headers = {
-            "Content-Type": "application/x-protobuf",
-            "User-Agent": user_agent,
-            **config.headers,
-        }
-        if self._gzip:
-            self._headers["Content-Encoding"] = "gzip"
-        self._ssl_context = ssl.create_default_context() if self._tls else None
-        self._lock = threading.Lock()
-        self._connection: http.client.HTTPConnection | None = None
-
-    def prepare(self, payload: bytes) -> bytes:
-        return gzip.compress(payload, compresslevel=_GZIP_LEVEL) if self._gzip else payload
-
-    def send(self, body: bytes, timeout_s: float) -> _Outcome:
-        with self._lock:
-            connection = self._connection
-            reused = connection is not None
-            if connection is None:
-                connection = self._connection = self._new_connection(timeout_s)
-        try:
-            connection.timeout = timeout_s
-            if connection.sock is not None:
-                connection.sock.settimeout(timeout_s)
-            try:
-                status, reason, will_close, retry_after, data = self._post(connection, body)
-            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
-                if not reused:
-                    raise
-                # The server closed an idle keep-alive connection: one fresh attempt, not a retry.
-                self._drop_connection(connection)
-                with self._lock:
-                    connection = self._connection = self._new_connection(timeout_s)
-                status, reason, will_close, retry_after, data = self._post(connection, body)
-        except (OSError, http.client.HTTPException, ValueError, AttributeError) as error:
-            # ValueError/AttributeError: the connection was closed under us (shutdown abort).
-            self._drop_connection(connection)
-            return _Outcome(_Result.RETRYABLE, detail=f"connection error: {error!r}")
-        if will_close:
-            self._drop_connection(connection)
-        if 200 <= status < 300:
-            if not data:
-                return _Outcome(_Result.SENT)
-            try:
-                response = self._signal.response_type.FromString(data)
-            except DecodeError:
-                return _Outcome(_Result.SENT, detail="undecodable response body")
-            rejected, message = _rejected_items(response, self._signal)
-            return _Outcome(_Result.SENT, rejected=rejected, detail=message)
-        detail = f"HTTP {status} {reason}: {data[:_ERROR_BODY_PREVIEW_BYTES]!r}"
-        if status in _HTTP_RETRYABLE:
-            return _Outcome(
-                _Result.RETRYABLE, retry_after_s=_parse_retry_after(retry_after), detail=detail
-            )
-        return _Outcome(_Result.PERMANENT, detail=detail)
-
-    def _post(
-        self, connection: http.client.HTTPConnection, body: bytes
-    ) -> tuple[int, str, bool, str | None, bytes]:
-        connection.request("POST", self._path, body=body, headers=self._headers)
-        response = connection.getresponse()
-        data = response.read()  # read fully so the connection can be reused
-        return (
-            response.status,
-            response.reason,
-            response.will_close,
-            response.getheader("Retry-After"),
-            data,
-        )
-
-    def _new_connection(self, timeout_s: float) -> http.client.HTTPConnection:
-        if self._tls:
-            return http.client.HTTPSConnection(
-                self._host, self._port, timeout=timeout_s, context=self._ssl_context
-            )
-        return http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
-
-    def _drop_connection(self, connection: http.client.HTTPConnection) -> None:
-        with self._lock:
-            if self._connection is connection:
-                self._connection = None
-        connection.close()
-
-    def close(self) -> None:
-        with self._lock:
-            connection, self._connection = self._connection, None
-        if connection is None:
-            return
-        sock = connection.sock
-        if sock is not None:
-            # Wakes a worker blocked in recv on this socket; close() alone would not.
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        connection.close()
-
-
-def _parse_retry_after(value: str | None) -> float | None:
-    """``Retry-After`` as seconds from now: delta-seconds or an HTTP date."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.timezone.utc)
-    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
-
-
-def _make_transport(
-    config: OtlpExporterConfig, signal: _SignalSpec, endpoint: str, user_agent: str
-) -> _Transport:
-    if config.protocol == PROTOCOL_GRPC:
-        return _GrpcTransport(config, signal, endpoint, user_agent)
-    return _HttpTransport(config, signal, endpoint, user_agent)
 
 
 # --- the queue + worker + retry -------------------------------------------------------------------
@@ -719,11 +124,11 @@ class OtlpSender:
     ) -> None:
         """Raises ValueError for an invalid ``config`` or ``signal``. ``clock``/``sleep``/
         ``random_fraction`` (in [0, 1), for jitter) are for tests."""
-        if signal not in _SIGNAL_SPECS:
-            raise ValueError(f"signal: {signal!r} is not one of {tuple(_SIGNAL_SPECS)}")
+        if signal not in SIGNAL_SPECS:
+            raise ValueError(f"signal: {signal!r} is not one of {tuple(SIGNAL_SPECS)}")
         config.validate()
         self._config = config
-        self._signal = _SIGNAL_SPECS[signal]
+        self._signal = SIGNAL_SPECS[signal]
         self._endpoint = config.endpoint_for(signal)
         self._user_agent = user_agent
         self._clock = clock or time.monotonic
@@ -758,7 +163,7 @@ class OtlpSender:
         self._aborted = False
         self._abort_event = threading.Event()
         self._worker: threading.Thread | None = None
-        self._transport: _Transport | None = None
+        self._transport: Transport | None = None
 
     def _after_fork_in_child(self) -> None:
         # The parent's connection and thread do not exist here; never close the inherited channel.
@@ -932,14 +337,12 @@ class OtlpSender:
                 self._in_flight_items = 0
                 self._idle.notify_all()
 
-    def _get_transport(self) -> _Transport:
+    def _get_transport(self) -> Transport:
         with self._lock:
             transport = self._transport
         if transport is None:
             assert self._endpoint is not None  # nothing is queued without one
-            transport = _make_transport(
-                self._config, self._signal, self._endpoint, self._user_agent
-            )
+            transport = make_transport(self._config, self._signal, self._endpoint, self._user_agent)
             with self._lock:
                 self._transport = transport
         return transport
@@ -961,7 +364,7 @@ class OtlpSender:
                 return None
             attempts += 1
             outcome = transport.send(body, self._config.timeout_s)
-            if outcome.result is _Result.SENT:
+            if outcome.result is SendResult.SENT:
                 rejected = min(max(outcome.rejected, 0), items)
                 if rejected:
                     self._warning.warn(
@@ -974,7 +377,7 @@ class OtlpSender:
                         outcome.detail,
                     )
                 return rejected
-            if outcome.result is _Result.PERMANENT or self._aborted:
+            if outcome.result is SendResult.PERMANENT or self._aborted:
                 self._warn_dropped(items, outcome.detail)
                 return None
             if outcome.retry_after_s is not None:

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokentrace.agent.finished_request import FinishedRequest, PrefillChunk, prompt_prefix_hash
 from tokentrace.agent.otlp_export import RateLimitedWarning
-from tokentrace.agent.recording import PrefillChunk, RequestRecording, prompt_prefix_hash
 
 _log = logging.getLogger(__name__)
 
@@ -98,14 +98,14 @@ class RequestTimer:
     trace_id: bytes = b""
     parent_span_id: bytes = b""
     span_id: bytes = b""
-    """``llm.request``'s id when chosen in advance (see ``RequestRecording.span_id``)."""
+    """``llm.request``'s id when chosen in advance (see ``FinishedRequest.span_id``)."""
     prefill_span_id: bytes = b""
     ready_ns: int | None = None
     """When the server became ready, for a request that arrived during its cold start."""
     cold_start_link: tuple[bytes, bytes] | None = None
     """(trace id, span id) of the ``llm.cold_start`` the request waited for."""
     attributes: dict[str, Any] = field(default_factory=dict)
-    """RequestRecording field values known to the instrumentation (model, tokens, ...)."""
+    """FinishedRequest field values known to the instrumentation (model, tokens, ...)."""
 
     def preempt(self, now_ns: int) -> None:
         if self.preempted_since_ns is None:
@@ -117,7 +117,7 @@ class RequestTimer:
             self.preempted_since_ns = None
 
 
-def to_recording(timer: RequestTimer, clock: ClockDomain) -> RequestRecording:
+def to_finished_request(timer: RequestTimer, clock: ClockDomain) -> FinishedRequest:
     """The request in Unix time, for the span builder (runs on the emitter's thread)."""
     unix = clock.to_unix_ns
     end_ns = timer.end_ns if timer.end_ns is not None else timer.arrival_ns
@@ -125,7 +125,7 @@ def to_recording(timer: RequestTimer, clock: ClockDomain) -> RequestRecording:
         timer.preempted_ns.append((timer.preempted_since_ns, end_ns))
     tokens = timer.token_ns
     first = tokens[0] if tokens else None
-    recording = RequestRecording(
+    finished = FinishedRequest(
         trace_id=timer.trace_id,
         parent_span_id=timer.parent_span_id,
         span_id=timer.span_id,
@@ -147,12 +147,12 @@ def to_recording(timer: RequestTimer, clock: ClockDomain) -> RequestRecording:
         cold_start_link=timer.cold_start_link,
     )
     for name, value in timer.attributes.items():
-        if name not in ("model", "operation") and hasattr(recording, name):
-            setattr(recording, name, value)
+        if name not in ("model", "operation") and hasattr(finished, name):
+            setattr(finished, name, value)
     prompt_ids = timer.attributes.get(PROMPT_TOKEN_IDS)
-    if prompt_ids is not None and recording.prefix_hash is None:
-        recording.prefix_hash = prompt_prefix_hash(prompt_ids)
-    return recording
+    if prompt_ids is not None and finished.prefix_hash is None:
+        finished.prefix_hash = prompt_prefix_hash(prompt_ids)
+    return finished
 
 
 def _last_seen_ns(timer: RequestTimer) -> int:

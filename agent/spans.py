@@ -1,7 +1,7 @@
-"""One request's tokentrace spans, and their OTLP protobuf encoding.
+"""One request's tokentrace spans: the layout, before ids and encoding.
 
-The agent turns each finished request's ``RequestRecording`` into the span subtree of the span
-contract (docs/architecture.md) once, off the serving thread (``tokentrace replay`` does the same
+The agent turns each ``FinishedRequest`` into the span subtree of the span contract
+(docs/architecture.md) once, off the serving thread (``tokentrace replay`` does the same
 with its simulated requests)::
 
     llm.request             arrival -> response complete; parent: the incoming HTTP server span
@@ -18,27 +18,20 @@ lasts until the next known boundary, at the latest the request's end: the rule t
 budget uses for missing boundaries. A request aborted while queued is ``llm.request`` +
 ``llm.queue`` up to its end; one aborted mid-decode (``last_token_ns`` None: it never produced
 its last token) has ``llm.decode`` up to its end and no ``llm.postprocess``. ``llm.request``
-ends with an ERROR status carrying ``recording.error`` when that is set. Attributes whose value
-is unknown (None) are absent.
+ends with an ERROR status carrying ``FinishedRequest.error`` when that is set. Attributes whose
+value is unknown (None) are absent.
 
-Encoding writes protobuf wire format directly: about 4 µs per span where SDK spans plus the
-OTLP exporter's encoder cost about 60 (``bench/span_building.py``). It needs no protobuf
-library: this module imports only the standard library and the agent's own modules. Tests check
-the bytes against the protobuf parser, the SDK path and the collector's processors.
+This module is the span contract's shape and nothing else: ``span_encoding`` writes planned
+spans as OTLP protobuf (the hot path, tuned for speed) with ids from ``span_ids``.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import random
-import re
-import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Final, NamedTuple, TypeAlias
 
 from tokentrace.agent import semconv
-from tokentrace.agent.recording import RequestRecording
+from tokentrace.agent.finished_request import FinishedRequest
 
 __all__ = [
     "DEFAULT_MAX_TOKEN_OFFSETS",
@@ -46,37 +39,17 @@ __all__ = [
     "KIND_INTERNAL",
     "KIND_SERVER",
     "PREFILL_LOCAL_ID",
-    "SPAN_ID_BYTES",
-    "TRACE_ID_BYTES",
     "AttrValue",
     "DeferredSpans",
     "PlannedSpan",
-    "RecordingEncoder",
-    "ResourceScope",
-    "SpanIdSource",
     "SpanJob",
     "count_spans",
-    "encode_recordings",
-    "encode_span",
-    "encode_span_tree",
-    "export_request",
-    "format_ids",
-    "format_traceparent",
-    "parse_ids",
-    "parse_traceparent",
     "plan_spans",
-    "random_span_id",
-    "random_span_id_bytes",
-    "random_trace_id",
 ]
-
-_log = logging.getLogger(__name__)
 
 AttrValue: TypeAlias = "str | int | float | bool | list[int] | tuple[str, ...]"
 """An attribute value: a scalar, an int array (a list: token offsets) or a string array (a
 tuple: hashable, so its encoding can be cached)."""
-SpanIdSource: TypeAlias = "Callable[[], int]"
-"""Returns a new span id: a non-zero integer below 2**64."""
 
 # OTLP span kinds (``opentelemetry.proto.trace.v1.Span.SpanKind``) as plain ints.
 KIND_INTERNAL: Final = 1
@@ -86,15 +59,6 @@ KIND_CLIENT: Final = 3
 DEFAULT_MAX_TOKEN_OFFSETS: Final = 1024
 """Default cap on ``DECODE_TOKEN_OFFSETS`` entries (``DECODE_TOKEN_OFFSETS_DROPPED`` counts the
 rest); public so that configuration and ``tokentrace replay`` share it."""
-_DEFAULT_MAX_TOKEN_OFFSETS: Final = DEFAULT_MAX_TOKEN_OFFSETS
-_DEFAULT_SCOPE_VERSION: Final = ""
-_ATTRIBUTE_CACHE_ENTRIES: Final = 4096
-"""Bound of the cache of whole encoded string/bool attributes (cleared when full)."""
-_UNCACHED_STRING_KEYS: Final = frozenset(
-    {semconv.REQUEST_ID, semconv.PROMPT_PREFIX_HASH, semconv.ENGINE_STEP_REQUEST_IDS}
-)
-"""String (array) attributes unique (or nearly) per span: caching them would only churn the
-cache."""
 PREFILL_LOCAL_ID: Final = 2
 """``plan_spans`` numbers ``llm.prefill`` 2 when the request has one (after request and queue)."""
 
@@ -104,7 +68,7 @@ class PlannedSpan(NamedTuple):
 
     ``local_id`` is the span's position in its plan (parents come before their children);
     ``parent_local_id`` is -1 for the subtree's root, whose parent is the request's external
-    parent (``RequestRecording.parent_span_id``).
+    parent (``FinishedRequest.parent_span_id``).
     """
 
     local_id: int
@@ -125,7 +89,7 @@ DeferredSpans: TypeAlias = "Callable[[], Sequence[SpanJob]]"
 
 
 class SpanJob(NamedTuple):
-    """Spans planned outside a request recording (engine steps, cold start phases), for the
+    """Spans planned outside a finished request (engine steps, cold start phases), for the
     emitter: ``spans`` numbered like ``plan_spans``' output; each root (``parent_local_id`` -1)
     is a child of ``parent_span_id`` (empty: a trace root); ``fixed_ids`` gives some spans an id
     chosen in advance (another process parents its spans under it), by ``local_id``."""
@@ -136,90 +100,13 @@ class SpanJob(NamedTuple):
     fixed_ids: Mapping[int, bytes] | None = None
 
 
-# --- span ids -------------------------------------------------------------------------------------
-# One generator per process, seeded from the OS and re-seeded in forked children so that forked
-# workers never repeat each other's ids. ``getrandbits`` is one C call: safe across threads.
-_span_id_random: Final = random.Random(os.urandom(32))
-_random_bits: Final = _span_id_random.getrandbits
-
-
-def _reseed_span_ids() -> None:
-    _span_id_random.seed(os.urandom(32))
-
-
-os.register_at_fork(after_in_child=_reseed_span_ids)
-
-
-def random_span_id() -> int:
-    """A random non-zero 64-bit span id (the default ``SpanIdSource``)."""
-    return _random_bits(64) or 1
-
-
-def random_trace_id() -> bytes:
-    """A random non-zero 16-byte trace id (W3C: random, never all zeros)."""
-    return (_random_bits(128) or 1).to_bytes(_TRACE_ID_BYTES, "big")
-
-
-def random_span_id_bytes() -> bytes:
-    """``random_span_id`` as the 8 bytes of a span id chosen in advance."""
-    return random_span_id().to_bytes(_SPAN_ID_BYTES, "big")
-
-
-def format_ids(*ids: bytes) -> str:
-    """Trace/span ids as ``-``-joined lowercase hex: how they travel between processes."""
-    return "-".join(item.hex() for item in ids)
-
-
-def parse_ids(value: object, *sizes: int) -> tuple[bytes, ...] | None:
-    """``format_ids``' output back to ids of the given byte ``sizes``; None when malformed."""
-    if not isinstance(value, str):
-        return None
-    parts = value.strip().split("-")
-    if len(parts) != len(sizes) or any(len(p) != 2 * n for p, n in zip(parts, sizes, strict=True)):
-        return None
-    try:
-        return tuple(bytes.fromhex(part) for part in parts)
-    except ValueError:
-        return None
-
-
-# W3C Trace Context: version-traceid-parentid-flags, lowercase hex; version 00 has no more
-# fields, later versions may append "-..." fields.
-_TRACEPARENT: Final = re.compile(
-    r"(?P<version>[0-9a-f]{2})-(?P<trace>[0-9a-f]{32})-(?P<span>[0-9a-f]{16})-[0-9a-f]{2}(?P<rest>-.*)?"
-)
-
-
-def format_traceparent(trace_id: bytes, span_id: bytes) -> str:
-    """A W3C ``traceparent`` header value (version 00, sampled) naming ``span_id`` as parent."""
-    return f"00-{trace_id.hex()}-{span_id.hex()}-01"
-
-
-def parse_traceparent(value: object) -> tuple[bytes, bytes] | None:
-    """(trace id, parent span id) of a W3C ``traceparent`` header; None when it is invalid (the
-    request then starts a new trace rather than losing its spans)."""
-    if not isinstance(value, str):
-        return None
-    match = _TRACEPARENT.fullmatch(value.strip())
-    if match is None:
-        return None
-    version = match.group("version")
-    if version == "ff" or (version == "00" and match.group("rest")):
-        return None
-    trace_id = bytes.fromhex(match.group("trace"))
-    span_id = bytes.fromhex(match.group("span"))
-    if not any(trace_id) or not any(span_id):
-        return None
-    return trace_id, span_id
-
-
 # --- the layout ---------------------------------------------------------------------------------
 
 
 def plan_spans(
-    recording: RequestRecording, *, max_token_offsets: int = _DEFAULT_MAX_TOKEN_OFFSETS
+    finished: FinishedRequest, *, max_token_offsets: int = DEFAULT_MAX_TOKEN_OFFSETS
 ) -> Iterator[PlannedSpan]:
-    """The span subtree of ``recording``, parents before children (see the module docstring).
+    """The span subtree of ``finished``, parents before children (see the module docstring).
 
     The ``llm.request`` span comes first (``local_id`` 0). Decode keeps the first
     ``max_token_offsets`` token offsets and records how many it left out.
@@ -227,16 +114,16 @@ def plan_spans(
     if max_token_offsets < 0:
         raise ValueError("max_token_offsets must be >= 0")
     internal = KIND_INTERNAL
-    arrival = recording.arrival_ns
-    end = max(recording.end_ns, arrival)
+    arrival = finished.arrival_ns
+    end = max(finished.end_ns, arrival)
     # Boundaries from other processes' clocks are clamped into time order inside the request,
     # so a child span never starts before its parent or before the phase it follows.
     scheduled, first_token, last_token = _in_order(
         arrival,
         end,
-        recording.first_scheduled_ns,
-        recording.first_token_ns,
-        recording.last_token_ns,
+        finished.first_scheduled_ns,
+        finished.first_token_ns,
+        finished.last_token_ns,
     )
     # Each phase lasts until the next known boundary.
     decode_end = end if last_token is None else last_token
@@ -244,18 +131,18 @@ def plan_spans(
     queue_end = prefill_end if scheduled is None else scheduled
     # The engine queues the request after the hand-off from the API server; the gap before it
     # is the collector's http segment. Clamped into [arrival, queue_end] (clock skew).
-    queued = recording.queued_ns
+    queued = finished.queued_ns
     queue_start = arrival if queued is None else min(max(queued, arrival), queue_end)
 
     yield PlannedSpan(
         0, -1, semconv.SPAN_REQUEST, internal, arrival, end,
-        _request_attributes(recording), recording.error,
-        () if recording.cold_start_link is None else (recording.cold_start_link,),
+        _request_attributes(finished), finished.error,
+        () if finished.cold_start_link is None else (finished.cold_start_link,),
     )  # fmt: skip
     yield PlannedSpan(1, 0, semconv.SPAN_QUEUE, internal, queue_start, queue_end, {})
     local_id = 2
     if scheduled is not None:
-        chunks = recording.prefill_chunks
+        chunks = finished.prefill_chunks
         prefill_attributes: dict[str, AttrValue] = {}
         if chunks:
             prefill_attributes[semconv.PREFILL_CHUNK_TOKENS] = sum(chunk.tokens for chunk in chunks)
@@ -273,14 +160,14 @@ def plan_spans(
                     {semconv.PREFILL_CHUNK_TOKENS: chunk.tokens},
                 )  # fmt: skip
                 local_id += 1
-    for interval_start, interval_end in recording.preempted:
+    for interval_start, interval_end in finished.preempted:
         start, stop = _clamp(interval_start, interval_end, arrival, end)
         yield PlannedSpan(local_id, 0, semconv.SPAN_PREEMPTED, internal, start, stop, {})
         local_id += 1
     if first_token is not None:
         yield PlannedSpan(
             local_id, 0, semconv.SPAN_DECODE, internal, first_token, decode_end,
-            _decode_attributes(recording, max_token_offsets),
+            _decode_attributes(finished, max_token_offsets),
         )  # fmt: skip
         local_id += 1
     if last_token is not None:
@@ -300,15 +187,15 @@ def _in_order(start: int, end: int, *boundaries: int | None) -> list[int | None]
     return ordered
 
 
-def count_spans(recording: RequestRecording) -> int:
-    """How many spans ``plan_spans(recording)`` yields."""
+def count_spans(finished: FinishedRequest) -> int:
+    """How many spans ``plan_spans(finished)`` yields."""
     count = 2  # llm.request, llm.queue
-    if recording.first_scheduled_ns is not None:
-        chunks = len(recording.prefill_chunks)
+    if finished.first_scheduled_ns is not None:
+        chunks = len(finished.prefill_chunks)
         count += 1 + (chunks if chunks > 1 else 0)
-    count += len(recording.preempted)
-    count += recording.first_token_ns is not None
-    count += recording.last_token_ns is not None
+    count += len(finished.preempted)
+    count += finished.first_token_ns is not None
+    count += finished.last_token_ns is not None
     return count
 
 
@@ -318,532 +205,49 @@ def _clamp(start: int, end: int, low: int, high: int) -> tuple[int, int]:
     return start, min(max(end, start), high)
 
 
-def _request_attributes(recording: RequestRecording) -> dict[str, AttrValue]:
+def _request_attributes(finished: FinishedRequest) -> dict[str, AttrValue]:
     attributes: dict[str, AttrValue] = {
-        semconv.GEN_AI_OPERATION_NAME: recording.operation,
-        semconv.GEN_AI_REQUEST_MODEL: recording.model,
-        semconv.REQUEST_ID: recording.request_id,
+        semconv.GEN_AI_OPERATION_NAME: finished.operation,
+        semconv.GEN_AI_REQUEST_MODEL: finished.model,
+        semconv.REQUEST_ID: finished.request_id,
     }
     # One test per optional value: this runs once per request and dominates plan_spans' cost.
-    if recording.max_tokens is not None:
-        attributes[semconv.GEN_AI_REQUEST_MAX_TOKENS] = recording.max_tokens
-    if recording.temperature is not None:
-        attributes[semconv.GEN_AI_REQUEST_TEMPERATURE] = recording.temperature
-    if recording.top_p is not None:
-        attributes[semconv.GEN_AI_REQUEST_TOP_P] = recording.top_p
-    if recording.input_tokens is not None:
-        attributes[semconv.GEN_AI_USAGE_INPUT_TOKENS] = recording.input_tokens
-    if recording.output_tokens is not None:
-        attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = recording.output_tokens
-    if recording.cached_tokens is not None:
-        attributes[semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = recording.cached_tokens
-    if recording.finish_reason is not None:
-        attributes[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = (recording.finish_reason,)
-    if recording.requests_ahead is not None:
-        attributes[semconv.QUEUE_REQUESTS_AHEAD] = recording.requests_ahead
-    if recording.running_at_arrival is not None:
-        attributes[semconv.QUEUE_RUNNING_AT_ARRIVAL] = recording.running_at_arrival
-    if recording.max_running is not None:
-        attributes[semconv.QUEUE_MAX_RUNNING] = recording.max_running
-    if recording.prefix_hash is not None:
-        attributes[semconv.PROMPT_PREFIX_HASH] = recording.prefix_hash
-    if recording.ready_ns is not None:
-        attributes[semconv.COLD_START_READY_TIME] = recording.ready_ns
+    if finished.max_tokens is not None:
+        attributes[semconv.GEN_AI_REQUEST_MAX_TOKENS] = finished.max_tokens
+    if finished.temperature is not None:
+        attributes[semconv.GEN_AI_REQUEST_TEMPERATURE] = finished.temperature
+    if finished.top_p is not None:
+        attributes[semconv.GEN_AI_REQUEST_TOP_P] = finished.top_p
+    if finished.input_tokens is not None:
+        attributes[semconv.GEN_AI_USAGE_INPUT_TOKENS] = finished.input_tokens
+    if finished.output_tokens is not None:
+        attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = finished.output_tokens
+    if finished.cached_tokens is not None:
+        attributes[semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = finished.cached_tokens
+    if finished.finish_reason is not None:
+        attributes[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = (finished.finish_reason,)
+    if finished.requests_ahead is not None:
+        attributes[semconv.QUEUE_REQUESTS_AHEAD] = finished.requests_ahead
+    if finished.running_at_arrival is not None:
+        attributes[semconv.QUEUE_RUNNING_AT_ARRIVAL] = finished.running_at_arrival
+    if finished.max_running is not None:
+        attributes[semconv.QUEUE_MAX_RUNNING] = finished.max_running
+    if finished.prefix_hash is not None:
+        attributes[semconv.PROMPT_PREFIX_HASH] = finished.prefix_hash
+    if finished.ready_ns is not None:
+        attributes[semconv.COLD_START_READY_TIME] = finished.ready_ns
     return attributes
 
 
-def _decode_attributes(recording: RequestRecording, max_token_offsets: int) -> dict[str, AttrValue]:
+def _decode_attributes(finished: FinishedRequest, max_token_offsets: int) -> dict[str, AttrValue]:
     attributes: dict[str, AttrValue] = {}
-    offsets = recording.token_offsets_us
+    offsets = finished.token_offsets_us
     dropped = len(offsets) - max_token_offsets
     kept = offsets[:max_token_offsets] if dropped > 0 else offsets
     if kept:
         attributes[semconv.DECODE_TOKEN_OFFSETS] = kept
     if dropped > 0:
         attributes[semconv.DECODE_TOKEN_OFFSETS_DROPPED] = dropped
-    if recording.outlier_steps_with_prefill is not None:
-        attributes[semconv.DECODE_OUTLIER_STEPS_WITH_PREFILL] = recording.outlier_steps_with_prefill
+    if finished.outlier_steps_with_prefill is not None:
+        attributes[semconv.DECODE_OUTLIER_STEPS_WITH_PREFILL] = finished.outlier_steps_with_prefill
     return attributes
-
-
-# --- encoding: recordings to one ExportTraceServiceRequest ---------------------------------------
-
-
-class ResourceScope:
-    """A resource and an instrumentation scope, encoded once: the head of a ``ResourceSpans``."""
-
-    __slots__ = ("resource", "scope")
-
-    def __init__(
-        self,
-        *,
-        resource_attributes: Mapping[str, AttrValue],
-        scope_name: str,
-        scope_version: str = _DEFAULT_SCOPE_VERSION,
-    ) -> None:
-        attributes = b"".join(
-            _length_delimited(_TAG_RESOURCE_ATTRIBUTE, _key_value(key, _any_value(value)))
-            for key, value in resource_attributes.items()
-        )
-        self.resource: Final = _length_delimited(_TAG_RESOURCE_SPANS_RESOURCE, attributes)
-        """``ResourceSpans.resource``, tag included."""
-        scope = _length_delimited(_TAG_SCOPE_NAME, scope_name.encode())
-        if scope_version:
-            scope += _length_delimited(_TAG_SCOPE_VERSION, scope_version.encode())
-        self.scope: Final = _length_delimited(_TAG_SCOPE_SPANS_SCOPE, scope)
-        """``ScopeSpans.scope``, tag included."""
-
-
-def export_request(groups: Iterable[tuple[ResourceScope, Sequence[bytes]]]) -> bytes:
-    """A serialised ``ExportTraceServiceRequest``: one ``ResourceSpans`` (with one
-    ``ScopeSpans``) per group that has spans. Spans are ``encode_span``'s output."""
-    parts: list[bytes] = []
-    for head, spans in groups:
-        if not spans:
-            continue
-        scope_spans_length = len(head.scope) + sum(map(len, spans))
-        scope_spans_tag = _TAG_RESOURCE_SPANS_SCOPE_SPANS + _varint(scope_spans_length)
-        resource_spans_length = len(head.resource) + len(scope_spans_tag) + scope_spans_length
-        parts += (
-            _TAG_REQUEST_RESOURCE_SPANS,
-            _varint(resource_spans_length),
-            head.resource,
-            scope_spans_tag,
-            head.scope,
-        )
-        parts += spans
-    return b"".join(parts)
-
-
-class RecordingEncoder:
-    """Encodes batches of recordings under one resource and scope (encoded once).
-
-    Never raises for a bad recording (ids of the wrong length, values out of range, wrong
-    types): it is left out and counted in ``recordings_skipped`` (the first one is logged).
-    """
-
-    def __init__(
-        self,
-        *,
-        resource_attributes: Mapping[str, AttrValue],
-        scope_name: str,
-        scope_version: str = _DEFAULT_SCOPE_VERSION,
-        max_token_offsets: int = _DEFAULT_MAX_TOKEN_OFFSETS,
-        span_ids: SpanIdSource | None = None,
-    ) -> None:
-        if max_token_offsets < 0:
-            raise ValueError("max_token_offsets must be >= 0")
-        self._head = ResourceScope(
-            resource_attributes=resource_attributes,
-            scope_name=scope_name,
-            scope_version=scope_version,
-        )
-        self._max_token_offsets = max_token_offsets
-        self._span_ids = span_ids
-        self.recordings_skipped = 0
-        """Recordings (and span jobs) left out because they could not be encoded."""
-
-    def encode(
-        self, recordings: Iterable[RequestRecording], jobs: Iterable[SpanJob] = ()
-    ) -> tuple[bytes, int]:
-        """One serialised ``ExportTraceServiceRequest`` of the recordings' and the jobs' spans,
-        and its span count (``b""``, 0 when there is nothing to send)."""
-        spans: list[bytes] = []
-        max_token_offsets = self._max_token_offsets
-        span_ids = self._span_ids
-        tree = _WRITER.tree
-        for recording in recordings:
-            try:
-                fixed_ids = None
-                if recording.span_id:
-                    fixed_ids = {0: recording.span_id}
-                    if recording.prefill_span_id and recording.first_scheduled_ns is not None:
-                        fixed_ids[PREFILL_LOCAL_ID] = recording.prefill_span_id
-                spans += tree(
-                    plan_spans(recording, max_token_offsets=max_token_offsets),
-                    recording.trace_id,
-                    recording.parent_span_id,
-                    span_ids,
-                    fixed_ids,
-                )
-            except Exception:  # a malformed recording must not cost the others their spans
-                self._skip("a request recording")
-        for job in jobs:
-            try:
-                spans += tree(job.spans, job.trace_id, job.parent_span_id, span_ids, job.fixed_ids)
-            except Exception:
-                self._skip("a span job")
-        if not spans:
-            return b"", 0
-        return export_request(((self._head, spans),)), len(spans)
-
-    def _skip(self, what: str) -> None:
-        if not self.recordings_skipped:
-            _log.warning("tokentrace: %s could not be encoded", what, exc_info=True)
-        self.recordings_skipped += 1
-
-
-def encode_recordings(
-    recordings: Iterable[RequestRecording],
-    *,
-    resource_attributes: Mapping[str, AttrValue],
-    scope_name: str,
-    scope_version: str = _DEFAULT_SCOPE_VERSION,
-    max_token_offsets: int = _DEFAULT_MAX_TOKEN_OFFSETS,
-    span_ids: SpanIdSource | None = None,
-) -> tuple[bytes, int]:
-    """One serialised ``ExportTraceServiceRequest`` (one ``ResourceSpans``/``ScopeSpans``) of
-    every recording's span subtree, and the span count.
-
-    Span ids come from ``span_ids`` (default: ``random_span_id``). A recording that cannot be
-    encoded is left out; keep a ``RecordingEncoder`` to count those and to encode the resource
-    only once.
-    """
-    encoder = RecordingEncoder(
-        resource_attributes=resource_attributes,
-        scope_name=scope_name,
-        scope_version=scope_version,
-        max_token_offsets=max_token_offsets,
-        span_ids=span_ids,
-    )
-    return encoder.encode(recordings)
-
-
-def encode_span(
-    planned: PlannedSpan, *, trace_id: bytes, span_id: bytes, parent_span_id: bytes = b""
-) -> bytes:
-    """``planned`` as one ``ScopeSpans.spans`` entry (tag included), for ``export_request``.
-
-    ``trace_id`` is 16 bytes, ``span_id`` 8, ``parent_span_id`` 8 or empty (a root).
-    """
-    if len(trace_id) != _TRACE_ID_BYTES or len(span_id) != _SPAN_ID_BYTES:
-        raise ValueError("trace ids are 16 bytes and span ids 8 bytes")
-    if parent_span_id and len(parent_span_id) != _SPAN_ID_BYTES:
-        raise ValueError("parent span ids are 8 bytes (or empty for a root span)")
-    return _WRITER.span(planned, _TAG_TRACE_ID + trace_id, span_id, parent_span_id)
-
-
-def encode_span_tree(
-    planned: Iterable[PlannedSpan],
-    *,
-    trace_id: bytes,
-    parent_span_id: bytes = b"",
-    span_ids: SpanIdSource | None = None,
-    fixed_ids: Mapping[int, bytes] | None = None,
-) -> list[bytes]:
-    """A planned subtree (``plan_spans``' numbering) as ``ScopeSpans.spans`` entries, each span
-    with a new id from ``span_ids`` (default ``random_span_id``) unless ``fixed_ids`` has one
-    for its ``local_id``; the root's parent is ``parent_span_id``."""
-    return _WRITER.tree(planned, trace_id, parent_span_id, span_ids, fixed_ids)
-
-
-# --- protobuf wire format -----------------------------------------------------------------------
-# Field numbers of opentelemetry/proto/{collector/trace,trace,common,resource}/v1/*.proto; tests
-# check the output against spans built through the protobuf API and against the SDK path.
-TRACE_ID_BYTES: Final = 16
-SPAN_ID_BYTES: Final = 8
-_TRACE_ID_BYTES: Final = TRACE_ID_BYTES
-_SPAN_ID_BYTES: Final = SPAN_ID_BYTES
-_TAG_REQUEST_RESOURCE_SPANS: Final = b"\x0a"  # ExportTraceServiceRequest.resource_spans = 1
-_TAG_RESOURCE_SPANS_RESOURCE: Final = b"\x0a"  # ResourceSpans.resource = 1
-_TAG_RESOURCE_SPANS_SCOPE_SPANS: Final = b"\x12"  # ResourceSpans.scope_spans = 2
-_TAG_RESOURCE_ATTRIBUTE: Final = b"\x0a"  # Resource.attributes = 1
-_TAG_SCOPE_SPANS_SCOPE: Final = b"\x0a"  # ScopeSpans.scope = 1
-_TAG_SCOPE_NAME: Final = b"\x0a"  # InstrumentationScope.name = 1
-_TAG_SCOPE_VERSION: Final = b"\x12"  # InstrumentationScope.version = 2
-_TAG_SCOPE_SPANS_SPAN: Final = b"\x12"  # ScopeSpans.spans = 2
-_TAG_TRACE_ID: Final = b"\x0a\x10"  # Span.trace_id = 1, 16 bytes
-_TAG_SPAN_ID: Final = b"\x12\x08"  # Span.span_id = 2, 8 bytes
-_TAG_PARENT_SPAN_ID: Final = b"\x22\x08"  # Span.parent_span_id = 4, 8 bytes
-_TAG_NAME: Final = b"\x2a"  # Span.name = 5
-_TAG_KIND: Final = b"\x30"  # Span.kind = 6 (varint)
-_TAG_START: Final = b"\x39"  # Span.start_time_unix_nano = 7 (fixed64)
-_TAG_END: Final = b"\x41"  # Span.end_time_unix_nano = 8 (fixed64)
-_TAG_ATTRIBUTE: Final = b"\x4a"  # Span.attributes = 9
-_TAG_LINK: Final = b"\x6a"  # Span.links = 13
-_TAG_LINK_SPAN_ID: Final = b"\x12\x08"  # Span.Link.span_id = 2, 8 bytes (trace_id = 1 as Span's)
-_TAG_STATUS: Final = b"\x7a"  # Span.status = 15
-_TAG_STATUS_MESSAGE: Final = b"\x12"  # Status.message = 2
-_STATUS_CODE_ERROR: Final = b"\x18\x02"  # Status.code = 3: STATUS_CODE_ERROR (2)
-_TAG_KEY: Final = b"\x0a"  # KeyValue.key = 1
-_TAG_VALUE: Final = b"\x12"  # KeyValue.value = 2
-_TAG_STRING: Final = b"\x0a"  # AnyValue.string_value = 1
-_TAG_BOOL: Final = b"\x10"  # AnyValue.bool_value = 2
-_TAG_INT: Final = b"\x18"  # AnyValue.int_value = 3 (varint, two's complement)
-_TAG_DOUBLE: Final = b"\x21"  # AnyValue.double_value = 4 (fixed64)
-_TAG_ARRAY: Final = b"\x2a"  # AnyValue.array_value = 5
-_TAG_ARRAY_VALUE: Final = b"\x0a"  # ArrayValue.values = 1
-_PACK_TIMES: Final = struct.Struct("<cQcQ").pack
-_PACK_DOUBLE: Final = struct.Struct("<d").pack
-
-_ONE_BYTE: Final = tuple(bytes((value,)) for value in range(0x80))
-_UINT64: Final = 1 << 64
-_INT64_MIN: Final = -(1 << 63)
-_INT64_LIMIT: Final = 1 << 63
-
-
-def _varint(value: int) -> bytes:
-    """Protobuf base-128 varint of a non-negative integer."""
-    if value < 0x80:
-        return _ONE_BYTE[value]
-    if value < 0x4000:
-        return bytes((value & 0x7F | 0x80, value >> 7))
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _int64_varint(value: int) -> bytes:
-    """An ``int64`` field's varint (two's complement); out-of-range values are an error."""
-    if not _INT64_MIN <= value < _INT64_LIMIT:
-        raise ValueError(f"integer attribute {value} does not fit in int64")
-    return _varint(value if value >= 0 else value + _UINT64)
-
-
-def _length_delimited(tag: bytes, payload: bytes) -> bytes:
-    return tag + _varint(len(payload)) + payload
-
-
-def _key_value(key: str, any_value: bytes) -> bytes:
-    """A ``KeyValue``'s content from its ``AnyValue``'s content."""
-    return _length_delimited(_TAG_KEY, key.encode()) + _length_delimited(_TAG_VALUE, any_value)
-
-
-def _any_value(value: object) -> bytes:
-    """An ``AnyValue``'s content for any ``AttrValue`` (the general, uncached path)."""
-    if isinstance(value, bool):  # before int: bool is an int
-        return _TAG_BOOL + (b"\x01" if value else b"\x00")
-    if isinstance(value, int):
-        return _TAG_INT + _int64_varint(value)
-    if isinstance(value, float):
-        return _TAG_DOUBLE + _PACK_DOUBLE(value)
-    if isinstance(value, str):
-        return _length_delimited(_TAG_STRING, value.encode())
-    if isinstance(value, (list, tuple)):
-        items = b"".join(_length_delimited(_TAG_ARRAY_VALUE, _any_value(item)) for item in value)
-        return _length_delimited(_TAG_ARRAY, items)
-    raise TypeError(f"unsupported attribute value type {type(value).__name__}")
-
-
-class _SpanWriter:
-    """Writes spans as ``ScopeSpans.spans`` entries in protobuf wire format.
-
-    Everything that repeats is encoded once and cached: span names, each attribute key's
-    prefix (for numbers the only variable part is the value itself) and whole string-valued
-    attributes (model, operation, finish reasons; bounded: cleared when full). One instance is
-    shared by every caller: each cache operation is a single dict call, atomic across threads.
-    """
-
-    def __init__(self) -> None:
-        self._names: dict[str, bytes] = {}
-        self._int_prefixes: dict[tuple[str, int], bytes] = {}
-        self._double_prefixes: dict[str, bytes] = {}
-        self._entries: dict[tuple[str, object], bytes] = {}
-
-    def tree(
-        self,
-        planned: Iterable[PlannedSpan],
-        trace_id: bytes,
-        parent_span_id: bytes,
-        span_ids: SpanIdSource | None,
-        fixed_ids: Mapping[int, bytes] | None = None,
-    ) -> list[bytes]:
-        if len(trace_id) != _TRACE_ID_BYTES:
-            raise ValueError("trace ids are 16 bytes")
-        if parent_span_id and len(parent_span_id) != _SPAN_ID_BYTES:
-            raise ValueError("parent span ids are 8 bytes (or empty for a root span)")
-        trace_field = _TAG_TRACE_ID + trace_id
-        next_id = random_span_id if span_ids is None else span_ids
-        ids: list[bytes] = []
-        encoded: list[bytes] = []
-        span = self.span
-        for planned_span in planned:
-            if planned_span.local_id != len(ids):
-                raise ValueError("planned spans must be numbered 0, 1, ... in order")
-            fixed = None if fixed_ids is None else fixed_ids.get(planned_span.local_id)
-            if fixed is not None:
-                if len(fixed) != _SPAN_ID_BYTES or not any(fixed):
-                    raise ValueError("fixed span ids are 8 bytes, not all zero")
-                span_id = fixed
-            else:
-                number = next_id()
-                if not number:
-                    raise ValueError("a span id source returned 0 (the invalid span id)")
-                span_id = number.to_bytes(8, "big")
-            ids.append(span_id)
-            parent = planned_span.parent_local_id
-            parent_id = ids[parent] if parent >= 0 else parent_span_id
-            encoded.append(span(planned_span, trace_field, span_id, parent_id))
-        return encoded
-
-    def span(
-        self, planned: PlannedSpan, trace_field: bytes, span_id: bytes, parent_span_id: bytes
-    ) -> bytes:
-        name = self._names.get(planned.name)
-        if name is None:
-            name = self._names[planned.name] = _length_delimited(_TAG_NAME, planned.name.encode())
-        parts = [trace_field, _TAG_SPAN_ID, span_id]
-        if parent_span_id:
-            parts += (_TAG_PARENT_SPAN_ID, parent_span_id)
-        parts += (
-            name,
-            _TAG_KIND,
-            _ONE_BYTE[planned.kind],
-            _PACK_TIMES(_TAG_START, planned.start_ns, _TAG_END, planned.end_ns),
-        )
-        append = parts.append
-        for key, value in planned.attributes.items():
-            kind = type(value)
-            if kind is int:
-                encoded = _int64_varint(value)  # type: ignore[arg-type]
-                prefix = self._int_prefixes.get((key, len(encoded)))
-                if prefix is None:
-                    prefix = self._int_prefix(key, len(encoded))
-                append(prefix)
-                append(encoded)
-            elif kind is float:
-                prefix = self._double_prefixes.get(key)
-                if prefix is None:
-                    prefix = self._double_prefix(key)
-                append(prefix)
-                append(_PACK_DOUBLE(value))
-            elif kind is list:
-                append(_attribute(key, _int_array(value)))  # type: ignore[arg-type]
-            elif kind is str and key in _UNCACHED_STRING_KEYS:
-                text: str = value  # type: ignore[assignment]
-                append(_attribute(key, _length_delimited(_TAG_STRING, text.encode())))
-            elif kind is tuple and key in _UNCACHED_STRING_KEYS:
-                append(_attribute(key, _any_value(value)))
-            elif kind is str or kind is bool or kind is tuple:  # values that repeat
-                entry_key = (key, value)
-                entry = self._entries.get(entry_key)
-                if entry is None:
-                    entry = _attribute(key, _any_value(value))
-                    if len(self._entries) >= _ATTRIBUTE_CACHE_ENTRIES:
-                        self._entries.clear()
-                    self._entries[entry_key] = entry
-                append(entry)
-            else:  # int/float/str subclasses and the like
-                append(_attribute(key, _any_value(value)))
-        for linked_trace_id, linked_span_id in planned.links:
-            append(_link(linked_trace_id, linked_span_id))
-        if planned.error is not None:
-            append(_status_error(planned.error))
-        body = b"".join(parts)
-        return _TAG_SCOPE_SPANS_SPAN + _varint(len(body)) + body
-
-    def _int_prefix(self, key: str, varint_length: int) -> bytes:
-        """Everything of an int attribute's entry before its varint of ``varint_length``."""
-        prefix = _attribute(key, _TAG_INT + bytes(varint_length))[:-varint_length]
-        self._int_prefixes[(key, varint_length)] = prefix
-        return prefix
-
-    def _double_prefix(self, key: str) -> bytes:
-        prefix = _attribute(key, _TAG_DOUBLE + bytes(8))[:-8]
-        self._double_prefixes[key] = prefix
-        return prefix
-
-
-_WRITER: Final = _SpanWriter()
-
-
-def _attribute(key: str, any_value: bytes) -> bytes:
-    """One ``Span.attributes`` entry (tag included) from its ``AnyValue``'s content."""
-    return _length_delimited(_TAG_ATTRIBUTE, _key_value(key, any_value))
-
-
-def _link(trace_id: bytes, span_id: bytes) -> bytes:
-    if len(trace_id) != _TRACE_ID_BYTES or len(span_id) != _SPAN_ID_BYTES:
-        raise ValueError("linked trace ids are 16 bytes and span ids 8 bytes")
-    return _length_delimited(_TAG_LINK, _TAG_TRACE_ID + trace_id + _TAG_LINK_SPAN_ID + span_id)
-
-
-def _status_error(message: str) -> bytes:
-    status = _STATUS_CODE_ERROR
-    if message:
-        status = _length_delimited(_TAG_STATUS_MESSAGE, message.encode()) + status
-    return _length_delimited(_TAG_STATUS, status)
-
-
-def _int_array(values: list[int]) -> bytes:
-    encoded = _encode_int_array(values)
-    if encoded is None:  # out of the fast path's range: one element at a time
-        encoded = b"".join(
-            _length_delimited(_TAG_ARRAY_VALUE, _TAG_INT + _int64_varint(value)) for value in values
-        )
-    return _length_delimited(_TAG_ARRAY, encoded)
-
-
-# Integer arrays as OTLP ``ArrayValue`` bytes, computed with big-integer arithmetic instead of
-# one call per element (4x faster; token offsets dominate the cost of a request's spans).
-# Each element is the 8-byte ``AnyValue`` field: tag 0x0a, length 6, tag 0x18 (int_value) and a
-# 5-byte varint (valid, merely not the shortest form: protobuf re-encodes it canonically). All
-# elements are packed into one integer with one element per 64-bit slot, so the 7-bit varint
-# groups are spread into bytes for every element at once by a few masks and shifts.
-_VARINT5_LIMIT: Final = 1 << 35
-_SLOT_CONSTANT: Final = 0x0A | 0x06 << 8 | 0x18 << 16 | 0x80808080 << 24
-_SLOT_TOO_LARGE: Final = ((1 << 64) - 1) ^ (_VARINT5_LIMIT - 1)
-_INT_ARRAY_FAST_MAX: Final = 1 << 16
-"""Longer arrays take the per-element path (bounds the masks' memory to a few MB)."""
-
-
-class _IntArrayMasks(NamedTuple):
-    """Masks for arrays of up to ``slots`` elements; replaced whole (thread-safe to read)."""
-
-    slots: int
-    groups: tuple[int, int, int, int, int]
-    constant: int
-    too_large: int
-
-
-def _repeated_slot(slot: int, count: int) -> int:
-    return int.from_bytes(slot.to_bytes(8, "little") * count, "little")
-
-
-def _int_array_masks(slots: int) -> _IntArrayMasks:
-    m0, m7, m14, m21, m28 = (_repeated_slot(0x7F << shift, slots) for shift in (0, 7, 14, 21, 28))
-    return _IntArrayMasks(
-        slots,
-        (m0, m7, m14, m21, m28),
-        _repeated_slot(_SLOT_CONSTANT, slots),
-        _repeated_slot(_SLOT_TOO_LARGE, slots),
-    )
-
-
-_int_array_masks_cache = _IntArrayMasks(0, (0, 0, 0, 0, 0), 0, 0)
-
-
-def _encode_int_array(values: list[int]) -> bytes | None:
-    """``values`` (each in ``[0, 2**35)``) as serialised ``ArrayValue`` content, or ``None``
-    when a value is out of that range or the array is very long (the caller then encodes one
-    element at a time)."""
-    global _int_array_masks_cache
-    count = len(values)
-    if count == 0:
-        return b""
-    if count > _INT_ARRAY_FAST_MAX:
-        return None
-    masks = _int_array_masks_cache
-    if count > masks.slots:
-        # Masks for the longest array so far: shorter arrays reuse them (an AND with a shorter
-        # integer keeps only its own slots).
-        masks = _int_array_masks_cache = _int_array_masks(max(count, _DEFAULT_MAX_TOKEN_OFFSETS))
-    try:
-        packed = int.from_bytes(struct.pack(f"<{count}Q", *values), "little")
-    except struct.error:  # negative, beyond 64 bits or not an integer
-        return None
-    if packed & masks.too_large:
-        return None
-    m0, m7, m14, m21, m28 = masks.groups
-    spread = (
-        (packed & m0)
-        | (packed & m7) << 1
-        | (packed & m14) << 2
-        | (packed & m21) << 3
-        | (packed & m28) << 4
-    )
-    constant = masks.constant >> 64 * (masks.slots - count)
-    return (spread << 24 | constant).to_bytes(8 * count, "little")

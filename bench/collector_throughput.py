@@ -90,7 +90,8 @@ def _neighbour(
 
 
 def _build_batches(requests: int, seed: int) -> tuple[list[bytes], int, int]:
-    from tokentrace.loadgen.replay import simulate, to_otlp_requests
+    from tokentrace.loadgen.replay.emit import to_otlp_requests
+    from tokentrace.loadgen.replay.simulation import simulate
 
     simulated = simulate("mixed", requests=requests, seed=seed)
     messages = to_otlp_requests(simulated, batch_spans=512)
@@ -192,7 +193,7 @@ def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
 
     from tokentrace.collector.pipeline import Pipeline, group_by_trace
     from tokentrace.collector.receivers.validate import sanitize
-    from tokentrace.collector.store.sqlite import RequestStore
+    from tokentrace.collector.store import RequestStore
 
     timings: dict[str, float] = {}
 

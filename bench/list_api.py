@@ -33,9 +33,9 @@ import uvicorn
 from tokentrace.agent import semconv
 from tokentrace.collector.api import ApiSettings, create_app
 from tokentrace.collector.store import RequestStore
-from tokentrace.collector.store.codec import REQUEST_COLUMNS, request_row
-from tokentrace.collector.store.sqlite import REQUEST_INDEXES
-from tokentrace.processors import diagnosis
+from tokentrace.collector.store.row import REQUEST_COLUMNS, request_row
+from tokentrace.collector.store.sqlite.schema import REQUEST_INDEXES
+from tokentrace.processors import causes
 from tokentrace.processors.model import (
     AssembledTrace,
     Budget,
@@ -87,36 +87,36 @@ PROMPT_BUCKETS: Final = {
     "8192+": 0.05,
 }
 CAUSES: Final = {
-    diagnosis.CAUSE_LONG_DECODE: 0.30,
-    diagnosis.CAUSE_QUEUEING: 0.25,
-    diagnosis.CAUSE_PREFILL: 0.10,
-    diagnosis.CAUSE_LONG_PROMPT: 0.08,
-    diagnosis.CAUSE_BANDWIDTH_BOUND_DECODE: 0.07,
-    diagnosis.CAUSE_BATCHING_INTERFERENCE: 0.06,
-    diagnosis.CAUSE_PREFIX_CACHE_MISS: 0.05,
-    diagnosis.CAUSE_KV_CACHE_PRESSURE: 0.03,
-    diagnosis.CAUSE_NETWORK: 0.02,
-    diagnosis.CAUSE_HTTP: 0.01,
-    diagnosis.CAUSE_POSTPROCESS: 0.01,
-    diagnosis.CAUSE_COLD_START: 0.005,
-    diagnosis.CAUSE_UNATTRIBUTED: 0.004,
-    diagnosis.CAUSE_ERROR: 0.001,
+    causes.CAUSE_LONG_DECODE: 0.30,
+    causes.CAUSE_QUEUEING: 0.25,
+    causes.CAUSE_PREFILL: 0.10,
+    causes.CAUSE_LONG_PROMPT: 0.08,
+    causes.CAUSE_BANDWIDTH_BOUND_DECODE: 0.07,
+    causes.CAUSE_BATCHING_INTERFERENCE: 0.06,
+    causes.CAUSE_PREFIX_CACHE_MISS: 0.05,
+    causes.CAUSE_KV_CACHE_PRESSURE: 0.03,
+    causes.CAUSE_NETWORK: 0.02,
+    causes.CAUSE_HTTP: 0.01,
+    causes.CAUSE_POSTPROCESS: 0.01,
+    causes.CAUSE_COLD_START: 0.005,
+    causes.CAUSE_UNATTRIBUTED: 0.004,
+    causes.CAUSE_ERROR: 0.001,
 }
 SEGMENT_OF_CAUSE: Final = {
-    diagnosis.CAUSE_LONG_DECODE: semconv.SEGMENT_DECODE,
-    diagnosis.CAUSE_QUEUEING: semconv.SEGMENT_QUEUE,
-    diagnosis.CAUSE_PREFILL: semconv.SEGMENT_PREFILL,
-    diagnosis.CAUSE_LONG_PROMPT: semconv.SEGMENT_PREFILL,
-    diagnosis.CAUSE_BANDWIDTH_BOUND_DECODE: semconv.SEGMENT_DECODE,
-    diagnosis.CAUSE_BATCHING_INTERFERENCE: semconv.SEGMENT_DECODE,
-    diagnosis.CAUSE_PREFIX_CACHE_MISS: semconv.SEGMENT_PREFILL,
-    diagnosis.CAUSE_KV_CACHE_PRESSURE: semconv.SEGMENT_PREEMPTED,
-    diagnosis.CAUSE_NETWORK: semconv.SEGMENT_NETWORK,
-    diagnosis.CAUSE_HTTP: semconv.SEGMENT_HTTP,
-    diagnosis.CAUSE_POSTPROCESS: semconv.SEGMENT_POSTPROCESS,
-    diagnosis.CAUSE_COLD_START: semconv.SEGMENT_COLD_START,
-    diagnosis.CAUSE_UNATTRIBUTED: semconv.SEGMENT_UNATTRIBUTED,
-    diagnosis.CAUSE_ERROR: semconv.SEGMENT_DECODE,
+    causes.CAUSE_LONG_DECODE: semconv.SEGMENT_DECODE,
+    causes.CAUSE_QUEUEING: semconv.SEGMENT_QUEUE,
+    causes.CAUSE_PREFILL: semconv.SEGMENT_PREFILL,
+    causes.CAUSE_LONG_PROMPT: semconv.SEGMENT_PREFILL,
+    causes.CAUSE_BANDWIDTH_BOUND_DECODE: semconv.SEGMENT_DECODE,
+    causes.CAUSE_BATCHING_INTERFERENCE: semconv.SEGMENT_DECODE,
+    causes.CAUSE_PREFIX_CACHE_MISS: semconv.SEGMENT_PREFILL,
+    causes.CAUSE_KV_CACHE_PRESSURE: semconv.SEGMENT_PREEMPTED,
+    causes.CAUSE_NETWORK: semconv.SEGMENT_NETWORK,
+    causes.CAUSE_HTTP: semconv.SEGMENT_HTTP,
+    causes.CAUSE_POSTPROCESS: semconv.SEGMENT_POSTPROCESS,
+    causes.CAUSE_COLD_START: semconv.SEGMENT_COLD_START,
+    causes.CAUSE_UNATTRIBUTED: semconv.SEGMENT_UNATTRIBUTED,
+    causes.CAUSE_ERROR: semconv.SEGMENT_DECODE,
 }
 _BREACHED_SHARE: Final = 0.01
 _NO_VERDICT_SHARE: Final = 0.02
@@ -154,7 +154,7 @@ def synthetic_record(
         operation=semconv.OPERATION_CHAT,
         server_start=start_ns,
         server_end=end,
-        arrival=arrival,
+        engine_arrival=arrival,
         first_scheduled=first_scheduled,
         first_token=first_token,
         last_token=last_token,
@@ -470,8 +470,8 @@ def typical_queries(samples: dict[str, str]) -> list[tuple[str, dict[str, Any]]]
         ("operation filter", {"operation": "text_completion"}),
         ("prompt bucket filter", {"prompt_bucket": "8192+"}),
         ("slo_breached=true", {"slo_breached": "true"}),
-        ("cause=cold_start", {"cause": diagnosis.CAUSE_COLD_START}),
-        ("cause=queueing", {"cause": diagnosis.CAUSE_QUEUEING}),
+        ("cause=cold_start", {"cause": causes.CAUSE_COLD_START}),
+        ("cause=queueing", {"cause": causes.CAUSE_QUEUEING}),
         ("segment=queue", {"segment": semconv.SEGMENT_QUEUE}),
         ("min_e2e_ms=10000", {"min_e2e_ms": 10000}),
         ("min_ttft_ms=2000", {"min_ttft_ms": 2000}),

@@ -5,7 +5,8 @@ chunks, decode with 160 token offsets, postprocess: 7 spans under an incoming ``
 from the same ``plan_spans`` layout and end with a serialised ``ExportTraceServiceRequest`` of a
 batch of requests:
 
-- agent: ``tokentrace.agent.spans.encode_recordings`` (protobuf wire format written directly);
+- agent: ``tokentrace.agent.span_encoding.encode_finished_requests`` (protobuf wire format written
+  directly);
 - SDK: ``TracerProvider`` without span processor, ``start_span``/``end`` with the explicit
   times, parent contexts and attributes, then the OTLP exporter's own encoder
   (``opentelemetry.exporter.otlp.proto.common.trace_encoder.encode_spans``) and
@@ -35,14 +36,9 @@ from opentelemetry.sdk.version import __version__ as sdk_version
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from tokentrace.agent import semconv
-from tokentrace.agent.recording import PrefillChunk, RequestRecording
-from tokentrace.agent.spans import (
-    KIND_CLIENT,
-    KIND_SERVER,
-    count_spans,
-    encode_recordings,
-    plan_spans,
-)
+from tokentrace.agent.finished_request import FinishedRequest, PrefillChunk
+from tokentrace.agent.span_encoding import encode_finished_requests
+from tokentrace.agent.spans import KIND_CLIENT, KIND_SERVER, count_spans, plan_spans
 
 _DEFAULT_ROUNDS: Final = 200
 _DEFAULT_BATCH: Final = 64
@@ -58,14 +54,14 @@ _MS: Final = 1_000_000
 _US: Final = 1_000
 
 
-def typical_recording(number: int) -> RequestRecording:
+def typical_finished_request(number: int) -> FinishedRequest:
     """A chat request: 2.5k-token prompt in two chunks, 160 output tokens ~20 ms apart."""
     arrival = _T0 + number * 50 * _MS
     scheduled = arrival + 3 * _MS
     first_token = scheduled + 70 * _MS
     offsets = [k * 20_000 + (k * 37) % 900 for k in range(_TOKENS)]
     last_token = first_token + offsets[-1] * _US
-    return RequestRecording(
+    return FinishedRequest(
         trace_id=(number + 1).to_bytes(16, "big"),
         parent_span_id=(number + 7).to_bytes(8, "big"),
         request_id=f"chatcmpl-{number:032x}",
@@ -96,31 +92,33 @@ def typical_recording(number: int) -> RequestRecording:
     )
 
 
-def agent_encode(recordings: list[RequestRecording]) -> bytes:
-    payload, _ = encode_recordings(recordings, resource_attributes=_RESOURCE, scope_name=_SCOPE)
+def agent_encode(finished_requests: list[FinishedRequest]) -> bytes:
+    payload, _ = encode_finished_requests(
+        finished_requests, resource_attributes=_RESOURCE, scope_name=_SCOPE
+    )
     return payload
 
 
-def sdk_encoder() -> Callable[[list[RequestRecording]], bytes]:
+def sdk_encoder() -> Callable[[list[FinishedRequest]], bytes]:
     """The same spans through the OpenTelemetry SDK and its OTLP protobuf encoder."""
     provider = TracerProvider(resource=Resource.create(_RESOURCE))  # no span processor
     tracer = provider.get_tracer(_SCOPE)
     kinds = {KIND_SERVER: trace.SpanKind.SERVER, KIND_CLIENT: trace.SpanKind.CLIENT}
 
-    def encode(recordings: list[RequestRecording]) -> bytes:
+    def encode(finished_requests: list[FinishedRequest]) -> bytes:
         finished: list[ReadableSpan] = []
-        for recording in recordings:
+        for request in finished_requests:
             # The incoming traceparent: the request's trace and its HTTP server span.
             remote = SpanContext(
-                trace_id=int.from_bytes(recording.trace_id, "big"),
-                span_id=int.from_bytes(recording.parent_span_id, "big"),
+                trace_id=int.from_bytes(request.trace_id, "big"),
+                span_id=int.from_bytes(request.parent_span_id, "big"),
                 is_remote=True,
                 trace_flags=TraceFlags(TraceFlags.SAMPLED),
             )
             root = trace.set_span_in_context(NonRecordingSpan(remote))
             started: list[trace.Span] = []
             ends: list[int] = []
-            for planned in plan_spans(recording):
+            for planned in plan_spans(request):
                 parent = planned.parent_local_id
                 context = root if parent < 0 else trace.set_span_in_context(started[parent])
                 span = tracer.start_span(
@@ -178,11 +176,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=_DEFAULT_BATCH, help="requests per export")
     args = parser.parse_args()
 
-    recordings = [typical_recording(number) for number in range(args.batch)]
+    finished_requests = [typical_finished_request(number) for number in range(args.batch)]
     sdk_encode = sdk_encoder()
-    spans = check_same_spans(agent_encode(recordings), sdk_encode(recordings))
-    per_request = spans // len(recordings)
-    assert per_request == count_spans(recordings[0])
+    spans = check_same_spans(agent_encode(finished_requests), sdk_encode(finished_requests))
+    per_request = spans // len(finished_requests)
+    assert per_request == count_spans(finished_requests[0])
 
     agent_us: list[float] = []
     sdk_us: list[float] = []
@@ -190,12 +188,12 @@ def main() -> None:
     started = time.perf_counter()
     for _ in range(args.rounds):
         begin = time.perf_counter()
-        agent_encode(recordings)
+        agent_encode(finished_requests)
         middle = time.perf_counter()
-        sdk_encode(recordings)
+        sdk_encode(finished_requests)
         end = time.perf_counter()
-        agent_us.append((middle - begin) * 1e6 / len(recordings))
-        sdk_us.append((end - middle) * 1e6 / len(recordings))
+        agent_us.append((middle - begin) * 1e6 / len(finished_requests))
+        sdk_us.append((end - middle) * 1e6 / len(finished_requests))
         ratios.append(sdk_us[-1] / agent_us[-1])
     elapsed = time.perf_counter() - started
 
@@ -203,12 +201,13 @@ def main() -> None:
     sdk = statistics.median(sdk_us)
     print(
         f"span building + OTLP protobuf encoding, {per_request} spans and {_TOKENS} token "
-        f"offsets per request, batches of {len(recordings)} requests, {args.rounds} A/B rounds "
+        f"offsets per request, batches of {len(finished_requests)} requests, "
+        f"{args.rounds} A/B rounds "
         f"({elapsed:.1f} s)"
     )
     print(f"python {platform.python_version()}, opentelemetry-sdk {sdk_version}")
     print(f"{'path':<44}{'us/request':>12}{'us/span':>10}")
-    print(f"{'agent: encode_recordings':<44}{agent:>12.1f}{agent / per_request:>10.2f}")
+    print(f"{'agent: encode_finished_requests':<44}{agent:>12.1f}{agent / per_request:>10.2f}")
     print(f"{'SDK: start_span/end + encode_spans':<44}{sdk:>12.1f}{sdk / per_request:>10.2f}")
     print(
         f"SDK / agent: {sdk / agent:.1f}x (median of per-round ratios "

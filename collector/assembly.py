@@ -25,7 +25,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from tokentrace.agent import semconv
 from tokentrace.collector.consumer import Overloaded
+from tokentrace.collector.self_telemetry import ComponentTelemetry, metric_key
 from tokentrace.processors.model import AssembledTrace, SpanRef
 
 _RECENTLY_FINISHED_CAP = 100_000
@@ -65,7 +67,10 @@ class TraceAssembler:
         max_spans_per_trace: int,
         max_pending_spans: int,
         clock: Callable[[], float] = time.monotonic,
+        telemetry: ComponentTelemetry | None = None,
     ) -> None:
+        """``telemetry``: where the counters and pending sizes are reported (observed, so adding
+        a batch costs no more than it did)."""
         self._quiet_period_s = quiet_period_s
         self._root_grace_s = root_grace_s
         self._max_traces = max_traces
@@ -80,6 +85,33 @@ class TraceAssembler:
         self._recently_finished: OrderedDict[bytes, None] = OrderedDict()
         self._pending_spans = 0
         self.stats = AssemblyStats()
+        if telemetry is not None:
+            telemetry.observe(
+                self._observed,
+                counters={
+                    semconv.SELF_METRIC_RECEIVED_SPANS: "spans accepted for assembly",
+                    semconv.SELF_METRIC_TRACES_FINISHED_EARLY: "traces finished at max_traces",
+                    semconv.SELF_METRIC_SPANS_DROPPED_TRACE_FULL: "spans dropped: trace full",
+                    semconv.SELF_METRIC_LATE_SPANS: "spans after their trace was finished",
+                    semconv.SELF_METRIC_REFUSED_BATCHES: "batches refused: too many pending",
+                },
+                gauges={
+                    semconv.SELF_METRIC_PENDING_SPANS: "spans waiting for their trace",
+                    semconv.SELF_METRIC_PENDING_TRACES: "traces being assembled",
+                },
+            )
+
+    def _observed(self) -> dict[str, int]:
+        stats = self.stats
+        return {
+            metric_key(semconv.SELF_METRIC_RECEIVED_SPANS): stats.received_spans,
+            metric_key(semconv.SELF_METRIC_TRACES_FINISHED_EARLY): stats.traces_finished_early,
+            metric_key(semconv.SELF_METRIC_SPANS_DROPPED_TRACE_FULL): stats.spans_dropped,
+            metric_key(semconv.SELF_METRIC_LATE_SPANS): stats.late_spans,
+            metric_key(semconv.SELF_METRIC_REFUSED_BATCHES): stats.refused_batches,
+            metric_key(semconv.SELF_METRIC_PENDING_SPANS): self._pending_spans,
+            metric_key(semconv.SELF_METRIC_PENDING_TRACES): len(self._pending),
+        }
 
     @property
     def pending_spans(self) -> int:

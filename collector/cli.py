@@ -167,7 +167,7 @@ class ExplainCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from tokentrace.collector.store import RequestStore, StoreError
-        from tokentrace.collector.store.sqlite import SLOWEST_METRIC_COLUMNS
+        from tokentrace.collector.store.sqlite.reads import SLOWEST_METRIC_COLUMNS
 
         if args.slowest == (args.trace_id is not None):
             return _fail(self.name, "give a TRACE_ID or --slowest (not both)")
@@ -245,7 +245,7 @@ class TopCommand:
         _add_store_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from tokentrace.collector.render import render_top
+        from tokentrace.collector.render_top import render_top
         from tokentrace.collector.store import RequestStore, StoreError
 
         try:
@@ -277,20 +277,15 @@ class TopCommand:
 
     @staticmethod
     def _report(store: Any, window_s: float) -> dict[str, Any]:
-        from tokentrace.collector.store import (
-            META_COLLECTOR_STATS,
-            META_SLO_TARGETS,
-            window_report,
-        )
-        from tokentrace.collector.store.codec import load_slo_targets
+        from tokentrace.collector.store import META_COLLECTOR_STATS, window_report
 
         now_s = time.time()
         slices = store.sketches_since(now_s - window_s)
-        targets, problems = load_slo_targets(store.meta(META_SLO_TARGETS))
+        targets, problems = store.slo_targets()
         for problem in problems:
             print(f"tokentrace top: ignoring SLO targets: {problem}", file=sys.stderr)
         report: dict[str, Any] = window_report(
-            slices, window_s=window_s, now_s=now_s, slo_targets=targets
+            slices, window_s=window_s, now_s=now_s, slo_targets=targets, slo_errors=problems
         )
         raw_stats = store.meta(META_COLLECTOR_STATS)
         if raw_stats:
@@ -378,17 +373,16 @@ class UiCommand:
 
 def _slo_targets_for(command: str, args: argparse.Namespace, store: Any) -> list[Any]:
     """Targets from ``--slo FILE``, else the ones the collector wrote into the store."""
-    from tokentrace.collector.config import ConfigError, load_slo_file
-    from tokentrace.collector.diagnose import stored_slo_targets
+    from tokentrace.processors.slo import read_slo_file
 
     if args.slo:
         try:
-            return load_slo_file(args.slo)
-        except ConfigError as error:
+            return read_slo_file(args.slo)
+        except ValueError as error:
             raise ValueError(f"--slo: {error}") from None
     if store is None:
         return []
-    targets, problems = stored_slo_targets(store)
+    targets, problems = store.slo_targets()
     for problem in problems:
         print(f"tokentrace {command}: ignoring SLO targets: {problem}", file=sys.stderr)
     return targets

@@ -1,7 +1,7 @@
 """The one-method consumer every pipeline component hands data to (as in the OTel Collector).
 
-Shared by the collector and the node agent, which both receive OTLP; it lives on the agent side
-because the agent never imports the collector."""
+Shared by the collector's pipeline and the node agent's relay, which both receive OTLP through
+the receivers next to it (``collector/receivers/``)."""
 
 from __future__ import annotations
 

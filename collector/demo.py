@@ -86,7 +86,7 @@ def _drain(process: subprocess.Popen[str]) -> None:
 
 
 def wait_for_requests(store_path: Path, expected: int) -> int:
-    from tokentrace.collector.store.sqlite import RequestStore
+    from tokentrace.collector.store import RequestStore
 
     deadline = time.monotonic() + _DRAIN_TIMEOUT_S
     count = 0

@@ -14,16 +14,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.collector.store.codec import load_slo_targets
-from tokentrace.collector.store.sqlite import META_SLO_TARGETS, RequestStore
+from tokentrace.collector.store import RequestStore
 from tokentrace.collector.window import records_of_traces
 from tokentrace.loadgen.record import RunRecord
 from tokentrace.loadgen.report import target_text
 from tokentrace.processors.compare import compare_metrics
-from tokentrace.processors.diagnosis import format_duration
 from tokentrace.processors.findings import compare_findings, finding_lines
-from tokentrace.processors.slo import SloTarget, parse_targets
+from tokentrace.processors.slo import SloTarget
 from tokentrace.processors.window import DEFAULT_PERCENTILES, analyze_window
+from tokentrace.processors.wording import format_duration
 
 DEFAULT_MAX_REQUESTS: Final = 50_000
 """Requests a time-range window reads at most (the most recent ones); a bigger window is cut
@@ -33,19 +32,6 @@ RECENT_RUN_S: Final = 120.0
 _POLL_INTERVAL_S: Final = 0.5
 _SEGMENT_CHANGE_MIN_MS: Final = 0.5
 """Mean segment changes below this are noise on any machine: not reported as shrank/grew."""
-
-
-def stored_slo_targets(store: RequestStore) -> tuple[list[SloTarget], list[str]]:
-    """The targets the collector stored, and why any could not be read; one bad target (e.g.
-    written by a newer collector) leaves the others, as in ``codec.window_report``."""
-    raw, problems = load_slo_targets(store.meta(META_SLO_TARGETS))
-    targets: list[SloTarget] = []
-    for index, entry in enumerate(raw):
-        try:
-            targets += parse_targets([entry], path=f"the store's SLO targets[{index}]")
-        except (ValueError, TypeError) as error:
-            problems.append(str(error))
-    return targets, problems
 
 
 def diagnose_run(

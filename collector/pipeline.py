@@ -1,15 +1,22 @@
 """The traces pipeline: receivers -> assembly -> processors -> exporters.
 
-Receivers call ``consume_traces`` on their own threads; it only groups span references by trace
-id and hands them to the assembler (one short lock). One worker thread pops finished traces,
-derives one ``RequestRecord`` per request (normalise -> budget -> the configured processors),
-writes the derived attributes onto the request spans and hands the batch to the exporters. The
-exporters never block that thread for long: the OTLP ones enqueue pre-serialised bytes, the store
-writes one transaction per batch.
+Built from the configuration: the processors are made by their factories (``factories.py``), in
+the order they run; the exporters come made, by component id. Receivers call ``consume_traces`` on
+their own threads; it only groups span references by trace id and hands them to the assembler
+(one short lock). One worker thread pops finished traces, derives one ``RequestRecord`` per request
+(normalise -> budget -> the configured processors), writes the derived attributes onto the
+request spans and hands the batch to the exporters. The exporters never block that thread for
+long: the OTLP ones enqueue pre-serialised bytes, the store writes one transaction per batch.
 
 Every processor is a function ``(record) -> None`` wrapped by ``_guarded``: a processor that raises
 for one request is counted under ``processor_errors`` and the request goes on without that
 processor's result, so one bad span never stalls the pipeline.
+
+Data flows only downstream. About once a second (and once more when it has drained at shutdown)
+the worker hands every exporter a ``PipelineTick``: the percentile slices closed since the last
+tick plus the open one, the self-telemetry snapshot, and the OTLP metrics view (made on first ask,
+so only when an exporter's own interval is due). What each exporter does with it, and when (store
+pruning, upstream metrics), stays its own business.
 
 Late spans join their request. A late fragment (spans that came after assembly finished their
 trace) is looked up through the injected ``earlier_spans`` (the collector wires the store's in):
@@ -38,23 +45,35 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from types import MappingProxyType
+from typing import Any, Final, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from tokentrace.agent import semconv
 from tokentrace.collector.assembly import TraceAssembler, unique_spans
+from tokentrace.collector.component import (
+    KIND_EXPORTER,
+    KIND_PIPELINE,
+    KIND_PROCESSOR,
+    CreateSettings,
+    Factories,
+    find_factory,
+)
 from tokentrace.collector.config import CollectorConfig
 from tokentrace.collector.consumer import Unavailable
 from tokentrace.collector.encoding import encode_trace_request
+from tokentrace.collector.factories import FACTORIES
+from tokentrace.collector.record_processors import RecordProcessor, RequestProcessor
+from tokentrace.collector.self_telemetry import SelfTelemetry
 from tokentrace.processors.budget import request_record
-from tokentrace.processors.diagnosis import DiagnosisConfig, default_verdict
+from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.enrich import enrich_span
 from tokentrace.processors.model import (
     AssembledTrace,
@@ -63,36 +82,74 @@ from tokentrace.processors.model import (
     RequestTimeline,
     SpanRef,
 )
-from tokentrace.processors.percentiles import PercentileStore
-from tokentrace.processors.sketches import SketchKey
-from tokentrace.processors.slo import SloTarget, mark_request
+from tokentrace.processors.percentiles import ClosedSlice, PercentileStore
 from tokentrace.processors.timeline import DIALECT_GENAI_CLIENT, normalize
 
 _log = logging.getLogger(__name__)
 
-_DEFAULT_TICK_S = 0.05
-_DEFAULT_HOUSEKEEPING_S = 1.0
-_DEFAULT_PRUNE_EVERY_S = 60.0
-_SEEN_PREFIXES_CAP = 50_000
-_UNKNOWN_SERVICE = "unknown_service"
+_DEFAULT_TICK_S: Final = 0.05
+_DEFAULT_HOUSEKEEPING_S: Final = 1.0
+_DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 10.0
+_UNKNOWN_SERVICE: Final = "unknown_service"
+_PIPELINE_ID: Final = "traces"
+"""The pipeline's own id in the self-telemetry (``service.pipelines.traces``)."""
+_BATCH_DURATION_BOUNDS_S: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# Stages of the pipeline itself, counted under processor_errors like the processors.
+_NORMALIZE: Final = "normalize"
+_BUDGET: Final = "budget"
+_ENRICH: Final = "enrich"
+_NS_PER_S: Final = 1_000_000_000
 
-RequestProcessor = Callable[[RequestRecord], None]
 EarlierSpans = Callable[[bytes], list[SpanRef] | None]
 """The spans already stored for a trace id, each span id once (None: none found)."""
-_PERCENTILES = "percentiles"
+
+
+class PipelineTick:
+    """What the pipeline hands every exporter about once a second: values, never the pipeline.
+
+    ``final``: the last one, after the pipeline drained at shutdown. ``otlp_metrics()`` is made
+    on its first call and kept, so an exporter whose interval is not due costs nothing."""
+
+    __slots__ = (
+        "_make_otlp_metrics",
+        "_otlp_metrics",
+        "collector_stats",
+        "final",
+        "percentile_slices",
+    )
+
+    def __init__(
+        self,
+        *,
+        final: bool = False,
+        percentile_slices: Sequence[ClosedSlice] = (),
+        collector_stats: Mapping[str, Any] = MappingProxyType({}),
+        otlp_metrics: Callable[[], list[Metric]] = list,
+    ) -> None:
+        self.final = final
+        self.percentile_slices = tuple(percentile_slices)
+        """Closed since the last tick (oldest first), then the open slice: live readers see it,
+        rewritten until it closes."""
+        self.collector_stats = dict(collector_stats)
+        """The self-telemetry snapshot (``SelfTelemetry.snapshot``)."""
+        self._make_otlp_metrics = otlp_metrics
+        self._otlp_metrics: list[Metric] | None = None
+
+    def otlp_metrics(self) -> list[Metric]:
+        """The cumulative percentile histograms and the self-telemetry, as OTLP metrics."""
+        if self._otlp_metrics is None:
+            self._otlp_metrics = self._make_otlp_metrics()
+        return self._otlp_metrics
 
 
 class TraceSink(Protocol):
-    """What the pipeline hands finished traces to (the store, an OTLP exporter)."""
+    """An exporter as the pipeline sees it (the store, an OTLP exporter); called on the pipeline
+    thread only."""
 
     def export_traces(self, batch: Sequence[ProcessedTrace]) -> None: ...
 
-    def housekeeping(self, pipeline: Pipeline, *, final: bool = False) -> None:
-        """Periodic work on the pipeline thread (about once a second); ``final`` at shutdown."""
-
-    def shutdown(self, timeout_s: float) -> None: ...
-
-    def stats(self) -> dict[str, int]: ...
+    def tick(self, tick: PipelineTick) -> None:
+        """Periodic work (about once a second; ``tick.final`` at shutdown)."""
 
 
 @dataclass(slots=True)
@@ -105,19 +162,6 @@ class ProcessedTrace:
     replaces_stored: list[bytes] = field(default_factory=list)
     """Request span ids of the stored records that ``records`` replace: set when a late
     fragment (``trace``, all that ``otlp`` holds) was derived with its trace's stored spans."""
-
-
-@dataclass(slots=True)
-class PipelineStats:
-    traces: int = 0
-    requests: int = 0
-    """Requests derived, each once (re-deriving a stored one does not count it again)."""
-    late_traces_rederived: int = 0
-    """Late fragments derived again with their trace's stored spans."""
-    late_traces_unmatched: int = 0
-    """Late fragments processed alone: no stored spans of their trace were found."""
-    processor_errors: dict[str, int] = field(default_factory=dict)
-    exporter_errors: dict[str, int] = field(default_factory=dict)
 
 
 def _service_name(resource: Resource) -> str:
@@ -147,62 +191,13 @@ def group_by_trace(request: ExportTraceServiceRequest) -> tuple[dict[bytes, list
     return groups, count
 
 
-def _diagnosis_processor(config: DiagnosisConfig, targets: Sequence[SloTarget]) -> RequestProcessor:
-    # Prefix hashes seen recently, each with the request that computed it first, so that a
-    # recomputed shared prefix can be recognised, and a request derived again (a late span
-    # joined it) is not taken for one that recomputed its own prefix.
-    first_seen_by: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
-    target_metrics = [(target.name, target.metric) for target in targets]
-
-    def diagnose(record: RequestRecord) -> None:
-        # After the SLO processor: the default verdict answers the first breached target.
-        slo = record.slo
-        breached = [(name, metric) for name, metric in target_metrics if slo.get(name) is False]
-        prefix = record.timeline.prefix_hash
-        request = (record.timeline.trace_id, record.timeline.span_id)
-        seen: frozenset[str] = frozenset()
-        if prefix and first_seen_by.get(prefix, request) != request:
-            seen = frozenset((prefix,))
-        record.verdict = default_verdict(
-            record, config, breached_metrics=breached, seen_prefixes=seen
-        )
-        record.prefix_seen = bool(seen)
-        if prefix:
-            first_seen_by.setdefault(prefix, request)
-            first_seen_by.move_to_end(prefix)
-            if len(first_seen_by) > _SEEN_PREFIXES_CAP:
-                first_seen_by.popitem(last=False)
-
-    return diagnose
-
-
-def _slo_processor(targets: list[SloTarget]) -> RequestProcessor:
-    def mark(record: RequestRecord) -> None:
-        record.slo = mark_request(record, targets)
-
-    return mark
-
-
-def _sketch_key(record: RequestRecord) -> SketchKey:
-    timeline = record.timeline
-    return SketchKey(timeline.service, timeline.model, timeline.operation, record.prompt_bucket)
-
-
-def _percentiles_processor(store: PercentileStore) -> RequestProcessor:
-    def record_percentiles(record: RequestRecord) -> None:
-        store.record(_sketch_key(record), record.metrics)
-
-    return record_percentiles
-
-
-def _record_unrecorded(
-    store: PercentileStore, recorded: RequestMetrics | None, record: RequestRecord
-) -> None:
-    """Record a re-derived request's metrics, less those its earlier record put there."""
-    skip: frozenset[str] = frozenset()
-    if recorded is not None:
-        skip = frozenset(m for m in semconv.LATENCY_METRICS if recorded.value(m) is not None)
-    store.record(_sketch_key(record), record.metrics, skip=skip)
+def _otlp_metrics(
+    percentiles: PercentileStore | None, telemetry: SelfTelemetry, start_ns: int, now_ns: int
+) -> list[Metric]:
+    metrics = []
+    if percentiles is not None:
+        metrics = percentiles.to_otlp_metrics(start_time_unix_nano=start_ns, time_unix_nano=now_ns)
+    return metrics + telemetry.to_otlp_metrics(start_time_unix_nano=start_ns, time_unix_nano=now_ns)
 
 
 class Pipeline:
@@ -212,50 +207,85 @@ class Pipeline:
         self,
         config: CollectorConfig,
         *,
-        sinks: Sequence[TraceSink] = (),
-        percentile_store: PercentileStore | None = None,
+        sinks: Mapping[str, TraceSink] = MappingProxyType({}),
         earlier_spans: EarlierSpans | None = None,
+        telemetry: SelfTelemetry | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         tick_s: float = _DEFAULT_TICK_S,
+        factories: Factories = FACTORIES,
     ) -> None:
-        """``earlier_spans`` looks up a trace's stored spans for late fragments (called on the
-        pipeline thread, once per late fragment; see the module docstring)."""
+        """``sinks``: the exporters by component id, in the order they get each batch.
+        ``earlier_spans`` looks up a trace's stored spans for late fragments (called on the
+        pipeline thread, once per late fragment; see the module docstring). ``telemetry``: the
+        collector's registry (default: one of its own)."""
         self.config = config
-        self._sinks = list(sinks)
+        self.telemetry = telemetry if telemetry is not None else SelfTelemetry()
+        self._sinks = dict(sinks)
         self._earlier_spans = earlier_spans
         self._monotonic = monotonic
+        self._wall_clock = wall_clock
         self._tick_s = tick_s
-        assembly = config.assembly
-        self.assembler = TraceAssembler(
-            quiet_period_s=assembly.quiet_period_s,
-            root_grace_s=assembly.root_grace_s,
-            max_traces=assembly.max_traces,
-            max_spans_per_trace=assembly.max_spans_per_trace,
-            max_pending_spans=assembly.max_pending_spans,
-            clock=monotonic,
-        )
-        self.percentiles = percentile_store
-        if self.percentiles is None and config.percentiles is not None:
-            self.percentiles = PercentileStore(config=config.percentiles)
-        self.slo_targets = list(config.slo_targets)
-        self._processors: list[tuple[str, RequestProcessor]] = []
-        if self.slo_targets:
-            self._processors.append(("slo", _slo_processor(self.slo_targets)))
-        if config.diagnosis is not None:
-            self._processors.append(
-                ("diagnosis", _diagnosis_processor(config.diagnosis, self.slo_targets))
+        self._start_ns = int(wall_clock() * _NS_PER_S)
+        assembler: TraceAssembler | None = None
+        self._processors: list[tuple[str, RecordProcessor]] = []
+        for component in config.processors:
+            settings = CreateSettings(
+                id=component.id,
+                kind=KIND_PROCESSOR,
+                telemetry=self.telemetry,
+                collector_config=config,
+                clock=monotonic,
+                wall_clock=wall_clock,
             )
-        self._outlier_ratio = (config.diagnosis or DiagnosisConfig()).itl_spike_ratio
-        if self.percentiles is not None:
-            self._processors.append((_PERCENTILES, _percentiles_processor(self.percentiles)))
-        self.stats = PipelineStats()
+            made = find_factory(factories, KIND_PROCESSOR, component.type).create(
+                component.config, settings
+            )
+            if isinstance(made, TraceAssembler):
+                assembler = made
+            else:
+                self._processors.append((component.id, made))
+        if assembler is None:
+            raise ValueError("the pipeline needs an assembly processor")
+        self.assembler = assembler
+        self.percentiles: PercentileStore | None = next(
+            (p.percentile_store for _, p in self._processors if p.percentile_store is not None),
+            None,
+        )
+        self._itl_outlier_ratio = (config.diagnosis or DiagnosisConfig()).itl_outlier_ratio
+        own = self.telemetry.component(_PIPELINE_ID, KIND_PIPELINE)
+        self._traces = own.counter(semconv.SELF_METRIC_TRACES, description="traces processed")
+        self._requests = own.counter(semconv.SELF_METRIC_REQUESTS, description="requests derived")
+        self._late_rederived = own.counter(
+            semconv.SELF_METRIC_LATE_TRACES_REDERIVED,
+            description="late fragments derived again with their trace's stored spans",
+        )
+        self._late_unmatched = own.counter(
+            semconv.SELF_METRIC_LATE_TRACES_UNMATCHED,
+            description="late fragments processed alone",
+        )
+        self._processor_errors = own.keyed_counter(
+            semconv.SELF_METRIC_PROCESSOR_ERRORS,
+            key_kind=KIND_PROCESSOR,
+            description="requests a processor failed on",
+        )
+        self._exporter_errors = own.keyed_counter(
+            semconv.SELF_METRIC_EXPORTER_ERRORS,
+            key_kind=KIND_EXPORTER,
+            description="batches or ticks an exporter failed on",
+        )
+        self._batch_duration = own.histogram(
+            semconv.SELF_METRIC_BATCH_DURATION,
+            _BATCH_DURATION_BOUNDS_S,
+            description="processing one batch and handing it to the exporters",
+            unit=semconv.METRIC_UNIT_SECONDS,
+        )
         self._stop = threading.Event()
         self._accepting = True
         self._worker: threading.Thread | None = None
         # Processors and sinks keep per-pipeline state (seen prefixes, the store's writer): one
         # thread at a time, whether the worker or a caller flushing.
         self._process_lock = threading.Lock()
-        self._stats_sources: list[tuple[str, Callable[[], dict[str, int]]]] = []
 
     # --- TraceConsumer -------------------------------------------------------------------------
     def consume_traces(self, request: ExportTraceServiceRequest) -> None:
@@ -272,9 +302,9 @@ class Pipeline:
         if trace.late:
             earlier_spans = self._look_up_earlier_spans(trace.trace_id)
             if earlier_spans:
-                self.stats.late_traces_rederived += 1
+                self._late_rederived.add()
                 return self._rederive(trace, earlier_spans)
-            self.stats.late_traces_unmatched += 1
+            self._late_unmatched.add()
         records: list[RequestRecord] = []
         try:
             timelines = normalize(trace)
@@ -283,7 +313,7 @@ class Pipeline:
                 # second, client-only request; its spans still go to the exporters.
                 timelines = [t for t in timelines if t.dialect != DIALECT_GENAI_CLIENT]
         except Exception:  # a dialect bug must not lose the trace: pass it through unenriched
-            self._count_error(self.stats.processor_errors, "normalize")
+            self._processor_errors.add(_NORMALIZE)
             _log.exception("normalising trace %s failed", trace.trace_id.hex())
             return ProcessedTrace(trace, records, encode_trace_request(trace.spans))
         for timeline in timelines:
@@ -291,16 +321,16 @@ class Pipeline:
             if record is None:
                 continue
             for name, processor in self._processors:
-                self._guarded(name, processor, record)
+                self._guarded(name, processor.process, record)
             records.append(record)
         self._enrich(trace.spans, records)
         return ProcessedTrace(trace, records, encode_trace_request(trace.spans))
 
     def _budgeted(self, trace: AssembledTrace, timeline: RequestTimeline) -> RequestRecord | None:
         try:
-            return request_record(timeline, outlier_ratio=self._outlier_ratio)
+            return request_record(timeline, itl_outlier_ratio=self._itl_outlier_ratio)
         except Exception:
-            self._count_error(self.stats.processor_errors, "budget")
+            self._processor_errors.add(_BUDGET)
             _log.exception("budget of trace %s failed", trace.trace_id.hex())
             return None
 
@@ -314,7 +344,7 @@ class Pipeline:
                 try:
                     enrich_span(ref.span, record_or_none)
                 except Exception:
-                    self._count_error(self.stats.processor_errors, "enrich")
+                    self._processor_errors.add(_ENRICH)
 
     def _look_up_earlier_spans(self, trace_id: bytes) -> list[SpanRef] | None:
         if self._earlier_spans is None:
@@ -336,27 +366,25 @@ class Pipeline:
             earlier_timelines = normalize(AssembledTrace(trace_id, earlier_spans))
             timelines = normalize(whole)
         except Exception:  # as in process_trace: the stored records stay as they are
-            self._count_error(self.stats.processor_errors, "normalize")
+            self._processor_errors.add(_NORMALIZE)
             _log.exception("normalising trace %s failed", trace_id.hex())
             return ProcessedTrace(fragment, [], encode_trace_request(fragment.spans))
-        # What the earlier derivation recorded, by request span id.
+        # What the earlier derivation measured, by request span id.
         recorded: dict[bytes, RequestMetrics] = {}
         for timeline in earlier_timelines:
             with suppress(Exception):  # counted when the earlier part was processed
                 recorded[timeline.span_id] = request_record(timeline).metrics
-        processors = [(name, p) for name, p in self._processors if name != _PERCENTILES]
         records: list[RequestRecord] = []
         for timeline in timelines:
             record = self._budgeted(whole, timeline)
             if record is None:
                 continue
-            for name, processor in processors:
-                self._guarded(name, processor, record)
-            if self.percentiles is not None:
-                record_new = partial(
-                    _record_unrecorded, self.percentiles, recorded.get(timeline.span_id)
-                )
-                self._guarded(_PERCENTILES, record_new, record)
+            for name, processor in self._processors:
+                if processor.reprocess is None:
+                    self._guarded(name, processor.process, record)
+                else:
+                    again = partial(_reprocess, processor.reprocess, recorded.get(timeline.span_id))
+                    self._guarded(name, again, record)
             records.append(record)
         self._enrich(fragment.spans, records)
         return ProcessedTrace(
@@ -370,12 +398,8 @@ class Pipeline:
         try:
             processor(record)
         except Exception:
-            self._count_error(self.stats.processor_errors, name)
+            self._processor_errors.add(name)
             _log.debug("processor %s failed", name, exc_info=True)
-
-    @staticmethod
-    def _count_error(counters: dict[str, int], name: str) -> None:
-        counters[name] = counters.get(name, 0) + 1
 
     def process_once(self, *, flush_all: bool = False) -> int:
         """Process every finished trace and export the batch; returns the number of traces."""
@@ -386,31 +410,47 @@ class Pipeline:
         traces = self.assembler.pop_finished(flush_all=flush_all)
         if not traces:
             return 0
+        started = self._monotonic()
         batch = [self.process_trace(trace) for trace in traces]
-        self.stats.traces += len(batch)
+        self._traces.add(len(batch))
         # A re-derived trace's records replace stored ones: only the requests it adds count.
-        self.stats.requests += sum(
-            max(0, len(item.records) - len(item.replaces_stored)) for item in batch
+        self._requests.add(
+            sum(max(0, len(item.records) - len(item.replaces_stored)) for item in batch)
         )
-        for sink in self._sinks:
+        for sink_id, sink in self._sinks.items():
             try:
                 sink.export_traces(batch)
             except Exception:
-                self._count_error(self.stats.exporter_errors, type(sink).__name__)
-                _log.exception("exporter %s failed on a batch of %d traces", sink, len(batch))
+                self._exporter_errors.add(sink_id)
+                _log.exception("exporter %s failed on a batch of %d traces", sink_id, len(batch))
+        self._batch_duration.record(self._monotonic() - started)
         return len(batch)
 
-    def housekeeping(self, *, final: bool = False) -> None:
-        with self._process_lock:
-            self._housekeeping(final=final)
+    def make_tick(self, *, final: bool = False) -> PipelineTick:
+        """The tick the exporters get now; drains the percentile slices closed since the last."""
+        slices: list[ClosedSlice] = []
+        if self.percentiles is not None:
+            slices = self.percentiles.drain_closed_slices() + self.percentiles.open_slice()
+        now_ns = int(self._wall_clock() * _NS_PER_S)
+        return PipelineTick(
+            final=final,
+            percentile_slices=slices,
+            collector_stats=self.telemetry.snapshot(),
+            otlp_metrics=partial(
+                _otlp_metrics, self.percentiles, self.telemetry, self._start_ns, now_ns
+            ),
+        )
 
-    def _housekeeping(self, *, final: bool) -> None:
-        for sink in self._sinks:
-            try:
-                sink.housekeeping(self, final=final)
-            except Exception:
-                self._count_error(self.stats.exporter_errors, type(sink).__name__)
-                _log.exception("housekeeping of %s failed", sink)
+    def housekeeping(self, *, final: bool = False) -> None:
+        """Hand every exporter a tick (``final`` once, when the pipeline has drained)."""
+        with self._process_lock:
+            tick = self.make_tick(final=final)
+            for sink_id, sink in self._sinks.items():
+                try:
+                    sink.tick(tick)
+                except Exception:
+                    self._exporter_errors.add(sink_id)
+                    _log.exception("the tick of exporter %s failed", sink_id)
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -435,48 +475,20 @@ class Pipeline:
         """First step of shutdown: receivers get Unavailable, senders retry elsewhere/later."""
         self._accepting = False
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Finish every pending trace, flush the sinks, stop the worker (upstream first)."""
+    def shutdown(self, *, timeout_s: float = _DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop the worker, finish every pending trace and hand the exporters the final tick
+        (the collector shuts the exporters down after this)."""
         self._accepting = False
         self._stop.set()
         if self._worker is not None:
             self._worker.join(timeout_s)
         self.process_once(flush_all=True)
         self.housekeeping(final=True)
-        deadline = time.monotonic() + timeout_s
-        for sink in self._sinks:
-            sink.shutdown(max(0.1, deadline - time.monotonic()))
 
-    def add_stats_source(self, name: str, stats: Callable[[], dict[str, int]]) -> None:
-        """Counters of a component outside the pipeline (a receiver) to report with its own."""
-        self._stats_sources.append((name, stats))
 
-    def stats_snapshot(self) -> dict[str, Any]:
-        """Every counter of the collector: what the store shows in `top`, and the benchmark."""
-        assembly = self.assembler.stats
-        snapshot: dict[str, Any] = {
-            "received_spans": assembly.received_spans,
-            "traces": self.stats.traces,
-            "requests": self.stats.requests,
-            "pending_spans": self.assembler.pending_spans,
-            "pending_traces": self.assembler.pending_traces,
-            "traces_finished_early": assembly.traces_finished_early,
-            "spans_dropped_trace_full": assembly.spans_dropped,
-            "late_spans": assembly.late_spans,
-            "late_traces_rederived": self.stats.late_traces_rederived,
-            "late_traces_unmatched": self.stats.late_traces_unmatched,
-            "refused_batches": assembly.refused_batches,
-            "processor_errors": dict(self.stats.processor_errors),
-            "exporter_errors": dict(self.stats.exporter_errors),
-        }
-        if self.percentiles is not None:
-            snapshot["percentile_keys_evicted"] = self.percentiles.keys_evicted
-            snapshot["percentile_slices_dropped"] = self.percentiles.slices_dropped
-            snapshot["percentile_record_errors"] = self.percentiles.record_errors
-        for name, source in self._stats_sources:
-            for key, value in source().items():
-                snapshot[f"{name}.{key}"] = value
-        for sink in self._sinks:
-            for key, value in sink.stats().items():
-                snapshot[f"{type(sink).__name__}.{key}"] = value
-        return snapshot
+def _reprocess(
+    reprocess: Callable[[RequestRecord, RequestMetrics | None], None],
+    recorded: RequestMetrics | None,
+    record: RequestRecord,
+) -> None:
+    reprocess(record, recorded)

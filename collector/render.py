@@ -1,8 +1,9 @@
-"""Terminal rendering of request documents and window reports: pure functions, dicts in, text out.
+"""Terminal rendering of request documents, and what every terminal view shares: pure functions.
 
-The inputs are the store's documents (``store.codec.record_to_dict``) and ``top`` reports
-(``store.codec.window_report``), so the CLI, an API and a web UI show the same verdict text and
-the same phases. Nothing here does I/O or imports the store.
+Dicts in, text out. The inputs are the store's request documents (``store.codec.record_to_dict``),
+so the CLI, an API and a web UI show the same verdict text and the same phases; the glyphs,
+colours and ms formatting here are also what the ``top`` view (``render_top.py``) draws with.
+Nothing here does I/O or imports the store.
 """
 
 from __future__ import annotations
@@ -13,21 +14,19 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.processors.diagnosis import NETWORK_NOT_MEASURED
+from tokentrace.processors.causes import NETWORK_NOT_MEASURED
 
 _LABEL_WIDTH: Final = 16
 _DURATION_WIDTH: Final = 12
 _MIN_BAR_WIDTH: Final = 10
 _DEFAULT_WIDTH: Final = 100
-_MAX_NAME_WIDTH: Final = 28
-_SECONDS_PER_MINUTE: Final = 60
 
 _ANSI_RESET: Final = "\x1b[0m"
-_ANSI_BOLD: Final = "\x1b[1m"
-_ANSI_RED: Final = "\x1b[31m"
-_ANSI_GREEN: Final = "\x1b[32m"
-_ANSI_YELLOW: Final = "\x1b[33m"
-_ANSI_DIM: Final = "\x1b[2m"
+ANSI_BOLD: Final = "\x1b[1m"
+ANSI_RED: Final = "\x1b[31m"
+ANSI_GREEN: Final = "\x1b[32m"
+ANSI_YELLOW: Final = "\x1b[33m"
+ANSI_DIM: Final = "\x1b[2m"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +71,7 @@ def _all_glyphs(glyphs: Glyphs) -> list[str]:
     ]
 
 
-def _paint(text: str, code: str, color: bool) -> str:
+def paint(text: str, code: str, color: bool) -> str:
     return f"{code}{text}{_ANSI_RESET}" if color and text else text
 
 
@@ -96,14 +95,6 @@ def format_percent(fraction: float | None) -> str:
     if fraction is None or not math.isfinite(fraction):
         return "-"
     return f"{fraction * 100:.1f}%"
-
-
-def _shorten(text: str, width: int, glyphs: Glyphs) -> str:
-    return (
-        text
-        if len(text) <= width
-        else text[: max(0, width - len(glyphs.ellipsis))] + (glyphs.ellipsis)
-    )
 
 
 # --- one request ------------------------------------------------------------------------------
@@ -145,14 +136,15 @@ def waterfall_rows(doc: Mapping[str, Any]) -> list[WaterfallRow]:
         if kept:
             rows.append(WaterfallRow(label, segment, kept, tuple(ticks)))
 
-    arrival = at.get("arrival")
-    server_start = at.get("server_start", arrival)
+    # The document keeps the API name "arrival" for engine arrival (``BOUNDARY_KEYS``).
+    engine_arrival = at.get("arrival")
+    server_start = at.get("server_start", engine_arrival)
     end = at.get("end")
     server_end = at.get("server_end", end)
     client_start = at.get("client_start")
     client_end = at.get("client_end")
 
-    if arrival is None and client_start is not None:
+    if engine_arrival is None and client_start is not None:
         # A client-only trace: the client saw the whole request, no server span explains it.
         add("client", semconv.SEGMENT_UNATTRIBUTED, [(client_start, client_end)])
         return rows
@@ -164,10 +156,14 @@ def waterfall_rows(doc: Mapping[str, Any]) -> list[WaterfallRow]:
         semconv.SEGMENT_NETWORK,
         [(client_start, server_start), (server_end, client_end)],
     )
-    add("http", semconv.SEGMENT_HTTP, [(server_start, arrival)])
+    add("http", semconv.SEGMENT_HTTP, [(server_start, engine_arrival)])
     ready = at.get("ready")
-    add("cold start", semconv.SEGMENT_COLD_START, [(arrival, ready)])
-    queue_start = max(arrival, ready) if arrival is not None and ready is not None else arrival
+    add("cold start", semconv.SEGMENT_COLD_START, [(engine_arrival, ready)])
+    queue_start = (
+        max(engine_arrival, ready)
+        if engine_arrival is not None and ready is not None
+        else engine_arrival
+    )
     first_scheduled = at.get("first_scheduled")
     first_token = at.get("first_token")
     add("queue", semconv.SEGMENT_QUEUE, [(queue_start, first_scheduled)])
@@ -245,7 +241,7 @@ def render_waterfall(
         bar = draw_bar(row, axis_end_ms=axis_end, bar_width=bar_width, glyphs=glyphs)
         text = f"{row.label:<{_LABEL_WIDTH}}{format_ms(row.duration_ms):>{_DURATION_WIDTH}} "
         if row.segment == highlight:
-            lines.append(_paint(text, _ANSI_BOLD, color) + _paint(bar, _ANSI_YELLOW, color))
+            lines.append(paint(text, ANSI_BOLD, color) + paint(bar, ANSI_YELLOW, color))
         else:
             lines.append(text + bar)
     left = "0"
@@ -369,9 +365,9 @@ def _slo_marks(slo: Mapping[str, bool], *, color: bool, glyphs: Glyphs) -> str:
     marks = []
     for name in sorted(slo):
         if slo[name]:
-            marks.append(_paint(f"{glyphs.met} {name}", _ANSI_GREEN, color))
+            marks.append(paint(f"{glyphs.met} {name}", ANSI_GREEN, color))
         else:
-            marks.append(_paint(f"{glyphs.breached} {name}", _ANSI_RED, color))
+            marks.append(paint(f"{glyphs.breached} {name}", ANSI_RED, color))
     return "   ".join(marks)
 
 
@@ -425,12 +421,12 @@ def render_explain(
         f"{doc.get('service', '?')} / {doc.get('model', '?')} / {doc.get('operation', '?')}  "
         f"{start}"
     )
-    lines = [_paint(title, _ANSI_BOLD, color), ""]
+    lines = [paint(title, ANSI_BOLD, color), ""]
     verdict = chosen_verdict(doc, metric) or {}
     heading = verdict_heading(doc, metric)
     if heading:
         lines.append(f"{'about':<10}{heading}")
-    lines.append(f"{'verdict':<10}" + _paint(verdict_text(doc, metric), _ANSI_BOLD, color))
+    lines.append(f"{'verdict':<10}" + paint(verdict_text(doc, metric), ANSI_BOLD, color))
     if verdict.get("advice"):
         lines.append(f"{'advice':<10}{verdict['advice']}")
     if verdict.get("segment"):
@@ -450,7 +446,7 @@ def render_explain(
     if slo:
         lines.append(f"{'SLO':<10}{_slo_marks(slo, color=color, glyphs=glyphs)}")
     if doc.get("status_error"):
-        lines.append(f"{'error':<10}" + _paint(str(doc["status_error"]), _ANSI_RED, color))
+        lines.append(f"{'error':<10}" + paint(str(doc["status_error"]), ANSI_RED, color))
     if doc.get("skew_clamped"):
         lines.append(f"{'note':<10}out-of-order timestamps (clock skew) were clamped")
     if doc.get("token_offsets_dropped"):
@@ -461,10 +457,10 @@ def render_explain(
             f"{'note':<10}{len(others)} more request(s) in this trace: {', '.join(others)}"
         )
     lines.append("")
-    lines.append(_paint("waterfall", _ANSI_DIM, color))
+    lines.append(paint("waterfall", ANSI_DIM, color))
     lines.extend(render_waterfall(doc, width=width, color=color, glyphs=glyphs, metric=metric))
     lines.append("")
-    lines.append(_paint("budget", _ANSI_DIM, color))
+    lines.append(paint("budget", ANSI_DIM, color))
     lines.extend(render_budget_table(doc, metric=verdict.get("metric")))
     return "\n".join(lines) + "\n"
 
@@ -479,178 +475,3 @@ def render_slowest_list(docs: Sequence[Mapping[str, Any]], *, metric: str) -> st
             f"{str(doc.get('model', '?'))[:19]:<20}{verdict_text(doc, metric)}"
         )
     return "\n".join(lines) + "\n"
-
-
-# --- a window of requests (`top`) ---------------------------------------------------------------
-
-TOP_COLUMNS: Final = (
-    ("TTFT p50", semconv.METRIC_TTFT, "p50"),
-    ("p95", semconv.METRIC_TTFT, "p95"),
-    ("p99", semconv.METRIC_TTFT, "p99"),
-    ("TPOT p50", semconv.METRIC_TPOT, "p50"),
-    ("p99", semconv.METRIC_TPOT, "p99"),
-    ("ITL p99", semconv.METRIC_ITL, "p99"),
-    ("E2E p50", semconv.METRIC_E2E, "p50"),
-    ("p99", semconv.METRIC_E2E, "p99"),
-)
-"""(header, metric, quantile) of the percentile columns of the ``top`` table (values in ms)."""
-
-
-def format_window(window_s: float) -> str:
-    if window_s >= _SECONDS_PER_MINUTE and window_s % _SECONDS_PER_MINUTE == 0:
-        return f"{window_s / _SECONDS_PER_MINUTE:g} min"
-    return f"{window_s:g} s"
-
-
-def render_top(
-    report: Mapping[str, Any],
-    *,
-    color: bool = False,
-    glyphs: Glyphs = UNICODE_GLYPHS,
-    title: str = "",
-) -> str:
-    """The ``tokentrace top`` table of a ``window_report`` plus one line per SLO target."""
-    window = format_window(float(report.get("window_s", 0)))
-    keys: Sequence[Mapping[str, Any]] = report.get("keys") or []
-    sep = glyphs.separator
-    head = f"tokentrace top{sep}last {window}{sep}{report.get('requests', 0)} requests"
-    if title:
-        head += f"{sep}{title}"
-    lines = [_paint(head, _ANSI_BOLD, color)]
-    if not keys:
-        lines.append(f"no requests in the last {window}")
-        lines.extend(_collector_lines(report, color=color, glyphs=glyphs))
-        return "\n".join(lines) + "\n"
-
-    services = {str(key.get("service", "")) for key in keys}
-    name_columns: list[tuple[str, str]] = [
-        ("model", "model"),
-        ("operation", "operation"),
-        ("prompt", "prompt_bucket"),
-    ]
-    if len(services) > 1:
-        name_columns.insert(0, ("service", "service"))
-
-    table: list[list[str]] = []
-    slo_cells: list[tuple[str, bool | None]] = []
-    for key in keys:
-        metrics = key.get("metrics") or {}
-        row = [
-            _shorten(str(key.get(field, "")), _MAX_NAME_WIDTH, glyphs) for _, field in name_columns
-        ]
-        row.append(str(key.get("requests", 0)))
-        for _, metric, quantile in TOP_COLUMNS:
-            row.append(format_ms((metrics.get(metric) or {}).get(quantile), unit=False))
-        table.append(row)
-        slo_cells.append(_key_slo_cell(key.get("slo") or [], glyphs))
-
-    headers = [header for header, _ in name_columns] + ["count"]
-    headers += [header for header, _, _ in TOP_COLUMNS]
-    name_count = len(name_columns)
-    widths = [max(len(headers[i]), *(len(row[i]) for row in table)) for i in range(len(headers))]
-
-    def join(cells: Sequence[str]) -> str:
-        parts = []
-        for index, cell in enumerate(cells):
-            if index < name_count:
-                parts.append(f"{cell:<{widths[index]}}")
-            else:
-                parts.append(f"{cell:>{widths[index]}}")
-        return "  ".join(parts)
-
-    lines.append(join(headers) + "  " + "SLO")
-    for row, (slo_text, slo_met) in zip(table, slo_cells, strict=True):
-        code = _ANSI_GREEN if slo_met else _ANSI_RED if slo_met is False else ""
-        lines.append(join(row) + "  " + (_paint(slo_text, code, color) if code else slo_text))
-    lines.append(_paint("(ms; ITL pooled over all token gaps)", _ANSI_DIM, color))
-
-    slo_entries: Sequence[Mapping[str, Any]] = report.get("slo") or []
-    if slo_entries:
-        lines.append("")
-        lines.extend(render_slo_lines(slo_entries, color=color, glyphs=glyphs))
-    lines.extend(_collector_lines(report, color=color, glyphs=glyphs))
-    return "\n".join(lines) + "\n"
-
-
-def _collector_lines(report: Mapping[str, Any], *, color: bool, glyphs: Glyphs) -> list[str]:
-    stats = report.get("collector")
-    if not isinstance(stats, Mapping):
-        return []
-    return ["", render_collector_line(stats, color=color, glyphs=glyphs)]
-
-
-# Counters that mean data was lost or refused somewhere: shown whenever non-zero.
-_LOSS_COUNTER_SUFFIXES = (
-    "refused_batches",
-    "spans_dropped_trace_full",
-    "traces_finished_early",
-    "late_traces_unmatched",
-    "percentile_keys_evicted",
-    "dropped_spans",
-    "dropped_data_points",
-    "rejected_records",
-    "failed_batches",
-    "replaced_traces",
-    "failed_checkpoints",
-)
-
-
-def render_collector_line(
-    stats: Mapping[str, Any], *, color: bool = False, glyphs: Glyphs = UNICODE_GLYPHS
-) -> str:
-    """One line of the collector's own counters: what it received, and any loss, named."""
-    sep = glyphs.separator
-    head = (
-        f"collector: {stats.get('received_spans', 0)} spans received"
-        f"{sep}{stats.get('requests', 0)} requests"
-        f"{sep}{stats.get('pending_traces', 0)} traces assembling"
-    )
-    losses = [
-        f"{name} {value}"
-        for name, value in sorted(stats.items())
-        if name.endswith(_LOSS_COUNTER_SUFFIXES) and isinstance(value, int) and value > 0
-    ]
-    for group in ("processor_errors", "exporter_errors"):
-        errors = stats.get(group)
-        if isinstance(errors, Mapping):
-            losses += [f"{group}.{name} {count}" for name, count in sorted(errors.items()) if count]
-    if not losses:
-        return _paint(f"{head}{sep}nothing dropped", _ANSI_DIM, color)
-    return _paint(f"{head}{sep}dropped or refused: {', '.join(losses)}", _ANSI_RED, color)
-
-
-def _key_slo_cell(entries: Sequence[Mapping[str, Any]], glyphs: Glyphs) -> tuple[str, bool | None]:
-    if not entries:
-        return "-", None
-    breached = [str(e.get("target")) for e in entries if e.get("met") is False]
-    if breached:
-        return f"{glyphs.breached} " + ",".join(breached), False
-    if all(e.get("met") for e in entries):
-        return glyphs.met, True
-    return "?", None
-
-
-def render_slo_lines(
-    entries: Sequence[Mapping[str, Any]], *, color: bool = False, glyphs: Glyphs = UNICODE_GLYPHS
-) -> list[str]:
-    """One line per SLO target: value vs threshold, compliance and error-budget burn rate."""
-    lines = []
-    for entry in entries:
-        met = entry.get("met")
-        if met is None:
-            mark, code = "-", ""
-        elif met:
-            mark, code = glyphs.met, _ANSI_GREEN
-        else:
-            mark, code = glyphs.breached, _ANSI_RED
-        percentile = float(entry.get("percentile", 0))
-        burn = entry.get("burn_rate")
-        text = (
-            f"{mark} {entry.get('target')}: {entry.get('metric', '?')} p{percentile:g} "
-            f"{format_ms(entry.get('value_ms'))} (target < {format_ms(entry.get('threshold_ms'))})"
-            f"{glyphs.separator}compliance {format_percent(entry.get('compliance'))}"
-            f"{glyphs.separator}burn rate {'-' if burn is None else f'{burn:.2f}'}"
-            f"{glyphs.separator}{entry.get('requests', 0)} requests"
-        )
-        lines.append(_paint(text, code, color) if code else text)
-    return lines

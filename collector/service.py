@@ -1,8 +1,11 @@
 """The collector service: builds the components from a config and runs them.
 
-Start order is downstream first (store and exporters, then the pipeline worker, then the
-receivers), shutdown is upstream first (receivers stop taking data, the pipeline finishes every
-pending trace, the exporters flush), so nothing accepted is lost on a clean stop.
+Components are made by their factories (``factories.py``) in the order the configuration lists
+them and started downstream first: the exporters, then the pipeline's worker, then the
+extensions, then the receivers. Shutdown is upstream first: receivers stop taking data (in-flight
+exports are refused with a retry hint), extensions stop, the pipeline finishes every pending
+trace and hands the exporters its final tick, the exporters flush. Nothing accepted is lost on a
+clean stop; a start that fails shuts down what had started.
 """
 
 from __future__ import annotations
@@ -14,20 +17,40 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Mapping
-from typing import Any
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Final
 
-from tokentrace.collector.config import (
-    CollectorConfig,
-    ConfigError,
-    ReceiverConfig,
-    load_config,
+from tokentrace.collector.component import (
+    KIND_EXPORTER,
+    KIND_EXTENSION,
+    KIND_RECEIVER,
+    Component,
+    ComponentConfig,
+    CreateSettings,
+    Factories,
+    find_factory,
 )
-from tokentrace.collector.pipeline import Pipeline, TraceSink
+from tokentrace.collector.config import CollectorConfig, ConfigError, load_config
+from tokentrace.collector.factories import FACTORIES
+from tokentrace.collector.self_telemetry import SelfTelemetry
+
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    from tokentrace.collector.consumer import TraceConsumer
+    from tokentrace.collector.pipeline import Pipeline, TraceSink
+    from tokentrace.collector.receivers.otlp import OtlpReceiver
+
+    class Exporter(TraceSink, Component, Protocol):
+        """What an exporter factory makes."""
+
 
 _log = logging.getLogger(__name__)
 
-_DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+_DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 10.0
+_FAILED_START_SHUTDOWN_S: Final = 1.0
+_MIN_STEP_TIMEOUT_S: Final = 0.1
 # Each request allocates a few hundred short-lived containers; with CPython's default gen-0
 # threshold (700) the collector spent ~15% of its time in the cyclic GC scanning live traces.
 _GC_THRESHOLDS = (50_000, 20, 20)
@@ -42,106 +65,98 @@ def tune_gc_for_throughput() -> None:
 class Collector:
     """Every component of one collector, started downstream first, stopped upstream first."""
 
-    def __init__(self, config: CollectorConfig) -> None:
+    def __init__(
+        self,
+        config: CollectorConfig,
+        *,
+        factories: Factories = FACTORIES,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
-        self.sinks: list[TraceSink] = []
+        self.telemetry = SelfTelemetry()
+        """Every component's self-telemetry (``stats()`` is its snapshot)."""
+        self._factories = factories
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self.exporters: dict[str, Exporter] = {}
         self.pipeline: Pipeline | None = None
-        self.receivers: list[Any] = []
-        self.ui: Any = None
-        """The ``ui`` extension's ApiServer when configured (``ui_url``)."""
+        self.extensions: dict[str, Component] = {}
+        self.receivers: dict[str, Component] = {}
 
     @property
     def grpc_port(self) -> int | None:
-        return self._receiver_port("OtlpGrpcReceiver")
+        receiver = self._otlp_receiver()
+        return None if receiver is None or receiver.grpc is None else receiver.grpc.port
 
     @property
     def http_port(self) -> int | None:
-        return self._receiver_port("OtlpHttpReceiver")
+        receiver = self._otlp_receiver()
+        return None if receiver is None or receiver.http is None else receiver.http.port
 
     @property
     def ui_url(self) -> str | None:
-        return None if self.ui is None else str(self.ui.url)
+        from tokentrace.collector.api.server import ApiServer
 
-    def _receiver_port(self, kind: str) -> int | None:
-        for receiver in self.receivers:
-            if type(receiver).__name__ == kind:
-                port: int = receiver.port
-                return port
+        for extension in self.extensions.values():
+            if isinstance(extension, ApiServer):
+                return str(extension.url)
+        return None
+
+    def _otlp_receiver(self) -> OtlpReceiver | None:
+        from tokentrace.collector.receivers.otlp import OtlpReceiver
+
+        for receiver in self.receivers.values():
+            if isinstance(receiver, OtlpReceiver):
+                return receiver
         return None
 
     def start(self) -> None:
         from tokentrace.collector.exporters.store_sink import StoreSink
-        from tokentrace.collector.exporters.upstream_sink import UpstreamSink
+        from tokentrace.collector.pipeline import Pipeline
 
         config = self.config
         try:
-            store_sink: StoreSink | None = None
-            if config.store is not None:
-                store_sink = StoreSink(
-                    config.store, slo_targets=config.slo_targets, diagnosis=config.diagnosis
-                )
-                self.sinks.append(store_sink)
-            for upstream in config.upstream:
-                self.sinks.append(UpstreamSink(upstream))
+            for component in config.exporters:
+                exporter = self._create(component)
+                exporter.start()
+                self.exporters[component.id] = exporter
             # Late spans join their request through the spans the store holds for its trace.
+            stores = [e for e in self.exporters.values() if isinstance(e, StoreSink)]
             self.pipeline = Pipeline(
                 config,
-                sinks=self.sinks,
-                earlier_spans=None if store_sink is None else store_sink.stored_spans,
+                sinks=self.exporters,
+                earlier_spans=stores[0].stored_spans if stores else None,
+                telemetry=self.telemetry,
+                monotonic=self._clock,
+                wall_clock=self._wall_clock,
+                factories=self._factories,
             )
             self.pipeline.start()
-            self._start_ui()
-            self._start_receivers(self.pipeline)
+            for component in config.extensions:
+                extension = self._create(component)
+                extension.start()
+                self.extensions[component.id] = extension
+            for component in config.receivers:
+                receiver = self._create(component, consumer=self.pipeline)
+                receiver.start()
+                self.receivers[component.id] = receiver
         except Exception:
-            self.shutdown(timeout_s=1.0)
+            self.shutdown(timeout_s=_FAILED_START_SHUTDOWN_S)
             raise
 
-    def _start_ui(self) -> None:
-        """The drill-down API + web UI over the store the store sink has just opened."""
-        ui, store = self.config.ui, self.config.store
-        if ui is None or store is None:
-            return
-        from tokentrace.collector.api import ApiSettings, create_app
-        from tokentrace.collector.api.server import ApiServer
-
-        app = create_app(
-            ApiSettings(store_path=store.path, auth_token=ui.auth_token, trace_link=ui.trace_link)
+    def _create(self, component: ComponentConfig, *, consumer: TraceConsumer | None = None) -> Any:
+        settings = CreateSettings(
+            id=component.id,
+            kind=component.kind,
+            telemetry=self.telemetry,
+            collector_config=self.config,
+            clock=self._clock,
+            wall_clock=self._wall_clock,
+            consumer=consumer,
         )
-        server = ApiServer(
-            app,
-            endpoint=ui.endpoint,
-            tls_cert_file=ui.tls_cert_file,
-            tls_key_file=ui.tls_key_file,
-        )
-        server.start()
-        self.ui = server
-
-    def _start_receivers(self, pipeline: Pipeline) -> None:
-        from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
-        from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
-
-        config = self.config
-        receivers: list[OtlpGrpcReceiver | OtlpHttpReceiver] = []
-        if config.grpc is not None:
-            receivers.append(
-                OtlpGrpcReceiver(
-                    pipeline,
-                    max_recv_msg_size=config.grpc.max_message_size,
-                    **_receiver_options(config.grpc),
-                )
-            )
-        if config.http is not None:
-            receivers.append(
-                OtlpHttpReceiver(
-                    pipeline,
-                    max_request_body_size=config.http.max_message_size,
-                    **_receiver_options(config.http),
-                )
-            )
-        for receiver in receivers:
-            receiver.start()
-            self.receivers.append(receiver)
-            pipeline.add_stats_source(type(receiver).__name__, receiver.stats)
+        factory = find_factory(self._factories, component.kind, component.type)
+        return factory.create(component.config, settings)
 
     def flush(self) -> None:
         """Finish and export every pending trace now (tests, the demo, shutdown)."""
@@ -150,39 +165,37 @@ class Collector:
             self.pipeline.housekeeping()
 
     def shutdown(self, timeout_s: float = _DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
-        if self.pipeline is not None:
-            self.pipeline.stop_accepting()
-        for receiver in reversed(self.receivers):
+        """Upstream first, within ``timeout_s`` in all (module docstring)."""
+        deadline = self._clock() + timeout_s
+
+        def left() -> float:
+            return max(_MIN_STEP_TIMEOUT_S, deadline - self._clock())
+
+        pipeline, self.pipeline = self.pipeline, None
+        if pipeline is not None:
+            pipeline.stop_accepting()
+        for kind, components in (
+            (KIND_RECEIVER, self.receivers),
+            (KIND_EXTENSION, self.extensions),
+        ):
+            for component_id, component in reversed(components.items()):
+                try:
+                    component.shutdown(timeout_s=left())
+                except Exception:
+                    _log.exception("stopping the %s %s failed", kind, component_id)
+            components.clear()
+        if pipeline is not None:
+            pipeline.shutdown(timeout_s=left())
+        for component_id, exporter in reversed(self.exporters.items()):
             try:
-                receiver.shutdown()
+                exporter.shutdown(timeout_s=left())
             except Exception:
-                _log.exception("stopping %s failed", type(receiver).__name__)
-        self.receivers.clear()
-        if self.ui is not None:
-            try:
-                self.ui.shutdown()
-            except Exception:
-                _log.exception("stopping the ui extension failed")
-            self.ui = None
-        if self.pipeline is not None:
-            self.pipeline.shutdown(timeout_s)
-            self.pipeline = None
-        else:
-            for sink in self.sinks:
-                sink.shutdown(timeout_s)
-        self.sinks.clear()
+                _log.exception("stopping the %s %s failed", KIND_EXPORTER, component_id)
+        self.exporters.clear()
 
     def stats(self) -> dict[str, Any]:
-        return self.pipeline.stats_snapshot() if self.pipeline else {}
-
-
-def _receiver_options(config: ReceiverConfig) -> dict[str, Any]:
-    return {
-        "endpoint": config.endpoint,
-        "auth_token": config.auth_token,
-        "tls_cert_file": config.tls_cert_file,
-        "tls_key_file": config.tls_key_file,
-    }
+        """The self-telemetry snapshot (what ``tokentrace top`` shows, and the benchmark)."""
+        return self.telemetry.snapshot()
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -240,16 +253,16 @@ def describe_config(
         tls = ", TLS" if receiver.tls_cert_file else ""
         verb = "listening on" if ports else "on"
         lines.append(f"OTLP/{protocol} receiver {verb} {address}{tls}{auth}")
-    lines.append(f"processors: {', '.join(config.processors)}")
+    lines.append(f"processors: {', '.join(config.processor_ids)}")
     if config.slo_targets:
         lines.append(f"SLO targets: {', '.join(target.name for target in config.slo_targets)}")
     if config.store is not None:
         lines.append(f"request store: {os.path.abspath(config.store.path)}")
     for upstream in config.upstream:
-        exporter = upstream.exporter
+        exporter = upstream.config.exporter
         target = exporter.endpoint_for("traces") or exporter.endpoint
         protocol = exporter.protocol
-        lines.append(f"{upstream.name}: enriched spans and metrics to {target} ({protocol})")
+        lines.append(f"{upstream.id}: enriched spans and metrics to {target} ({protocol})")
     if not config.upstream:
         lines.append("no upstream export (set OTEL_EXPORTER_OTLP_ENDPOINT or an otlp exporter)")
     if config.ui is not None:

@@ -18,8 +18,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from tokentrace.collector.assembly import unique_spans
 from tokentrace.collector.pipeline import group_by_trace
+from tokentrace.collector.store import RequestStore
 from tokentrace.collector.store.query import QueryTimeoutError
-from tokentrace.collector.store.sqlite import RequestStore
 from tokentrace.processors.budget import request_record
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.model import AssembledTrace, RequestRecord, SpanRef
@@ -65,7 +65,7 @@ def records_of_traces(
             for grouped_id, spans in stored_spans_by_trace(otlp).items():
                 for timeline in normalize(AssembledTrace(grouped_id, spans)):
                     window.records.append(
-                        request_record(timeline, outlier_ratio=diagnosis.itl_spike_ratio)
+                        request_record(timeline, itl_outlier_ratio=diagnosis.itl_outlier_ratio)
                     )
         except Exception:  # one bad trace must not hide the window
             window.undecodable += 1

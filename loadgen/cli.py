@@ -148,10 +148,11 @@ def _run(args: argparse.Namespace) -> int:
     import json
 
     from tokentrace.loadgen import record as run_record
+    from tokentrace.loadgen.lengths import WorkloadError
     from tokentrace.loadgen.report import client_slo, render
     from tokentrace.loadgen.results import summarize
     from tokentrace.loadgen.runner import LoadRunner
-    from tokentrace.loadgen.workload import RequestPlanner, WorkloadError, prompt_builder
+    from tokentrace.loadgen.workload import RequestPlanner, prompt_builder
 
     config = _config(args)
     if args.otlp_protocol and not args.otlp_endpoint:  # before any request reaches the server
@@ -206,7 +207,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from tokentrace.loadgen.workload import LoadConfig, WorkloadError, parse_length
+    from tokentrace.loadgen.lengths import WorkloadError, parse_length
+    from tokentrace.loadgen.workload import LoadConfig
     from tokentrace.processors.durations import parse_duration_ns
 
     def seconds(option: str, text: str | None) -> float | None:
@@ -316,7 +318,7 @@ def _discover_model(server_url: str, *, headers: dict[str, str], timeout_s: floa
 
 
 def _exporter(args: argparse.Namespace) -> Any:
-    from tokentrace.agent.otlp_export import OtlpExporterConfig
+    from tokentrace.agent.otlp_config import OtlpExporterConfig
     from tokentrace.loadgen.export import ClientSpanExporter
 
     config: OtlpExporterConfig | None

@@ -16,15 +16,10 @@ import time
 from typing import Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.otlp_export import PROTOCOL_GRPC, OtlpExporterConfig, OtlpSender
-from tokentrace.agent.spans import (
-    KIND_CLIENT,
-    AttrValue,
-    PlannedSpan,
-    ResourceScope,
-    encode_span,
-    export_request,
-)
+from tokentrace.agent.otlp_config import PROTOCOL_GRPC, OtlpExporterConfig
+from tokentrace.agent.otlp_export import OtlpSender
+from tokentrace.agent.span_encoding import ResourceScope, encode_span, export_request
+from tokentrace.agent.spans import KIND_CLIENT, AttrValue, PlannedSpan
 from tokentrace.loadgen.results import RequestResult
 
 DEFAULT_SERVICE_NAME: Final = "tokentrace-load"

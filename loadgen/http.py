@@ -1,10 +1,19 @@
-"""A small asyncio HTTP/1.1 client for ``tokentrace load``.
+"""A small asyncio HTTP/1.1 client for ``tokentrace load``: this module sends requests over a
+pool of keep-alive connections and parses response heads; ``http_connection.py`` holds one
+connection (socket, bounded read buffer, errors), ``http_response.py`` a response's body
+(framing, server-sent events, limits).
 
-Why not aiohttp or httpx: the load generator needs the clock reading of the socket read that
-delivered each server-sent event (TTFT and inter-token gaps are measured from it), and the agent
-extra must stay free of web client dependencies. The client speaks just enough HTTP/1.1 for
-OpenAI-compatible endpoints: POST with a JSON body, responses framed by Content-Length, chunked
-transfer coding or connection close, keep-alive connection reuse, and ``text/event-stream`` bodies.
+Why not httpx or aiohttp: the load generator needs the clock reading of the socket read that
+delivered each server-sent event (TTFT and inter-token gaps are measured from it) and of the
+request's send, and both cost that accuracy (``bench/load_http_client.py``; numbers in
+docs/performance.md). httpx needs 1.7-15x this client's CPU per event and reads events 1.5-6x
+later. aiohttp reads as promptly, but before Python 3.12 it writes each request from a task of
+its own one event-loop turn later, so the send time it reports is early by 3.5 ms at 16 streams
+and 11 ms at 64 (this client: 0.09 and 1.3 ms), time the runner would book as the server's or
+the network's; nor does it give the first byte's read or TCP_INFO right after connecting. The
+client speaks just enough HTTP/1.1 for OpenAI-compatible endpoints: POST with a JSON body,
+responses framed by Content-Length, chunked transfer coding or connection close, keep-alive
+connection reuse, and ``text/event-stream`` bodies.
 
 Each :class:`Response` also says what the client's side of the wire did, for the collector to
 split the time the client saw but the server did not: whether its connection was reused (else
@@ -24,19 +33,29 @@ Every socket-level failure (refused, reset, TLS, timeout, protocol violation) su
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ipaddress
 import re
 import ssl
-import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import TypeVar
 from urllib.parse import urlsplit
 
-from tokentrace.agent.tcp_info import TcpFacts, read_tcp_info
+from tokentrace.loadgen.http_connection import (
+    _MAX_HEADER_BYTES,
+    HttpError,
+    _Connection,
+    _Counters,
+    _PeerClosed,
+    _size,
+)
+from tokentrace.loadgen.http_response import (
+    _BODY_CHUNKED,
+    _BODY_LENGTH,
+    _BODY_NONE,
+    _BODY_UNTIL_EOF,
+    Response,
+)
 
 __all__ = ["HttpClient", "HttpError", "Response", "parse_base_url"]
 
@@ -45,81 +64,12 @@ _DEFAULT_MAX_IDLE_CONNECTIONS = 1024
 _USER_AGENT = "tokentrace-load"
 _DEFAULT_CONTENT_TYPE = "application/json"
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-
-_READ_SIZE = 64 * 1024
-_MAX_HEADER_BYTES = 64 * 1024
-"""Largest response header block; also bounds one chunk-size line and the chunked trailers."""
-_MAX_EVENT_BYTES = 16 * 1024 * 1024
-"""Largest single server-sent event (the bytes buffered while waiting for its blank line)."""
-_MAX_BODY_BYTES = 256 * 1024 * 1024
-"""Largest body that :meth:`Response.read` collects."""
-_CLOSE_WAIT_S = 1.0
-"""How long :meth:`HttpClient.aclose` waits for idle connections to finish closing."""
-
-_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEADER_VALUE_FORBIDDEN = re.compile(r"[\r\n\x00]")
 _TARGET_FORBIDDEN = re.compile(r"[^\x21-\x7e]")
-_UTF8_BOM = b"\xef\xbb\xbf"
 FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
 """Request headers the client computes itself; caller-given values are ignored."""
-
-# How a response body is delimited.
-_BODY_NONE = 0
-_BODY_LENGTH = 1
-_BODY_CHUNKED = 2
-_BODY_UNTIL_EOF = 3
-
-# Where the chunked decoder is.
-_CHUNK_SIZE_LINE = 0
-_CHUNK_DATA = 1
-_CHUNK_DATA_END = 2
-_CHUNK_TRAILERS = 3
-
-_T = TypeVar("_T")
-
-if sys.version_info >= (3, 11):
-
-    async def _within(awaitable: Awaitable[_T], timeout_s: float) -> _T:
-        # asyncio.timeout is a timer handle on the current task; wait_for (3.10) wraps a task.
-        async with asyncio.timeout(timeout_s):
-            return await awaitable
-
-else:  # pragma: no cover - Python 3.10
-    _within = asyncio.wait_for
-
-
-class HttpError(Exception):
-    """Connection refused/reset, timeout, protocol violation; message says what and where
-    (host:port)."""
-
-
-class _PeerClosed(HttpError):
-    """The server closed (or reset) the connection before sending any byte of a response: the
-    signature of a stale keep-alive connection, which :meth:`HttpClient.post` retries once."""
-
-
-def _translate(exc: BaseException, action: str, where: str, timeout_s: float) -> HttpError | None:
-    """The :class:`HttpError` for a socket-layer exception, or None for anything else
-    (cancellation, programming errors), which propagates unchanged."""
-    # Before OSError: since 3.11 asyncio's TimeoutError is the builtin, an OSError subclass.
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        return HttpError(f"{action} {where} timed out after {timeout_s:g}s")
-    detail = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, (ConnectionError, EOFError, ssl.SSLEOFError, ssl.SSLZeroReturnError)):
-        return _PeerClosed(f"{action} {where} failed, connection closed by peer ({detail})")
-    if isinstance(exc, OSError):
-        return HttpError(f"{action} {where} failed ({detail})")
-    return None
-
-
-def _is_ip_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def parse_base_url(url: str) -> tuple[str, str, int, str]:
@@ -155,499 +105,6 @@ def parse_base_url(url: str) -> tuple[str, str, int, str]:
     if _TARGET_FORBIDDEN.search(path):
         raise ValueError(f"base URL {url!r} has spaces or control characters in its path")
     return scheme, host, port, path
-
-
-class _Counters:
-    __slots__ = (
-        "connections_opened",
-        "connections_reused",
-        "idle_discarded",
-        "limit_exceeded",
-        "stale_retries",
-    )
-
-    def __init__(self) -> None:
-        self.connections_opened = 0
-        self.connections_reused = 0
-        self.stale_retries = 0
-        self.idle_discarded = 0
-        self.limit_exceeded = 0
-
-
-class _Connection:
-    """One TCP (or TLS) connection with a read buffer (``buf`` from offset ``pos``) and the clock
-    reading of its latest read. Every failure closes it and raises HttpError."""
-
-    __slots__ = (
-        "_clock",
-        "_reader",
-        "_timeout_s",
-        "_writer",
-        "buf",
-        "closed",
-        "connect_ns",
-        "last_read_ns",
-        "pos",
-        "sock",
-        "where",
-    )
-
-    def __init__(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        *,
-        where: str,
-        timeout_s: float,
-        clock: Callable[[], int],
-        connect_ns: int,
-    ) -> None:
-        self._reader = reader
-        self._writer = writer
-        self._timeout_s = timeout_s
-        self._clock = clock
-        self.where = where
-        self.sock: object = writer.get_extra_info("socket")
-        """The TCP socket (under TLS, the raw one), for TCP_INFO; None if the transport has none."""
-        self.connect_ns = connect_ns
-        """How long opening it took: name resolution and TLS included; for plain TCP to an IP
-        address at most the kernel's measured round trip of its handshake."""
-        self.buf = b""
-        self.pos = 0
-        self.last_read_ns = 0
-        self.closed = False
-
-    @classmethod
-    async def open(
-        cls,
-        host: str,
-        port: int,
-        *,
-        where: str,
-        ssl_context: ssl.SSLContext | None,
-        timeout_s: float,
-        clock: Callable[[], int],
-    ) -> _Connection:
-        started_ns = clock()
-        try:
-            reader, writer = await _within(
-                asyncio.open_connection(
-                    host,
-                    port,
-                    ssl=ssl_context,
-                    server_hostname=host if ssl_context is not None else None,
-                ),
-                timeout_s,
-            )
-        except BaseException as exc:
-            error = _translate(exc, "connecting to", where, timeout_s)
-            if error is None:
-                raise
-            raise error from exc
-        connection = cls(
-            reader,
-            writer,
-            where=where,
-            timeout_s=timeout_s,
-            clock=clock,
-            connect_ns=clock() - started_ns,
-        )
-        if ssl_context is None and _is_ip_address(host):
-            # Plain TCP, no name to resolve: the kernel completes the handshake in one round
-            # trip, which it measured; opening took longer only when this client was late to run
-            # (a busy loop, a starved process): the client's own time, not the connection's.
-            facts = read_tcp_info(connection.sock)
-            if facts is not None and facts.rtt_ns:
-                connection.connect_ns = min(connection.connect_ns, facts.rtt_ns)
-        return connection
-
-    @property
-    def buffered(self) -> int:
-        return len(self.buf) - self.pos
-
-    def _fail(self, exc: BaseException, action: str) -> HttpError | None:
-        self.abort()
-        return _translate(exc, action, self.where, self._timeout_s)
-
-    async def send(self, data: bytes) -> None:
-        try:
-            self._writer.write(data)
-            await _within(self._writer.drain(), self._timeout_s)
-        except BaseException as exc:
-            error = self._fail(exc, "sending request to")
-            if error is None:
-                raise
-            raise error from exc
-
-    async def fill(self) -> bool:
-        """Read what the socket has (at most ``_READ_SIZE``) into the buffer; False at EOF."""
-        try:
-            data = await _within(self._reader.read(_READ_SIZE), self._timeout_s)
-        except BaseException as exc:
-            error = self._fail(exc, "reading response from")
-            if error is None:
-                raise
-            raise error from exc
-        self.last_read_ns = self._clock()
-        if not data:
-            return False
-        if self.pos >= len(self.buf):
-            self.buf = data  # the common case: everything before was consumed, no copy
-        else:
-            self.buf = self.buf[self.pos :] + data
-        self.pos = 0
-        return True
-
-    def take(self, limit: int) -> bytes:
-        """Up to ``limit`` buffered bytes (the caller made sure some are buffered)."""
-        buf, pos = self.buf, self.pos
-        end = pos + limit
-        if pos == 0 and end >= len(buf):
-            self.buf, self.pos = b"", 0
-            return buf
-        piece = buf[pos:end]
-        self.pos = min(end, len(buf))
-        return piece
-
-    def buffered_line(self) -> bytes | None:
-        """The next buffered line without its CRLF/LF, or None until a whole line is buffered
-        (chunk-size lines and trailers)."""
-        end = self.buf.find(b"\n", self.pos)
-        if end < 0:
-            if self.buffered > _MAX_HEADER_BYTES:
-                self.abort()
-                raise HttpError(
-                    f"chunked body line from {self.where} is over {_size(_MAX_HEADER_BYTES)}"
-                )
-            return None
-        line = self.buf[self.pos : end]
-        self.pos = end + 1
-        return line[:-1] if line.endswith(b"\r") else line
-
-    def is_alive(self) -> bool:
-        """False when the server closed the idle connection and the loop already saw it."""
-        if self.closed or self.buffered:
-            return False
-        reader = self._reader
-        return not (reader.at_eof() or reader.exception() is not None or self._writer.is_closing())
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._writer.close()
-
-    def abort(self) -> None:
-        """Close without a graceful shutdown: the connection is in an unknown state."""
-        if not self.closed:
-            self.closed = True
-            self._writer.transport.abort()
-
-    async def wait_closed(self) -> None:
-        # Best effort: a peer that never acknowledges the close must not hang aclose().
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._writer.wait_closed(), _CLOSE_WAIT_S)
-
-
-class Response:
-    """A response whose status line and headers were read; the body is read with :meth:`read`
-    or :meth:`events`. The connection goes back to the pool as soon as the body was read to its
-    end (or on :meth:`aclose`); a response abandoned mid-body closes its connection."""
-
-    __slots__ = (
-        "_client",
-        "_conn",
-        "_done",
-        "_end_ns",
-        "_keep_alive",
-        "_mode",
-        "_remaining",
-        "_sock",
-        "_state",
-        "_trailer_bytes",
-        "connect_ns",
-        "connection_reused",
-        "end_tcp_facts",
-        "first_byte_ns",
-        "headers",
-        "headers_ns",
-        "reason",
-        "sent_ns",
-        "status",
-    )
-
-    def __init__(
-        self,
-        client: HttpClient,
-        conn: _Connection,
-        *,
-        status: int,
-        reason: str,
-        headers: dict[str, str],
-        sent_ns: int,
-        first_byte_ns: int,
-        headers_ns: int,
-        connection_reused: bool,
-        mode: int,
-        length: int,
-        keep_alive: bool,
-    ) -> None:
-        self.status = status
-        self.reason = reason
-        self.headers: Mapping[str, str] = headers
-        self.sent_ns = sent_ns
-        """Clock reading when the request's bytes were handed to the connection."""
-        self.first_byte_ns = first_byte_ns
-        """Clock reading of the read that delivered the response's first byte."""
-        self.headers_ns = headers_ns
-        self.connection_reused = connection_reused
-        """The request went over a pooled connection (False: one opened for it)."""
-        self.connect_ns = None if connection_reused else conn.connect_ns
-        """How long opening the connection took; None when it was reused."""
-        self.end_tcp_facts: TcpFacts | None = None
-        """TCP_INFO taken right after the read that completed the body; None until then, or
-        when the kernel could not tell."""
-        self._client = client
-        self._conn: _Connection | None = conn
-        self._sock = conn.sock
-        self._mode = mode
-        self._remaining = length
-        self._state = _CHUNK_SIZE_LINE
-        self._trailer_bytes = 0
-        self._keep_alive = keep_alive
-        self._done = False
-        self._end_ns = headers_ns  # the clock reading of the read that ended the body
-        if mode == _BODY_NONE or (mode == _BODY_LENGTH and length == 0):
-            self._finish()
-
-    def __repr__(self) -> str:
-        return f"<Response {self.status} {self.reason!r}>"
-
-    async def __aenter__(self) -> Response:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def read(self) -> bytes:
-        """The whole (remaining) body; HttpError beyond 256 MiB or when the connection ends
-        mid-body."""
-        parts: list[bytes] = []
-        total = 0
-        try:
-            if self._mode == _BODY_LENGTH and self._remaining > _MAX_BODY_BYTES:
-                raise self._over_limit(
-                    f"response body of {self._remaining} bytes is over {_size(_MAX_BODY_BYTES)}"
-                )
-            while piece := await self._next_piece():
-                total += len(piece)
-                if total > _MAX_BODY_BYTES:
-                    raise self._over_limit(f"response body is over {_size(_MAX_BODY_BYTES)}")
-                parts.append(piece)
-        except BaseException:
-            self._abort()
-            raise
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    async def events(self) -> AsyncIterator[tuple[int, str]]:
-        """Server-sent events: ``(clock reading of the read that completed the event, data)``,
-        with multi-line data joined by ``\\n``; events without data lines are skipped."""
-        conn = self._conn
-        if conn is None:
-            if not self._done:
-                raise HttpError("response was closed before its body was read")
-            return
-        pending = bytearray()  # normalized to \n line ends; at most one incomplete event
-        scan_from = 0
-        carry_cr = False  # a trailing \r whose \n may come with the next piece
-        first = True
-        try:
-            while piece := await self._next_piece():
-                read_ns = conn.last_read_ns  # read before any await or yield lets conn be reused
-                if carry_cr:
-                    piece = b"\r" + piece
-                    carry_cr = False
-                if piece.endswith(b"\r"):
-                    piece = piece[:-1]
-                    carry_cr = True
-                if b"\r" in piece:
-                    piece = piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-                if first:
-                    first = False
-                    if piece.startswith(_UTF8_BOM):
-                        piece = piece[len(_UTF8_BOM) :]
-                pending += piece
-                while (end := pending.find(b"\n\n", scan_from)) >= 0:
-                    data = _event_data(pending[:end])
-                    del pending[: end + 2]  # bytearray drops a prefix without moving the rest
-                    scan_from = 0
-                    if data is not None:
-                        yield read_ns, data
-                scan_from = max(0, len(pending) - 1)
-                if len(pending) > _MAX_EVENT_BYTES:
-                    raise self._over_limit(f"a server-sent event is over {_size(_MAX_EVENT_BYTES)}")
-            if pending:  # a last event that the stream ended without a blank line after
-                data = _event_data(pending)
-                if data is not None:
-                    # Not conn.last_read_ns: a pooled connection may already serve another request.
-                    yield self._end_ns, data
-        except BaseException:  # includes cancellation and the consumer closing the generator
-            self._abort()
-            raise
-
-    async def aclose(self) -> None:
-        """Return the connection to the pool when the body was read and the connection is
-        reusable; otherwise close it. Idempotent."""
-        if self._conn is not None and not self._done:
-            self._abort()
-
-    def tcp_facts(self) -> TcpFacts | None:
-        """TCP_INFO of the connection that carried this response, now; None when the kernel
-        cannot tell (closed, not TCP, not Linux). Ask right after a read of this response and
-        before awaiting anything: a connection whose response is complete may carry another
-        request from the next await on."""
-        return read_tcp_info(self._sock)
-
-    # --- body decoding ---------------------------------------------------------------------------
-    async def _next_piece(self) -> bytes:
-        """The next piece of the decoded body as soon as any is available; b"" at its end."""
-        if self._done:
-            return b""
-        conn = self._conn
-        if conn is None:
-            raise HttpError("response was closed before its body was read")
-        mode = self._mode
-        if mode == _BODY_LENGTH:
-            if not conn.buffered and not await conn.fill():
-                raise self._mid_body(f"{self._remaining} bytes of Content-Length missing")
-            piece = conn.take(self._remaining)
-            self._remaining -= len(piece)
-            if self._remaining == 0:
-                self._finish()  # pool the connection now, not on the caller's next call
-            return piece
-        if mode == _BODY_CHUNKED:
-            return await self._next_chunk_piece(conn)
-        if mode == _BODY_UNTIL_EOF:
-            if not conn.buffered and not await conn.fill():
-                return self._finish()
-            return conn.take(conn.buffered)
-        return self._finish()
-
-    async def _next_chunk_piece(self, conn: _Connection) -> bytes:
-        while True:
-            if self._state == _CHUNK_DATA:
-                if not conn.buffered and not await conn.fill():
-                    raise self._mid_body("inside a chunk")
-                piece = conn.take(self._remaining)
-                self._remaining -= len(piece)
-                if self._remaining == 0:
-                    self._state = _CHUNK_DATA_END
-                    # The last chunk and trailers often come in the same read: finishing now
-                    # pools the connection even if the consumer stops at the last event.
-                    self._parse_chunk_framing(conn)
-                return piece
-            if self._parse_chunk_framing(conn):
-                return b""
-            if self._state != _CHUNK_DATA and not await conn.fill():
-                raise self._mid_body("inside chunked framing")
-
-    def _parse_chunk_framing(self, conn: _Connection) -> bool:
-        """Consume the buffered framing lines up to the next chunk's data; True at the body's
-        end. Never reads from the socket."""
-        while self._state != _CHUNK_DATA:
-            line = conn.buffered_line()
-            if line is None:
-                return False
-            state = self._state
-            if state == _CHUNK_SIZE_LINE:
-                # chunk-size [ ; extensions ]: extensions carry nothing we use
-                size_text = line.split(b";", 1)[0].strip(b" \t")
-                if not _CHUNK_SIZE.fullmatch(size_text):
-                    self._abort()
-                    raise HttpError(f"malformed chunk size {bytes(line[:40])!r} from {conn.where}")
-                size = int(size_text, 16)
-                if size:
-                    self._remaining = size
-                    self._state = _CHUNK_DATA
-                else:
-                    self._state = _CHUNK_TRAILERS
-            elif state == _CHUNK_DATA_END:
-                if line:
-                    self._abort()
-                    raise HttpError(f"chunk from {conn.where} is longer than its declared size")
-                self._state = _CHUNK_SIZE_LINE
-            else:  # trailer fields until the blank line; nothing in them is used
-                if not line:
-                    self._finish()
-                    return True
-                self._trailer_bytes += len(line)
-                if self._trailer_bytes > _MAX_HEADER_BYTES:
-                    raise self._over_limit(f"chunked trailers are over {_size(_MAX_HEADER_BYTES)}")
-        return False
-
-    def _finish(self) -> bytes:
-        """The body ended: pool the connection when it can carry another request."""
-        self._done = True
-        conn = self._conn
-        self._conn = None
-        if conn is not None:
-            self._end_ns = conn.last_read_ns
-            self.end_tcp_facts = read_tcp_info(conn.sock)  # before the pool lends conn out
-            if self._keep_alive:
-                self._client._release(conn)
-            else:
-                conn.close()
-        return b""
-
-    def _abort(self) -> None:
-        conn = self._conn
-        self._conn = None
-        if conn is not None:
-            conn.abort()
-
-    def _mid_body(self, detail: str) -> HttpError:
-        where = self._conn.where if self._conn is not None else self._client._where
-        self._abort()
-        return HttpError(f"connection closed mid-body by {where} ({detail})")
-
-    def _over_limit(self, message: str) -> HttpError:
-        self._client._counters.limit_exceeded += 1
-        where = self._conn.where if self._conn is not None else self._client._where
-        self._abort()
-        return HttpError(f"{message} ({where})")
-
-
-def _event_data(block: bytearray) -> str | None:
-    """The data of one event block (\\n line ends, no blank line), or None without data lines."""
-    if b"\n" not in block:  # the usual vLLM event: one `data:` line
-        if not block.startswith(b"data"):
-            return None
-        lines = [block]
-    else:
-        lines = block.split(b"\n")
-    parts: list[bytes | bytearray] = []
-    for line in lines:
-        if line.startswith(b"data:"):
-            value = line[5:]
-            parts.append(value[1:] if value.startswith(b" ") else value)
-        elif line == b"data":  # a field name without a colon has an empty value
-            parts.append(b"")
-        # comments (":...") and other fields (event, id, retry) carry nothing we use
-    if not parts:
-        return None
-    joined = parts[0] if len(parts) == 1 else b"\n".join(parts)
-    return joined.decode("utf-8", "replace")
-
-
-def _size(limit: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if limit % scale == 0:
-            return f"{limit // scale} {unit}"
-    return f"{limit} bytes"
 
 
 def check_header(name: str, value: str) -> None:
@@ -968,8 +425,9 @@ class HttpClient:
         if mode == _BODY_UNTIL_EOF:
             keep_alive = False
         return Response(
-            self,
             conn,
+            release=self._release,
+            counters=self._counters,
             status=status,
             reason=reason,
             headers=headers,

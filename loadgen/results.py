@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.spans import parse_ids
+from tokentrace.agent.span_ids import parse_ids
 
 DEFAULT_PERCENTILES: Final = (50.0, 90.0, 95.0, 99.0)
 CLIENT_METRICS: Final = (

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from tokentrace.agent.spans import format_traceparent, random_span_id_bytes, random_trace_id
+from tokentrace.agent.span_ids import format_traceparent, random_span_id_bytes, random_trace_id
 from tokentrace.loadgen.http import HttpClient, HttpError, Response
 from tokentrace.loadgen.results import RequestResult
 from tokentrace.loadgen.workload import (

@@ -2,20 +2,20 @@
 
 Server boundaries, in time order (all on the server's clock)::
 
-    server_start -> arrival -> cold_end -> first_scheduled -> first_token -> last_token -> end
-                 http    cold_start    queue             prefill         decode    postprocess
+  server_start -> engine_arrival -> cold_end -> first_scheduled -> first_token -> last_token -> end
+               http           cold_start    queue             prefill         decode    postprocess
 
 (``end`` here is ``server_end``.)
 
 ``cold_end`` is ``min(ready, first_scheduled)`` when the timeline has a ``ready`` time later than
-arrival, else arrival (a zero-length cold start). Preempted intervals are clipped into
+engine arrival, else engine arrival (a zero-length cold start). Preempted intervals are clipped into
 ``[first_scheduled, last_token]`` and merged; their time moves out of ``prefill``/``decode`` into
 ``preempted``. All arithmetic is in integer ns, so the segments sum to E2E exactly.
 
 Missing boundaries: a phase lasts until the next boundary that is known, so a missing boundary
 takes the value of the next known one and the following segment has zero length (a request
 aborted while queued puts its whole wait in ``queue``). When no engine boundary is known at all
-(arrival, first_scheduled, first_token and last_token all missing), the server time goes to
+(engine_arrival, first_scheduled, first_token and last_token all missing), the server time goes to
 ``unattributed`` rather than to a guessed phase.
 
 Clock-skew policy: timestamps from different processes or hosts may disagree. Every boundary is
@@ -61,7 +61,7 @@ from itertools import islice
 from typing import Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.recording import DEFAULT_ITL_OUTLIER_RATIO
+from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO
 from tokentrace.processors.decode_split import decode_facts_of
 from tokentrace.processors.model import Budget, RequestMetrics, RequestRecord, RequestTimeline
 
@@ -101,7 +101,7 @@ def _client_duration(timeline: RequestTimeline) -> tuple[int | None, bool]:
 
 
 def _server_bounds(timeline: RequestTimeline) -> tuple[int, int] | None:
-    start = timeline.server_start if timeline.server_start is not None else timeline.arrival
+    start = timeline.server_start if timeline.server_start is not None else timeline.engine_arrival
     end = timeline.server_end if timeline.server_end is not None else timeline.end
     if start is None or end is None:
         return None
@@ -115,7 +115,7 @@ def has_server_view(timeline: RequestTimeline) -> bool:
 
 def _has_engine_boundary(timeline: RequestTimeline) -> bool:
     return not (
-        timeline.arrival is None
+        timeline.engine_arrival is None
         and timeline.first_scheduled is None
         and timeline.first_token is None
         and timeline.last_token is None
@@ -142,24 +142,35 @@ def compute_budget(timeline: RequestTimeline) -> Budget:
         segments[semconv.SEGMENT_UNATTRIBUTED] = server_e2e
     else:
         # Fill each missing boundary from the next known one (the phase in progress continues).
-        arrival, first_scheduled, first_token, last_token = _fill_from_next(
-            [timeline.arrival, timeline.first_scheduled, timeline.first_token, timeline.last_token],
+        engine_arrival, first_scheduled, first_token, last_token = _fill_from_next(
+            [
+                timeline.engine_arrival,
+                timeline.first_scheduled,
+                timeline.first_token,
+                timeline.last_token,
+            ],
             server_end,
         )
         # Clamp into [previous boundary, server_end], in time order.
-        (arrival,), arrival_skewed = _monotone([arrival], server_start, server_end)
-        ready = timeline.ready
-        cold_end = min(ready, first_scheduled) if ready is not None and ready > arrival else arrival
-        (cold_end, first_scheduled, first_token, last_token), rest_skewed = _monotone(
-            [cold_end, first_scheduled, first_token, last_token], arrival, server_end
+        (engine_arrival,), engine_arrival_skewed = _monotone(
+            [engine_arrival], server_start, server_end
         )
-        skew = skew or arrival_skewed or rest_skewed
+        ready = timeline.ready
+        cold_end = (
+            min(ready, first_scheduled)
+            if ready is not None and ready > engine_arrival
+            else engine_arrival
+        )
+        (cold_end, first_scheduled, first_token, last_token), rest_skewed = _monotone(
+            [cold_end, first_scheduled, first_token, last_token], engine_arrival, server_end
+        )
+        skew = skew or engine_arrival_skewed or rest_skewed
 
         preempted_in_prefill, preempted_in_decode = _preempted_overlaps(
             timeline.preempted, first_scheduled, first_token, last_token
         )
-        segments[semconv.SEGMENT_HTTP] = arrival - server_start
-        segments[semconv.SEGMENT_COLD_START] = cold_end - arrival
+        segments[semconv.SEGMENT_HTTP] = engine_arrival - server_start
+        segments[semconv.SEGMENT_COLD_START] = cold_end - engine_arrival
         segments[semconv.SEGMENT_QUEUE] = first_scheduled - cold_end
         segments[semconv.SEGMENT_PREFILL] = first_token - first_scheduled - preempted_in_prefill
         segments[semconv.SEGMENT_PREEMPTED] = preempted_in_prefill + preempted_in_decode
@@ -380,7 +391,7 @@ def prompt_bucket(input_tokens: int | None) -> str:
 
 
 def request_record(
-    timeline: RequestTimeline, *, outlier_ratio: float = DEFAULT_ITL_OUTLIER_RATIO
+    timeline: RequestTimeline, *, itl_outlier_ratio: float = DEFAULT_ITL_OUTLIER_RATIO
 ) -> RequestRecord:
     """The record of one normalised request: its budget, metrics and prompt bucket (verdict and
     SLO marks are the diagnosis and SLO processors' to add)."""
@@ -390,7 +401,7 @@ def request_record(
         budget=budget,
         metrics=compute_metrics(timeline, budget),
         prompt_bucket=prompt_bucket(timeline.input_tokens),
-        outlier_ratio=outlier_ratio,
+        itl_outlier_ratio=itl_outlier_ratio,
     )
 
 

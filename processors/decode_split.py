@@ -7,7 +7,7 @@ Each gap between two consecutive output tokens is cut into the parts of the TPOT
   evicted and waited to resume; the E2E budget already counts it apart from ``decode``);
 - the request's own pace, ``decode``: the whole gap when it is not an outlier, else the part up
   to the request's median gap. An outlier gap is one above ``outlier_ratio`` x the median gap
-  (``recording.gap_median``): the rule by which the agent exports the engine steps that ran
+  (``finished_request.gap_median``): the rule by which the agent exports the engine steps that ran
   inside slow gaps, so exactly the gaps whose steps the collector receives;
 - the rest of an outlier gap (its excess over the median, less any preemption) goes, by what the
   engine steps exported inside that gap say, to ``interference`` when one of them also prefilled
@@ -37,7 +37,7 @@ from itertools import compress, islice
 from typing import Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.recording import DEFAULT_ITL_OUTLIER_RATIO, median_of_sorted
+from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO, median_of_sorted
 from tokentrace.processors.model import DecodeFacts, GapParts, RequestRecord, RequestTimeline
 
 _NS_PER_US: Final = 1_000
@@ -131,7 +131,7 @@ def decode_facts_of(record: RequestRecord) -> DecodeFacts:
         outliers = (
             gap_parts(
                 timeline,
-                outlier_ratio=record.outlier_ratio,
+                outlier_ratio=record.itl_outlier_ratio,
                 outliers_only=True,
                 gaps_ns=record.metrics.itl,
             )

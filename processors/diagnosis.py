@@ -1,18 +1,12 @@
-"""Name the dominant cost of one latency metric of a request, with a cause, advice and numbers.
+"""Why a segment of a request's metric budget took its time: the rule table that names a cause.
 
-The method this serves: a target is a metric at a percentile, so a verdict answers about one
-metric (``semconv.VERDICT_METRICS``: TTFT, TPOT, ITL, E2E), from that metric's own budget
-(``budget.metric_budget``): decode time cannot delay a first token, so a TTFT verdict never names
-it. The budget is the client-seen one when a client span came (what the user saw, network
-included), else the server-seen one, and the sentence says which.
-
-Per request and metric: the dominant segment is the largest of the metric's budget (ties go to
-the segment earlier in ``_SEGMENT_ORDER``); a second segment within ``tie_ratio`` of it is named
-too, larger first. A small rule table turns the dominant segment into a cause, using the
+Given a request and one segment of one metric's budget (``budget.metric_budget``), a small rule
+table turns the segment into a cause, with the words and numbers that say why, using the
 request's context (prompt length, queue depth, prefix hash, ITL shape, memory bandwidth, the
 client's connection). Rules, in the order they are checked:
 
-1. ``error``: the request ended with an error status (the dominant segment is still cited).
+1. ``error``: the request ended with an error status (the dominant segment is still cited;
+   ``verdict.py`` puts it over the cause found here).
 2. ``unattributed``: only client spans arrived, or the server span has no phase timings.
 3. ``kv_cache_pressure``: preemption dominates, or is at least ``preemption_share`` of the value.
 4. By dominant segment: queue -> ``queueing``; cold_start -> ``cold_start``; prefill ->
@@ -26,170 +20,50 @@ client's connection). Rules, in the order they are checked:
    postprocess -> the cause of that name; client -> ``client_saturated``; connect ->
    ``connection_setup``.
 
-A server-seen TTFT or E2E says that the network was not measured (no client span), rather than
-folding it into another segment. Everything here tolerates ``None`` context: a missing number
-is left out of the sentence, never guessed. Window findings (per SLO target, per metric) are in
-``findings.py``; they reuse ``cause_of_segment`` so that a window names the same causes.
+Which segment dominates a budget is decided here too (``ranked_segments``: largest first, ties
+to the segment earlier in ``_SEGMENT_ORDER``; ``second_segment``: a runner-up within
+``tie_ratio``): the per-request verdicts (``verdict.py``) and the window findings
+(``findings.py``) both ask it and then ask ``cause_of_segment``, so that a window names the same
+causes as its requests. Everything here tolerates ``None`` context: a missing number is left out
+of the sentence, never guessed. The causes and their advice are in ``causes.py``;
+``DiagnosisConfig`` holds every threshold the rules, the verdicts and the findings use.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.recording import DEFAULT_ITL_OUTLIER_RATIO, gap_median
-from tokentrace.processors.budget import (
-    MetricBudget,
-    has_server_view,
-    metric_budget,
-    server_e2e_segments,
-)
-from tokentrace.processors.decode_split import decode_facts_of
-from tokentrace.processors.model import RequestRecord, Verdict
-from tokentrace.processors.stats import nearest_rank
-from tokentrace.processors.timeline import DIALECT_VLLM
-
-# --- causes -------------------------------------------------------------------------------------
-CAUSE_QUEUEING: Final = "queueing"
-CAUSE_COLD_START: Final = "cold_start"
-CAUSE_LONG_PROMPT: Final = "long_prompt"
-CAUSE_PREFIX_CACHE_MISS: Final = "prefix_cache_miss"
-CAUSE_PREFILL: Final = "prefill"
-CAUSE_BANDWIDTH_BOUND_DECODE: Final = "bandwidth_bound_decode"
-CAUSE_BATCHING_INTERFERENCE: Final = "batching_interference"
-CAUSE_LONG_DECODE: Final = "long_decode"
-CAUSE_SLOW_DECODE: Final = "slow_decode"
-CAUSE_DECODE_STALL: Final = "decode_stall"
-CAUSE_KV_CACHE_PRESSURE: Final = "kv_cache_pressure"
-CAUSE_NETWORK: Final = "network"
-CAUSE_CONNECTION_SETUP: Final = "connection_setup"
-CAUSE_CLIENT_SATURATED: Final = "client_saturated"
-CAUSE_HTTP: Final = "http"
-CAUSE_POSTPROCESS: Final = "postprocess"
-CAUSE_UNATTRIBUTED: Final = "unattributed"
-CAUSE_ERROR: Final = "error"
-CAUSES: Final = (
-    CAUSE_QUEUEING,
-    CAUSE_COLD_START,
-    CAUSE_LONG_PROMPT,
-    CAUSE_PREFIX_CACHE_MISS,
-    CAUSE_PREFILL,
+from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO, gap_median
+from tokentrace.processors.budget import MetricBudget, has_server_view, server_e2e_segments
+from tokentrace.processors.causes import (
     CAUSE_BANDWIDTH_BOUND_DECODE,
     CAUSE_BATCHING_INTERFERENCE,
-    CAUSE_LONG_DECODE,
-    CAUSE_SLOW_DECODE,
-    CAUSE_DECODE_STALL,
-    CAUSE_KV_CACHE_PRESSURE,
-    CAUSE_NETWORK,
-    CAUSE_CONNECTION_SETUP,
     CAUSE_CLIENT_SATURATED,
+    CAUSE_COLD_START,
+    CAUSE_CONNECTION_SETUP,
+    CAUSE_DECODE_STALL,
     CAUSE_HTTP,
+    CAUSE_KV_CACHE_PRESSURE,
+    CAUSE_LONG_DECODE,
+    CAUSE_LONG_PROMPT,
+    CAUSE_NETWORK,
     CAUSE_POSTPROCESS,
+    CAUSE_PREFILL,
+    CAUSE_PREFIX_CACHE_MISS,
+    CAUSE_QUEUEING,
+    CAUSE_SLOW_DECODE,
     CAUSE_UNATTRIBUTED,
-    CAUSE_ERROR,
+    SERVER_WITHOUT_PHASES_ADVICE,
 )
-"""Every cause a verdict can name (``Verdict.cause``), stable identifiers."""
-
-_FRONTEND_CPU_ADVICE: Final = (
-    "When the server's frontend is CPU-bound (many concurrent streams), add API server "
-    "processes (vLLM --api-server-count) or cores."
-)
-ADVICE: Final[Mapping[str, str]] = {
-    CAUSE_QUEUEING: (
-        "Add replicas, or raise the batch limit (vLLM max_num_seqs) if GPU memory allows; "
-        "add admission control so queues stay short under bursts."
-    ),
-    CAUSE_COLD_START: (
-        "Keep a warm replica (minimum replicas above zero), pre-load or locally cache the "
-        "weights, and scale up earlier, before demand arrives."
-    ),
-    CAUSE_LONG_PROMPT: (
-        "Enable chunked prefill so long prompts do not block others, trim prompts (history, "
-        "retrieved context), and enable prefix caching for their shared parts."
-    ),
-    CAUSE_PREFIX_CACHE_MISS: (
-        "Enable prefix caching (vLLM --enable-prefix-caching) and route requests with the same "
-        "prefix to the same replica (prefix-aware routing)."
-    ),
-    CAUSE_PREFILL: (
-        "Prefill is compute-bound or contended: enable chunked prefill, limit the tokens "
-        "prefilled per step (max_num_batched_tokens), or use faster compute."
-    ),
-    CAUSE_BANDWIDTH_BOUND_DECODE: (
-        "Decode is memory-bandwidth-bound: quantise the weights or the KV cache, run larger "
-        "batches to amortise weight reads, or use hardware with faster memory."
-    ),
-    CAUSE_BATCHING_INTERFERENCE: (
-        "Prefills stall decode steps: use smaller prefill chunks (max_num_batched_tokens), "
-        "disaggregate prefill and decode, or schedule streaming requests with priority."
-    ),
-    CAUSE_LONG_DECODE: (
-        "Many output tokens: cap max_tokens or ask for shorter answers, use speculative "
-        "decoding, or faster per-token hardware."
-    ),
-    CAUSE_SLOW_DECODE: (
-        "Each token is slow to compute: use a smaller or quantised model, speculative decoding, "
-        "or faster hardware; a smaller batch (max_num_seqs) shortens each step when latency "
-        "matters more than throughput."
-    ),
-    CAUSE_DECODE_STALL: (
-        "Tokens stopped coming with no engine step of the request behind them: look for a "
-        "starved engine or API server process (CPU share, GIL contention, synchronous work in "
-        "the serving loop) and for host-side pauses (swapping, garbage collection)."
-    ),
-    CAUSE_KV_CACHE_PRESSURE: (
-        "Running requests are evicted for lack of KV-cache memory: raise "
-        "gpu_memory_utilization, lower max_num_seqs, or shorten max_model_len."
-    ),
-    CAUSE_NETWORK: (
-        "Place clients closer to the servers (or remove a slow proxy or load balancer hop), "
-        "reuse connections (keep-alive, HTTP/2), and send smaller payloads."
-    ),
-    CAUSE_CONNECTION_SETUP: (
-        "Reuse connections: keep-alive and a connection pool in the client (one client object "
-        "per process, not per request), TLS session resumption, HTTP/2."
-    ),
-    CAUSE_CLIENT_SATURATED: (
-        "The client itself was late to send or to read (its event loop or CPU was busy): run "
-        "fewer concurrent requests per client process or give it more cores; in an "
-        "application, keep blocking work off the loop that reads the stream."
-    ),
-    CAUSE_HTTP: (
-        "Keep tokenisation and chat templating on a fast path (fast tokenizer, cached "
-        "templates) and off the event loop, and send smaller payloads. " + _FRONTEND_CPU_ADVICE
-    ),
-    CAUSE_POSTPROCESS: (
-        "Stream the response, detokenise incrementally, and keep response assembly and "
-        "serialisation light. " + _FRONTEND_CPU_ADVICE
-    ),
-    CAUSE_UNATTRIBUTED: (
-        "Instrument the inference server (tokentrace run -- CMD, or vLLM "
-        "--otlp-traces-endpoint) and propagate W3C traceparent from the client so server spans "
-        "join the trace."
-    ),
-    CAUSE_ERROR: (
-        "Look up the error on the request span and in the server logs; a failed request's "
-        "latency says little about normal serving."
-    ),
-}
-"""cause -> one line of advice."""
-
-NETWORK_NOT_MEASURED: Final = (
-    "network not measured: no client span (send W3C traceparent from the client, or load with "
-    "tokentrace load --otlp-endpoint)"
-)
-"""What a server-seen TTFT/E2E verdict says about the network it could not see."""
-
-_SERVER_WITHOUT_PHASES_ADVICE: Final = (
-    "The server span arrived without phase timings: run the server under tokentrace "
-    "(tokentrace run -- CMD) for queue, prefill and decode spans, or use a vLLM version whose "
-    f"{semconv.VLLM_SPAN_REQUEST} span records {semconv.VLLM_LATENCY_TTFT} and the phase latencies."
-)
-"""Advice for unattributed time on a server span (not the client-only case ``ADVICE`` covers)."""
+from tokentrace.processors.decode_split import decode_facts_of
+from tokentrace.processors.model import RequestRecord
+from tokentrace.processors.stats import nearest_rank
+from tokentrace.processors.timeline import DIALECT_VLLM
+from tokentrace.processors.wording import format_duration, format_share, plural, segment_label
 
 _DEFAULT_LONG_PROMPT_TOKENS: Final = 1024
 _DEFAULT_BANDWIDTH_BOUND_RATIO: Final = 0.8
@@ -199,9 +73,8 @@ _DEFAULT_TIE_RATIO: Final = 0.9
 _DEFAULT_INTERFERENCE_SHARE: Final = 0.25
 _DEFAULT_P50_BAND: Final = (40.0, 60.0)
 _DEFAULT_TAIL_PERCENTILE: Final = 95.0
+_DEFAULT_ITL_TAIL_SPIKE_RATIO: Final = 3.0
 
-_MAX_ERROR_CHARS: Final = 160
-"""Error descriptions are cut to this length so that the verdict stays one line."""
 _PREFIX_HASH_CHARS: Final = 12
 """Characters of a prefix hash quoted in a sentence (the full hash is in the numbers)."""
 
@@ -212,10 +85,12 @@ class DiagnosisConfig:
     """Prompts at least this long make a prefill-dominated request a long-prompt case."""
     bandwidth_bound_ratio: float = _DEFAULT_BANDWIDTH_BOUND_RATIO
     """Decode is bandwidth-bound when measured memory bandwidth is at least this share of peak."""
-    itl_spike_ratio: float = DEFAULT_ITL_OUTLIER_RATIO
-    """An inter-token gap above this many median gaps is an outlier (whose excess the TPOT/ITL
-    budgets attribute to a cause), and an ITL tail is spiky when p99 gap / median gap reaches
-    this."""
+    itl_outlier_ratio: float = DEFAULT_ITL_OUTLIER_RATIO
+    """An inter-token gap above this many of the request's median gaps is an outlier: the
+    TPOT/ITL budgets split its excess by cause, and the API and UI mark it. The agent's
+    ``TOKENTRACE_ITL_OUTLIER_RATIO`` (same default) decides which gaps get engine-step spans."""
+    itl_tail_spike_ratio: float = _DEFAULT_ITL_TAIL_SPIKE_RATIO
+    """A request's ITL tail is spiky when its p99 gap / median gap reaches this."""
     min_itl_gaps: int = _DEFAULT_MIN_ITL_GAPS
     """Fewer inter-token gaps than this say nothing about the ITL tail (never spiky)."""
     preemption_share: float = _DEFAULT_PREEMPTION_SHARE
@@ -236,105 +111,20 @@ class DiagnosisConfig:
             raise ValueError(f"p50_band: expected 0 < low <= high <= 100, got {self.p50_band!r}")
         if not 0 < self.tail_percentile <= 100:
             raise ValueError(f"tail_percentile: expected (0, 100], got {self.tail_percentile!r}")
-        if self.preemption_share <= 0 or self.itl_spike_ratio <= 0:
-            raise ValueError("preemption_share and itl_spike_ratio must be positive")
+        for name in ("preemption_share", "itl_outlier_ratio", "itl_tail_spike_ratio"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)!r}")
         if not 0 < self.tie_ratio <= 1:
             raise ValueError(f"tie_ratio: expected (0, 1], got {self.tie_ratio!r}")
 
 
 _DEFAULT_CONFIG: Final = DiagnosisConfig()
 
-# --- wording ------------------------------------------------------------------------------------
+# --- the dominant segment ---------------------------------------------------------------------
 _SEGMENT_ORDER: Final = {
     segment: index for index, segment in enumerate(semconv.METRIC_BUDGET_SEGMENTS)
 }
 """Ties between segments go to the earlier one in time."""
-SEGMENT_LABELS: Final[Mapping[str, str]] = {
-    semconv.SEGMENT_CLIENT: "the client's own delay",
-    semconv.SEGMENT_CONNECT: "connection setup",
-    semconv.SEGMENT_NETWORK: "network",
-    semconv.SEGMENT_HTTP: "HTTP handling",
-    semconv.SEGMENT_COLD_START: "cold start",
-    semconv.SEGMENT_QUEUE: "queue wait",
-    semconv.SEGMENT_PREFILL: "prefill",
-    semconv.SEGMENT_PREEMPTED: "preemption",
-    semconv.SEGMENT_DECODE: "decode",
-    semconv.SEGMENT_INTERFERENCE: "interference from co-scheduled prefills",
-    semconv.SEGMENT_STALL: "decode stalls",
-    semconv.SEGMENT_POSTPROCESS: "post-processing",
-    semconv.SEGMENT_UNATTRIBUTED: "unattributed",
-}
-"""How sentences name each segment."""
-CAUSE_LABELS: Final[Mapping[str, str]] = {
-    CAUSE_QUEUEING: "queueing",
-    CAUSE_COLD_START: "cold start",
-    CAUSE_LONG_PROMPT: "long prompt",
-    CAUSE_PREFIX_CACHE_MISS: "prefix-cache miss",
-    CAUSE_PREFILL: "prefill",
-    CAUSE_BANDWIDTH_BOUND_DECODE: "bandwidth-bound decode",
-    CAUSE_BATCHING_INTERFERENCE: "batching interference",
-    CAUSE_LONG_DECODE: "long decode",
-    CAUSE_SLOW_DECODE: "slow per-token decode",
-    CAUSE_DECODE_STALL: "decode stalls",
-    CAUSE_KV_CACHE_PRESSURE: "KV-cache pressure",
-    CAUSE_NETWORK: "network",
-    CAUSE_CONNECTION_SETUP: "connection setup",
-    CAUSE_CLIENT_SATURATED: "saturated client",
-    CAUSE_HTTP: "HTTP handling",
-    CAUSE_POSTPROCESS: "post-processing",
-    CAUSE_UNATTRIBUTED: "unattributed (server spans or their phase timings missing)",
-    CAUSE_ERROR: "errors",
-}
-"""How sentences name each cause."""
-
-
-def format_duration(ns: int | float | None) -> str:
-    """``410 ms``, ``41.2 ms``, ``0.412 ms``, ``1.23 s``: three significant digits."""
-    if ns is None or not math.isfinite(ns):
-        return "unknown"
-    ms = ns / 1e6
-    if abs(ms) >= 1000:
-        return f"{_three_digits(ms / 1000)} s"
-    return f"{_three_digits(ms)} ms"
-
-
-def _three_digits(value: float) -> str:
-    magnitude = abs(value)
-    if magnitude >= 100 or magnitude == 0:
-        return f"{value:.0f}"
-    if magnitude >= 10:
-        return f"{value:.1f}"
-    if magnitude >= 1:
-        return f"{value:.2f}"
-    return f"{value:.3g}"
-
-
-def format_share(share: float) -> str:
-    """A share as sentences say it: ``42%``, ``<1%``, ``>99%``."""
-    percent = share * 100
-    if 0 < percent < 1:
-        return "<1%"
-    if 99 < percent < 100:
-        return ">99%"
-    return f"{percent:.0f}%"
-
-
-def plural(count: int, noun: str) -> str:
-    """``1 request``, ``1,024 requests``."""
-    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
-
-
-def _finite(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
-
-
-def _ms(ns: int | float) -> float:
-    return round(ns / 1e6, 3)
-
-
-def _one_line(text: str, limit: int) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def ranked_segments(values: Mapping[str, float]) -> list[tuple[str, float]]:
@@ -354,7 +144,15 @@ def second_segment(
     return ranked[1]
 
 
-# --- per request --------------------------------------------------------------------------------
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _ms(ns: int | float) -> float:
+    return round(ns / 1e6, 3)
+
+
+# --- the rules --------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Finding:
     """A segment explained: its cause, the words and numbers that say why, and the advice."""
@@ -366,158 +164,6 @@ class Finding:
     numbers: dict[str, float | int | str]
     advice: str | None = None
     """Overrides ``ADVICE[cause]`` when the usual advice does not fit this request."""
-
-
-def diagnose_request(
-    record: RequestRecord,
-    config: DiagnosisConfig = _DEFAULT_CONFIG,
-    *,
-    metric: str = semconv.METRIC_E2E,
-    clock: str | None = None,
-    seen_prefixes: Container[str] | None = None,
-) -> Verdict | None:
-    """The dominant segment of ``metric``'s budget for ``record`` (on ``clock``; None: the
-    client's when a client span came), its cause, advice and the numbers used; None when the
-    request has no value for the metric (no token for TTFT, fewer than two for TPOT...). E2E
-    always has one.
-
-    ``seen_prefixes``: prompt prefix hashes that earlier requests of the same window computed;
-    a prefill-dominated request whose prefix is among them and that read no cached tokens
-    recomputed a shared prefix (``prefix_cache_miss``).
-    """
-    view = metric_budget(record, metric, clock=clock)
-    if view is None:
-        return None
-    return _verdict(record, view, config, seen_prefixes)
-
-
-def default_verdict(
-    record: RequestRecord,
-    config: DiagnosisConfig = _DEFAULT_CONFIG,
-    *,
-    breached_metrics: Sequence[tuple[str, str]] = (),
-    seen_prefixes: Container[str] | None = None,
-) -> Verdict:
-    """The verdict a request is judged by: about the metric of the first SLO target it
-    breached (``breached_metrics``: (target name, metric) in configuration order) that it has a
-    value for, else about E2E; ``why`` says which and why. The verdicts about its other metrics
-    are for drill-down, asked for one at a time (``diagnose_request``)."""
-    for target, metric in breached_metrics:
-        chosen = diagnose_request(record, config, metric=metric, seen_prefixes=seen_prefixes)
-        if chosen is not None:
-            chosen.why = (
-                f"{semconv.METRIC_LABELS[metric]} is the metric of SLO target {target}, "
-                "which this request breached"
-            )
-            return chosen
-    e2e = diagnose_request(record, config, seen_prefixes=seen_prefixes)
-    assert e2e is not None  # every request has an E2E
-    e2e.why = "no SLO target breached: end-to-end latency"
-    return e2e
-
-
-def _verdict(
-    record: RequestRecord,
-    view: MetricBudget,
-    config: DiagnosisConfig,
-    seen_prefixes: Container[str] | None,
-) -> Verdict:
-    timeline = record.timeline
-    ranked = ranked_segments(view.segments)
-    segment, segment_ns = ranked[0] if ranked else (semconv.SEGMENT_UNATTRIBUTED, 0)
-    finding = cause_of_segment(record, view, segment, config, seen_prefixes=seen_prefixes)
-    cited = finding.cited_segment
-    cited_ns = view.segments.get(cited, 0)
-    value = view.value_ns
-    share = cited_ns / value if value > 0 else 0.0
-    unmeasured = view.clock == semconv.CLOCK_SERVER and view.metric in _NETWORK_METRICS
-    if view.metric == semconv.METRIC_ITL:
-        sentence = _itl_head(record, config, share, cited, cited_ns)
-    else:
-        label = semconv.METRIC_LABELS.get(view.metric, view.metric)
-        note = ", network not measured" if unmeasured else ""
-        sentence = (
-            f"{format_share(share)} of the {view.clock}-seen {label} "
-            f"({format_duration(value)}{note}) was {_segment_label(cited)} "
-            f"({format_duration(cited_ns)})"
-        )
-    numbers: dict[str, float | int | str] = {
-        "metric": view.metric,
-        "clock": view.clock,
-        "value_ms": _ms(value),
-        f"{cited}_ms": _ms(cited_ns),
-        "share": round(share, 4),
-        f"without_{cited}_ms": _ms(value - cited_ns),
-    }
-    runner_up = second_segment(ranked, config) if cited == segment else None
-    if runner_up is not None:
-        other, other_ns = runner_up
-        sentence += (
-            f" and {format_share(other_ns / value)} {_segment_label(other)} "
-            f"({format_duration(other_ns)})"
-        )
-        numbers["second_segment"] = other
-        numbers[f"{other}_ms"] = _ms(other_ns)
-    if finding.detail:
-        sentence = f"{sentence}: {finding.detail}"
-    if unmeasured:
-        numbers["network_measured"] = 0
-    if segment != cited:
-        numbers["dominant_segment"] = segment
-        numbers[f"{segment}_ms"] = _ms(segment_ns)
-    numbers.update(finding.numbers)
-    cause = finding.cause
-    advice = finding.advice or ADVICE[cause]
-
-    if timeline.status_error is not None:
-        error = _one_line(timeline.status_error, _MAX_ERROR_CHARS) or "error status"
-        sentence = f"Request failed ({error}) after {format_duration(value)}; {sentence}"
-        numbers["error"] = error
-        numbers["underlying_cause"] = cause
-        cause = CAUSE_ERROR
-        advice = ADVICE[CAUSE_ERROR]
-    return Verdict(
-        segment=segment,
-        cause=cause,
-        sentence=sentence,
-        advice=advice,
-        numbers=numbers,
-        metric=view.metric,
-        clock=view.clock,
-    )
-
-
-def _itl_head(
-    record: RequestRecord, config: DiagnosisConfig, share: float, cited: str, cited_ns: int
-) -> str:
-    """An ITL verdict speaks of the request's slow gaps (or says there were none)."""
-    gaps = record.metrics.itl
-    median = gap_median(gaps)
-    outliers = decode_facts_of(record).outlier_gaps
-    over = (
-        f"over {config.itl_spike_ratio:g}x its median gap {format_duration(median)}"
-        if median is not None
-        else "outliers"
-    )
-    if not outliers:
-        return (
-            f"its {plural(len(gaps), 'inter-token gap')} were steady (largest "
-            f"{format_duration(max(gaps, default=0))}, none {over})"
-        )
-    total = sum(part.gap_ns for part in outliers)
-    return (
-        f"{format_share(share)} of its {plural(len(outliers), 'slow inter-token gap')} "
-        f"({format_duration(total)} in all, each {over}) was {_segment_label(cited)} "
-        f"({format_duration(cited_ns)})"
-    )
-
-
-_NETWORK_METRICS: Final = frozenset({semconv.METRIC_TTFT, semconv.METRIC_E2E})
-"""Metrics whose client-seen value holds the network: a server-seen one says it lacks it."""
-
-
-def _segment_label(segment: str) -> str:
-    return SEGMENT_LABELS.get(segment, segment)
 
 
 def cause_of_segment(
@@ -600,7 +246,7 @@ def _unattributed(record: RequestRecord, segment_ns: int) -> Finding:
         segment,
         detail,
         {"server_span": 1, "dialect": timeline.dialect},
-        advice=_SERVER_WITHOUT_PHASES_ADVICE,
+        advice=SERVER_WITHOUT_PHASES_ADVICE,
     )
 
 
@@ -926,7 +572,7 @@ def _kv_cache_pressure(record: RequestRecord, view: MetricBudget, segment: str) 
         largest = format_share(view.segments.get(segment, 0) / value)
         label = semconv.METRIC_LABELS.get(view.metric, view.metric)
         detail = (
-            f"{detail}; the largest segment, {_segment_label(segment)}, was {largest} of {label}"
+            f"{detail}; the largest segment, {segment_label(segment)}, was {largest} of {label}"
         )
     return Finding(CAUSE_KV_CACHE_PRESSURE, semconv.SEGMENT_PREEMPTED, detail, numbers)
 
@@ -938,41 +584,6 @@ def _itl_spikes(gaps: Sequence[int], config: DiagnosisConfig) -> tuple[int, int]
     ordered = sorted(gaps)
     median_ns = nearest_rank(ordered, 50)
     p99_ns = nearest_rank(ordered, 99)
-    if p99_ns <= 0 or p99_ns < config.itl_spike_ratio * median_ns:
+    if p99_ns <= 0 or p99_ns < config.itl_tail_spike_ratio * median_ns:
         return None
     return median_ns, p99_ns
-
-
-# --- windows ------------------------------------------------------------------------------------
-class SeenPrefixes:
-    """Per request of a window: the prefixes an earlier request of the window computed."""
-
-    __slots__ = ("_first", "_repeated")
-
-    def __init__(self, records: Sequence[RequestRecord]) -> None:
-        counts: Counter[str] = Counter()
-        first: dict[str, tuple[int, int]] = {}
-        for index, record in enumerate(records):
-            prefix = record.timeline.prefix_hash
-            if not prefix:
-                continue
-            counts[prefix] += 1
-            key = (_arrival(record), index)
-            if prefix not in first or key < first[prefix]:
-                first[prefix] = key
-        self._repeated = frozenset(prefix for prefix, seen in counts.items() if seen >= 2)
-        self._first = {prefix: first[prefix][1] for prefix in self._repeated}
-
-    def for_request(self, records: Sequence[RequestRecord], index: int) -> Container[str]:
-        prefix = records[index].timeline.prefix_hash
-        if prefix is None or self._first.get(prefix) == index:
-            return frozenset()
-        return self._repeated
-
-
-def _arrival(record: RequestRecord) -> int:
-    timeline = record.timeline
-    for candidate in (timeline.arrival, timeline.server_start, timeline.client_start):
-        if candidate is not None:
-            return candidate
-    return 0

@@ -21,10 +21,8 @@ percentiles of the metric) and the tail (at or above ``tail_percentile``), on th
 when every request of the window has it (the network is then part of the answer), else the
 server's.
 
-**Perceived speed** (``perceived_speed``; the method's last step): from the client spans, the
-share of requests that were not streamed (their first word came with the last), the time to the
-response's first byte, and how often a new connection was set up and how long that took; each
-becomes an ``issue`` when it hurts.
+The per-request cause rules behind a finding are ``diagnosis.py``'s; what users felt beyond the
+latency metrics (streaming, first byte, connections) is ``perceived_speed.py``.
 
 Durations in the documents are ms rounded to the microsecond.
 """
@@ -32,30 +30,24 @@ Durations in the documents are ms rounded to the microsecond.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.processors.budget import metric_budget
+from tokentrace.processors.causes import ADVICE, CAUSE_LABELS, CAUSES
 from tokentrace.processors.decode_split import gap_parts
 from tokentrace.processors.diagnosis import (
-    ADVICE,
-    CAUSE_LABELS,
-    CAUSES,
-    SEGMENT_LABELS,
     DiagnosisConfig,
-    SeenPrefixes,
     cause_of_segment,
-    format_duration,
-    format_share,
-    plural,
     ranked_segments,
     second_segment,
 )
 from tokentrace.processors.model import RequestRecord
 from tokentrace.processors.slo import SloTarget
 from tokentrace.processors.stats import nearest_rank
+from tokentrace.processors.wording import SEGMENT_LABELS, format_duration, format_share, plural
 
 WINDOW_METRICS: Final = (semconv.METRIC_TTFT, semconv.METRIC_TPOT, semconv.METRIC_E2E)
 """The metrics a window is diagnosed by when no target names them."""
@@ -65,12 +57,6 @@ GROUP_TYPICAL: Final = "typical"
 
 _DEFAULT_CONFIG: Final = DiagnosisConfig()
 _NS_PER_MS: Final = 1_000_000
-_FIRST_BYTE_HURTS_NS: Final = 100 * _NS_PER_MS
-"""Users see nothing until the first byte: a p95 above this is worth fixing."""
-_NOT_STREAMED_HURTS_SHARE: Final = 0.1
-_NEW_CONNECTION_HURTS_SHARE: Final = 0.2
-_CONNECT_HURTS_SHARE_OF_TTFT: Final = 0.05
-"""Setup whose p95 is at least this share of the median client TTFT (E2E unstreamed) hurts."""
 _GROUP_FACTS: Final = (
     ("requests_ahead", "requests ahead"),
     ("running_at_arrival", "running at arrival"),
@@ -119,13 +105,49 @@ def _units(
         if metric == semconv.METRIC_ITL:
             units += [
                 _Unit(part.gap_ns, part.segments(), index)
-                for part in gap_parts(record.timeline, outlier_ratio=config.itl_spike_ratio)
+                for part in gap_parts(record.timeline, outlier_ratio=config.itl_outlier_ratio)
             ]
             continue
         view = metric_budget(record, metric, clock=clock)
         if view is not None:
             units.append(_Unit(view.value_ns, view.segments, index))
     return units
+
+
+class SeenPrefixes:
+    """Per request of a window: the prefixes an earlier request of the window computed."""
+
+    __slots__ = ("_first", "_repeated")
+
+    def __init__(self, records: Sequence[RequestRecord]) -> None:
+        counts: Counter[str] = Counter()
+        first: dict[str, tuple[int, int]] = {}
+        for index, record in enumerate(records):
+            prefix = record.timeline.prefix_hash
+            if not prefix:
+                continue
+            counts[prefix] += 1
+            key = (_engine_arrival_else_start(record), index)
+            if prefix not in first or key < first[prefix]:
+                first[prefix] = key
+        self._repeated = frozenset(prefix for prefix, seen in counts.items() if seen >= 2)
+        self._first = {prefix: first[prefix][1] for prefix in self._repeated}
+
+    def for_request(self, records: Sequence[RequestRecord], index: int) -> Container[str]:
+        prefix = records[index].timeline.prefix_hash
+        if prefix is None or self._first.get(prefix) == index:
+            return frozenset()
+        return self._repeated
+
+
+def _engine_arrival_else_start(record: RequestRecord) -> int:
+    """Engine arrival, else server start, else client start (0: none known): the order in which
+    requests reached the server."""
+    timeline = record.timeline
+    for candidate in (timeline.engine_arrival, timeline.server_start, timeline.client_start):
+        if candidate is not None:
+            return candidate
+    return 0
 
 
 # --- per target -----------------------------------------------------------------------------------
@@ -482,96 +504,6 @@ def _ms_text(value_ms: float | None) -> str:
 
 def _ms(value_ns: float) -> float:
     return round(value_ns / _NS_PER_MS, 3)
-
-
-# --- perceived speed ------------------------------------------------------------------------------
-def perceived_speed(records: Sequence[RequestRecord]) -> dict[str, Any]:
-    """What users felt beyond the latency metrics, from the requests with a client span: how
-    many were not streamed, the time to the first byte, new connections and their setup; an
-    ``issues`` entry for each that hurts (see the module docstring)."""
-    clients = [
-        record
-        for record in records
-        if record.timeline.client_start is not None and record.timeline.client_end is not None
-    ]
-    doc: dict[str, Any] = {"requests": len(clients), "issues": []}
-    if not clients:
-        return doc
-    issues: list[dict[str, Any]] = doc["issues"]
-    known_stream = [r for r in clients if r.timeline.client_stream is not None]
-    not_streamed = [r for r in known_stream if not r.timeline.client_stream]
-    doc["stream_known"] = len(known_stream)
-    doc["not_streamed"] = len(not_streamed)
-    if known_stream and len(not_streamed) / len(known_stream) >= _NOT_STREAMED_HURTS_SHARE:
-        share = len(not_streamed) / len(known_stream)
-        p95 = _p95_ms([r.budget.e2e_ns for r in not_streamed])
-        issues.append(
-            {
-                "kind": "not_streamed",
-                "share": round(share, 4),
-                "p95_ms": p95,
-                "sentence": (
-                    f"{format_share(share)} of requests were not streamed: the user waited for the "
-                    f"whole response (p95 {_ms_text(p95)}) before the first word. Stream them."
-                ),
-            }
-        )
-    first_bytes = [
-        max(0, r.timeline.client_first_byte - (r.timeline.client_start or 0))
-        for r in clients
-        if r.timeline.client_first_byte is not None
-    ]
-    if first_bytes:
-        doc["first_byte_ms"] = {"p50": _p_ms(first_bytes, 50), "p95": _p95_ms(first_bytes)}
-        if nearest_rank(sorted(first_bytes), 95) > _FIRST_BYTE_HURTS_NS:
-            p95 = _p95_ms(first_bytes)
-            issues.append(
-                {
-                    "kind": "first_byte",
-                    "p95_ms": p95,
-                    "sentence": (
-                        f"p95 time to the response's first byte is {_ms_text(p95)}, over "
-                        f"{_ms_text(_FIRST_BYTE_HURTS_NS / _NS_PER_MS)}: users see nothing for "
-                        "that long (the TTFT finding says where that time goes)."
-                    ),
-                }
-            )
-    known_reuse = [r for r in clients if r.timeline.client_connection_reused is not None]
-    new = [r for r in known_reuse if not r.timeline.client_connection_reused]
-    doc["connection_known"] = len(known_reuse)
-    doc["new_connections"] = len(new)
-    setups = [r.timeline.client_connect_ns for r in new if r.timeline.client_connect_ns is not None]
-    if setups:
-        doc["connect_ms"] = {"p50": _p_ms(setups, 50), "p95": _p95_ms(setups)}
-    if known_reuse and setups and len(new) / len(known_reuse) >= _NEW_CONNECTION_HURTS_SHARE:
-        wait = [
-            r.budget.client_ttft_ns if r.budget.client_ttft_ns is not None else r.budget.e2e_ns
-            for r in clients
-        ]
-        p95_setup = nearest_rank(sorted(setups), 95)
-        if p95_setup >= _CONNECT_HURTS_SHARE_OF_TTFT * nearest_rank(sorted(wait), 50):
-            share = len(new) / len(known_reuse)
-            issues.append(
-                {
-                    "kind": "new_connections",
-                    "share": round(share, 4),
-                    "p95_ms": _ms(p95_setup),
-                    "sentence": (
-                        f"a new connection on {format_share(share)} of requests, p95 setup "
-                        f"{_ms_text(_ms(p95_setup))}: reuse connections (keep-alive, a "
-                        "connection pool)."
-                    ),
-                }
-            )
-    return doc
-
-
-def _p_ms(values_ns: Sequence[int], percentile: float) -> float:
-    return _ms(nearest_rank(sorted(values_ns), percentile))
-
-
-def _p95_ms(values_ns: Sequence[int]) -> float:
-    return _p_ms(values_ns, 95)
 
 
 # --- before and after -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
-from tokentrace.agent.recording import DEFAULT_ITL_OUTLIER_RATIO
+from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO
 
 
 @dataclass(slots=True)
@@ -81,9 +81,11 @@ class RequestTimeline:
     accept queue, a busy event loop): time before ``server_start`` that only the server knows."""
     server_first_body: int | None = None
     """When the server handed the response's first body bytes over (a stream's first token)."""
-    arrival: int | None = None
+    engine_arrival: int | None = None
     """Engine arrival: when the engine queued the request - the start of ``llm.queue`` (else of
-    ``llm.request``); for vLLM's span, first scheduled minus its queue time."""
+    ``llm.request``); for vLLM's span, first scheduled minus its queue time. Not the agent's
+    ``arrival_ns`` (the start of ``llm.request``). A document's ``boundaries_ms`` calls it
+    ``arrival`` (``collector/store/row.py``)."""
     ready: int | None = None
     """When the server became ready, for requests that arrived during its cold start."""
     first_scheduled: int | None = None
@@ -213,7 +215,7 @@ class Verdict:
     segment: str
     """The dominant budget segment."""
     cause: str
-    """A stable identifier, e.g. ``queueing`` (see ``diagnosis.CAUSES``)."""
+    """A stable identifier, e.g. ``queueing`` (see ``causes.CAUSES``)."""
     sentence: str
     """One line for people, citing the numbers, e.g.
     ``82% of TTFT was queue wait (410 ms): 37 requests ahead, batch full (256/256)``."""
@@ -239,11 +241,11 @@ class RequestRecord:
     prompt_bucket: str
     verdict: Verdict | None = None
     """The verdict about the metric of the first SLO target the request breached, else E2E
-    (the others are derived when asked for: ``diagnosis.diagnose_request``)."""
+    (the others are derived when asked for: ``verdict.diagnose_request``)."""
     prefix_seen: bool = False
     """The diagnosis found the request's prompt prefix computed earlier in its window: a
     recomputed shared prefix, for the verdicts derived later about other metrics."""
-    outlier_ratio: float = DEFAULT_ITL_OUTLIER_RATIO
+    itl_outlier_ratio: float = DEFAULT_ITL_OUTLIER_RATIO
     """An inter-token gap above this many median gaps is an outlier (``decode_split``)."""
     decode_facts: DecodeFacts | None = None
     """Derived on first use (``decode_split.decode_facts_of``): most requests' verdicts never

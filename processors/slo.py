@@ -12,9 +12,10 @@ rather than its single worst one.
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -329,3 +330,50 @@ def read_slo_file(path: str | os.PathLike[str]) -> list[SloTarget]:
             "{name, metric, percentile, threshold, selector})"
         )
     return parse_targets(raw.get("targets"), path=f"{path}: targets")
+
+
+# --- the store's copy -----------------------------------------------------------------------------
+STORED_TARGETS_SOURCE: Final = "the store's SLO targets"
+"""How problems with the targets a store keeps name them."""
+
+
+def target_to_dict(target: SloTarget) -> dict[str, Any]:
+    """A target as ``parse_targets`` reads it, exactly (the threshold in integer ns)."""
+    return {
+        "name": target.name,
+        "metric": target.metric,
+        "percentile": target.percentile,
+        "threshold": f"{target.threshold_ns}ns",
+        "selector": dict(target.selector),
+    }
+
+
+def targets_to_json(targets: Sequence[SloTarget]) -> str:
+    """The targets as the collector keeps them in its store (``META_SLO_TARGETS``): a JSON list
+    of ``target_to_dict``; ``targets_from_json`` reads it back."""
+    return json.dumps([target_to_dict(target) for target in targets])
+
+
+def targets_from_json(text: str | None) -> tuple[list[SloTarget], list[str]]:
+    """(targets, problems) from ``targets_to_json`` text; never raises.
+
+    No text means no targets. Text that is not a JSON list gives no targets and one problem.
+    A bad entry (e.g. written by a newer collector, or by hand) is left out with a problem
+    naming it, and the others are kept.
+    """
+    if not text:
+        return [], []
+    try:
+        loaded = json.loads(text)
+    except ValueError as error:
+        return [], [f"{STORED_TARGETS_SOURCE} are not JSON ({error}); none are evaluated"]
+    if not isinstance(loaded, list):
+        return [], [f"{STORED_TARGETS_SOURCE} are a {type(loaded).__name__}, not a list"]
+    targets: list[SloTarget] = []
+    problems: list[str] = []
+    for index, entry in enumerate(loaded):
+        try:
+            targets.append(_parse_target(entry, f"{STORED_TARGETS_SOURCE}[{index}]"))
+        except (ValueError, TypeError) as error:
+            problems.append(str(error))
+    return targets, problems

@@ -5,7 +5,7 @@ Dialects, read straight from the OTLP protobuf spans:
 ``tokentrace``
     tokentrace's own ``llm.request`` span with its phase children (``llm.queue``,
     ``llm.prefill`` and its ``llm.prefill.chunk`` children, ``llm.decode``, ``llm.preempted``,
-    ``llm.postprocess``), matched by ``parent_span_id``. Engine arrival (``arrival``) is the
+    ``llm.postprocess``), matched by ``parent_span_id``. Engine arrival (``engine_arrival``) is the
     start of ``llm.queue`` (when the engine queued the request), else of ``llm.request``; the
     time from ``llm.request``'s start to it (the hand-off to the engine) belongs to ``http``.
 ``vllm``
@@ -24,23 +24,33 @@ nearest CLIENT-kind ancestor gives the client view. Spans of no known dialect pr
 
 Robustness: nothing here raises on malformed input. Attributes of the wrong type, negative token
 counts, non-finite or negative latencies, zero (unset) timestamps and phase spans that end before
-they start are skipped as if absent; parent cycles are cut by a depth bound.
+they start are skipped as if absent (``span_attributes`` reads them); parent cycles are cut by a
+depth bound.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Sequence
-from typing import Any, Final, TypeAlias
+from typing import Final, TypeAlias
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from google.protobuf.message import DecodeError, Message
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
-from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
 from tokentrace.processors.model import AssembledTrace, RequestTimeline, SpanRef
+from tokentrace.processors.span_attributes import (
+    as_bool,
+    as_float,
+    as_int,
+    as_seconds_ns,
+    as_str,
+    as_timestamp,
+    error_of,
+    first_str,
+    int_array,
+    int_attribute,
+    span_times,
+)
 
 DIALECT_TOKENTRACE: Final = "tokentrace"
 DIALECT_VLLM: Final = "vllm"
@@ -50,9 +60,6 @@ UNKNOWN: Final = "unknown"
 
 _KIND_SERVER: Final = Span.SPAN_KIND_SERVER
 _KIND_CLIENT: Final = Span.SPAN_KIND_CLIENT
-_STATUS_ERROR: Final = Status.STATUS_CODE_ERROR
-_DEFAULT_ERROR_MESSAGE: Final = "error"
-_NS_PER_SECOND: Final = 1_000_000_000
 
 _PHASE_SPANS: Final = frozenset(
     {
@@ -140,31 +147,7 @@ _VLLM_MARKER_SLOTS: Final = (_VLLM_TTFT, _VLLM_QUEUE, _VLLM_PREFILL, _VLLM_DECOD
 _Slots: TypeAlias = "list[AnyValue | None]"
 
 
-def _packed_int64_message() -> type[Message]:
-    """A message type whose field 1 is a packed ``repeated int64`` (see ``_int_array``)."""
-    field_type = descriptor_pb2.FieldDescriptorProto
-    file = descriptor_pb2.FileDescriptorProto(
-        name="tokentrace/processors/packed_int64.proto",
-        package="tokentrace.processors.internal",
-        syntax="proto3",
-    )
-    message = file.message_type.add(name="PackedInt64")
-    message.field.add(
-        name="words", number=1, type=field_type.TYPE_INT64, label=field_type.LABEL_REPEATED
-    )
-    pool = descriptor_pool.DescriptorPool()  # private: nothing else can clash with the name
-    pool.AddSerializedFile(file.SerializeToString())
-    return message_factory.GetMessageClass(
-        pool.FindMessageTypeByName("tokentrace.processors.internal.PackedInt64")
-    )
-
-
-_PackedInt64: Final = _packed_int64_message()
-_INT_VALUE_TAG: Final = 0x18
-"""``AnyValue.int_value``'s wire tag (field 3, varint)."""
-
-
-# --- typed attribute readers (None for absent or malformed values) -------------------------------
+# --- request span attributes, by slot -----------------------------------------------------------
 def _read_request_slots(span: Span) -> _Slots:
     slots: _Slots = [None] * len(_REQUEST_KEYS)
     slot_of = _REQUEST_SLOT
@@ -175,125 +158,13 @@ def _read_request_slots(span: Span) -> _Slots:
     return slots
 
 
-def _as_int(value: AnyValue | None) -> int | None:
-    """A non-negative integer attribute."""
-    if value is None or value.WhichOneof("value") != "int_value":
-        return None
-    number = value.int_value
-    return number if number >= 0 else None
-
-
-def _as_timestamp(value: AnyValue | None) -> int | None:
-    """A Unix-ns integer attribute; 0 means unset in OTLP."""
-    number = _as_int(value)
-    return number if number else None
-
-
-def _as_str(value: AnyValue | None) -> str | None:
-    if value is None or value.WhichOneof("value") != "string_value":
-        return None
-    return value.string_value
-
-
-def _as_bool(value: AnyValue | None) -> bool | None:
-    if value is None or value.WhichOneof("value") != "bool_value":
-        return None
-    return value.bool_value
-
-
-def _as_float(value: AnyValue | None) -> float | None:
-    """A finite non-negative number (doubles, and ints for lenient writers)."""
-    if value is None:
-        return None
-    which = value.WhichOneof("value")
-    if which == "double_value":
-        number = value.double_value
-    elif which == "int_value":
-        number = float(value.int_value)
-    else:
-        return None
-    return number if math.isfinite(number) and number >= 0.0 else None
-
-
-def _as_seconds_ns(value: AnyValue | None) -> int | None:
-    seconds = _as_float(value)
-    return None if seconds is None else round(seconds * _NS_PER_SECOND)
-
-
-def _first_str(value: AnyValue | None) -> str | None:
-    """First element of a string array (a plain string is accepted too)."""
-    if value is None:
-        return None
-    which = value.WhichOneof("value")
-    if which == "string_value":
-        return value.string_value
-    if which != "array_value":
-        return None
-    for element in value.array_value.values:
-        if element.WhichOneof("value") == "string_value":
-            return element.string_value
-        return None
-    return None
-
-
-def _int_array(value: AnyValue | None) -> list[int]:
-    """An integer array; elements of other types are skipped."""
-    if value is None or value.WhichOneof("value") != "array_value":
-        return []
-    array = value.array_value
-    elements = array.values
-    # Reading int_value per element costs ~230 ns (a Python wrapper per AnyValue); re-parsing
-    # the serialised array costs ~70 ns. An int element serialises as field 1 holding
-    # `0x18 <varint>`, so parsed as a packed int64 field 1 the array reads [0x18, v0, 0x18, v1,
-    # ...] in C. Exact: the first number of every element's bytes is its first field's tag,
-    # 0x18 only for int_value, which (a oneof) has no other known field beside it; any element
-    # that is not exactly an int (another type, unset, unknown fields) therefore puts a tag other
-    # than 0x18 at an even position or shortens the list, and the array takes the slow path.
-    words: Sequence[int]
-    try:
-        parsed: Any = _PackedInt64.FromString(array.SerializeToString())
-        words = parsed.words
-    except DecodeError:
-        words = ()
-    count = len(elements)
-    if len(words) == 2 * count and list(words[::2]).count(_INT_VALUE_TAG) == count:
-        return list(words[1::2])
-    numbers = [element.int_value for element in elements]
-    # A non-int element reads as 0, so only zeros need their type checked. Offsets start with a
-    # genuine 0, which the fast path confirms with a single check.
-    zeros = numbers.count(0)
-    if not zeros or (zeros == 1 and numbers[0] == 0 and elements[0].HasField("int_value")):
-        return numbers
-    return [
-        number
-        for number, element in zip(numbers, elements, strict=True)
-        if number or element.HasField("int_value")
-    ]
-
-
-def _error_of(span: Span) -> str | None:
-    status = span.status
-    if status.code != _STATUS_ERROR:
-        return None
-    return status.message or _DEFAULT_ERROR_MESSAGE
-
-
-def _times(span: Span) -> tuple[int, int] | None:
-    """(start, end) of a span, or None when unset or negative in duration."""
-    start = span.start_time_unix_nano
-    end = span.end_time_unix_nano
-    if not start or not end or end < start:
-        return None
-    return start, end
-
-
 def _model_and_operation(slots: _Slots, client_slots: _Slots | None) -> tuple[str, str]:
     """Model and operation from the request span, else from its client span's GenAI attributes."""
-    model = _as_str(slots[_MODEL]) or _as_str(slots[_RESPONSE_MODEL])
-    operation = _as_str(slots[_OPERATION])
+    model = as_str(slots[_MODEL]) or as_str(slots[_RESPONSE_MODEL])
+    operation = as_str(slots[_OPERATION])
     if (model is None or operation is None) and client_slots is not None:
-        model = model or _as_str(client_slots[_MODEL]) or _as_str(client_slots[_RESPONSE_MODEL])
-        operation = operation or _as_str(client_slots[_OPERATION])
+        model = model or as_str(client_slots[_MODEL]) or as_str(client_slots[_RESPONSE_MODEL])
+        operation = operation or as_str(client_slots[_OPERATION])
     return model or UNKNOWN, operation or UNKNOWN
 
 
@@ -359,12 +230,14 @@ class _Context:
         (``request_start``, default the engine arrival, to its end)."""
         server = self.server
         if server is not None:
-            times = _times(server)
+            times = span_times(server)
             if times is not None:
                 timeline.server_start, timeline.server_end = times
                 _apply_http_server(timeline, server)
         if timeline.server_start is None:
-            timeline.server_start = timeline.arrival if request_start is None else request_start
+            timeline.server_start = (
+                timeline.engine_arrival if request_start is None else request_start
+            )
             timeline.server_end = timeline.end
         client = self.client
         if client is not None:
@@ -379,21 +252,21 @@ class _Context:
 
 
 def _apply_client(timeline: RequestTimeline, client: Span, slots: _Slots | None) -> None:
-    times = _times(client)
+    times = span_times(client)
     if times is not None:
         timeline.client_start, timeline.client_end = times
     if slots is None:
         return
-    timeline.client_first_token = _as_timestamp(slots[_CLIENT_FIRST_TOKEN])
-    timeline.client_first_byte = _as_timestamp(slots[_CLIENT_FIRST_BYTE])
-    stream = _as_bool(slots[_CLIENT_STREAM])
-    timeline.client_stream = stream if stream is not None else _as_bool(slots[_OPENLLMETRY_STREAM])
-    timeline.client_connection_reused = _as_bool(slots[_CLIENT_REUSED])
-    timeline.client_connect_ns = _as_int(slots[_CLIENT_CONNECT])
-    timeline.client_send_wait_ns = _as_int(slots[_CLIENT_SEND_WAIT])
-    timeline.client_first_token_read_wait_ns = _as_int(slots[_CLIENT_FIRST_TOKEN_READ_WAIT])
-    timeline.client_read_wait_ns = _as_int(slots[_CLIENT_READ_WAIT])
-    timeline.client_rtt_ns = _as_int(slots[_CLIENT_RTT])
+    timeline.client_first_token = as_timestamp(slots[_CLIENT_FIRST_TOKEN])
+    timeline.client_first_byte = as_timestamp(slots[_CLIENT_FIRST_BYTE])
+    stream = as_bool(slots[_CLIENT_STREAM])
+    timeline.client_stream = stream if stream is not None else as_bool(slots[_OPENLLMETRY_STREAM])
+    timeline.client_connection_reused = as_bool(slots[_CLIENT_REUSED])
+    timeline.client_connect_ns = as_int(slots[_CLIENT_CONNECT])
+    timeline.client_send_wait_ns = as_int(slots[_CLIENT_SEND_WAIT])
+    timeline.client_first_token_read_wait_ns = as_int(slots[_CLIENT_FIRST_TOKEN_READ_WAIT])
+    timeline.client_read_wait_ns = as_int(slots[_CLIENT_READ_WAIT])
+    timeline.client_rtt_ns = as_int(slots[_CLIENT_RTT])
 
 
 def _apply_http_server(timeline: RequestTimeline, server: Span) -> None:
@@ -401,9 +274,9 @@ def _apply_http_server(timeline: RequestTimeline, server: Span) -> None:
     for kv in server.attributes:
         key = kv.key
         if key == semconv.HTTP_RECEIVE_WAIT_NS:
-            timeline.http_receive_wait_ns = _as_int(kv.value)
+            timeline.http_receive_wait_ns = as_int(kv.value)
         elif key == semconv.HTTP_FIRST_BODY_TIME:
-            timeline.server_first_body = _as_timestamp(kv.value)
+            timeline.server_first_body = as_timestamp(kv.value)
 
 
 # --- dialects ------------------------------------------------------------------------------------
@@ -421,19 +294,19 @@ def _tokentrace_timeline(trace_id: bytes, index: _TraceIndex, ref: SpanRef) -> R
         service=ref.service,
         model=model,
         operation=operation,
-        arrival=start,
+        engine_arrival=start,
         end=end,
-        ready=_as_timestamp(slots[_READY_TIME]),
-        input_tokens=_as_int(slots[_INPUT_TOKENS]),
-        output_tokens=_as_int(slots[_OUTPUT_TOKENS]),
-        cached_tokens=_as_int(slots[_CACHED_TOKENS]),
-        finish_reason=_first_str(slots[_FINISH_REASONS]),
-        request_id=_as_str(slots[_REQUEST_ID]),
-        status_error=_error_of(span),
-        requests_ahead=_as_int(slots[_REQUESTS_AHEAD]),
-        running_at_arrival=_as_int(slots[_RUNNING_AT_ARRIVAL]),
-        max_running=_as_int(slots[_MAX_RUNNING]),
-        prefix_hash=_as_str(slots[_PREFIX_HASH]),
+        ready=as_timestamp(slots[_READY_TIME]),
+        input_tokens=as_int(slots[_INPUT_TOKENS]),
+        output_tokens=as_int(slots[_OUTPUT_TOKENS]),
+        cached_tokens=as_int(slots[_CACHED_TOKENS]),
+        finish_reason=first_str(slots[_FINISH_REASONS]),
+        request_id=as_str(slots[_REQUEST_ID]),
+        status_error=error_of(span),
+        requests_ahead=as_int(slots[_REQUESTS_AHEAD]),
+        running_at_arrival=as_int(slots[_RUNNING_AT_ARRIVAL]),
+        max_running=as_int(slots[_MAX_RUNNING]),
+        prefix_hash=as_str(slots[_PREFIX_HASH]),
     )
     _apply_phases(timeline, index, span.span_id)
     context.apply(timeline, request_start=start)
@@ -469,7 +342,7 @@ def _apply_phases(timeline: RequestTimeline, index: _TraceIndex, request_id: byt
             timeline.preempted.append((start, end))
         elif name == semconv.SPAN_ENGINE_STEP:
             outlier_steps += 1
-            prefill_tokens = _int_attribute(child, semconv.ENGINE_STEP_PREFILL_TOKENS) or 0
+            prefill_tokens = int_attribute(child, semconv.ENGINE_STEP_PREFILL_TOKENS) or 0
             if prefill_tokens > 0:
                 outlier_steps_with_prefill += 1
             timeline.engine_steps.append((start, end, prefill_tokens))
@@ -481,7 +354,7 @@ def _apply_phases(timeline: RequestTimeline, index: _TraceIndex, request_id: byt
     if queue is not None:
         # Engine arrival: the engine queued the request (the request span may start earlier,
         # at the API server's arrival). Budget clamping keeps it inside the request.
-        timeline.arrival = queue.start_time_unix_nano
+        timeline.engine_arrival = queue.start_time_unix_nano
         timeline.first_scheduled = queue.end_time_unix_nano
     elif prefill is not None:
         timeline.first_scheduled = prefill.start_time_unix_nano
@@ -504,13 +377,13 @@ def _apply_prefill_chunks(timeline: RequestTimeline, index: _TraceIndex, span: S
     for child in index.phases_by_parent.get(span.span_id, ()):
         if child.name != semconv.SPAN_PREFILL_CHUNK:
             continue
-        times = _times(child)
+        times = span_times(child)
         if times is None:
             continue
-        tokens = _int_attribute(child, semconv.PREFILL_CHUNK_TOKENS)
+        tokens = int_attribute(child, semconv.PREFILL_CHUNK_TOKENS)
         chunks.append((times[0], times[1], tokens or 0))
     if not chunks:
-        tokens = _int_attribute(span, semconv.PREFILL_CHUNK_TOKENS)
+        tokens = int_attribute(span, semconv.PREFILL_CHUNK_TOKENS)
         if tokens is None and timeline.input_tokens is not None:
             # Without an explicit count, the prefill computed the prompt minus its cached part.
             tokens = max(0, timeline.input_tokens - (timeline.cached_tokens or 0))
@@ -520,26 +393,19 @@ def _apply_prefill_chunks(timeline: RequestTimeline, index: _TraceIndex, span: S
     timeline.prefill_chunks = chunks
 
 
-def _int_attribute(span: Span, key: str) -> int | None:
-    for kv in span.attributes:
-        if kv.key == key:
-            return _as_int(kv.value)
-    return None
-
-
 def _apply_decode_attributes(timeline: RequestTimeline, decode: Span) -> None:
     for kv in decode.attributes:
         key = kv.key
         if key == semconv.DECODE_TOKEN_OFFSETS:
-            timeline.token_offsets_us = _int_array(kv.value)
+            timeline.token_offsets_us = int_array(kv.value)
         elif key == semconv.DECODE_TOKEN_OFFSETS_DROPPED:
-            timeline.token_offsets_dropped = _as_int(kv.value) or 0
+            timeline.token_offsets_dropped = as_int(kv.value) or 0
         elif key == semconv.GPU_MEMORY_BANDWIDTH_PEAK_RATIO:
-            timeline.decode_bandwidth_peak_ratio = _as_float(kv.value)
+            timeline.decode_bandwidth_peak_ratio = as_float(kv.value)
         elif key == semconv.DECODE_ROOFLINE_RATIO:
-            timeline.decode_roofline_ratio = _as_float(kv.value)
+            timeline.decode_roofline_ratio = as_float(kv.value)
         elif key == semconv.DECODE_OUTLIER_STEPS_WITH_PREFILL:
-            timeline.outlier_steps_with_prefill = _as_int(kv.value)
+            timeline.outlier_steps_with_prefill = as_int(kv.value)
 
 
 def _is_vllm_span(ref: SpanRef, slots: _Slots) -> bool:
@@ -558,12 +424,12 @@ def _vllm_timeline(
     model, operation = _model_and_operation(slots, context.slots_of_client())
     start = span.start_time_unix_nano or None
     end = span.end_time_unix_nano or None
-    output_tokens = _as_int(slots[_VLLM_COMPLETION_TOKENS])
+    output_tokens = as_int(slots[_VLLM_COMPLETION_TOKENS])
     if output_tokens is None:
-        output_tokens = _as_int(slots[_OUTPUT_TOKENS])
-    input_tokens = _as_int(slots[_VLLM_PROMPT_TOKENS])
+        output_tokens = as_int(slots[_OUTPUT_TOKENS])
+    input_tokens = as_int(slots[_VLLM_PROMPT_TOKENS])
     if input_tokens is None:
-        input_tokens = _as_int(slots[_INPUT_TOKENS])
+        input_tokens = as_int(slots[_INPUT_TOKENS])
     timeline = RequestTimeline(
         trace_id=trace_id,
         span_id=span.span_id,
@@ -574,10 +440,10 @@ def _vllm_timeline(
         end=end,
         input_tokens=input_tokens,
         output_tokens=output_tokens,
-        cached_tokens=_as_int(slots[_CACHED_TOKENS]),
-        finish_reason=_first_str(slots[_FINISH_REASONS]),
-        request_id=_as_str(slots[_VLLM_REQUEST_ID]) or _as_str(slots[_REQUEST_ID]),
-        status_error=_error_of(span),
+        cached_tokens=as_int(slots[_CACHED_TOKENS]),
+        finish_reason=first_str(slots[_FINISH_REASONS]),
+        request_id=as_str(slots[_VLLM_REQUEST_ID]) or as_str(slots[_REQUEST_ID]),
+        status_error=error_of(span),
     )
     if start is not None and end is not None and end >= start:
         _reconstruct_vllm(timeline, slots, start, end)
@@ -593,20 +459,20 @@ def _reconstruct_vllm(timeline: RequestTimeline, slots: _Slots, start: int, end:
 
     timeline.server_start = start
     timeline.server_end = end
-    ttft = _as_seconds_ns(slots[_VLLM_TTFT])
+    ttft = as_seconds_ns(slots[_VLLM_TTFT])
     if ttft is None:
         return  # without TTFT no boundary can be placed; the budget sees only the span itself
     first_token = clamp(start + ttft)
     timeline.first_token = first_token
-    prefill = _as_seconds_ns(slots[_VLLM_PREFILL])
+    prefill = as_seconds_ns(slots[_VLLM_PREFILL])
     first_scheduled = None if prefill is None else clamp(first_token - prefill)
     timeline.first_scheduled = first_scheduled
-    queue = _as_seconds_ns(slots[_VLLM_QUEUE])
+    queue = as_seconds_ns(slots[_VLLM_QUEUE])
     if first_scheduled is not None and queue is not None:
-        timeline.arrival = clamp(first_scheduled - queue)
+        timeline.engine_arrival = clamp(first_scheduled - queue)
     else:
-        timeline.arrival = start
-    decode = _as_seconds_ns(slots[_VLLM_DECODE])
+        timeline.engine_arrival = start
+    decode = as_seconds_ns(slots[_VLLM_DECODE])
     if decode is not None:
         timeline.last_token = clamp(first_token + decode)
     elif timeline.output_tokens == 1:
@@ -623,12 +489,12 @@ def _client_timeline(trace_id: bytes, ref: SpanRef, slots: _Slots) -> RequestTim
         service=ref.service,
         model=model,
         operation=operation,
-        input_tokens=_as_int(slots[_INPUT_TOKENS]),
-        output_tokens=_as_int(slots[_OUTPUT_TOKENS]),
-        cached_tokens=_as_int(slots[_CACHED_TOKENS]),
-        finish_reason=_first_str(slots[_FINISH_REASONS]),
-        request_id=_as_str(slots[_REQUEST_ID]) or _as_str(slots[_RESPONSE_ID]),
-        status_error=_error_of(span),
+        input_tokens=as_int(slots[_INPUT_TOKENS]),
+        output_tokens=as_int(slots[_OUTPUT_TOKENS]),
+        cached_tokens=as_int(slots[_CACHED_TOKENS]),
+        finish_reason=first_str(slots[_FINISH_REASONS]),
+        request_id=as_str(slots[_REQUEST_ID]) or as_str(slots[_RESPONSE_ID]),
+        status_error=error_of(span),
     )
     _apply_client(timeline, span, slots)
     return timeline
@@ -671,7 +537,7 @@ def normalize(trace: AssembledTrace) -> list[RequestTimeline]:
             server_request_spans.append(ref.span)
             if ref.span.parent_span_id in tokentrace_parents:
                 continue  # the same request, already read from tokentrace's own spans
-            request_id = _as_str(slots[_VLLM_REQUEST_ID])
+            request_id = as_str(slots[_VLLM_REQUEST_ID])
             if request_id is not None and request_id in tokentrace_ids:
                 continue
             timelines.append(_vllm_timeline(trace_id, index, ref, slots))

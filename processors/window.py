@@ -12,7 +12,7 @@ Pure and I/O-free. From the window's request records:
   dominant segment and cause (``findings.metric_findings``), on the client's clock when every
   request has a client span;
 - ``perceived``: streaming, time to first byte and connection reuse as users felt them
-  (``findings.perceived_speed``);
+  (``perceived_speed.perceived_speed``);
 - ``slo``: per target, the value at its percentile, whether it is met, the compliance (share of
   requests inside, as ``slo.mark_request`` judges them) and the error-budget burn rate.
 
@@ -29,8 +29,9 @@ from typing import Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.processors.diagnosis import DiagnosisConfig
-from tokentrace.processors.findings import metric_findings, perceived_speed, target_findings
+from tokentrace.processors.findings import metric_findings, target_findings
 from tokentrace.processors.model import RequestRecord
+from tokentrace.processors.perceived_speed import perceived_speed
 from tokentrace.processors.slo import SloTarget, burn_rate_of, mark_request
 from tokentrace.processors.stats import nearest_rank
 

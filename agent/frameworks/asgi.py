@@ -41,16 +41,8 @@ from typing import Any, Final
 from tokentrace.agent import semconv
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import ClockDomain
-from tokentrace.agent.spans import (
-    KIND_SERVER,
-    AttrValue,
-    DeferredSpans,
-    PlannedSpan,
-    SpanJob,
-    parse_traceparent,
-    random_span_id_bytes,
-    random_trace_id,
-)
+from tokentrace.agent.span_ids import parse_traceparent, random_span_id_bytes, random_trace_id
+from tokentrace.agent.spans import KIND_SERVER, AttrValue, DeferredSpans, PlannedSpan, SpanJob
 from tokentrace.agent.tcp_info import read_tcp_info
 
 __all__ = [

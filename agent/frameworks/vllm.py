@@ -1,72 +1,29 @@
-"""vLLM (V1 engine, 0.32.x): every request's queue, prefill, tokens and finish, from the frontend.
+"""vLLM (V1 engine, 0.32.x): the plugin entry point, the instrumentor and its patch table.
 
-Everything below but the last paragraph runs in vLLM's API server process (the frontend:
-``AsyncLLM`` or offline ``LLMEngine``), where vLLM's output processor already sees every
-request's whole life. No clock is read per token: each token gets the timestamp of the engine
-step that produced it.
-
-- **arrival** (``OutputProcessor.add_request``): the timer begins. Its arrival is vLLM's own
-  ``arrival_time`` (wall clock, taken by the input processor) converted once to monotonic ns with
-  a ``ClockDomain`` offset, so ``llm.request`` starts where vLLM's built-in ``llm_request`` span
-  starts and TTFT has vLLM's meaning (arrival at the engine client, after tokenisation).
-- **tokens** (``OutputProcessor.process_outputs``, once per output chunk of an engine step): each
-  new token appends the step's EngineCore timestamp (``time.monotonic()`` in EngineCore; on Linux
-  comparable across the processes of a host), i.e. exactly vLLM's ``first_token_ts`` /
-  ``last_token_ts`` and inter-token latencies.
-- **queue and preemption**: the scheduler events vLLM attaches to outputs (stats logging on, the
-  server default): the first QUEUED (EngineCore's ``add_request``, vLLM's
-  ``RequestStateStats.queued_ts``) starts ``llm.queue`` - the engine arrival, so the hand-off
-  from the API server is not counted as queue wait - and the first SCHEDULED ends it; each
-  PREEMPTED until the next SCHEDULED is one ``llm.preempted`` interval, with EngineCore's own
-  timestamps. Without events (offline ``LLM`` with stats logging off) the queue span lasts from
-  arrival until the first token.
-- **finish**: after ``process_outputs``, a traced request whose state vLLM dropped is finished:
-  one clock read marks the response complete; output tokens (as many as were timed: vLLM's usage
-  count), prompt and cached tokens and the finish reason come from vLLM's ``RequestState``.
-- **abort** (``OutputProcessor.abort_requests``: a client that disconnects cancels
-  ``AsyncLLM.generate``, which aborts): the request ends with error ``aborted``.
-- **model**: the served model name (``--served-model-name``) is read once per engine, when
-  ``AsyncLLM`` / ``LLMEngine`` is built. **operation**: ``chat`` for vLLM's ``chatcmpl-`` request
-  ids, otherwise ``text_completion``.
-- **HTTP server span** (``asgi.py``; ``build_middleware_stack`` of FastAPI and Starlette): each
-  POST that the API server serves is a SERVER span from the moment uvicorn hands it to the app
-  until just before the response's last bytes are sent, and ``llm.request`` is its child (the
-  request's task carries it in a context variable). It honours the caller's ``traceparent``;
-  it is what lets the budget tell a busy API server (``http``, ``postprocess``) from the
-  network.
-- **traceparent** without the HTTP span (another frontend, or the ASGI hook disabled): vLLM
-  forwards the caller's trace headers to ``AsyncLLM.add_request`` but drops them there when its
-  own tracing is off; the wrapper of that coroutine hands them to the output processor's
-  ``add_request`` (same task) through a context variable. ``llm.request`` is then a child of the
-  caller's span; without one it starts a new random trace. The ids of
-  ``llm.request`` and ``llm.prefill`` are chosen here and travel to EngineCore in the request's
-  ``trace_headers`` (``vllm_engine.ENGINE_PARENT_HEADER``), so that the engine's step and chunk
-  spans join the request's tree.
+Processes: ``register`` (the ``vllm.general_plugins`` entry point) runs in every vLLM process and
+instruments the frontend (``MainProcess`` or ``ApiServer_N``: every request's queue, prefill,
+tokens and finish, ``vllm_requests.py``; the HTTP server span, ``asgi.py``), EngineCore
+(``EngineCore``, ``EngineCore_DPn``: engine steps, ``vllm_engine.py``) and the workers
+(``VllmWorker-N``); the cold start (``vllm_cold_start.py``) has a part in each. ``PATCHES`` lists
+every patch with the role of the processes it applies in. Patches are applied when their vLLM
+module is imported (or at once when it already is), so importing this module never imports vLLM.
 
 Prompt and completion text are never read. Each hook body runs through the runtime's
 ``HookGuard``: an exception is counted and logged once and the hook is disabled (a disabled
 per-request hook stops request tracing as a whole), while vLLM's own call always runs outside it.
-
-Processes: ``register`` (the ``vllm.general_plugins`` entry point) runs in every vLLM process and
-instruments the frontend (``MainProcess`` or ``ApiServer_N``), EngineCore (``EngineCore``,
-``EngineCore_DPn``: engine steps, ``vllm_engine.py``) and the workers (``VllmWorker-N``); the
-cold start (``vllm_cold_start.py``) has a part in each. Patches are applied when their vLLM
-module is imported (or at once when it already is), so importing this module never imports vLLM.
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import multiprocessing
-import weakref
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from functools import partial
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as distribution_version
 from types import ModuleType
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import wrapt
 from opentelemetry.instrumentation.dependencies import (
@@ -80,7 +37,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from tokentrace.agent import semconv
-from tokentrace.agent.frameworks.asgi import HOOK_HTTP_SERVER, HttpServerTracer, current_http_span
+from tokentrace.agent.frameworks.asgi import HOOK_HTTP_SERVER, HttpServerTracer
 from tokentrace.agent.frameworks.vllm_cold_start import (
     HOOK_COLD_START_ENGINE,
     HOOK_COLD_START_IMPORT,
@@ -92,30 +49,17 @@ from tokentrace.agent.frameworks.vllm_cold_start import (
     process_cold_start_tracer,
 )
 from tokentrace.agent.frameworks.vllm_engine import (
-    ENGINE_PARENT_HEADER,
-    EVENT_PREEMPTED,
-    EVENT_QUEUED,
-    EVENT_SCHEDULED,
     HOOK_STEP_DONE,
     HOOK_STEP_SCHEDULED,
     EngineStepTracer,
-    engine_parent_header,
 )
+from tokentrace.agent.frameworks.vllm_requests import FrontendRequestHooks
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import PROMPT_TOKEN_IDS, ClockDomain, Recorder, RequestTimer
-from tokentrace.agent.spans import (
-    AttrValue,
-    parse_traceparent,
-    random_span_id_bytes,
-    random_trace_id,
-)
+from tokentrace.agent.recorder import ClockDomain, Recorder
+from tokentrace.agent.spans import AttrValue
 
 __all__ = [
-    "HOOK_ABORT",
-    "HOOK_ADD_REQUEST",
     "HOOK_ENGINE_INIT",
-    "HOOK_OUTPUTS",
-    "HOOK_TRACE_CONTEXT",
     "PATCHES",
     "SUPPORTED_VERSIONS",
     "Patch",
@@ -134,13 +78,7 @@ _instruments: Final = (f"vllm {SUPPORTED_VERSIONS}",)
 
 # Hook names: what HookGuard counts and disables (and logs).
 HOOK_ENGINE_INIT: Final = "vllm.engine_init"
-HOOK_TRACE_CONTEXT: Final = "vllm.trace_context"
-HOOK_ADD_REQUEST: Final = "vllm.add_request"
-HOOK_OUTPUTS: Final = "vllm.process_outputs"
-HOOK_ABORT: Final = "vllm.abort"
-_REQUEST_HOOKS: Final = frozenset({HOOK_ADD_REQUEST, HOOK_OUTPUTS, HOOK_ABORT})
 _STEP_HOOKS: Final = frozenset({HOOK_STEP_SCHEDULED, HOOK_STEP_DONE})
-"""One request's life spans these hooks: when one is disabled, requests are no longer traced."""
 
 # ``multiprocessing`` process names: API servers are ``ApiServer_N``, engines ``EngineCore`` or
 # ``EngineCore_DPn``.
@@ -149,27 +87,12 @@ _API_SERVER_PROCESS_NAME: Final = "ApiServer"
 _ENGINE_PROCESS_NAME: Final = "EngineCore"
 _WORKER_PROCESS_NAME: Final = "VllmWorker"
 """``multiproc_executor``'s worker processes: ``VllmWorker-{rank}``."""
-_TRACE_HEADERS_ARGUMENT: Final = 6
-"""Position of ``trace_headers`` in ``AsyncLLM.add_request``'s arguments (after ``self``)."""
-_CHAT_REQUEST_PREFIX: Final = "chatcmpl-"
 _LOGGER_ROOT: Final = "tokentrace"
 _VLLM_LOGGER: Final = "vllm"
-_UNKNOWN_MODEL: Final = "unknown"
-_ERROR_ABORTED: Final = "aborted"
-_ERROR_ENGINE: Final = "engine error"
-# vLLM's FinishReason values (an IntEnum; a real-vLLM test checks them).
-_FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
-_FINISH_STOP: Final = "stop"
-_FINISH_ABORT: Final = 2
-_NS_PER_S: Final = 1_000_000_000
-_NO_FAN_OUT: Final[tuple[Any, bytes]] = (None, b"")
-
-_Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
-_T = TypeVar("_T")
 
 
 ROLE_FRONTEND: Final = "frontend"
-"""API server / offline engine client: requests, tokens, finish (this module)."""
+"""API server / offline engine client: requests, tokens, finish (``vllm_requests.py``)."""
 ROLE_ENGINE: Final = "engine"
 """EngineCore: the scheduler's steps (``vllm_engine.py``)."""
 ROLE_WORKER: Final = "worker"
@@ -272,26 +195,6 @@ PATCHES: Final = (
 """Every patch this instrumentation makes, in one place."""
 
 
-# --- trace context --------------------------------------------------------------------------------
-_incoming_trace_headers: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
-    "tokentrace_vllm_trace_headers", default=None
-)
-
-
-async def _with_trace_headers(call: Coroutine[Any, Any, _T], headers: Mapping[str, str]) -> _T:
-    token = _incoming_trace_headers.set(headers)
-    try:
-        return await call
-    finally:
-        _incoming_trace_headers.reset(token)
-
-
-def _trace_headers_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if len(args) > _TRACE_HEADERS_ARGUMENT:
-        return args[_TRACE_HEADERS_ARGUMENT]
-    return kwargs.get("trace_headers")
-
-
 # --- versions and processes -----------------------------------------------------------------------
 def installed_vllm() -> tuple[str, str] | None:
     """(distribution name, version) of the installed vLLM, without importing it."""
@@ -343,16 +246,8 @@ def _process_roles() -> frozenset[str]:
     return frozenset()
 
 
-def _finish_reason(reason: Any) -> str:
-    """vLLM's FinishReason (an IntEnum; None: the detokenizer matched a stop string)."""
-    if reason is None:
-        return _FINISH_STOP
-    index = int(reason)
-    return _FINISH_REASONS[index] if 0 <= index < len(_FINISH_REASONS) else str(reason)
-
-
 # --- the instrumentor -----------------------------------------------------------------------------
-class VllmInstrumentor(BaseInstrumentor):
+class VllmInstrumentor(FrontendRequestHooks, BaseInstrumentor):
     """Traces vLLM requests; ``instrument()`` is idempotent and ``uninstrument()`` reverses it.
 
     ``instrument(recorder=..., guard=...)`` uses the given recorder and guard (tests; also
@@ -448,8 +343,7 @@ class VllmInstrumentor(BaseInstrumentor):
         self._step_tracer = step_tracer
         self._cold_start_tracer = cold_start
         self._http_tracer = http_tracer
-        self._model_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-        self._last_fan_out: tuple[Any, bytes] = _NO_FAN_OUT
+        self._reset_request_state()
         self._applied: list[tuple[Any, str, Any, Any]] = []
         self._generation += 1
         self._active = True
@@ -499,11 +393,6 @@ class VllmInstrumentor(BaseInstrumentor):
                 exc_info=True,
             )
 
-    def _requests_disabled(self) -> bool:
-        disabled = self._guard.disabled
-        return bool(disabled) and not disabled.isdisjoint(_REQUEST_HOOKS)
-
-    # --- wrappers (serving path): guard first, vLLM's call outside every guard --------------------
     def _wrap_engine_init(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
@@ -540,46 +429,6 @@ class VllmInstrumentor(BaseInstrumentor):
 
     def _http_enabled(self) -> bool:
         return self._active and not self._requests_disabled()
-
-    def _wrap_async_add_request(
-        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
-    ) -> Any:
-        if not self._active or self._requests_disabled():
-            return wrapped(*args, **kwargs)
-        headers = self._guard.run(HOOK_TRACE_CONTEXT, _trace_headers_argument, args, kwargs)
-        if not headers:
-            return wrapped(*args, **kwargs)
-        return _with_trace_headers(wrapped(*args, **kwargs), headers)
-
-    def _wrap_add_request(
-        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
-    ) -> Any:
-        result = wrapped(*args, **kwargs)
-        if self._active and not self._requests_disabled():
-            self._guard.run(HOOK_ADD_REQUEST, self._on_add_request, instance, args, kwargs)
-        return result
-
-    def _wrap_outputs(
-        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
-    ) -> Any:
-        if not self._active or not self._recorder.in_flight or self._requests_disabled():
-            return wrapped(*args, **kwargs)
-        pending = self._guard.run(HOOK_OUTPUTS, self._before_outputs, instance, args, kwargs)
-        result = wrapped(*args, **kwargs)
-        if pending is not None:
-            self._guard.run(HOOK_OUTPUTS, self._after_outputs, instance, pending)
-        return result
-
-    def _wrap_abort(
-        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
-    ) -> Any:
-        if not self._active or not self._recorder.in_flight or self._requests_disabled():
-            return wrapped(*args, **kwargs)
-        pending = self._guard.run(HOOK_ABORT, self._before_abort, instance, args, kwargs)
-        result = wrapped(*args, **kwargs)
-        if pending:
-            self._guard.run(HOOK_ABORT, self._after_abort, instance, pending)
-        return result
 
     def _wrap_schedule(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
@@ -667,175 +516,6 @@ class VllmInstrumentor(BaseInstrumentor):
         known = None if attributes is None else self._guard.run(f"{hook}.attributes", attributes)
         self._guard.run(hook, cold_start.phase_ended, name, None, known)
         return result
-
-    # --- hook bodies (each runs inside HookGuard.run) ---------------------------------------------
-    def _on_engine_init(self, engine: Any) -> None:
-        name = engine.model_config.served_model_name
-        if isinstance(name, list | tuple):
-            name = name[0] if name else None
-        if name:
-            self._model_names[engine.output_processor] = str(name)
-
-    def _on_add_request(
-        self, processor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        request = args[0] if args else kwargs["request"]
-        request_id = request.request_id
-        recorder = self._recorder
-        if recorder.get(request_id) is not None:  # a streaming-input update of a traced request
-            return
-        # vLLM's wall-clock arrival, moved to the monotonic domain of every other timestamp.
-        arrival_ns = int(request.arrival_time * _NS_PER_S) - self._clock.to_unix_ns(0)
-        timer = recorder.begin(request_id, arrival_ns=arrival_ns)
-        if timer is None:
-            return
-        cold_start = self._cold_start_tracer
-        if cold_start is not None:
-            cold_start.on_request(timer)
-        http = current_http_span()
-        context = None
-        if http is not None:  # the HTTP server span already honoured the caller's traceparent
-            context = http.trace_id, http.span_id
-        elif headers := request.trace_headers or _incoming_trace_headers.get():
-            traceparent = headers.get("traceparent")
-            if traceparent:
-                context = parse_traceparent(traceparent)
-        if context is None:
-            # The n sequences of one parallel-sampling request (n > 1) are one API request: one
-            # trace. vLLM adds them one after another, so the last parent suffices.
-            parent = args[2] if len(args) > 2 else kwargs.get("parent_req")
-            last_parent, last_trace_id = self._last_fan_out
-            if parent is not None and parent is last_parent:
-                timer.trace_id = last_trace_id
-            else:
-                timer.trace_id = random_trace_id()
-                self._last_fan_out = (parent, timer.trace_id) if parent is not None else _NO_FAN_OUT
-        else:
-            timer.trace_id, timer.parent_span_id = context
-        # Ids chosen now so that EngineCore can parent its spans (engine steps, prefill chunks)
-        # under this request's; vLLM ships trace_headers to EngineCore with the request.
-        timer.span_id = random_span_id_bytes()
-        timer.prefill_span_id = random_span_id_bytes()
-        request.trace_headers = {
-            **(request.trace_headers or {}),
-            ENGINE_PARENT_HEADER: engine_parent_header(
-                timer.trace_id, timer.span_id, timer.prefill_span_id
-            ),
-        }
-        external_id = request.external_req_id or request_id
-        attributes = timer.attributes
-        attributes["request_id"] = external_id
-        attributes["model"] = self._model_names.get(processor, _UNKNOWN_MODEL)
-        attributes["operation"] = (
-            semconv.OPERATION_CHAT
-            if external_id.startswith(_CHAT_REQUEST_PREFIX)
-            else semconv.OPERATION_TEXT_COMPLETION
-        )
-
-    def _before_outputs(
-        self, processor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[list[tuple[Any, RequestTimer, Any]], Any] | None:
-        """The traced requests among this chunk's outputs, with vLLM's state for each (vLLM drops
-        the state of a request that finishes during the call)."""
-        outputs = args[0] if args else kwargs["engine_core_outputs"]
-        timestamp = args[1] if len(args) > 1 else kwargs.get("engine_core_timestamp")
-        get_timer = self._recorder.get
-        states = processor.request_states
-        traced = []
-        for output in outputs:
-            request_id = output.request_id
-            timer = get_timer(request_id)
-            if timer is not None:
-                traced.append((output, timer, states.get(request_id)))
-        return (traced, timestamp) if traced else None
-
-    def _after_outputs(
-        self, processor: Any, pending: tuple[list[tuple[Any, RequestTimer, Any]], Any]
-    ) -> None:
-        traced, timestamp = pending
-        # One timestamp for the whole step: EngineCore's, taken after the model ran.
-        step_ns = self._recorder.clock() if timestamp is None else int(timestamp * _NS_PER_S)
-        states = processor.request_states
-        for output, timer, state in traced:
-            # Read after vLLM's call: a matched stop string trims the surplus tokens in place.
-            new_tokens = len(output.new_token_ids)
-            if new_tokens == 1:
-                timer.token_ns.append(step_ns)
-            elif new_tokens:
-                timer.token_ns.extend([step_ns] * new_tokens)
-            events = output.events
-            if events:
-                _apply_events(timer, events)
-            if output.request_id not in states:
-                self._finish(timer, state, output.finish_reason)
-
-    def _before_abort(
-        self, processor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> list[tuple[RequestTimer, Any]]:
-        request_ids = args[0] if args else kwargs["request_ids"]
-        internal = args[1] if len(args) > 1 else kwargs.get("internal", False)
-        if not isinstance(request_ids, list | tuple | set | frozenset):
-            return []  # a one-shot iterable is vLLM's to consume
-        states = processor.request_states
-        internal_ids: list[str] = []
-        for request_id in request_ids:
-            if not internal:
-                internal_ids.extend(processor.external_req_ids.get(request_id, ()))
-            elif request_id in states:
-                internal_ids.append(request_id)
-            elif (parent := processor.parent_requests.get(request_id)) is not None:
-                internal_ids.extend(parent.child_requests)
-        get_timer = self._recorder.get
-        return [
-            (timer, states.get(request_id))
-            for request_id in internal_ids
-            if (timer := get_timer(request_id)) is not None
-        ]
-
-    def _after_abort(self, processor: Any, pending: list[tuple[RequestTimer, Any]]) -> None:
-        states = processor.request_states
-        for timer, state in pending:
-            if timer.request_id not in states:
-                self._finish(timer, state, _FINISH_ABORT)
-
-    def _finish(self, timer: RequestTimer, state: Any, reason: Any) -> None:
-        attributes = timer.attributes
-        attributes["output_tokens"] = len(timer.token_ns)
-        if state is not None:
-            attributes["input_tokens"] = state.prompt_len
-            attributes["cached_tokens"] = state.num_cached_tokens
-            # A reference, hashed off the serving path (``recorder.to_recording``).
-            attributes[PROMPT_TOKEN_IDS] = getattr(state, "prompt_token_ids", None)
-            for name, value in (
-                ("max_tokens", state.max_tokens_param),
-                ("temperature", state.temperature),
-                ("top_p", state.top_p),
-            ):
-                if value is not None:
-                    attributes[name] = value
-        finish_reason = _finish_reason(reason)
-        attributes["finish_reason"] = finish_reason
-        error = None
-        if finish_reason == _FINISH_REASONS[_FINISH_ABORT]:
-            error = _ERROR_ABORTED
-        elif finish_reason == "error":
-            error = _ERROR_ENGINE
-        self._recorder.finish(timer.request_id, error=error)
-
-
-def _apply_events(timer: RequestTimer, events: Any) -> None:
-    for event in events:
-        kind = event.type
-        if kind == EVENT_SCHEDULED:
-            event_ns = int(event.timestamp * _NS_PER_S)
-            if timer.scheduled_ns is None:
-                timer.scheduled_ns = event_ns
-            else:  # scheduled again: resumed after a preemption
-                timer.resume(event_ns)
-        elif kind == EVENT_PREEMPTED:
-            timer.preempt(int(event.timestamp * _NS_PER_S))
-        elif kind == EVENT_QUEUED and timer.queued_ns is None:
-            timer.queued_ns = int(event.timestamp * _NS_PER_S)
 
 
 class _VllmLogHandler(logging.Handler):

@@ -65,18 +65,15 @@ from typing import Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.agent.recorder import ClockDomain, RequestTimer
-from tokentrace.agent.spans import (
-    KIND_INTERNAL,
+from tokentrace.agent.span_ids import (
     SPAN_ID_BYTES,
     TRACE_ID_BYTES,
-    AttrValue,
-    PlannedSpan,
-    SpanJob,
     format_ids,
     parse_ids,
     random_span_id_bytes,
     random_trace_id,
 )
+from tokentrace.agent.spans import KIND_INTERNAL, AttrValue, PlannedSpan, SpanJob
 
 __all__ = [
     "COLD_START_PARENT_ENV",

@@ -46,20 +46,17 @@ from functools import partial
 from typing import Any, Final, NamedTuple
 
 from tokentrace.agent import semconv
+from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO, gap_median
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import ClockDomain
-from tokentrace.agent.recording import DEFAULT_ITL_OUTLIER_RATIO, gap_median
-from tokentrace.agent.spans import (
-    KIND_INTERNAL,
+from tokentrace.agent.span_ids import (
     SPAN_ID_BYTES,
     TRACE_ID_BYTES,
-    AttrValue,
-    PlannedSpan,
-    SpanJob,
     format_ids,
     parse_ids,
     random_trace_id,
 )
+from tokentrace.agent.spans import KIND_INTERNAL, AttrValue, PlannedSpan, SpanJob
 
 __all__ = [
     "ENGINE_PARENT_HEADER",

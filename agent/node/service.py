@@ -34,12 +34,8 @@ from tokentrace.agent.identity import host_resource
 from tokentrace.agent.node.enrich import SpanEnricher
 from tokentrace.agent.node.metrics import GpuMetrics
 from tokentrace.agent.node.sampler import NvmlSampler
-from tokentrace.agent.otlp_export import (
-    PROTOCOL_GRPC,
-    TOKENTRACE_VERSION,
-    OtlpExporterConfig,
-    OtlpSender,
-)
+from tokentrace.agent.otlp_config import PROTOCOL_GRPC, TOKENTRACE_VERSION, OtlpExporterConfig
+from tokentrace.agent.otlp_export import OtlpSender
 from tokentrace.collector.consumer import Overloaded, Unavailable
 
 _log = logging.getLogger(__name__)

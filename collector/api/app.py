@@ -127,18 +127,18 @@ def store_of(request: Request) -> RequestStore:
 def meta_document(request: Request) -> dict[str, Any]:
     import json
 
-    from tokentrace.collector.store import META_COLLECTOR_STATS, META_SLO_TARGETS
-    from tokentrace.collector.store.codec import load_slo_targets
+    from tokentrace.collector.store import META_COLLECTOR_STATS
+    from tokentrace.processors.slo import target_to_dict
 
     settings: ApiSettings = request.app.state.settings
     store = store_of(request)
-    targets, _problems = load_slo_targets(store.meta(META_SLO_TARGETS))  # /slo reports them
+    targets, _problems = store.slo_targets()  # /slo reports the problems
     stats = _json_or_none(store.meta(META_COLLECTOR_STATS), json)
     return {
         "version": _version(),
         "store": settings.store_path,
         "requests": store.count(),
-        "slo_targets": targets,
+        "slo_targets": [target_to_dict(target) for target in targets],
         "trace_link": settings.trace_link,
         "auth": settings.auth_token is not None,
         "collector": stats if isinstance(stats, dict) else None,

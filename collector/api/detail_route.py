@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from tokentrace.collector.api.app import ApiSettings, ErrorBody, store_of
 from tokentrace.collector.api.params import ApiError
-from tokentrace.collector.api.request_view import DEFAULT_ITL_SPIKE_RATIO, request_view
+from tokentrace.collector.api.request_view import request_view
 
 router = APIRouter(tags=["requests"])
 
@@ -64,7 +64,9 @@ class TokenGap(BaseModel):
     index: int = Field(description="gap i is tick i - tick i-1")
     at_ms: float = Field(description="tick i")
     gap_ms: float
-    outlier: bool = Field(description="gap > itl_spike_ratio x median gap")
+    outlier: bool = Field(
+        description="gap > the collector's itl_outlier_ratio (diagnosis settings) x median gap"
+    )
 
 
 class Tokens(BaseModel):
@@ -166,5 +168,5 @@ def get_request(
         store.trace_otlp(doc["trace_id"]),
         metric=metric,
         trace_link_template=settings.trace_link,
-        itl_spike_ratio=DEFAULT_ITL_SPIKE_RATIO,
+        itl_outlier_ratio=store.diagnosis_settings().itl_outlier_ratio,
     )

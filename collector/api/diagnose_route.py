@@ -4,8 +4,8 @@
 The window's most recent ``limit`` traces are re-derived from their stored spans and analysed by
 ``collector.diagnose.diagnose_range`` with the SLO targets the collector stored. Re-deriving
 costs about half a millisecond per request, so the default limit keeps a view near a second and
-reading stops once the store's query budget (``query.QUERY_BUDGET_S``) is spent: 503, as a list
-query past it answers. Each finding also carries ``lines``, the text ``tokentrace diagnose``
+reading stops once the store's query budget (``list_query.QUERY_BUDGET_S``) is spent: 503, as a
+list query past it answers. Each finding also carries ``lines``, the text ``tokentrace diagnose``
 prints for it (``findings.finding_lines``), so the UI shows the CLI's words.
 """
 
@@ -20,8 +20,8 @@ from pydantic import BaseModel, Field
 from tokentrace.collector.api.app import store_of
 from tokentrace.collector.api.params import Window
 from tokentrace.collector.api.window_routes import SloStatus, bounded_window, default_window
-from tokentrace.collector.diagnose import diagnose_range, stored_slo_targets
-from tokentrace.collector.store import query as store_query
+from tokentrace.collector.diagnose import diagnose_range
+from tokentrace.collector.store.sqlite import list_query as store_query
 from tokentrace.processors.findings import finding_lines
 
 router = APIRouter(tags=["windows"])
@@ -154,7 +154,7 @@ def get_diagnose(
 ) -> dict[str, Any]:
     store = store_of(request)
     span = bounded_window(window, request)
-    targets, slo_errors = stored_slo_targets(store)
+    targets, slo_errors = store.slo_targets()
     analysis = diagnose_range(
         store,
         since_ns=span.since_ns,

@@ -3,7 +3,7 @@
 Store reads stay in the routes (``window_routes``); everything here takes what they read
 (sketch slices, SLO targets, segment means) and returns JSON-ready documents:
 
-- ``window_document``: ``codec.window_report`` over the slices of one window whose key matches
+- ``window_document``: ``store.window_report`` over the slices of one window whose key matches
   the dimension filters.
 - ``distributions``: one log-spaced histogram per metric from the window's merged sketches.
 - ``band_limits`` / ``band_document``: the E2E bands whose requests' mean budget the fleet view
@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.collector.store.codec import KEY_FIELDS, SketchSlice, window_report
+from tokentrace.collector.store.sketch_report import KEY_FIELDS, SketchSlice, window_report
 from tokentrace.processors.sketches import LatencySketch
+from tokentrace.processors.slo import SloTarget
 
 DISTRIBUTION_METRICS: Final = (
     semconv.METRIC_TTFT,
@@ -67,16 +68,18 @@ def window_document(
     *,
     since_s: float,
     until_s: float,
-    slo_targets: Sequence[Mapping[str, Any]] = (),
-    slo_problems: Sequence[str] = (),
+    slo_targets: Sequence[SloTarget] = (),
+    slo_errors: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """``window_report`` of [since_s, until_s] (already selected slices), with problems reading
-    the SLO targets added to its ``slo_errors``. Raises ValueError on a malformed sketch."""
-    report = window_report(
-        slices, window_s=until_s - since_s, now_s=until_s, slo_targets=slo_targets
+    """``window_report`` of [since_s, until_s] (already selected slices). Raises ValueError on
+    a malformed sketch."""
+    return window_report(
+        slices,
+        window_s=until_s - since_s,
+        now_s=until_s,
+        slo_targets=slo_targets,
+        slo_errors=slo_errors,
     )
-    report["slo_errors"] = [*slo_problems, *report["slo_errors"]]
-    return report
 
 
 def merged_sketches(

@@ -1,8 +1,9 @@
 """``GET /api/v1/requests``: the request list with filters, sorting and keyset pages
 (``docs/api.md``).
 
-The store plans and runs the query (``collector/store/query.py``); this route only turns query
-parameters into a ``RequestPageQuery`` and the page into JSON. Every filter reaches SQL as a
+The store plans and runs the query (contract: ``collector/store/query.py``; SQLite planner:
+``collector/store/sqlite/list_query.py``); this route only turns query parameters into a
+``RequestPageQuery`` and the page into JSON. Every filter reaches SQL as a
 bound parameter. A page is serialised straight to JSON (the summaries are already plain,
 JSON-ready dicts); the pydantic models below describe it in the OpenAPI document.
 """
@@ -33,9 +34,9 @@ from tokentrace.collector.store.query import (
     MAX_PAGE_LIMIT,
     MAX_TEXT_LENGTH,
     MIN_TRACE_PREFIX_HEX,
-    TOTAL_CAP,
     decode_cursor,
 )
+from tokentrace.collector.store.sqlite.list_query import TOTAL_CAP
 
 router = APIRouter(tags=["requests"])
 
@@ -51,7 +52,7 @@ SortOrder = Literal["desc", "asc"]
 
 
 class RequestSummary(BaseModel):
-    """One stored request in the list (``codec.summary_from_row``). Durations in ms (exact
+    """One stored request in the list (``store.document.summary_from_row``). Durations in ms (exact
     µs); null where the request has no such value."""
 
     trace_id: str = Field(description="32 hex digits")

@@ -11,8 +11,9 @@ response (``docs/api.md``). Nothing here does I/O.
   [--metric]`` draws. The row holding that verdict's dominant segment is ``dominant``.
 - ``tokens``: the token ticks exactly as ``render.waterfall_rows`` places them (first token +
   offset), the gaps between consecutive ticks, and which gaps are outliers by the diagnosis'
-  rule: a gap larger than ``itl_spike_ratio`` x the request's median gap
-  (``recording.gap_median``: the agent exports the engine steps of exactly these gaps).
+  rule: a gap larger than the collector's ``itl_outlier_ratio`` x the request's median gap
+  (``finished_request.gap_median``; with the agent's ratio set alike, exactly the gaps whose engine
+  steps the agent exports).
 - ``spans``: the request span and its descendants (breadth first, at most ``max_spans``).
 - ``engine_steps``: ``llm.engine.step`` spans under the request span, plus any step span of the
   trace whose ``ENGINE_STEP_REQUEST_IDS`` lists the request's id; ``outlier`` when the step
@@ -36,7 +37,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
-from tokentrace.agent.recording import gap_median
+from tokentrace.agent.finished_request import gap_median
 from tokentrace.collector.render import (
     chosen_verdict,
     verdict_heading,
@@ -44,15 +45,12 @@ from tokentrace.collector.render import (
     waterfall_rows,
     waterfall_segment,
 )
-from tokentrace.collector.store.codec import ns_to_ms
-from tokentrace.processors.diagnosis import DiagnosisConfig
+from tokentrace.collector.store.document import ns_to_ms
 
 DEFAULT_MAX_SPANS: Final = 500
 """Spans of one request the view lists at most (the request span first)."""
 DEFAULT_MAX_ENGINE_STEPS: Final = 500
 """Engine steps of one request the view lists at most (earliest first)."""
-DEFAULT_ITL_SPIKE_RATIO: Final = DiagnosisConfig().itl_spike_ratio
-"""The diagnosis' default: a gap above this many median gaps is an outlier."""
 TRACE_ID_PLACEHOLDER: Final = "{trace_id}"
 """Replaced in the trace-link template by the full, URL-quoted 32-hex trace id."""
 
@@ -129,15 +127,16 @@ def request_view(
     *,
     metric: str | None = None,
     trace_link_template: str | None = None,
-    itl_spike_ratio: float = DEFAULT_ITL_SPIKE_RATIO,
+    itl_outlier_ratio: float,
     max_spans: int = DEFAULT_MAX_SPANS,
     max_engine_steps: int = DEFAULT_MAX_ENGINE_STEPS,
 ) -> dict[str, Any]:
     """The detail response of one request (``docs/api.md``, ``GET /api/v1/requests/{id}``);
-    its verdict is about ``metric`` (None: the document's default verdict)."""
+    its verdict is about ``metric`` (None: the document's default verdict).
+    ``itl_outlier_ratio``: the collector's (``RequestStore.diagnosis_settings``)."""
     warnings: list[str] = []
     origin_ns = int((doc.get("timeline") or {}).get("origin_unix_ns") or 0)
-    tokens = token_gaps(doc, itl_spike_ratio=itl_spike_ratio)
+    tokens = token_gaps(doc, itl_outlier_ratio=itl_outlier_ratio)
 
     spans_doc: list[dict[str, Any]] = []
     steps_doc: list[dict[str, Any]] = []
@@ -202,9 +201,7 @@ def answered_metric(verdict: Mapping[str, Any] | None) -> str | None:
 # --- token gaps -------------------------------------------------------------------------------
 
 
-def token_gaps(
-    doc: Mapping[str, Any], *, itl_spike_ratio: float = DEFAULT_ITL_SPIKE_RATIO
-) -> dict[str, Any]:
+def token_gaps(doc: Mapping[str, Any], *, itl_outlier_ratio: float) -> dict[str, Any]:
     """Ticks (ms on the document's axis), gaps and outlier gaps of a request document.
 
     Ticks are ``render.waterfall_rows``' decode ticks: first token + offset. Gap ``i`` is tick
@@ -227,7 +224,7 @@ def token_gaps(
     ticks = [first_token + offset_us / _US_PER_MS for offset_us in offsets]
     gaps_us = [offsets[i] - offsets[i - 1] for i in range(1, len(offsets))]
     median_us = gap_median([gap for gap in gaps_us if gap >= 0])
-    threshold_us = None if median_us is None else itl_spike_ratio * median_us
+    threshold_us = None if median_us is None else itl_outlier_ratio * median_us
     gaps = [
         {
             "index": i,

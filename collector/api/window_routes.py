@@ -36,8 +36,7 @@ from tokentrace.collector.api.params import (
     unix_s_to_ns,
     window_dependency,
 )
-from tokentrace.collector.store import META_SLO_TARGETS, RequestStore
-from tokentrace.collector.store.codec import load_slo_targets
+from tokentrace.collector.store import RequestStore
 from tokentrace.collector.store.query import QueryTimeoutError, RequestFilter, RequestPageQuery
 from tokentrace.processors.compare import compare_windows
 from tokentrace.processors.sketches import LatencySketch
@@ -212,14 +211,14 @@ def _read_window(
 ) -> _WindowData:
     """The window report, and the merged sketches of ``sketch_metrics`` over the window."""
     slices = select_slices(store.sketches_between(span.since_s, span.until_s), dims.as_selector())
-    targets, problems = load_slo_targets(store.meta(META_SLO_TARGETS))
+    targets, problems = store.slo_targets()
     try:
         report = window_document(
             slices,
             since_s=span.since_s,
             until_s=span.until_s,
             slo_targets=targets,
-            slo_problems=problems,
+            slo_errors=problems,
         )
     except (ValueError, TypeError) as error:
         raise ApiError(503, f"the store holds a malformed sketch slice ({error})") from None

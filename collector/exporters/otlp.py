@@ -25,8 +25,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationSc
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
-from tokentrace.agent import otlp_export, semconv
-from tokentrace.agent.otlp_export import (
+from tokentrace.agent import otlp_config, semconv
+from tokentrace.agent.otlp_config import (
     COMPRESSION_GZIP,
     COMPRESSION_NONE,
     COMPRESSIONS,
@@ -36,11 +36,11 @@ from tokentrace.agent.otlp_export import (
     SIGNAL_METRICS,
     SIGNAL_TRACES,
     TOKENTRACE_VERSION,
-    OtlpSender,
     RetryConfig,
     Signal,
     options_from_env,
 )
+from tokentrace.agent.otlp_export import OtlpSender
 from tokentrace.processors.durations import parse_duration_ns
 
 __all__ = [
@@ -67,7 +67,7 @@ _USER_AGENT: Final = f"tokentrace-collector/{TOKENTRACE_VERSION or 'dev'}"
 
 
 # --- configuration --------------------------------------------------------------------------------
-class OtlpExporterConfig(otlp_export.OtlpExporterConfig):
+class OtlpExporterConfig(otlp_config.OtlpExporterConfig):
     """The agent's ``OtlpExporterConfig`` (same fields, ``validate``, ``from_env``) plus the
     collector's YAML form, ``from_settings``."""
 
@@ -210,7 +210,7 @@ class _OtlpExporter:
 
     def __init__(
         self,
-        config: otlp_export.OtlpExporterConfig,
+        config: otlp_config.OtlpExporterConfig,
         *,
         clock: Callable[[], float] | None = None,
         sleep: Callable[[float], None] | None = None,

@@ -1,4 +1,6 @@
-"""The request store as a pipeline sink: request rows, trace spans, live percentile slices.
+"""The ``store`` exporter: request rows and trace spans per batch; on each pipeline tick the
+percentile slices (the open one too, so ``tokentrace top`` is live) and the collector's
+self-telemetry snapshot (``collector_stats``); retention on its own interval.
 
 ``stored_spans`` is the pipeline's look-up of a trace's stored spans, for late spans that join
 their request (the collector wires it in; the pipeline knows nothing of the store).
@@ -10,25 +12,27 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
-from tokentrace.collector.config import StoreConfig
-from tokentrace.collector.store.codec import diagnosis_to_json
-from tokentrace.collector.store.sqlite import (
+from tokentrace.agent import semconv
+from tokentrace.collector.component import KIND_EXPORTER
+from tokentrace.collector.component_configs import StoreConfig
+from tokentrace.collector.self_telemetry import SelfTelemetry, metric_key
+from tokentrace.collector.store import (
     META_COLLECTOR_STARTED_NS,
     META_COLLECTOR_STATS,
-    META_DIAGNOSIS,
     META_SLO_TARGETS,
     RequestStore,
     StoreWriteError,
 )
+from tokentrace.collector.store.contract import META_DIAGNOSIS, diagnosis_to_json
 from tokentrace.collector.window import stored_spans_by_trace
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.model import SpanRef
-from tokentrace.processors.slo import SloTarget
+from tokentrace.processors.slo import SloTarget, targets_to_json
 
 if TYPE_CHECKING:
-    from tokentrace.collector.pipeline import Pipeline, ProcessedTrace
+    from tokentrace.collector.pipeline import PipelineTick, ProcessedTrace
 
 _log = logging.getLogger(__name__)
 
@@ -36,21 +40,17 @@ _DEFAULT_PRUNE_INTERVAL_S = 10.0
 _PRUNE_BUDGET_S = 0.5
 _DEFAULT_REJECT_LOG_INTERVAL_S = 60.0
 """Left-out records are logged at most this often (the counters say how many)."""
-
-
-def targets_to_json(targets: Sequence[SloTarget]) -> str:
-    return json.dumps(
-        [
-            {
-                "name": target.name,
-                "metric": target.metric,
-                "percentile": target.percentile,
-                "threshold": f"{target.threshold_ns}ns",
-                "selector": dict(target.selector),
-            }
-            for target in targets
-        ]
-    )
+_DEFAULT_COMPONENT_ID: Final = "store"
+_SNAPSHOT_PREFIX: Final = "StoreSink."
+_COUNTERS: Final = {
+    semconv.SELF_METRIC_WRITTEN_REQUESTS: "requests written",
+    semconv.SELF_METRIC_REJECTED_RECORDS: "requests the store left out",
+    semconv.SELF_METRIC_FAILED_BATCHES: "batches not stored at all",
+    semconv.SELF_METRIC_CHECKPOINTS: "WAL checkpoints run",
+    semconv.SELF_METRIC_FAILED_CHECKPOINTS: "WAL checkpoints failed",
+    semconv.SELF_METRIC_REPLACED_TRACES: "trace writes that replaced the stored spans",
+    semconv.SELF_METRIC_PRUNED_REQUESTS: "requests pruned",
+}
 
 
 class StoreSink:
@@ -61,7 +61,12 @@ class StoreSink:
         slo_targets: Sequence[SloTarget] = (),
         diagnosis: DiagnosisConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        telemetry: SelfTelemetry | None = None,
+        component_id: str = _DEFAULT_COMPONENT_ID,
     ) -> None:
+        """Opens the store (the pipeline's look-up of stored spans works from here on).
+        ``telemetry``: the collector's registry, which the counters (``stats()``) are reported
+        to under ``component_id``."""
         self._store = RequestStore(
             config.path, retention_s=config.retention_s, max_requests=config.max_requests
         )
@@ -74,6 +79,11 @@ class StoreSink:
         self._store.set_meta(META_SLO_TARGETS, targets_to_json(slo_targets))
         self._store.set_meta(META_DIAGNOSIS, diagnosis_to_json(diagnosis or DiagnosisConfig()))
         self._store.set_meta(META_COLLECTOR_STARTED_NS, str(time.time_ns()))
+        if telemetry is not None:
+            view = telemetry.component(
+                component_id, KIND_EXPORTER, snapshot_prefix=_SNAPSHOT_PREFIX
+            )
+            view.observe(self.stats, counters=_COUNTERS)
 
     @property
     def store(self) -> RequestStore:
@@ -123,15 +133,11 @@ class StoreSink:
             return None
         return stored_spans_by_trace(otlp).get(trace_id)
 
-    def housekeeping(self, pipeline: Pipeline, *, final: bool = False) -> None:
-        if pipeline.percentiles is not None:
-            # The open slice too, so `tokentrace top` is live: it is rewritten until it closes.
-            percentiles = pipeline.percentiles
-            slices = percentiles.drain_closed_slices() + percentiles.open_slice()
-            if slices:
-                self._store.write_sketch_slices(slices)
-        self._store.set_meta(META_COLLECTOR_STATS, json.dumps(pipeline.stats_snapshot()))
-        if final or self._clock() >= self._next_prune:
+    def tick(self, tick: PipelineTick) -> None:
+        if tick.percentile_slices:
+            self._store.write_sketch_slices(tick.percentile_slices)
+        self._store.set_meta(META_COLLECTOR_STATS, json.dumps(tick.collector_stats))
+        if tick.final or self._clock() >= self._next_prune:
             self._prune()
             self._next_prune = self._clock() + _DEFAULT_PRUNE_INTERVAL_S
 
@@ -142,16 +148,22 @@ class StoreSink:
         while self._store.prune() >= self._store.prune_batch and self._clock() < deadline:
             pass
 
+    def start(self) -> None:
+        """Nothing left to do: the store was opened when the sink was made."""
+
     def shutdown(self, timeout_s: float) -> None:
         self._store.close()
 
     def stats(self) -> dict[str, int]:
-        return {
-            "written_requests": self._written_requests,
-            "rejected_records": self._rejected_records,
-            "failed_batches": self._failed_batches,
-            "checkpoints": self._store.checkpoints,
-            "failed_checkpoints": self._store.failed_checkpoints,
-            "replaced_traces": self._store.replaced_traces,
-            "pruned_requests": self._store.pruned_requests,
-        }
+        """The counters, by ``metric_key`` (read by the self-telemetry on collection)."""
+        store = self._store
+        values = (
+            self._written_requests,
+            self._rejected_records,
+            self._failed_batches,
+            store.checkpoints,
+            store.failed_checkpoints,
+            store.replaced_traces,
+            store.pruned_requests,
+        )
+        return {metric_key(name): value for name, value in zip(_COUNTERS, values, strict=True)}

@@ -1,6 +1,18 @@
-"""The request store: per-request documents, trace spans and sketch slices for drill-down."""
+"""The request store: per-request documents, trace spans and sketch slices for drill-down.
 
-from tokentrace.collector.store.codec import record_to_dict, summary_from_row, window_report
+Backend-neutral modules here (``row``, ``document``, ``sketch_report``, ``query``,
+``contract``); the SQLite backend in ``sqlite/``.
+"""
+
+from tokentrace.collector.store.contract import (
+    META_COLLECTOR_STARTED_NS,
+    META_COLLECTOR_STATS,
+    META_SLO_TARGETS,
+    StoreError,
+    StoreNotFoundError,
+    StoreWriteError,
+)
+from tokentrace.collector.store.document import record_to_dict, summary_from_row
 from tokentrace.collector.store.query import (
     SORT_KEYS,
     QueryTimeoutError,
@@ -8,15 +20,8 @@ from tokentrace.collector.store.query import (
     RequestPage,
     RequestPageQuery,
 )
-from tokentrace.collector.store.sqlite import (
-    META_COLLECTOR_STARTED_NS,
-    META_COLLECTOR_STATS,
-    META_SLO_TARGETS,
-    RequestStore,
-    StoreError,
-    StoreNotFoundError,
-    StoreWriteError,
-)
+from tokentrace.collector.store.sketch_report import window_report
+from tokentrace.collector.store.sqlite.store import RequestStore
 
 __all__ = [
     "META_COLLECTOR_STARTED_NS",

@@ -10,13 +10,12 @@ import pytest
 
 from tokentrace.agent import semconv
 from tokentrace.agent.emit import SpanEmitter
-from tokentrace.agent.otlp_export import OtlpExporterConfig, OtlpSender
+from tokentrace.agent.otlp_config import OtlpExporterConfig
+from tokentrace.agent.otlp_export import OtlpSender
 from tokentrace.agent.recorder import Recorder
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
-from tokentrace.collector.store.sqlite import RequestStore
-
-pytestmark = pytest.mark.slow
+from tokentrace.collector.store import RequestStore
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])

@@ -146,9 +146,9 @@ def test_no_room_in_the_sender_drops_batches_without_encoding_them(
     encoded: list[int] = []
     encode = emitter._encoder.encode
 
-    def counting_encode(recordings: list[Any], jobs: list[Any]) -> tuple[bytes, int]:
+    def counting_encode(finished_requests: list[Any], jobs: list[Any]) -> tuple[bytes, int]:
         encoded.append(1)
-        return encode(recordings, jobs)
+        return encode(finished_requests, jobs)
 
     monkeypatch.setattr(emitter._encoder, "encode", counting_encode)
     for index in range(3):

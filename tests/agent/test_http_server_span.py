@@ -37,8 +37,10 @@ from tests.agent.vllm_stand_ins import (
 from tests.spanbuild import trace
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks.asgi import HOOK_HTTP_SERVER, HttpServerTracer
-from tokentrace.agent.recorder import RequestTimer, to_recording
-from tokentrace.agent.spans import RecordingEncoder, SpanJob, format_traceparent
+from tokentrace.agent.recorder import RequestTimer, to_finished_request
+from tokentrace.agent.span_encoding import SpanBatchEncoder
+from tokentrace.agent.span_ids import format_traceparent
+from tokentrace.agent.spans import SpanJob
 from tokentrace.processors.budget import compute_budget
 from tokentrace.processors.timeline import normalize
 
@@ -118,9 +120,9 @@ def http_spans(setup: Setup) -> list[SpanJob]:
 
 
 def encoded(jobs: list[SpanJob], timers: list[RequestTimer], setup: Setup) -> list[Span]:
-    encoder = RecordingEncoder(resource_attributes={"service.name": "t"}, scope_name="t")
-    recordings = [to_recording(timer, setup.http_clock) for timer in timers]
-    payload, count = encoder.encode(recordings, jobs)
+    encoder = SpanBatchEncoder(resource_attributes={"service.name": "t"}, scope_name="t")
+    finished_requests = [to_finished_request(timer, setup.http_clock) for timer in timers]
+    payload, count = encoder.encode(finished_requests, jobs)
     message = ExportTraceServiceRequest.FromString(payload)
     spans = [span for rs in message.resource_spans for ss in rs.scope_spans for span in ss.spans]
     assert len(spans) == count
@@ -190,8 +192,10 @@ def test_the_budget_takes_http_and_postprocess_from_the_http_span(
         http.end_time_unix_nano,
     )
     budget = compute_budget(timeline)
-    assert timeline.arrival is not None and timeline.last_token is not None
-    assert budget.segments[semconv.SEGMENT_HTTP] == timeline.arrival - http.start_time_unix_nano
+    assert timeline.engine_arrival is not None and timeline.last_token is not None
+    assert (
+        budget.segments[semconv.SEGMENT_HTTP] == timeline.engine_arrival - http.start_time_unix_nano
+    )
     assert budget.segments[semconv.SEGMENT_HTTP] >= _BEFORE_ENGINE_S * 1e9
     assert budget.segments[semconv.SEGMENT_POSTPROCESS] >= _AFTER_LAST_TOKEN_S * 1e9
     assert budget.e2e_ns == http.end_time_unix_nano - http.start_time_unix_nano

@@ -4,15 +4,15 @@ import logging
 
 import pytest
 
+from tokentrace.agent.finished_request import PREFIX_HASH_TOKENS
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import (
     PROMPT_TOKEN_IDS,
     ClockDomain,
     Recorder,
     RequestTimer,
-    to_recording,
+    to_finished_request,
 )
-from tokentrace.agent.recording import PREFIX_HASH_TOKENS
 
 
 class Ticks:
@@ -32,7 +32,7 @@ def fixed_domain(ticks: Ticks) -> ClockDomain:
     return ClockDomain(wall_ns=lambda: ticks.now + WALL_OFFSET, monotonic_ns=ticks)
 
 
-def test_a_request_life_becomes_a_recording_in_unix_time() -> None:
+def test_a_request_life_becomes_a_finished_request_in_unix_time() -> None:
     ticks = Ticks()
     finished: list[RequestTimer] = []
     recorder = Recorder(finished.append, monotonic_ns=ticks)
@@ -50,15 +50,15 @@ def test_a_request_life_becomes_a_recording_in_unix_time() -> None:
     (done,) = finished
     assert recorder.in_flight == 0
 
-    recording = to_recording(done, fixed_domain(ticks))
-    assert recording.arrival_ns == 1_000_000_000 + WALL_OFFSET
-    assert recording.queued_ns == recording.arrival_ns + 2_000_000
-    assert recording.first_scheduled_ns == recording.arrival_ns + 5_000_000
-    assert recording.first_token_ns == recording.first_scheduled_ns + 10_000_000
-    assert recording.last_token_ns == recording.first_token_ns + 20_000_000
-    assert recording.end_ns == recording.last_token_ns + 1_000_000
-    assert recording.token_offsets_us == [0, 10_000, 20_000]
-    assert (recording.model, recording.operation, recording.input_tokens) == ("m", "chat", 12)
+    request = to_finished_request(done, fixed_domain(ticks))
+    assert request.arrival_ns == 1_000_000_000 + WALL_OFFSET
+    assert request.queued_ns == request.arrival_ns + 2_000_000
+    assert request.first_scheduled_ns == request.arrival_ns + 5_000_000
+    assert request.first_token_ns == request.first_scheduled_ns + 10_000_000
+    assert request.last_token_ns == request.first_token_ns + 20_000_000
+    assert request.end_ns == request.last_token_ns + 1_000_000
+    assert request.token_offsets_us == [0, 10_000, 20_000]
+    assert (request.model, request.operation, request.input_tokens) == ("m", "chat", 12)
 
 
 def test_prompts_sharing_their_first_tokens_share_a_prefix_hash_computed_off_the_serving_path() -> (
@@ -81,7 +81,8 @@ def test_prompts_sharing_their_first_tokens_share_a_prefix_hash_computed_off_the
         timer.attributes[PROMPT_TOKEN_IDS] = token_ids
         recorder.finish(request_id)
     hashes = {
-        timer.request_id: to_recording(timer, fixed_domain(ticks)).prefix_hash for timer in finished
+        timer.request_id: to_finished_request(timer, fixed_domain(ticks)).prefix_hash
+        for timer in finished
     }
     assert hashes["shared-a"] is not None and hashes["shared-a"] == hashes["shared-b"]
     assert hashes["other"] is not None and hashes["other"] != hashes["shared-a"]
@@ -100,12 +101,12 @@ def test_preemption_intervals_and_an_abort_while_evicted() -> None:
     timer.preempt(ticks.now + 8)
     ticks.now += 10
     recorder.finish("r", error="client disconnected")
-    recording = to_recording(finished[0], fixed_domain(ticks))
+    request = to_finished_request(finished[0], fixed_domain(ticks))
     start = 1_000_000_000 + WALL_OFFSET
-    assert recording.preempted == [(start + 1, start + 5), (start + 8, start + 10)]
-    assert recording.error == "client disconnected"
-    assert recording.first_token_ns is None and recording.token_offsets_us == []
-    assert recording.queued_ns is None  # never reported: llm.queue starts at arrival
+    assert request.preempted == [(start + 1, start + 5), (start + 8, start + 10)]
+    assert request.error == "client disconnected"
+    assert request.first_token_ns is None and request.token_offsets_us == []
+    assert request.queued_ns is None  # never reported: llm.queue starts at arrival
 
 
 def test_in_flight_limit_leaves_requests_untraced_and_counts_them() -> None:

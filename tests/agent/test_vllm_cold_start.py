@@ -47,7 +47,7 @@ from tokentrace.agent.frameworks.vllm_cold_start import (
     process_start_monotonic_ns,
 )
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import ClockDomain, RequestTimer, to_recording
+from tokentrace.agent.recorder import ClockDomain, RequestTimer, to_finished_request
 
 IMPORT_NS = 5_000
 UNIX_OFFSET = 10**18  # CLOCK: Unix ns = monotonic ns + 10**18
@@ -279,13 +279,13 @@ def test_requests_that_arrive_before_ready_carry_the_ready_time(
     early, late = vllm_stand_in.recorder.get("early"), vllm_stand_in.recorder.get("late")
     assert early is not None and late is not None
     assert early.ready_ns == marks["ready"] and late.ready_ns is None
-    assert to_recording(early, CLOCK).ready_ns == marks["ready"] + UNIX_OFFSET
-    assert to_recording(late, CLOCK).ready_ns is None
+    assert to_finished_request(early, CLOCK).ready_ns == marks["ready"] + UNIX_OFFSET
+    assert to_finished_request(late, CLOCK).ready_ns is None
     # ...and a link to the cold start's root span (its own trace).
     cold_start = vllm_stand_in.cold_start
     assert early.cold_start_link == (cold_start.trace_id, cold_start.root_span_id)
     assert late.cold_start_link is None
-    assert to_recording(early, CLOCK).cold_start_link == early.cold_start_link
+    assert to_finished_request(early, CLOCK).cold_start_link == early.cold_start_link
     monkeypatch.setattr(stand_ins, "ENGINE_START_UP", [])
     asyncio.run(AsyncLLM().add_request("after", "prompt", None, 1e9 + 1e-3))  # given arrival
     after = vllm_stand_in.recorder.get("after-internal")

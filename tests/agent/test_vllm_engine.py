@@ -37,7 +37,8 @@ from tokentrace.agent.frameworks.vllm_engine import (
     parse_engine_parent,
 )
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.spans import RecordingEncoder, SpanJob
+from tokentrace.agent.span_encoding import SpanBatchEncoder
+from tokentrace.agent.spans import SpanJob
 
 NS = 1_000_000_000
 TRACE = bytes(range(1, 17))
@@ -88,7 +89,7 @@ def planned_jobs(jobs: list[Any]) -> list[SpanJob]:
 
 
 def encoded_spans(jobs: list[SpanJob]) -> list[Span]:
-    encoder = RecordingEncoder(resource_attributes={"service.name": "t"}, scope_name="t")
+    encoder = SpanBatchEncoder(resource_attributes={"service.name": "t"}, scope_name="t")
     payload, count = encoder.encode([], jobs)
     message = ExportTraceServiceRequest.FromString(payload)
     spans = [span for rs in message.resource_spans for ss in rs.scope_spans for span in ss.spans]

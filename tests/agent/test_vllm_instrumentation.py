@@ -27,12 +27,10 @@ from tests.agent.vllm_stand_ins import (
 )
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks import vllm as instrumentation
-from tokentrace.agent.frameworks.vllm import (
-    HOOK_OUTPUTS,
-    VllmInstrumentor,
-)
+from tokentrace.agent.frameworks.vllm import VllmInstrumentor
+from tokentrace.agent.frameworks.vllm_requests import HOOK_OUTPUTS
 from tokentrace.agent.recorder import PROMPT_TOKEN_IDS
-from tokentrace.agent.spans import parse_traceparent
+from tokentrace.agent.span_ids import parse_traceparent
 
 
 # --- tests ----------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import httpx
 
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
-from tokentrace.loadgen.replay import simulate, to_otlp_requests
+from tokentrace.loadgen.replay.emit import to_otlp_requests
+from tokentrace.loadgen.replay.simulation import simulate
 
 SLO_TARGETS = [
     {"name": "ttft-p95", "metric": "ttft", "percentile": 95, "threshold": "500ms"},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,12 @@ from fastapi.testclient import TestClient
 from tests.api.replayed import replayed_store
 from tests.spanbuild import T0, key_value, request_spans, span, trace
 from tokentrace.agent import semconv
+from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO
 from tokentrace.agent.frameworks.vllm_engine import outlier_gap_ends
 from tokentrace.collector.api.app import ApiSettings, create_app
 from tokentrace.collector.api.request_view import request_view, token_gaps
 from tokentrace.collector.config import parse_config
+from tokentrace.collector.exporters.store_sink import StoreSink
 from tokentrace.collector.pipeline import Pipeline
 from tokentrace.collector.render import (
     verdict_heading,
@@ -26,7 +29,6 @@ from tokentrace.collector.render import (
     waterfall_segment,
 )
 from tokentrace.collector.store import RequestStore
-from tokentrace.processors.diagnosis import DiagnosisConfig
 
 MS = 1_000_000
 TRACE = bytes.fromhex("a1b2c3d4" + "5a" * 12)
@@ -289,7 +291,7 @@ def test_token_ticks_and_gaps_follow_the_offsets(
     assert [g["gap_ms"] for g in tokens["gaps"]] == pytest.approx(expected_gaps)
     assert [g["index"] for g in tokens["gaps"]] == list(range(1, len(OFFSETS_US)))
     assert [g["at_ms"] for g in tokens["gaps"]] == tokens["ticks_ms"][1:]
-    ratio = DiagnosisConfig().itl_spike_ratio
+    ratio = DEFAULT_ITL_OUTLIER_RATIO
     assert tokens["median_gap_ms"] == pytest.approx(10.0)
     assert tokens["outlier_threshold_ms"] == pytest.approx(10.0 * ratio)
     assert [g["outlier"] for g in tokens["gaps"]] == [g > 10.0 * ratio for g in expected_gaps]
@@ -425,15 +427,17 @@ def test_spans_missing_from_the_store_degrade_to_warnings(store_path: Path) -> N
 
 
 def test_undecodable_spans_degrade_to_warnings(doc: dict[str, Any]) -> None:
-    view = request_view(doc, b"\xff\xff\xff\xff not a protobuf")
+    view = request_view(doc, b"\xff\xff\xff\xff not a protobuf", itl_outlier_ratio=3.0)
     assert view["spans"] == view["engine_steps"] == view["gpu"] == []
     assert any("cannot be decoded" in warning for warning in view["warnings"])
-    assert view["tokens"] == token_gaps(doc)
+    assert view["tokens"] == token_gaps(doc, itl_outlier_ratio=3.0)
 
 
 def test_span_cap_counts_what_it_leaves_out(doc: dict[str, Any], store_path: Path) -> None:
     store = RequestStore.open_readonly(store_path)
-    view = request_view(doc, store.trace_otlp(TRACE.hex()), max_spans=3, max_engine_steps=1)
+    view = request_view(
+        doc, store.trace_otlp(TRACE.hex()), itl_outlier_ratio=3.0, max_spans=3, max_engine_steps=1
+    )
     assert len(view["spans"]) == 3
     assert view["spans_dropped"] == 7 - 3  # request, 4 phases, 2 engine steps
     assert len(view["engine_steps"]) == 1
@@ -442,16 +446,16 @@ def test_span_cap_counts_what_it_leaves_out(doc: dict[str, Any], store_path: Pat
 
 def test_gaps_without_a_first_token_or_with_one_gap_have_no_outliers() -> None:
     no_first_token = {"timeline": {"boundaries_ms": {}}, "token_offsets_us": [0, 5, 900]}
-    assert token_gaps(no_first_token)["gaps"] == []
+    assert token_gaps(no_first_token, itl_outlier_ratio=3.0)["gaps"] == []
     one_gap = {"timeline": {"boundaries_ms": {"first_token": 1.0}}, "token_offsets_us": [0, 900]}
-    tokens = token_gaps(one_gap)
+    tokens = token_gaps(one_gap, itl_outlier_ratio=3.0)
     assert [g["outlier"] for g in tokens["gaps"]] == [False]
     assert tokens["median_gap_ms"] is None
     malformed = {
         "timeline": {"boundaries_ms": {"first_token": 0.0}},
         "token_offsets_us": [0, 1000, 500, 1500, 2500],
     }
-    gaps = token_gaps(malformed)["gaps"]
+    gaps = token_gaps(malformed, itl_outlier_ratio=3.0)["gaps"]
     assert gaps[1]["gap_ms"] == -0.5
     assert not any(g["outlier"] for g in gaps)
 
@@ -478,6 +482,34 @@ def test_marked_gaps_are_the_ones_the_agent_exports_steps_for(gaps_ms: list[int]
     for gap in gaps_ms:
         offsets_us.append(offsets_us[-1] + gap * 1000)
     doc = {"timeline": {"boundaries_ms": {"first_token": 0.0}}, "token_offsets_us": offsets_us}
-    marked = [g["index"] for g in token_gaps(doc, itl_spike_ratio=3.0)["gaps"] if g["outlier"]]
+    marked = [g["index"] for g in token_gaps(doc, itl_outlier_ratio=3.0)["gaps"] if g["outlier"]]
     step_ends = [(index, offset * 1000) for index, offset in enumerate(offsets_us)]
     assert marked == outlier_gap_ends(step_ends, 3.0)
+
+
+def test_outlier_marks_follow_the_collectors_configured_ratio(tmp_path: Path) -> None:
+    """The API marks the gaps the collector's diagnosis calls outliers, by its configured
+    ratio: 6 median gaps puts the 50 ms gap (5 medians) inside, and its steps with it."""
+    config = parse_config(
+        {"processors": {"diagnosis": {"itl_outlier_ratio": 6}}, "exporters": {"store": {}}},
+        environ={},
+    )
+    store_config = config.store
+    assert store_config is not None
+    sink = StoreSink(
+        replace(store_config, path=str(tmp_path / "store.db")), diagnosis=config.diagnosis
+    )
+    sink.export_traces([Pipeline(config).process_trace(_request_trace())])
+    sink.store.close()
+    app = create_app(ApiSettings(store_path=str(tmp_path / "store.db")))
+    with TestClient(app) as test_client:
+        response = test_client.get(f"/api/v1/requests/{TRACE.hex()}")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    tokens = body["tokens"]
+    assert tokens["median_gap_ms"] == pytest.approx(10.0)
+    assert tokens["outlier_threshold_ms"] == pytest.approx(60.0)
+    assert not any(gap["outlier"] for gap in tokens["gaps"])
+    assert body["engine_steps"] and not any(step["outlier"] for step in body["engine_steps"])
+    # The collector's own verdict judged the gaps by the same ratio.
+    assert "none over 6x its median gap" in body["request"]["verdicts"]["itl"]["sentence"]

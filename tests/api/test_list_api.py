@@ -33,7 +33,7 @@ from tests.collector.test_store import BASE_NS
 from tokentrace.collector.api import list_route
 from tokentrace.collector.api.app import ApiSettings, create_app
 from tokentrace.collector.store import RequestFilter, RequestStore
-from tokentrace.collector.store import query as query_module
+from tokentrace.collector.store.sqlite import list_query as query_module
 
 NS_PER_S = 1_000_000_000
 NOW_NS = BASE_NS + ROWS * START_STEP_NS

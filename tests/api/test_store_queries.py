@@ -1,5 +1,6 @@
-"""The request list in the store (``collector/store/query.py``): filters, orders, keyset pages,
-totals, planning, and the fleet helpers ``segment_means`` and ``sketches_between``.
+"""The request list in the store (``collector/store/query.py``, planned and run by
+``collector/store/sqlite/list_query.py``): filters, orders, keyset pages, totals, planning, and
+the fleet helpers ``segment_means`` and ``sketches_between``.
 
 Every expectation is computed here, by brute force over the rows the test wrote (``Row``), and
 compared with what the store answers: the same matches, in the same order, each exactly once.
@@ -31,19 +32,17 @@ from tokentrace.collector.store import (
     RequestStore,
     StoreError,
 )
-from tokentrace.collector.store import query as query_module
-from tokentrace.collector.store.codec import budget_segments
-from tokentrace.collector.store.query import (
-    SORT_KEYS,
-    decode_cursor,
-    encode_cursor,
+from tokentrace.collector.store.document import budget_segments
+from tokentrace.collector.store.query import SORT_KEYS, decode_cursor, encode_cursor
+from tokentrace.collector.store.sqlite import list_query
+from tokentrace.collector.store.sqlite.list_query import (
     filter_terms,
     match_sql,
     page_sql,
     plan_query,
     window_terms,
 )
-from tokentrace.collector.store.sqlite import _SCHEMA, REQUEST_INDEXES
+from tokentrace.collector.store.sqlite.schema import REQUEST_INDEXES, SCHEMA
 from tokentrace.processors.model import RequestRecord, Verdict
 
 SERVICES = ("svc-a", "svc-b")
@@ -232,9 +231,9 @@ def planner(monkeypatch: pytest.MonkeyPatch) -> Callable[[int, bool], None]:
     """Sets the total cap, and whether every walk falls back at once."""
 
     def configure(cap: int, force_fallback: bool) -> None:
-        monkeypatch.setattr(query_module, "TOTAL_CAP", cap)
-        monkeypatch.setattr(query_module, "WALK_BUDGET_S", -1.0 if force_fallback else 60.0)
-        monkeypatch.setattr(query_module, "_PROGRESS_STEPS", 1 if force_fallback else 2_000)
+        monkeypatch.setattr(list_query, "TOTAL_CAP", cap)
+        monkeypatch.setattr(list_query, "WALK_BUDGET_S", -1.0 if force_fallback else 60.0)
+        monkeypatch.setattr(list_query, "_PROGRESS_STEPS", 1 if force_fallback else 2_000)
 
     return configure
 
@@ -491,7 +490,7 @@ def test_no_caller_value_is_ever_part_of_the_sql_text(text: str, sort: str) -> N
         segment=marker, text=marker, since_ns=12345678901, min_e2e_ns=98765432109,
     )  # fmt: skip
     terms = [*window_terms(flt), *filter_terms(flt, sort_column=SORT_KEYS[sort])]
-    terms.append(query_module.text_term(marker))
+    terms.append(list_query.text_term(marker))
     for sql, params in (
         match_sql(terms, index="requests_start", cap=10),
         page_sql(
@@ -590,13 +589,13 @@ def test_every_index_the_planner_names_exists() -> None:
         since_ns=1, until_ns=2, service="s", model="m", operation="o", prompt_bucket="b",
         slo_breached=True, cause="c", segment="g", min_ttft_ns=1, min_e2e_ns=1, max_e2e_ns=2,
     )  # fmt: skip
-    named = {query_module._START_WALK, query_module._PRIMARY_KEY_INDEX}
-    named |= set(query_module._WALK_INDEXES.values())
+    named = {list_query._START_WALK, list_query._PRIMARY_KEY_INDEX}
+    named |= set(list_query._WALK_INDEXES.values())
     for column in SORT_KEYS.values():
         named |= {t.index for t in filter_terms(everything, sort_column=column) if t.index}
     assert named - set(REQUEST_INDEXES) == {"sqlite_autoindex_requests_1"}
     with sqlite3.connect(":memory:") as connection:
-        for statement in _SCHEMA:
+        for statement in SCHEMA:
             connection.execute(statement)
         existing = {name for (name,) in connection.execute("SELECT name FROM sqlite_master")}
     assert named <= existing
@@ -605,7 +604,7 @@ def test_every_index_the_planner_names_exists() -> None:
 def test_common_conditions_walk_the_sort_order(
     reader: RequestStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(query_module, "TOTAL_CAP", 3)
+    monkeypatch.setattr(list_query, "TOTAL_CAP", 3)
     with sqlite3.connect(f"file:{reader.path}?mode=ro", uri=True) as connection:
         start = plan_query(connection, RequestFilter(model="llama"), sort_column="start_ns")
         e2e = plan_query(connection, RequestFilter(model="llama"), sort_column="e2e_ns")
@@ -619,8 +618,8 @@ def test_common_conditions_walk_the_sort_order(
 def test_a_query_past_its_budget_raises_query_timeout(
     reader: RequestStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(query_module, "QUERY_BUDGET_S", -1.0)
-    monkeypatch.setattr(query_module, "_PROGRESS_STEPS", 1)
+    monkeypatch.setattr(list_query, "QUERY_BUDGET_S", -1.0)
+    monkeypatch.setattr(list_query, "_PROGRESS_STEPS", 1)
     with pytest.raises(QueryTimeoutError, match="took longer than"):
         reader.list_requests(RequestPageQuery(filter=RequestFilter(text="cmpl")))
     with pytest.raises(QueryTimeoutError):

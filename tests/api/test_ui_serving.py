@@ -80,7 +80,6 @@ def collector_with_ui(tmp_path: Path) -> Iterator[Collector]:
         collector.shutdown()
 
 
-@pytest.mark.slow
 def test_collector_serves_its_store_with_auth(collector_with_ui: Collector) -> None:
     collector = collector_with_ui
     url = collector.ui_url

@@ -28,14 +28,11 @@ from tokentrace.collector.api.fleet import histogram_document
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.pipeline import Pipeline
 from tokentrace.collector.store import META_SLO_TARGETS, RequestStore, window_report
-from tokentrace.collector.store.codec import (
-    KEY_FIELDS,
-    SketchSlice,
-    budget_segments,
-    load_slo_targets,
-)
+from tokentrace.collector.store.document import budget_segments
 from tokentrace.collector.store.query import QueryTimeoutError
+from tokentrace.collector.store.sketch_report import KEY_FIELDS, SketchSlice
 from tokentrace.processors.sketches import LatencySketch
+from tokentrace.processors.slo import parse_targets
 
 NS_PER_S = 1_000_000_000
 T0_S = T0 // NS_PER_S
@@ -142,7 +139,7 @@ def _expected_report(
         and all(dict(zip(KEY_FIELDS, s[1], strict=True))[k] == v for k, v in dims.items())
     ]
     return window_report(
-        chosen, window_s=until_s - since_s, now_s=until_s, slo_targets=[E2E_TARGET]
+        chosen, window_s=until_s - since_s, now_s=until_s, slo_targets=parse_targets([E2E_TARGET])
     )
 
 
@@ -392,14 +389,6 @@ def test_openapi_documents_the_window_routes(client: TestClient) -> None:
 
 
 # --- pure builders ------------------------------------------------------------------------------
-
-
-def test_slo_target_text_is_read_tolerantly() -> None:
-    assert load_slo_targets(None) == ([], [])
-    assert load_slo_targets(json.dumps([E2E_TARGET])) == ([E2E_TARGET], [])
-    targets, problems = load_slo_targets(json.dumps([E2E_TARGET, 7]))
-    assert targets == [E2E_TARGET] and len(problems) == 1
-    assert load_slo_targets('{"name": "x"}')[0] == []
 
 
 _DURATIONS_S = st.lists(

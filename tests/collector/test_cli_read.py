@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.collector.test_store import BASE_NS, MS, assembled, make_record, trace_id
+from tests.collector.test_store import (
+    BASE_NS,
+    MS,
+    assembled,
+    make_record,
+    sketch_of,
+    trace_id,
+)
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main
 from tokentrace.collector import cli as collector_cli
@@ -22,13 +29,13 @@ from tokentrace.collector.render import (
     glyphs_for,
     render_budget_table,
     render_explain,
-    render_top,
     render_waterfall,
     waterfall_rows,
 )
+from tokentrace.collector.render_top import render_top
 from tokentrace.collector.store import RequestStore, record_to_dict
 from tokentrace.processors.durations import parse_duration_ns
-from tokentrace.processors.sketches import LatencySketch, SketchKey
+from tokentrace.processors.sketches import SketchKey
 
 SLO_TARGETS = [
     {"name": "chat-ttft-p95", "metric": "ttft", "percentile": 95, "threshold": "500ms"},
@@ -40,12 +47,6 @@ SLO_TARGETS = [
         "selector": {"model": "qwen"},
     },
 ]
-
-
-def sketch_of(values_ms: list[float]) -> LatencySketch:
-    sketch = LatencySketch()
-    sketch.add_many([v / 1000 for v in values_ms])
-    return sketch
 
 
 @pytest.fixture
@@ -299,10 +300,10 @@ def rich_doc() -> dict[str, object]:
     record = make_record(1, queue_ms=100, prefill_ms=60, decode_ms=300)
     timeline = record.timeline
     assert timeline.server_start is not None and timeline.first_scheduled is not None
-    assert timeline.first_token is not None and timeline.arrival is not None
+    assert timeline.first_token is not None and timeline.engine_arrival is not None
     timeline.client_start = timeline.server_start - 10 * MS
     timeline.client_end = (timeline.server_end or 0) + 10 * MS
-    timeline.ready = timeline.arrival + 40 * MS
+    timeline.ready = timeline.engine_arrival + 40 * MS
     middle = timeline.first_scheduled + 20 * MS
     timeline.prefill_chunks = [
         (timeline.first_scheduled, middle, 256),

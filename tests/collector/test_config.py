@@ -17,12 +17,12 @@ def test_no_config_listens_on_standard_loopback_ports_and_stores_locally() -> No
     assert config.http is not None and config.http.endpoint == "127.0.0.1:4318"
     assert config.store is not None and config.store.path == "./tokentrace.db"
     assert config.upstream == ()
-    assert config.processors == ("assembly", "slo", "diagnosis", "percentiles")
+    assert config.processor_ids == ("assembly", "slo", "diagnosis", "percentiles")
 
 
 def test_upstream_export_only_when_the_environment_says_where() -> None:
     config = parse({}, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9999")
-    assert [u.name for u in config.upstream] == ["otlp"]
+    assert [u.id for u in config.upstream] == ["otlp"]
 
 
 def test_full_config_round_trip(tmp_path: Path) -> None:
@@ -62,9 +62,9 @@ service:
     assert config.percentiles is not None and config.percentiles.window_s == 120
     assert config.store is not None and config.store.retention_s == 86400
     (upstream,) = config.upstream
-    assert upstream.name == "otlp/tempo" and upstream.metrics_interval_s == 5
-    assert upstream.exporter.endpoint == "http://127.0.0.1:4317"
-    assert upstream.exporter.protocol == "grpc"
+    assert upstream.id == "otlp/tempo" and upstream.config.metrics_interval_s == 5
+    assert upstream.config.exporter.endpoint == "http://127.0.0.1:4317"
+    assert upstream.config.exporter.protocol == "grpc"
 
 
 @pytest.mark.parametrize(
@@ -203,7 +203,7 @@ def test_the_shipped_deploy_configs_are_valid() -> None:
 )
 def test_slo_and_diagnosis_may_be_listed_in_either_order(listed: list[str]) -> None:
     config = parse({"service": {"pipelines": {"traces": {"processors": listed}}}})
-    assert config.processors == tuple(listed)
+    assert config.processor_ids == ("assembly", "slo", "diagnosis", "percentiles")  # run order
     assert config.diagnosis is not None and config.slo_targets == ()
 
 

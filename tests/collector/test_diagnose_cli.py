@@ -20,18 +20,19 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tests.api.replayed import SLO_TARGETS, replayed_store
+from tests.collector.test_cli_read import run_cli
 from tokentrace.agent import semconv
-from tokentrace.agent.cli import main
-from tokentrace.collector.config import ConfigError, load_config, load_slo_file
+from tokentrace.collector.config import ConfigError, load_config
 from tokentrace.collector.store import RequestStore
-from tokentrace.collector.store.codec import diagnosis_to_json, request_start_ns
-from tokentrace.collector.store.sqlite import META_DIAGNOSIS
+from tokentrace.collector.store.contract import META_DIAGNOSIS, diagnosis_to_json
+from tokentrace.collector.store.row import request_start_ns
 from tokentrace.collector.window import records_of_traces
 from tokentrace.loadgen import record as run_record
 from tokentrace.loadgen.results import CLIENT_METRICS, RequestResult, summarize
 from tokentrace.loadgen.workload import LoadConfig
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.model import RequestRecord
+from tokentrace.processors.slo import read_slo_file
 
 REQUESTS = 120
 NS_PER_US = 1_000
@@ -139,12 +140,6 @@ def unknown_result(trace_id: str, index: int, *, error: str | None = None) -> Re
         end_ns=2,
         error=error,
     )
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
@@ -526,7 +521,7 @@ def test_slo_file_relative_to_the_config_files_directory(
     (target,) = config.slo_targets
     assert (target.name, target.metric, target.percentile) == ("chat-ttft", "ttft", 95)
     assert target.threshold_ns == 500_000_000
-    assert load_slo_file(config_dir / "slo" / "targets.yaml") == [target]
+    assert read_slo_file(config_dir / "slo" / "targets.yaml") == [target]
 
 
 def test_slo_targets_and_file_together_are_rejected(tmp_path: Path) -> None:

@@ -21,10 +21,10 @@ from tests.collector.upstream import UpstreamOtlp
 from tokentrace.agent import semconv
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
-from tokentrace.collector.store.sqlite import RequestStore
-from tokentrace.loadgen.replay import SimulatedRequest, emit_sdk, simulate
-
-pytestmark = pytest.mark.slow
+from tokentrace.collector.store import RequestStore
+from tokentrace.loadgen.replay.emit import emit_sdk
+from tokentrace.loadgen.replay.request import SimulatedRequest
+from tokentrace.loadgen.replay.simulation import simulate
 
 
 def start_collector(tmp_path: Path, upstream: UpstreamOtlp) -> Collector:
@@ -148,6 +148,17 @@ def test_sdk_exporters_to_collector_to_store_and_upstream(
     ]
     assert ttft_points, "no TTFT histogram reached the upstream receiver"
     assert sum(point.count for point in ttft_points) == len(requests)
+    # The collector's self-telemetry came along, sent after the pipeline drained.
+    (requests_point,) = [
+        point
+        for request in upstream.metric_requests
+        for resource_metrics in request.resource_metrics
+        for scope_metrics in resource_metrics.scope_metrics
+        for metric in scope_metrics.metrics
+        if metric.name == semconv.SELF_METRIC_REQUESTS
+        for point in metric.sum.data_points
+    ]
+    assert requests_point.as_int == len(requests)
 
 
 def test_vllm_native_dialect_end_to_end(tmp_path: Path, upstream: UpstreamOtlp) -> None:
@@ -198,7 +209,7 @@ def test_malformed_input_never_crashes_or_corrupts_the_store(
 ) -> None:
     import sqlite3
 
-    from tokentrace.loadgen.replay import to_otlp_requests
+    from tokentrace.loadgen.replay.emit import to_otlp_requests
 
     collector = start_collector(tmp_path, upstream)
     good = simulate("steady", requests=10, seed=9)

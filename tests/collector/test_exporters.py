@@ -1,6 +1,7 @@
 """The collector's upstream exporters against a real OTLP receiver on loopback (upstream.py): how
 they form requests (joined traces, data-point batches) and their YAML configuration. Sending itself
-(transports, queue, retry, shutdown, environment) is tested in tests/agent/test_otlp_export.py."""
+(transports, queue, retry, shutdown) is tested in tests/agent/test_otlp_export.py, the
+environment in tests/agent/test_otlp_config.py."""
 
 from __future__ import annotations
 

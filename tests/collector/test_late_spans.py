@@ -35,8 +35,7 @@ from tokentrace.collector.pipeline import Pipeline
 from tokentrace.collector.service import Collector
 from tokentrace.collector.store import RequestStore, StoreWriteError
 from tokentrace.processors.budget import prompt_bucket
-from tokentrace.processors.diagnosis import CAUSE_PREFIX_CACHE_MISS
-from tokentrace.processors.percentiles import PercentileStore
+from tokentrace.processors.causes import CAUSE_PREFIX_CACHE_MISS
 from tokentrace.processors.sketches import SketchKey
 
 MS = 1_000_000
@@ -141,10 +140,10 @@ def collecting(tmp_path: Path) -> Iterator[Collecting]:
     clock = FakeClock()
     pipeline = Pipeline(
         default_config(),
-        sinks=[sink],
-        percentile_store=PercentileStore(clock=lambda: 1_000.0),
+        sinks={"store": sink},
         earlier_spans=sink.stored_spans,
         monotonic=clock,
+        wall_clock=lambda: 1_000.0,
     )
     yield Collecting(pipeline, sink, clock, path)
     sink.shutdown(1.0)
@@ -178,7 +177,7 @@ def test_a_late_client_span_rederives_the_stored_request(collecting: Collecting)
     assert doc["other_span_ids"] == []
     # The stored trace holds every span once: the server's, then the late client span.
     assert collecting.stored_span_ids(trace_id) == [s.span_id for s in server] + [CLIENT_ID]
-    stats = collecting.pipeline.stats_snapshot()
+    stats = collecting.pipeline.telemetry.snapshot()
     assert stats["late_spans"] == 1
     assert stats["requests"] == 1
     assert (stats["late_traces_rederived"], stats["late_traces_unmatched"]) == (1, 0)
@@ -202,8 +201,8 @@ def test_late_server_spans_replace_the_client_only_record(collecting: Collecting
     assert request["network_ns"] == duration(client) - duration(server[0])
     assert request["segment"] == semconv.SEGMENT_NETWORK
     assert collecting.stored_span_ids(trace_id) == [CLIENT_ID] + [s.span_id for s in server]
-    assert collecting.pipeline.stats.late_traces_rederived == 1
-    assert collecting.pipeline.stats.requests == 1
+    stats = collecting.pipeline.telemetry.snapshot()
+    assert (stats["late_traces_rederived"], stats["requests"]) == (1, 1)
 
 
 def test_a_span_sent_again_late_counts_once(collecting: Collecting) -> None:
@@ -224,7 +223,7 @@ def test_the_late_fragment_alone_goes_to_the_exporters(tmp_path: Path) -> None:
     sink = StoreSink(StoreConfig(path=str(tmp_path / "requests.db")))
     clock = FakeClock()
     pipeline = Pipeline(
-        default_config(), sinks=[sink], earlier_spans=sink.stored_spans, monotonic=clock
+        default_config(), sinks={"store": sink}, earlier_spans=sink.stored_spans, monotonic=clock
     )
     try:
         server = server_spans(tid(4))
@@ -340,7 +339,7 @@ def test_without_a_store_a_late_client_span_is_dropped_and_counted() -> None:
     assert processed.records == []  # no client-only duplicate of the request
     assert processed.replaces_stored == []
     assert processed.otlp  # its spans still go to the exporters
-    stats = pipeline.stats_snapshot()
+    stats = pipeline.telemetry.snapshot()
     assert (stats["late_traces_rederived"], stats["late_traces_unmatched"]) == (0, 1)
 
 
@@ -358,7 +357,7 @@ def test_a_failing_look_up_keeps_todays_behaviour() -> None:
     clock.now += 60
     (late,) = pipeline.assembler.pop_finished()
     assert pipeline.process_trace(late).records == []
-    assert pipeline.stats.late_traces_unmatched == 1
+    assert pipeline.telemetry.snapshot()["late_traces_unmatched"] == 1
 
 
 def test_stored_spans_over_the_size_cap_are_not_read(collecting: Collecting) -> None:
@@ -372,7 +371,7 @@ def test_stored_spans_over_the_size_cap_are_not_read(collecting: Collecting) -> 
     collecting.send([client_span(server)], "app")
     (row,) = collecting.rows()
     assert row["network_ns"] is None  # processed alone, as before the look-up existed
-    assert collecting.pipeline.stats.late_traces_unmatched == 1
+    assert collecting.pipeline.telemetry.snapshot()["late_traces_unmatched"] == 1
 
 
 # --- the store swaps the rows in one transaction -----------------------------------------------
@@ -477,7 +476,6 @@ def post_spans(port: int, request: ExportTraceServiceRequest) -> None:
         assert response.status == 200
 
 
-@pytest.mark.slow
 def test_sdk_client_spans_exported_late_join_their_requests(
     tmp_path: Path, upstream: UpstreamOtlp
 ) -> None:

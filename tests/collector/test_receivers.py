@@ -9,7 +9,6 @@ import re
 import shutil
 import socket
 import subprocess
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +35,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tests.collector.consumers import RecordingConsumer
 from tokentrace.collector.consumer import Overloaded, Unavailable
 from tokentrace.collector.receivers import ReceiverStartError
 from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
@@ -43,47 +43,6 @@ from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
 
 SERVICE_NAME = "receiver-test-service"
 TOKEN = "s3cret-token"
-
-
-class RecordingConsumer:
-    """Records every request; can be told to refuse or fail the next N calls."""
-
-    def __init__(self) -> None:
-        self.requests: list[ExportTraceServiceRequest] = []
-        self.calls = 0
-        self._lock = threading.Lock()
-        self.failures: list[Exception] = []
-
-    def fail_next(self, *errors: Exception) -> None:
-        self.failures.extend(errors)
-
-    def consume_traces(self, request: ExportTraceServiceRequest) -> None:
-        with self._lock:
-            self.calls += 1
-            if self.failures:
-                raise self.failures.pop(0)
-            self.requests.append(request)
-
-    def spans(self) -> list[Span]:
-        return [
-            span
-            for request in self.requests
-            for resource_spans in request.resource_spans
-            for scope_spans in resource_spans.scope_spans
-            for span in scope_spans.spans
-        ]
-
-    def resource_attributes(self) -> list[dict[str, str]]:
-        return [
-            {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-            for request in self.requests
-            for resource_spans in request.resource_spans
-        ]
-
-
-@pytest.fixture
-def consumer() -> RecordingConsumer:
-    return RecordingConsumer()
 
 
 @pytest.fixture

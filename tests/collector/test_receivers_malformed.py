@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import json
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from tests.collector.consumers import RecordingConsumer
 from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
 from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
 from tokentrace.collector.receivers.validate import REJECTION_REASONS, sanitize
@@ -32,30 +32,6 @@ BODY_LIMIT = 256 * 1024
 GRPC_LIMIT = 64 * 1024
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 _NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-class RecordingConsumer:
-    def __init__(self) -> None:
-        self.requests: list[ExportTraceServiceRequest] = []
-        self._lock = threading.Lock()
-
-    def consume_traces(self, request: ExportTraceServiceRequest) -> None:
-        with self._lock:
-            self.requests.append(request)
-
-    def span_names(self) -> list[str]:
-        return [
-            span.name
-            for request in self.requests
-            for resource_spans in request.resource_spans
-            for scope_spans in resource_spans.scope_spans
-            for span in scope_spans.spans
-        ]
-
-
-@pytest.fixture
-def consumer() -> RecordingConsumer:
-    return RecordingConsumer()
 
 
 @pytest.fixture

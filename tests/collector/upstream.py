@@ -36,7 +36,7 @@ from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from tokentrace.agent.otlp_export import OtlpExporterConfig, RetryConfig
+from tokentrace.agent.otlp_config import OtlpExporterConfig, RetryConfig
 
 _TRACES_PATH = "/v1/traces"
 _METRICS_PATH = "/v1/metrics"

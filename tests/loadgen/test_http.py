@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from tokentrace.loadgen import http as http_module
+from tokentrace.loadgen import http_response
 from tokentrace.loadgen.http import HttpClient, HttpError, Response, parse_base_url
 
 _T = TypeVar("_T")
@@ -519,8 +519,8 @@ def test_oversize_header_block() -> None:
 
 
 def test_oversize_event_and_body(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(http_module, "_MAX_EVENT_BYTES", 1024)
-    monkeypatch.setattr(http_module, "_MAX_BODY_BYTES", 4096)
+    monkeypatch.setattr(http_response, "_MAX_EVENT_BYTES", 1024)
+    monkeypatch.setattr(http_response, "_MAX_BODY_BYTES", 4096)
     big_event = b"data: " + b"e" * 3000 + b"\n\n"
     responses = [
         _framed(big_event, "chunked"),  # one event over its limit

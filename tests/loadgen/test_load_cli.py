@@ -293,12 +293,6 @@ def served(_served: Served) -> Served:
     return _served
 
 
-@pytest.fixture
-def upstream() -> Iterator[UpstreamOtlp]:
-    with UpstreamOtlp() as receiver:
-        yield receiver
-
-
 @pytest.fixture(autouse=True)
 def _no_otel_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without --otlp-endpoint nothing may be exported to wherever the environment points."""

@@ -37,7 +37,7 @@ from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
-from tokentrace.collector.store.sqlite import RequestStore
+from tokentrace.collector.store import RequestStore
 from tokentrace.collector.window import records_of_traces
 from tokentrace.loadgen.local_vllm import VllmServer, running_vllm_server
 from tokentrace.loadgen.record import RunRecord, load
@@ -75,12 +75,11 @@ class Loop:
         return f"http://127.0.0.1:{self.collector.grpc_port}"
 
 
+# Own server: a batch of 2, no prefix caching, a blocking middleware, under `tokentrace run`.
 @pytest.fixture(scope="module")
-def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop]:
-    from tokentrace.loadgen.tiny_model import build_tiny_model
-
+def loop(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop]:
     workdir = tmp_path_factory.mktemp("load-loop")
-    model_dir = build_tiny_model(workdir / "model", max_positions=_MAX_MODEL_LEN)
+    model_dir = tiny_model_dir  # 2048 positions: the long prompts fit
     slo_path = workdir / "slo.yaml"
     slo_path.write_text(_SLO_FILE, encoding="utf-8")
     store_path = workdir / "store.db"

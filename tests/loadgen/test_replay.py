@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import http.server
 import itertools
 import socket
 import statistics
-import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
-from concurrent import futures
 from typing import Any
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
@@ -26,19 +21,15 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tests.collector.upstream import UpstreamOtlp
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import build_parser
-from tokentrace.agent.spans import encode_recordings
-from tokentrace.loadgen.replay import (
-    SCENARIOS,
-    Scenario,
-    SimulatedRequest,
-    emit_sdk,
-    simulate,
-    span_count,
-    to_otlp_requests,
-)
-from tokentrace.loadgen.replay_cli import ReplayCommand
+from tokentrace.agent.span_encoding import encode_finished_requests
+from tokentrace.loadgen.replay.cli import ReplayCommand
+from tokentrace.loadgen.replay.emit import emit_sdk, span_count, to_otlp_requests
+from tokentrace.loadgen.replay.request import SimulatedRequest
+from tokentrace.loadgen.replay.scenarios import SCENARIOS, Scenario
+from tokentrace.loadgen.replay.simulation import simulate
 
 T0 = 1_700_000_000_000_000_000
 MS = 1_000_000
@@ -412,10 +403,10 @@ def test_request_and_phase_spans_carry_the_simulated_timings(
 
 
 def test_server_side_spans_are_the_agents_own_layout(everything: list[SimulatedRequest]) -> None:
-    """Replay's request subtree is exactly what the agent encodes from the same recording."""
+    """Replay's request subtree is exactly what the agent encodes from the same finished request."""
     replayed = by_trace(to_otlp_requests(everything, max_token_offsets=64))
-    payload, count = encode_recordings(
-        [request.recording() for request in everything],
+    payload, count = encode_finished_requests(
+        [request.finished_request() for request in everything],
         resource_attributes={semconv.SERVICE_NAME: "agent"},
         scope_name="agent",
         max_token_offsets=64,
@@ -442,7 +433,7 @@ def test_server_side_spans_are_the_agents_own_layout(everything: list[SimulatedR
         (http,) = (span for span in spans if span.kind == Span.SPAN_KIND_SERVER)
         subtree = [span for span in spans if span.kind == Span.SPAN_KIND_INTERNAL]
         assert request_of(subtree).parent_span_id == http.span_id
-        assert request.recording().parent_span_id == http.span_id
+        assert request.finished_request().parent_span_id == http.span_id
         assert shape(subtree) == shape(agent[request.trace_id])
 
 
@@ -635,49 +626,6 @@ def test_vllm_dialect_is_one_span_per_request_with_consistent_latencies(
 # --- the command ----------------------------------------------------------------------------------
 
 
-class _GrpcReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self) -> None:
-        self.requests: list[ExportTraceServiceRequest] = []
-
-    def Export(self, request: Any, context: Any) -> Any:
-        self.requests.append(request)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
-@pytest.fixture
-def grpc_receiver() -> Iterator[tuple[str, _GrpcReceiver]]:
-    receiver = _GrpcReceiver()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"http://127.0.0.1:{port}", receiver
-    server.stop(grace=None)
-
-
-def _http_receiver(status: int) -> tuple[http.server.ThreadingHTTPServer, list[bytes], list[str]]:
-    bodies: list[bytes] = []
-    paths: list[str] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            paths.append(self.path)
-            bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
-            body = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, bodies, paths
-
-
 def _run(*argv: str) -> int:
     command = ReplayCommand()
     args: argparse.Namespace = build_parser({"replay": command}).parse_args(["replay", *argv])
@@ -685,13 +633,13 @@ def _run(*argv: str) -> int:
 
 
 def test_replay_command_sends_every_span_over_grpc(
-    grpc_receiver: tuple[str, _GrpcReceiver], capsys: pytest.CaptureFixture[str]
+    upstream: UpstreamOtlp, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    endpoint, receiver = grpc_receiver
+    endpoint = upstream.grpc_endpoint
     code = _run("--endpoint", endpoint, "--scenario", "steady", "--requests", "25", "--seed", "9")
     out, err = capsys.readouterr()
     expected = simulate("steady", requests=25, seed=9, start_unix_ns=T0)
-    spans = list(otlp_spans(receiver.requests))
+    spans = list(otlp_spans(upstream.trace_requests))
     assert code == 0, err
     assert len(spans) == sum(span_count(r) for r in expected)
     services = {service for service, _, _ in spans}
@@ -705,20 +653,16 @@ def test_replay_command_sends_every_span_over_grpc(
 
 
 def test_replay_command_over_http_protobuf_in_vllm_dialect(
-    capsys: pytest.CaptureFixture[str],
+    upstream: UpstreamOtlp, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    server, bodies, paths = _http_receiver(200)
-    try:
-        code = _run(
-            "--endpoint", f"http://127.0.0.1:{server.server_port}", "--protocol", "http/protobuf",
-            "--requests", "12", "--seed", "1", "--dialect", "vllm", "--quiet",
-        )  # fmt: skip
-    finally:
-        server.shutdown()
+    code = _run(
+        "--endpoint", upstream.http_endpoint, "--protocol", "http/protobuf",
+        "--requests", "12", "--seed", "1", "--dialect", "vllm", "--quiet",
+    )  # fmt: skip
     _, err = capsys.readouterr()
     assert code == 0, err
-    assert set(paths) == {"/v1/traces"}
-    spans = list(otlp_spans([ExportTraceServiceRequest.FromString(b) for b in bodies]))
+    assert {(call.transport, call.signal) for call in upstream.calls} == {("http", "traces")}
+    spans = list(otlp_spans(upstream.trace_requests))
     assert [span.name for _, _, span in spans] == [semconv.VLLM_SPAN_REQUEST] * 12
     assert err == ""  # --quiet: no progress lines
 
@@ -737,15 +681,13 @@ def test_unreachable_endpoint_is_a_clear_error(capsys: pytest.CaptureFixture[str
     assert "Traceback" not in out + err
 
 
-def test_rejected_export_is_reported_as_a_failure(capsys: pytest.CaptureFixture[str]) -> None:
-    server, _, _ = _http_receiver(400)
-    try:
-        code = _run(
-            "--endpoint", f"http://127.0.0.1:{server.server_port}", "--protocol", "http/protobuf",
-            "--requests", "5",
-        )  # fmt: skip
-    finally:
-        server.shutdown()
+def test_rejected_export_is_reported_as_a_failure(
+    upstream: UpstreamOtlp, capsys: pytest.CaptureFixture[str]
+) -> None:
+    upstream.fail_next(1_000_000, http_status=400)  # every call
+    code = _run(
+        "--endpoint", upstream.http_endpoint, "--protocol", "http/protobuf", "--requests", "5",
+    )  # fmt: skip
     out, err = capsys.readouterr()
     assert code == 1
     assert "failed" in err and "spans not accepted" in err
@@ -754,7 +696,7 @@ def test_rejected_export_is_reported_as_a_failure(capsys: pytest.CaptureFixture[
 
 
 def test_endpoint_defaults_follow_the_otlp_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tokentrace.loadgen.replay_cli import ReplayError, resolve_target
+    from tokentrace.loadgen.replay.cli import ReplayError, resolve_target
 
     for name in (
         "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -781,7 +723,7 @@ def test_replay_is_registered_as_a_tokentrace_command() -> None:
     from pathlib import Path
 
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-    assert 'replay = "tokentrace.loadgen.replay_cli:ReplayCommand"' in pyproject.read_text()
+    assert 'replay = "tokentrace.loadgen.replay.cli:ReplayCommand"' in pyproject.read_text()
 
 
 def test_command_module_imports_only_the_standard_library() -> None:
@@ -790,7 +732,7 @@ def test_command_module_imports_only_the_standard_library() -> None:
 
     code = (
         "import sys\n"
-        "from tokentrace.loadgen.replay_cli import ReplayCommand\n"
+        "from tokentrace.loadgen.replay.cli import ReplayCommand\n"
         "import argparse\n"
         "ReplayCommand().add_arguments(argparse.ArgumentParser())\n"
         "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry', 'grpc', "

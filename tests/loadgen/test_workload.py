@@ -14,21 +14,21 @@ from pathlib import Path
 import pytest
 
 from tokentrace.agent import semconv
-from tokentrace.loadgen import workload
+from tokentrace.loadgen import prompts
+from tokentrace.loadgen.lengths import LengthDistribution, WorkloadError, parse_length
+from tokentrace.loadgen.prompts import (
+    PROMPT_WORDS,
+    TokenizerPromptBuilder,
+    WordPromptBuilder,
+    read_dataset,
+)
 from tokentrace.loadgen.workload import (
     API_CHAT,
     API_COMPLETIONS,
-    PROMPT_WORDS,
-    LengthDistribution,
     LoadConfig,
     RequestPlan,
     RequestPlanner,
-    TokenizerPromptBuilder,
-    WordPromptBuilder,
-    WorkloadError,
     arrival_offsets_s,
-    parse_length,
-    read_dataset,
 )
 
 _BASE_URL = "http://127.0.0.1:8000"
@@ -624,7 +624,7 @@ def test_read_dataset_rejects_unreadable_empty_and_non_utf8_files(tmp_path: Path
 def test_read_dataset_refuses_more_than_the_cap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(workload, "MAX_DATASET_ENTRIES", 3)
+    monkeypatch.setattr(prompts, "MAX_DATASET_ENTRIES", 3)
     path = _write_lines(tmp_path / "d.jsonl", ['{"prompt": "p"}'] * 3)
     assert len(read_dataset(path)) == 3
     longer = _write_lines(tmp_path / "e.jsonl", ['{"prompt": "p"}'] * 4)
@@ -697,8 +697,8 @@ def test_dataset_seeds_give_different_orders(tmp_path: Path) -> None:
 
 
 def test_completions_with_dataset_prompts_and_refusal_of_messages(tmp_path: Path) -> None:
-    prompts = _write_lines(tmp_path / "p.jsonl", [json.dumps({"prompt": "just text"})])
-    plan = RequestPlanner(_config(dataset=prompts, api=API_COMPLETIONS), model=_MODEL).plan(0)
+    prompt_only = _write_lines(tmp_path / "p.jsonl", [json.dumps({"prompt": "just text"})])
+    plan = RequestPlanner(_config(dataset=prompt_only, api=API_COMPLETIONS), model=_MODEL).plan(0)
     assert _body(plan)["prompt"] == "just text"
 
     mixed = _dataset(tmp_path, 3)
@@ -782,6 +782,7 @@ def test_tokenizer_prompt_builder_gives_exact_lengths_through_transformers(
     assert "transformers" in sys.modules
 
 
+@pytest.mark.slow  # imports transformers: ~10 s
 def test_tokenizer_prompt_builder_explains_what_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

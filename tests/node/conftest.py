@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.collector.upstream import UpstreamOtlp
 from tests.node.nvml_stand_in import NvmlStandIn, build_stand_in, load_for_pynvml
 
 _DEFAULT_TEST_DEVICE_COUNT = 2
@@ -41,10 +40,3 @@ def nvml(nvml_stand_in_lib: NvmlStandIn) -> Iterator[NvmlStandIn]:
     nvml_stand_in_lib.reset(_DEFAULT_TEST_DEVICE_COUNT)
     yield nvml_stand_in_lib
     nvml_stand_in_lib.reset(_DEFAULT_TEST_DEVICE_COUNT)
-
-
-@pytest.fixture
-def upstream() -> Iterator[UpstreamOtlp]:
-    """A real OTLP receiver (traces and metrics, gRPC and HTTP) behind the node agent."""
-    with UpstreamOtlp() as receiver:
-        yield receiver

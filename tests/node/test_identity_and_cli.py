@@ -18,7 +18,8 @@ from tests.node.test_node_agent import _attributes, _request, _span, relayed
 from tokentrace.agent import semconv
 from tokentrace.agent.config import load_agent_config
 from tokentrace.agent.identity import kubernetes_resource, visible_gpu_uuids
-from tokentrace.agent.otlp_export import OtlpExporterConfig, OtlpSender
+from tokentrace.agent.otlp_config import OtlpExporterConfig
+from tokentrace.agent.otlp_export import OtlpSender
 
 UUID_A = "GPU-0c0ffee0-0000-0000-0000-00000000000a"
 UUID_B = "GPU-0c0ffee0-0000-0000-0000-00000000000b"

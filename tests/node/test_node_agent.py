@@ -25,9 +25,9 @@ from tokentrace.agent.config import load_agent_config
 from tokentrace.agent.node.enrich import ENRICHED_SPANS
 from tokentrace.agent.node.sampler import GpuSample, NvmlSampler
 from tokentrace.agent.node.service import NodeAgent, NodeAgentConfig
-from tokentrace.agent.otlp_export import OtlpExporterConfig
+from tokentrace.agent.otlp_config import OtlpExporterConfig
 from tokentrace.agent.runtime import AgentRuntime
-from tokentrace.agent.spans import random_trace_id
+from tokentrace.agent.span_ids import random_trace_id
 from tokentrace.collector.consumer import Overloaded
 
 

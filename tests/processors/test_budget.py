@@ -37,7 +37,7 @@ def typical(**overrides: object) -> RequestTimeline:
     """server 0..100 ms: arrival 2, first scheduled 10, first token 40, last token 97, end 99."""
     fields: dict[str, object] = {
         "server_start": T0,
-        "arrival": T0 + 2 * MS,
+        "engine_arrival": T0 + 2 * MS,
         "first_scheduled": T0 + 10 * MS,
         "first_token": T0 + 40 * MS,
         "last_token": T0 + 97 * MS,
@@ -391,7 +391,7 @@ def arbitrary_timelines(draw: st.DrawFn) -> RequestTimeline:
     client_start = draw(st.one_of(st.none(), st.just(client_base)))
     return make_timeline(
         server_start=draw(maybe_time),
-        arrival=draw(maybe_time),
+        engine_arrival=draw(maybe_time),
         ready=draw(maybe_time),
         first_scheduled=draw(maybe_time),
         first_token=draw(maybe_time),
@@ -432,7 +432,7 @@ def ordered_timelines(draw: st.DrawFn) -> tuple[RequestTimeline, list[int]]:
         points.append(points[-1] + gap)
     timeline = make_timeline(
         server_start=points[0],
-        arrival=points[1],
+        engine_arrival=points[1],
         first_scheduled=points[2],
         first_token=points[3],
         last_token=points[4],

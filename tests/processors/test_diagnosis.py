@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tests.spanbuild import KIND_SERVER, T0, AttrValue, ref, sid, span, trace
 from tokentrace.agent import semconv
 from tokentrace.processors.budget import compute_budget, compute_metrics
-from tokentrace.processors.diagnosis import (
+from tokentrace.processors.causes import (
     ADVICE,
     CAUSE_BANDWIDTH_BOUND_DECODE,
     CAUSE_BATCHING_INTERFERENCE,
@@ -35,11 +35,8 @@ from tokentrace.processors.diagnosis import (
     CAUSE_UNATTRIBUTED,
     CAUSES,
     NETWORK_NOT_MEASURED,
-    DiagnosisConfig,
-    default_verdict,
-    diagnose_request,
-    format_duration,
 )
+from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.model import (
     Budget,
     DecodeFacts,
@@ -49,6 +46,8 @@ from tokentrace.processors.model import (
     RequestTimeline,
 )
 from tokentrace.processors.timeline import DIALECT_GENAI_CLIENT, DIALECT_VLLM, normalize
+from tokentrace.processors.verdict import default_verdict, diagnose_request
+from tokentrace.processors.wording import format_duration
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -107,7 +106,7 @@ def make_record(
         timeline.client_start, timeline.client_end = arrival, arrival + e2e
         budget.ttft_segments = ttft_segments
     else:
-        timeline.arrival, timeline.end = arrival, arrival + e2e - client_side
+        timeline.engine_arrival, timeline.end = arrival, arrival + e2e - client_side
         budget.server_e2e_ns = e2e - client_side
         server_ttft = {
             k: v for k, v in ttft_segments.items() if k not in semconv.CLIENT_SIDE_SEGMENTS
@@ -460,13 +459,13 @@ def test_decode_dominated_e2e_is_interference_when_it_is_a_large_part(
     assert verdict.segment == semconv.SEGMENT_DECODE
 
 
-def test_itl_spike_ratio_boundary() -> None:
+def test_itl_tail_spike_ratio_boundary() -> None:
     gaps = [10 * MS] * 98 + [30 * MS] * 2  # p99 / p50 = 3.0 exactly
     spiky = _decode_record(itl=gaps, outlier_steps_with_prefill=None)
-    assert diagnose_request(spiky, DiagnosisConfig(itl_spike_ratio=3.0)).cause == (
+    assert diagnose_request(spiky, DiagnosisConfig(itl_tail_spike_ratio=3.0)).cause == (
         CAUSE_BATCHING_INTERFERENCE
     )
-    assert diagnose_request(spiky, DiagnosisConfig(itl_spike_ratio=3.1)).cause == (
+    assert diagnose_request(spiky, DiagnosisConfig(itl_tail_spike_ratio=3.1)).cause == (
         CAUSE_LONG_DECODE
     )
 
@@ -693,7 +692,7 @@ def test_vllm_span_without_ttft_is_not_called_client_only() -> None:
 
 def test_server_span_without_phases_in_another_dialect() -> None:
     record = make_record({semconv.SEGMENT_UNATTRIBUTED: 500 * MS}, ttft_ns=None)
-    record.timeline.arrival = None
+    record.timeline.engine_arrival = None
     record.timeline.server_start = 1_700_000_000 * S
     record.timeline.server_end = record.timeline.server_start + 500 * MS
     verdict = diagnose_request(record)
@@ -804,7 +803,8 @@ def test_any_record_gets_one_line_verdict_on_the_largest_segment(
         {"tail_percentile": 0.0},
         {"tail_percentile": 101.0},
         {"preemption_share": 0.0},
-        {"itl_spike_ratio": -1.0},
+        {"itl_outlier_ratio": -1.0},
+        {"itl_tail_spike_ratio": 0.0},
         {"tie_ratio": 0.0},
         {"tie_ratio": 1.5},
     ],

@@ -1,11 +1,16 @@
-"""SLO targets: validation, per-request marks, window status and configuration parsing."""
+"""SLO targets: validation, per-request marks, window status, configuration parsing and the
+store's copy."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokentrace.agent import semconv
 from tokentrace.processors import slo as slo_module
@@ -19,6 +24,8 @@ from tokentrace.processors.slo import (
     mark_request,
     parse_targets,
     request_value,
+    targets_from_json,
+    targets_to_json,
 )
 
 MS = 1_000_000
@@ -329,3 +336,75 @@ def test_parse_targets_errors_name_index_and_field(raw: object, message: str) ->
 def test_parse_targets_accepts_nothing() -> None:
     assert parse_targets(None) == []
     assert parse_targets([]) == []
+
+
+# --- the store's copy ----------------------------------------------------------------------------
+# Exactly what the collector's store sink wrote before targets_to_json moved here: stores written
+# by that collector must keep loading.
+_STORED_BY_AN_EARLIER_COLLECTOR = (
+    '[{"name": "chat-ttft", "metric": "ttft", "percentile": 95.0, "threshold": "500000000ns", '
+    '"selector": {"operation": "chat", "model": "llama-*"}}, '
+    '{"name": "itl-p99", "metric": "itl", "percentile": 99.9, "threshold": "25000000ns", '
+    '"selector": {}}]'
+)
+
+
+def test_targets_stored_by_an_earlier_collector_still_load() -> None:
+    targets, problems = targets_from_json(_STORED_BY_AN_EARLIER_COLLECTOR)
+    assert problems == []
+    assert targets == [
+        target(name="chat-ttft", selector={"operation": "chat", "model": "llama-*"}),
+        target(name="itl-p99", metric=semconv.METRIC_ITL, percentile=99.9, threshold_ns=25 * MS),
+    ]
+    assert targets_to_json(targets) == _STORED_BY_AN_EARLIER_COLLECTOR
+
+
+_NAMES = st.text(min_size=1, max_size=12).filter(str.strip)
+_TARGETS = st.builds(
+    SloTarget,
+    name=_NAMES,
+    metric=st.sampled_from(semconv.LATENCY_METRICS),
+    percentile=st.one_of(
+        st.integers(min_value=1, max_value=99),
+        st.floats(min_value=0.001, max_value=99.999, allow_nan=False),
+    ),
+    threshold_ns=st.integers(min_value=1, max_value=10**15),
+    selector=st.dictionaries(
+        st.sampled_from(SELECTOR_KEYS), st.text(max_size=8) | st.just("llama-*"), max_size=4
+    ),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_TARGETS, max_size=5))
+def test_stored_targets_read_back_as_written(targets: list[SloTarget]) -> None:
+    assert targets_from_json(targets_to_json(targets)) == (targets, [])
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("{not json", r"^the store's SLO targets are not JSON .*none are evaluated$"),
+        ('{"name": "x"}', r"^the store's SLO targets are a dict, not a list$"),
+    ],
+)
+def test_unreadable_stored_targets_give_one_problem(text: str, problem: str) -> None:
+    targets, problems = targets_from_json(text)
+    assert targets == []
+    assert len(problems) == 1 and re.match(problem, problems[0])
+
+
+def test_a_bad_stored_target_is_named_and_the_others_kept() -> None:
+    good = {"name": "a", "metric": "ttft", "percentile": 95, "threshold": "1s"}
+    targets, problems = targets_from_json(
+        json.dumps([7, {**good, "metric": "nope"}, good, {"name": "b"}])
+    )
+    assert [t.name for t in targets] == ["a"]
+    assert problems == [
+        "the store's SLO targets[0]: expected a mapping, got int",
+        "the store's SLO targets[1].metric: unknown metric 'nope' "
+        f"(one of {', '.join(semconv.LATENCY_METRICS)})",
+        "the store's SLO targets[3].metric: missing",
+    ]
+    assert targets_from_json(None) == ([], [])
+    assert targets_from_json("") == ([], [])

@@ -67,7 +67,7 @@ def test_full_request_boundaries_follow_the_phase_spans() -> None:
     assert (timeline.model, timeline.operation) == ("test-model", "text_completion")
     assert timeline.server_start == T0
     assert timeline.server_end == end + 3 * MS
-    assert timeline.arrival == arrival
+    assert timeline.engine_arrival == arrival
     assert timeline.first_scheduled == first_scheduled
     assert timeline.first_token == first_token
     assert timeline.last_token == last_token
@@ -91,7 +91,7 @@ def test_full_request_boundaries_follow_the_phase_spans() -> None:
 def test_without_a_server_span_the_request_span_is_the_server_view() -> None:
     spans = request_spans(http_ns=None)
     timeline = only(normalize(trace(*spans)))
-    assert timeline.server_start == timeline.arrival == spans[0].start_time_unix_nano
+    assert timeline.server_start == timeline.engine_arrival == spans[0].start_time_unix_nano
     assert timeline.server_end == timeline.end == spans[0].end_time_unix_nano
 
 
@@ -102,7 +102,7 @@ def test_engine_arrival_is_the_queue_span_start_after_the_hand_off() -> None:
     assert queue.name == semconv.SPAN_QUEUE
     queue.start_time_unix_nano += 3 * MS
     timeline = only(normalize(trace(*spans)))
-    assert timeline.arrival == request.start_time_unix_nano + 3 * MS
+    assert timeline.engine_arrival == request.start_time_unix_nano + 3 * MS
     assert timeline.first_scheduled == queue.end_time_unix_nano
     # No HTTP server span: the server view is the request span, from its own start.
     assert timeline.server_start == request.start_time_unix_nano
@@ -116,7 +116,7 @@ def test_with_a_server_span_engine_arrival_is_still_the_queue_start() -> None:
     queue.start_time_unix_nano += MS
     timeline = only(normalize(trace(*spans)))
     assert timeline.server_start == http.start_time_unix_nano == T0
-    assert timeline.arrival == T0 + 3 * MS
+    assert timeline.engine_arrival == T0 + 3 * MS
 
 
 def test_model_falls_back_to_response_model_then_unknown() -> None:
@@ -396,7 +396,7 @@ def test_vllm_span_boundaries_are_reconstructed_from_latencies() -> None:
     assert timeline.server_start == T0
     assert timeline.first_token == T0 + 250 * MS
     assert timeline.first_scheduled == T0 + 100 * MS  # first token - prefill
-    assert timeline.arrival == T0 + 50 * MS  # first scheduled - queue
+    assert timeline.engine_arrival == T0 + 50 * MS  # first scheduled - queue
     assert timeline.last_token == T0 + 950 * MS  # first token + decode
     assert timeline.end == timeline.server_end == T0 + 1000 * MS
     assert (timeline.input_tokens, timeline.output_tokens) == (64, 32)
@@ -408,7 +408,7 @@ def test_vllm_reconstruction_is_clamped_into_the_span() -> None:
     timeline = only(normalize(trace(item)))
     assert timeline.first_token == T0 + 1000 * MS
     assert timeline.first_scheduled == T0 + 850 * MS
-    assert timeline.arrival == T0
+    assert timeline.engine_arrival == T0
     assert timeline.last_token == T0 + 1000 * MS
 
 
@@ -416,7 +416,7 @@ def test_vllm_internal_span_takes_server_view_from_its_server_parent() -> None:
     parent = span("POST", T0 - 5 * MS, T0 + 1002 * MS, span_id=sid(8), kind=KIND_SERVER)
     timeline = only(normalize(trace(parent, vllm_span(kind=KIND_INTERNAL))))
     assert (timeline.server_start, timeline.server_end) == (T0 - 5 * MS, T0 + 1002 * MS)
-    assert timeline.arrival == T0 + 50 * MS
+    assert timeline.engine_arrival == T0 + 50 * MS
 
 
 def test_vllm_model_and_operation_when_present_and_malformed_latencies_skipped() -> None:
@@ -498,7 +498,7 @@ def test_genai_client_span_alone_is_a_client_only_timeline() -> None:
     assert (timeline.input_tokens, timeline.output_tokens) == (11, 22)
     assert timeline.request_id == "chatcmpl-1"
     assert timeline.finish_reason == "stop"
-    assert timeline.server_start is None and timeline.arrival is None
+    assert timeline.server_start is None and timeline.engine_arrival is None
 
 
 def test_nested_genai_client_spans_count_once_innermost() -> None:
@@ -611,7 +611,7 @@ def test_parent_cycle_terminates() -> None:
 def test_request_span_with_zero_timestamps_does_not_raise() -> None:
     request = span(semconv.SPAN_REQUEST, 0, 0, span_id=sid(1))
     timeline = only(normalize(trace(request)))
-    assert timeline.arrival is None and timeline.server_start is None
+    assert timeline.engine_arrival is None and timeline.server_start is None
 
 
 def test_a_request_that_fails_to_read_is_left_out_alone(monkeypatch: pytest.MonkeyPatch) -> None:

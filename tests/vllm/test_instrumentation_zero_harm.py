@@ -22,19 +22,19 @@ import httpx
 import pytest
 
 from tests.collector.upstream import UpstreamOtlp
-from tests.vllm.conftest import require_vllm
-from tests.vllm.test_instrumentation import (
+from tests.vllm.conftest import require_vllm, traced_server_env
+from tests.vllm.openai_api import (
+    REQUEST_TIMEOUT_S,
     endpoint,
     new_traceparent,
     request_body,
-    traced_server_env,
     usage_of,
 )
 from tests.vllm.traces import exported_spans, request_trees
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks.asgi import HOOK_HTTP_SERVER
-from tokentrace.agent.frameworks.vllm import HOOK_OUTPUTS
 from tokentrace.agent.frameworks.vllm_engine import HOOK_STEP_DONE
+from tokentrace.agent.frameworks.vllm_requests import HOOK_OUTPUTS
 from tokentrace.loadgen.local_vllm import VllmServer, running_vllm_server
 
 require_vllm()
@@ -47,11 +47,11 @@ _ENGINE_AND_HTTP_HOOKS = (
     ("EngineStepTracer.on_step_done", "HttpServerTracer.begin"),
     (HOOK_STEP_DONE, HOOK_HTTP_SERVER),
 )
-_REQUEST_TIMEOUT_S = 60.0
 _EXPORT_SETTLE_S = 1.5
 """Several emitter intervals: long enough for any span that would be sent to arrive."""
 
 
+# Own servers: fault injection from process start (a failed frontend hook ends all tracing).
 @pytest.fixture(
     scope="module", params=[_FRONTEND_HOOK, _ENGINE_AND_HTTP_HOOKS], ids=["frontend", "engine+http"]
 )
@@ -95,7 +95,7 @@ def test_server_keeps_serving_when_a_hook_raises(
         return usage_of(response.text, stream=stream)["completion_tokens"]
 
     async def load() -> list[int]:
-        async with httpx.AsyncClient(timeout=_REQUEST_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
             sequential = [
                 await one(client, chat=chat, stream=stream)
                 for chat in (False, True)
@@ -108,7 +108,7 @@ def test_server_keeps_serving_when_a_hook_raises(
 
     assert asyncio.run(load()) == [max_tokens] * (4 + concurrency)
     assert server.process.poll() is None
-    with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         assert client.get(f"{server.base_url}/health").status_code == 200
 
     log = server.log_path.read_text(encoding="utf-8", errors="replace")

@@ -1,7 +1,8 @@
 """tokentrace's TTFT and ITL distributions against vLLM's own ``/metrics`` histograms, same load.
 
-One server for the module, started with the tokentrace plugin exporting to a test-owned OTLP
-receiver. The test snapshots ``vllm:time_to_first_token_seconds`` and
+On the session's shared server (``tests/vllm/conftest.py``: the tokentrace plugin exporting to a
+test-owned OTLP receiver, fine ``--custom-histogram-buckets``). The test waits until the server
+is idle, snapshots ``vllm:time_to_first_token_seconds`` and
 ``vllm:inter_token_latency_seconds`` before and after a concurrent streaming load, derives every
 request's TTFT and inter-token gaps the way the collector does (``normalize`` ->
 ``compute_budget`` -> ``compute_metrics``), buckets them with vLLM's own bucket bounds and compares
@@ -30,24 +31,24 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import json
 import math
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import httpx
 import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tests.collector.upstream import UpstreamOtlp
-from tests.vllm.conftest import require_vllm
+from tests.vllm.conftest import TracedServer, require_vllm, wait_until_idle
+from tests.vllm.openai_api import REQUEST_TIMEOUT_S, request_body
 from tests.vllm.prometheus import Histogram, parse_histogram
+from tests.vllm.traces import exported_spans
 from tokentrace.agent import semconv
-from tokentrace.loadgen.local_vllm import VllmServer, running_vllm_server
+from tokentrace.loadgen.local_vllm import VllmServer
 from tokentrace.processors.budget import compute_budget, compute_metrics
 from tokentrace.processors.model import AssembledTrace, RequestMetrics, SpanRef
 from tokentrace.processors.timeline import normalize
@@ -56,12 +57,9 @@ require_vllm()
 
 pytestmark = pytest.mark.slow
 
-SERVICE_NAME = "vllm-metrics-agreement"
 _REQUESTS = 32
 _CONCURRENCY = 16
 _OUTPUT_TOKENS = 32
-_PROMPT = "def fibonacci(n):\n    return"
-_REQUEST_TIMEOUT_S = 60.0
 _SETTLE_TIMEOUT_S = 20.0
 _METRICS_POLL_S = 0.1
 _NS_PER_S = 1_000_000_000
@@ -88,60 +86,9 @@ room for a busier machine and still fails a TTFT that ends at the wrong event (t
 the response end lie 30+ decode steps, 100+ ms, later under this load)."""
 
 
-def _fine_bounds_s(step_ms: float, up_to_ms: float, coarse_s: Sequence[float]) -> list[float]:
-    fine = [round(step_ms * k, 6) / 1e3 for k in range(1, int(up_to_ms / step_ms) + 1)]
-    return [*fine, *(bound for bound in coarse_s if bound > fine[-1])]
-
-
-CUSTOM_BUCKETS = {
-    "inter_token_latency": _fine_bounds_s(0.25, 25.0, (0.05, 0.1, 0.25, 0.5, 1.0, 5.0)),
-    "time_to_first_token": _fine_bounds_s(1.0, 100.0, (0.25, 0.5, 1.0, 5.0, 20.0)),
-}
-"""vLLM's defaults are too coarse to tell anything apart on this machine (their first ITL bound,
-10 ms, holds ~99% of the gaps; TTFT bounds are 10-20 ms apart), so the server is started with
-``--custom-histogram-buckets``: 0.25 ms ITL and 1 ms TTFT steps over the range the load covers.
-The comparison still reads the bounds back from ``/metrics``."""
-
-
-@dataclass(frozen=True)
-class MetricsServer:
-    server: VllmServer
-    upstream: UpstreamOtlp
-
-
-@pytest.fixture(scope="module")
-def metrics_server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[MetricsServer]:
-    log_path = tmp_path_factory.mktemp("vllm-metrics") / "server.log"
-    with UpstreamOtlp() as upstream:
-        env = {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": upstream.grpc_endpoint,
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-            "OTEL_SERVICE_NAME": SERVICE_NAME,
-            "VLLM_PLUGINS": "tokentrace",
-            # The installed distribution's metadata, not a stale egg-info in the working directory.
-            "PYTHONSAFEPATH": "1",
-        }
-        with running_vllm_server(
-            tiny_model_dir,
-            log_path=log_path,
-            env=env,
-            extra_args=["--custom-histogram-buckets", json.dumps(CUSTOM_BUCKETS)],
-        ) as server:
-            yield MetricsServer(server, upstream)
-
-
 # --- load ---------------------------------------------------------------------------------------
 async def _stream_one(client: httpx.AsyncClient, server: VllmServer, marker: str) -> None:
-    body = {
-        "model": server.model_name,
-        "prompt": _PROMPT,
-        "max_tokens": _OUTPUT_TOKENS,
-        "temperature": 0.0,
-        "ignore_eos": True,  # exact token counts from a random model
-        "stream": True,
-    }
+    body = request_body(server, chat=False, stream=True, max_tokens=_OUTPUT_TOKENS)
     async with client.stream(
         "POST", f"{server.base_url}/v1/completions", json=body, headers={"X-Request-Id": marker}
     ) as response:
@@ -157,7 +104,7 @@ def run_load(server: VllmServer) -> list[str]:
     async def send_all() -> None:
         gate = asyncio.Semaphore(_CONCURRENCY)
         limits = httpx.Limits(max_connections=_CONCURRENCY)
-        async with httpx.AsyncClient(timeout=_REQUEST_TIMEOUT_S, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
 
             async def one(marker: str) -> None:
                 async with gate:
@@ -227,6 +174,13 @@ def derived_metrics(upstream: UpstreamOtlp, markers: Sequence[str]) -> dict[str,
     from vLLM's arrival), waiting until every request's trace has arrived."""
 
     def assemble() -> dict[str, RequestMetrics]:
+        # The traces of this test's requests: the shared receiver holds other tests' too.
+        ours = {
+            span.trace_id
+            for _, span in exported_spans(upstream)
+            if (request_id := _request_id(span)) is not None
+            and any(marker in request_id for marker in markers)
+        }
         traces: dict[bytes, list[SpanRef]] = defaultdict(list)
         for request in upstream.trace_requests:
             for resource_spans in request.resource_spans:
@@ -240,9 +194,10 @@ def derived_metrics(upstream: UpstreamOtlp, markers: Sequence[str]) -> dict[str,
                 )
                 for scope_spans in resource_spans.scope_spans:
                     for span in scope_spans.spans:
-                        traces[span.trace_id].append(
-                            SpanRef(span, resource_spans.resource, scope_spans.scope, service)
-                        )
+                        if span.trace_id in ours:
+                            traces[span.trace_id].append(
+                                SpanRef(span, resource_spans.resource, scope_spans.scope, service)
+                            )
         found: dict[str, RequestMetrics] = {}
         for trace_id, spans in traces.items():
             # llm.request starts at vLLM's arrival_time, inside the HTTP server span.
@@ -252,17 +207,19 @@ def derived_metrics(upstream: UpstreamOtlp, markers: Sequence[str]) -> dict[str,
                 if (request_id := _request_id(ref.span)) is not None
             }
             for timeline in normalize(AssembledTrace(trace_id=trace_id, spans=spans)):
-                marker = next((m for m in markers if any(m in str(r) for r in arrivals)), None)
-                if marker is not None:
-                    metrics = compute_metrics(timeline, compute_budget(timeline))
-                    arrival = arrivals.get(str(timeline.request_id))
-                    if metrics.ttft is not None and arrival is not None:
-                        # From vLLM's arrival_time, as vLLM's TTFT.
-                        assert timeline.server_start is not None
-                        before_arrival = arrival - timeline.server_start
-                        assert before_arrival >= 0
-                        metrics = replace(metrics, ttft=metrics.ttft - before_arrival)
-                    found[marker] = metrics
+                request_id = str(timeline.request_id)
+                marker = next((m for m in markers if m in request_id), None)
+                arrival = arrivals.get(request_id)
+                if marker is None or arrival is None:
+                    continue  # not one of this test's requests as tokentrace traced it
+                metrics = compute_metrics(timeline, compute_budget(timeline))
+                if metrics.ttft is not None:
+                    # From vLLM's arrival_time, as vLLM's TTFT.
+                    assert timeline.server_start is not None
+                    before_arrival = arrival - timeline.server_start
+                    assert before_arrival >= 0
+                    metrics = replace(metrics, ttft=metrics.ttft - before_arrival)
+                found[marker] = metrics
         return found
 
     assert upstream.wait_for(lambda: len(assemble()) == len(markers), _SETTLE_TIMEOUT_S)
@@ -338,13 +295,14 @@ def print_table(
 
 
 def test_ttft_and_itl_distributions_agree_with_vllm_metrics(
-    metrics_server: MetricsServer,
+    traced_server: TracedServer,
 ) -> None:
-    server = metrics_server.server
+    server = traced_server.server
+    wait_until_idle(server)  # /metrics' deltas below are this test's load alone
     before = scrape(server)
     markers = run_load(server)
     after = settled_scrape(server, before, _REQUESTS)
-    metrics = derived_metrics(metrics_server.upstream, markers)
+    metrics = derived_metrics(traced_server.upstream, markers)
 
     assert round(after.e2e.count - before.e2e.count) == _REQUESTS, "load not in /metrics"
     itl_theirs = delta(after.itl, before.itl)

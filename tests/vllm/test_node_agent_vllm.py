@@ -23,8 +23,8 @@ from tests.collector.upstream import UpstreamOtlp
 from tests.node.node_agent_process import start_node_agent
 from tests.node.nvml_stand_in import build_stand_in, library_env
 from tests.spanbuild import attributes_of
-from tests.vllm.conftest import require_vllm
-from tests.vllm.test_instrumentation import request_body, traced_server_env
+from tests.vllm.conftest import require_vllm, traced_server_env
+from tests.vllm.openai_api import request_body
 from tests.vllm.traces import exported_spans
 from tokentrace.agent import semconv
 from tokentrace.loadgen.local_vllm import running_vllm_server
@@ -38,6 +38,7 @@ _STAND_IN_PEAK_BPS = 5120 / 8 * 2619e6 * 2  # the stand-in's default bus width a
 _STAND_IN_DRAM_SHARE = 0.40  # its default GPM DRAM bandwidth utilisation
 
 
+# Own server: its spans go through a node agent (stand-in NVML GPUs) before the receiver.
 @pytest.fixture(scope="module")
 def node_agent_chain(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory

@@ -1,19 +1,22 @@
 """tokentrace on vLLM's offline ``LLM.generate``, and on requests that a tiny KV cache preempts.
 
-Each scenario runs ``LLM.generate`` in a child interpreter (the driver ``offline_generate``
-below): vLLM's CPU backend spawns EngineCore and worker processes, and a fresh interpreter keeps
-vLLM out of the test process. The tokentrace plugin loads through its ``vllm.general_plugins``
-entry point: offline, vLLM loads general plugins in the frontend from ``EngineArgs.__post_init__``
-(before ``LLMEngine`` is built), so nothing is instrumented by hand. Stats logging is turned on
-(``disable_log_stats=False``): without it vLLM sends no QUEUED/SCHEDULED/PREEMPTED events and no
-``RequestStateStats``. The driver writes what vLLM itself returned (token ids, its
-``RequestStateStats``) to a JSON file and flushes the agent before it exits; the test compares
-that with the spans that reached a test-owned OTLP/gRPC receiver.
+Both scenarios run in one child interpreter on one engine (the driver ``offline_generate``
+below), one ``LLM.generate`` call after the other: vLLM's CPU backend spawns EngineCore and worker
+processes, and a fresh interpreter keeps vLLM out of the test process. The tokentrace plugin loads
+through its ``vllm.general_plugins`` entry point: offline, vLLM loads general plugins in the
+frontend from ``EngineArgs.__post_init__`` (before ``LLMEngine`` is built), so nothing is
+instrumented by hand. Stats logging is turned on (``disable_log_stats=False``): without it vLLM
+sends no QUEUED/SCHEDULED/PREEMPTED events and no ``RequestStateStats``. After each call the
+driver writes what vLLM itself returned (token ids, its ``RequestStateStats``) to a JSON file and
+flushes the agent; the test compares that with the spans that reached a test-owned OTLP/gRPC
+receiver.
 
-Preemption: a KV cache of ``_PREEMPTION_KV_BLOCKS`` blocks of ``_PREEMPTION_BLOCK_SIZE`` tokens
-(``num_gpu_blocks_override``; ``VLLM_CPU_KVCACHE_SPACE`` is in GiB, far too coarse) holds one
-block per request at the start, so the eight requests generating ``_PREEMPTION_MAX_TOKENS``
-tokens each outgrow it and vLLM preempts (recomputes) some of them.
+The engine's KV cache is tiny: ``_KV_BLOCKS`` blocks of ``_BLOCK_SIZE`` tokens
+(``num_gpu_blocks_override``; ``VLLM_CPU_KVCACHE_SPACE`` is in GiB, far too coarse), one block per
+request at the start. The offline scenario's requests fit in their one block for good (prompt and
+``_OFFLINE_MAX_TOKENS`` outputs), so the cache only makes one of them wait; the preemption
+scenario's eight requests, generating ``_PREEMPTION_MAX_TOKENS`` tokens each, outgrow it and vLLM
+preempts (recomputes) some of them.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from tests.collector.upstream import UpstreamOtlp
 from tests.spanbuild import attributes_of
-from tests.vllm.conftest import require_vllm
+from tests.vllm.conftest import require_vllm, traced_server_env
 from tests.vllm.traces import RequestTree, assert_consistent_tree, duration_s, request_trees
 from tokentrace.agent import semconv
 from tokentrace.processors.budget import compute_budget
@@ -53,12 +56,11 @@ _SERVED_MODEL_NAME = "tiny-llama-offline"
 _SERVICE_NAME = "vllm-offline-under-test"
 _NUM_PROMPTS = 8
 _OFFLINE_MAX_TOKENS = 16
-_OFFLINE_MAX_MODEL_LEN = 256
-_PREEMPTION_BLOCK_SIZE = 32
+_BLOCK_SIZE = 32
 """Tokens per KV-cache block (the CPU backend's default is 128 and it wants multiples of 32)."""
-_PREEMPTION_KV_BLOCKS = 8
+_KV_BLOCKS = 8
 """One block per request at the start; vLLM keeps one block back (the null block)."""
-_PREEMPTION_MAX_MODEL_LEN = 128
+_MAX_MODEL_LEN = 128
 """vLLM refuses a max_model_len that the (usable) KV cache cannot hold once: 7 x 32 >= 128."""
 _PREEMPTION_MAX_TOKENS = 96
 PROMPTS = tuple(
@@ -67,70 +69,59 @@ PROMPTS = tuple(
 
 
 # --- the driver (runs in the child interpreter) ---------------------------------------------------
-def offline_generate(
-    model_dir: str,
-    result_path: str,
-    *,
-    max_tokens: int,
-    max_model_len: int,
-    block_size: int | None = None,
-    num_gpu_blocks_override: int | None = None,
-) -> None:
-    """``LLM.generate`` for every prompt at once; writes vLLM's own view of each request."""
+def offline_generate(model_dir: str, result_path: str, *, max_tokens: list[int]) -> None:
+    """One engine; ``LLM.generate`` for every prompt at once, once per entry of `max_tokens`;
+    writes vLLM's own view of each request and the agent's stats after each call."""
     from vllm import LLM, SamplingParams
 
     from tokentrace.agent.runtime import get_runtime
 
-    cache_options: dict[str, Any] = {}
-    if block_size is not None:
-        cache_options["block_size"] = block_size
-    if num_gpu_blocks_override is not None:
-        cache_options["num_gpu_blocks_override"] = num_gpu_blocks_override
     llm = LLM(
         model=model_dir,
         served_model_name=_SERVED_MODEL_NAME,
         dtype="bfloat16",
-        max_model_len=max_model_len,
+        max_model_len=_MAX_MODEL_LEN,
         enforce_eager=True,
         disable_log_stats=False,  # vLLM's scheduler events: queue and preemption intervals
-        **cache_options,
+        block_size=_BLOCK_SIZE,
+        num_gpu_blocks_override=_KV_BLOCKS,
     )
     # Nothing here instruments vLLM: only the plugin entry point could have patched it.
     import wrapt
     from vllm.v1.engine.output_processor import OutputProcessor
 
     patched = isinstance(vars(OutputProcessor)["process_outputs"], wrapt.FunctionWrapper)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(list(PROMPTS), params, use_tqdm=False)
-    requests = []
-    for output in outputs:
-        stats = output.metrics
-        requests.append(
-            {
-                "request_id": output.request_id,
-                "prompt_tokens": len(output.prompt_token_ids or ()),
-                "output_tokens": len(output.outputs[0].token_ids),
-                "finish_reason": output.outputs[0].finish_reason,
-                "num_preemptions": getattr(stats, "num_preemptions", None),
-                "queued_ts": getattr(stats, "queued_ts", None),
-                "scheduled_ts": getattr(stats, "scheduled_ts", None),
-                "first_token_ts": getattr(stats, "first_token_ts", None),
-                "last_token_ts": getattr(stats, "last_token_ts", None),
-            }
-        )
     runtime = get_runtime()
-    flushed = runtime is not None and runtime.flush()
-    agent = {} if runtime is None else runtime.stats()
-    Path(result_path).write_text(
-        json.dumps({"requests": requests, "patched": patched, "flushed": flushed, "agent": agent}),
-        encoding="utf-8",
-    )
+    runs = []
+    for tokens in max_tokens:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate(list(PROMPTS), params, use_tqdm=False)
+        requests = []
+        for output in outputs:
+            stats = output.metrics
+            requests.append(
+                {
+                    "request_id": output.request_id,
+                    "prompt_tokens": len(output.prompt_token_ids or ()),
+                    "output_tokens": len(output.outputs[0].token_ids),
+                    "finish_reason": output.outputs[0].finish_reason,
+                    "num_preemptions": getattr(stats, "num_preemptions", None),
+                    "queued_ts": getattr(stats, "queued_ts", None),
+                    "scheduled_ts": getattr(stats, "scheduled_ts", None),
+                    "first_token_ts": getattr(stats, "first_token_ts", None),
+                    "last_token_ts": getattr(stats, "last_token_ts", None),
+                }
+            )
+        flushed = runtime is not None and runtime.flush()
+        agent = {} if runtime is None else runtime.stats()
+        runs.append({"requests": requests, "flushed": flushed, "agent": agent})
+    Path(result_path).write_text(json.dumps({"runs": runs, "patched": patched}), encoding="utf-8")
 
 
 # --- the test side --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class OfflineRun:
-    """What vLLM returned (per request id) and what the receiver got from the same run."""
+    """What vLLM returned (per request id) and what the receiver got for the same requests."""
 
     vllm_requests: dict[str, dict[str, Any]]
     patched_by_plugin: bool
@@ -139,13 +130,10 @@ class OfflineRun:
     log: str
 
 
-def run_offline(tmp_path: Path, model_dir: Path, **options: Any) -> OfflineRun:
+def run_offline(tmp_path: Path, model_dir: Path, *, max_tokens: list[int]) -> list[OfflineRun]:
     result_path = tmp_path / "result.json"
     log_path = tmp_path / "driver.log"
-    call = ", ".join(
-        [repr(str(model_dir)), repr(str(result_path))]
-        + [f"{name}={value!r}" for name, value in options.items()]
-    )
+    call = f"{str(model_dir)!r}, {str(result_path)!r}, max_tokens={max_tokens!r}"
     # `-c` (no main module file): vLLM's spawned processes do not re-run this test module.
     script = textwrap.dedent(
         f"""
@@ -159,17 +147,12 @@ def run_offline(tmp_path: Path, model_dir: Path, **options: Any) -> OfflineRun:
     with UpstreamOtlp() as upstream:
         env = {
             **os.environ,
-            "OTEL_EXPORTER_OTLP_ENDPOINT": upstream.grpc_endpoint,
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-            "OTEL_SERVICE_NAME": _SERVICE_NAME,
-            "VLLM_PLUGINS": "tokentrace",
+            **traced_server_env(upstream, service_name=_SERVICE_NAME),
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
-            # The installed distribution's metadata (entry points), not the working directory's.
-            "PYTHONSAFEPATH": "1",
         }
         with log_path.open("wb") as log:
             completed = subprocess.run(
@@ -184,14 +167,28 @@ def run_offline(tmp_path: Path, model_dir: Path, **options: Any) -> OfflineRun:
         log_text = log_path.read_text(encoding="utf-8", errors="replace")
         assert completed.returncode == 0, log_text[-6000:]
         result = json.loads(result_path.read_text(encoding="utf-8"))
-        assert result["flushed"], result["agent"]
-        vllm_requests = {request["request_id"]: request for request in result["requests"]}
-        assert len(vllm_requests) == _NUM_PROMPTS
+        per_run = []
+        for run in result["runs"]:
+            assert run["flushed"], run["agent"]
+            per_run.append({request["request_id"]: request for request in run["requests"]})
+            assert len(per_run[-1]) == _NUM_PROMPTS
+        everything = {request_id for requests in per_run for request_id in requests}
+        assert len(everything) == _NUM_PROMPTS * len(max_tokens)  # ids unique across the calls
         assert upstream.wait_for(
-            lambda: set(request_trees(upstream)) >= set(vllm_requests), _SPAN_TIMEOUT_S
-        ), (sorted(request_trees(upstream)), sorted(vllm_requests), log_text[-3000:])
+            lambda: set(request_trees(upstream)) >= everything, _SPAN_TIMEOUT_S
+        ), (sorted(request_trees(upstream)), sorted(everything), log_text[-3000:])
         trees = request_trees(upstream)
-    return OfflineRun(vllm_requests, result["patched"], result["agent"], trees, log_text)
+    assert set(trees) == everything  # one llm.request per request, no extras
+    return [
+        OfflineRun(
+            requests,
+            result["patched"],
+            run["agent"],
+            {request_id: trees[request_id] for request_id in requests},
+            log_text,
+        )
+        for run, requests in zip(result["runs"], per_run, strict=True)
+    ]
 
 
 def budget_of(tree: RequestTree) -> Budget:
@@ -225,26 +222,26 @@ def check_request(tree: RequestTree, theirs: dict[str, Any], *, max_tokens: int)
     assert tree.root.parent_span_id == b""  # offline: no caller's trace context
 
 
+# Own engine: offline LLM.generate (not the OpenAI server) with a KV cache of a few blocks.
 @pytest.fixture(scope="module")
-def offline_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> OfflineRun:
+def offline_runs(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> list[OfflineRun]:
     return run_offline(
         tmp_path_factory.mktemp("vllm-offline"),
         tiny_model_dir,
-        max_tokens=_OFFLINE_MAX_TOKENS,
-        max_model_len=_OFFLINE_MAX_MODEL_LEN,
+        max_tokens=[_OFFLINE_MAX_TOKENS, _PREEMPTION_MAX_TOKENS],
     )
 
 
 @pytest.fixture(scope="module")
-def preemption_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> OfflineRun:
-    return run_offline(
-        tmp_path_factory.mktemp("vllm-preemption"),
-        tiny_model_dir,
-        max_tokens=_PREEMPTION_MAX_TOKENS,
-        max_model_len=_PREEMPTION_MAX_MODEL_LEN,
-        block_size=_PREEMPTION_BLOCK_SIZE,
-        num_gpu_blocks_override=_PREEMPTION_KV_BLOCKS,
-    )
+def offline_run(offline_runs: list[OfflineRun]) -> OfflineRun:
+    return offline_runs[0]
+
+
+@pytest.fixture(scope="module")
+def preemption_run(offline_runs: list[OfflineRun]) -> OfflineRun:
+    return offline_runs[1]
 
 
 def test_offline_generate_traces_every_request(offline_run: OfflineRun) -> None:
@@ -254,6 +251,8 @@ def test_offline_generate_traces_every_request(offline_run: OfflineRun) -> None:
     for request_id, theirs in offline_run.vllm_requests.items():
         tree = offline_run.trees[request_id]
         check_request(tree, theirs, max_tokens=_OFFLINE_MAX_TOKENS)
+        # The premise of no preemption here: the request fits in its one KV-cache block.
+        assert theirs["prompt_tokens"] + _OFFLINE_MAX_TOKENS <= _BLOCK_SIZE
         assert theirs["num_preemptions"] == 0
         assert semconv.SPAN_PREEMPTED not in tree.children
         # The same EngineCore timestamps as vLLM's RequestStateStats.

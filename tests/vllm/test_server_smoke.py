@@ -1,4 +1,4 @@
-"""The shared real-vLLM server works the way the agent's tests rely on (no tokentrace involved).
+"""The shared real-vLLM server works the way the agent's tests rely on, traced as it is.
 
 Completions and chat, streaming and not, 16 concurrent streams, and `/metrics` histograms that
 count exactly the requests sent: the independent reference the tracing tests compare against.
@@ -7,7 +7,6 @@ count exactly the requests sent: the independent reference the tracing tests com
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from typing import Any
@@ -15,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.vllm.conftest import require_vllm
+from tests.vllm.conftest import require_vllm, wait_until_idle
+from tests.vllm.openai_api import REQUEST_TIMEOUT_S, request_body, sse_events
 from tests.vllm.prometheus import parse_histogram
 from tokentrace.loadgen.local_vllm import VllmServer
 
@@ -23,32 +23,8 @@ require_vllm()
 
 pytestmark = pytest.mark.slow
 
-_REQUEST_TIMEOUT_S = 60.0
 _METRICS_SETTLE_TIMEOUT_S = 10.0
 TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
-PROMPT = "def fibonacci(n):\n    return"
-
-
-def completion_body(server: VllmServer, *, max_tokens: int, stream: bool) -> dict[str, Any]:
-    # ignore_eos: a random model may sample eos at any step; the token count must be exact.
-    body: dict[str, Any] = {
-        "model": server.model_name,
-        "prompt": PROMPT,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": stream,
-    }
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-def sse_events(lines: list[str]) -> list[dict[str, Any]]:
-    """The JSON events of a server-sent-event stream; asserts it ends with `[DONE]`."""
-    payloads = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
-    assert payloads and payloads[-1] == "[DONE]", payloads[-3:]
-    return [json.loads(payload) for payload in payloads[:-1]]
 
 
 def streamed_completion(
@@ -57,7 +33,7 @@ def streamed_completion(
     with client.stream(
         "POST",
         f"{server.base_url}/v1/completions",
-        json=completion_body(server, max_tokens=max_tokens, stream=True),
+        json=request_body(server, chat=False, stream=True, max_tokens=max_tokens),
     ) as response:
         assert response.status_code == 200, response.read()
         return sse_events(list(response.iter_lines()))
@@ -69,10 +45,10 @@ def ttft_observations(client: httpx.Client, server: VllmServer) -> float:
 
 
 def test_non_streaming_completion(vllm_server: VllmServer) -> None:
-    with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         response = client.post(
             f"{vllm_server.base_url}/v1/completions",
-            json=completion_body(vllm_server, max_tokens=8, stream=False),
+            json=request_body(vllm_server, chat=False, stream=False, max_tokens=8),
         )
     assert response.status_code == 200, response.text
     doc = response.json()
@@ -85,7 +61,7 @@ def test_non_streaming_completion(vllm_server: VllmServer) -> None:
 
 
 def test_streaming_completion(vllm_server: VllmServer) -> None:
-    with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         events = streamed_completion(client, vllm_server, max_tokens=12)
     token_events = [event for event in events if event["choices"]]
     usage_events = [event for event in events if event.get("usage")]
@@ -103,7 +79,7 @@ def test_chat_completion_uses_the_models_chat_template(vllm_server: VllmServer) 
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Name a prime number."},
     ]
-    with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         response = client.post(
             f"{vllm_server.base_url}/v1/chat/completions",
             json={
@@ -143,7 +119,7 @@ def test_sixteen_concurrent_streams(vllm_server: VllmServer) -> None:
         async with client.stream(
             "POST",
             f"{vllm_server.base_url}/v1/completions",
-            json=completion_body(vllm_server, max_tokens=max_tokens, stream=True),
+            json=request_body(vllm_server, chat=False, stream=True, max_tokens=max_tokens),
         ) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
@@ -154,7 +130,7 @@ def test_sixteen_concurrent_streams(vllm_server: VllmServer) -> None:
 
     async def all_streams() -> list[tuple[list[dict[str, Any]], float, float]]:
         limits = httpx.Limits(max_connections=concurrency)
-        async with httpx.AsyncClient(timeout=_REQUEST_TIMEOUT_S, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
             return await asyncio.gather(*(one_stream(client) for _ in range(concurrency)))
 
     results = asyncio.run(all_streams())
@@ -172,14 +148,15 @@ def test_sixteen_concurrent_streams(vllm_server: VllmServer) -> None:
 
 def test_metrics_ttft_histogram_counts_every_request(vllm_server: VllmServer) -> None:
     streamed, non_streamed = 3, 2
-    with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
+    wait_until_idle(vllm_server)  # the histogram's change is this test's requests alone
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         before = ttft_observations(client, vllm_server)
         for _ in range(streamed):
             streamed_completion(client, vllm_server, max_tokens=4)
         for _ in range(non_streamed):
             client.post(
                 f"{vllm_server.base_url}/v1/completions",
-                json=completion_body(vllm_server, max_tokens=4, stream=False),
+                json=request_body(vllm_server, chat=False, stream=False, max_tokens=4),
             ).raise_for_status()
         # The frontend records stats right after handing out the step's outputs: allow a moment.
         expected = before + streamed + non_streamed

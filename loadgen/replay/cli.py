@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    from tokentrace.loadgen.replay import SimulatedRequest
+    from tokentrace.loadgen.replay.request import SimulatedRequest
 
 PROTOCOL_GRPC: Final = "grpc"
 PROTOCOL_HTTP: Final = "http/protobuf"
@@ -223,7 +223,8 @@ def run_replay(
 ) -> int:
     """Simulate and export; returns the number of spans emitted (``stats``: what the exporters
     said). Raises ``ReplayError`` when the endpoint cannot be reached or an export fails."""
-    from tokentrace.loadgen.replay import DIALECTS, Dialect, emit_sdk, simulate, span_count
+    from tokentrace.loadgen.replay.emit import DIALECTS, Dialect, emit_sdk, span_count
+    from tokentrace.loadgen.replay.simulation import simulate
 
     if dialect not in DIALECTS:
         raise ReplayError(f"unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
@@ -291,7 +292,8 @@ class ReplayCommand:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         # Standard library only (see ``tokentrace.loadgen.replay``): safe for ``--help``.
-        from tokentrace.loadgen.replay import DIALECTS, SCENARIOS
+        from tokentrace.loadgen.replay.emit import DIALECTS
+        from tokentrace.loadgen.replay.scenarios import SCENARIOS
 
         parser.add_argument(
             "--endpoint",

@@ -1,9 +1,10 @@
 """What the agent knows about one finished request, ready to become spans.
 
-A ``RequestRecording`` is built once per request, off the serving thread, from the integers the
-hot path recorded (see ``recorder.py``); ``spans.py`` turns recordings into OTLP bytes.
-``tokentrace replay`` produces the same recordings from its simulation, so the simulated and the
-real agent share one span layout.
+A ``FinishedRequest`` is built once per request, off the serving thread, from the integers the
+hot path recorded (see ``recorder.py``); ``spans.py`` lays out their spans and
+``span_encoding.py`` turns them into OTLP bytes.
+``tokentrace replay`` produces the same ``FinishedRequest``s from its simulation, so the
+simulated and the real agent share one span layout.
 
 All times are absolute Unix nanoseconds (the recorder converts its monotonic readings once per
 request). ``None`` means the request never reached that point (e.g. aborted while queued).
@@ -71,7 +72,7 @@ class PrefillChunk(NamedTuple):
 
 
 @dataclass(slots=True, kw_only=True)
-class RequestRecording:
+class FinishedRequest:
     trace_id: bytes
     """16 bytes: the incoming ``traceparent``'s trace id, or a new one."""
     parent_span_id: bytes = b""

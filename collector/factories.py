@@ -1,0 +1,209 @@
+"""Every component a collector can run, one factory each: the table to read first.
+
+| kind      | type          | makes                                                        |
+|-----------|---------------|--------------------------------------------------------------|
+| receiver  | ``otlp``      | ``OtlpReceiver``: OTLP/gRPC and OTLP/HTTP trace receivers    |
+| processor | ``assembly``  | ``TraceAssembler``: spans grouped into finished traces       |
+| processor | ``slo``       | marks each request against the SLO targets                   |
+| processor | ``diagnosis`` | each request's verdict                                       |
+| processor | ``percentiles`` | latency sketches, sliding window and cumulative            |
+| exporter  | ``store``     | ``StoreSink``: the request store (SQLite)                    |
+| exporter  | ``otlp``      | ``UpstreamSink``: enriched spans and metrics, upstream       |
+| extension | ``ui``        | ``ApiServer``: the drill-down API and web UI over the store  |
+
+Processors are listed in the order they run (each uses what the earlier ones derived). Each
+config (defaults, ``validate()``, ``from_section``) is in ``component_configs.py``. A factory
+imports what it makes only when it makes it, so reading a configuration loads neither gRPC nor
+the store.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final
+
+from tokentrace.agent import semconv
+from tokentrace.collector.assembly import TraceAssembler
+from tokentrace.collector.component import (
+    KIND_EXPORTER,
+    KIND_EXTENSION,
+    KIND_PROCESSOR,
+    KIND_RECEIVER,
+    ConfigError,
+    CreateSettings,
+    Factory,
+)
+from tokentrace.collector.component_configs import (
+    AssemblyConfig,
+    DiagnosisProcessorConfig,
+    OtlpReceiverConfig,
+    PercentilesProcessorConfig,
+    SloProcessorConfig,
+    StoreConfig,
+    UiConfig,
+    UpstreamConfig,
+)
+from tokentrace.collector.record_processors import (
+    RecordProcessor,
+    diagnosis_processor,
+    percentiles_processor,
+    slo_processor,
+)
+from tokentrace.collector.self_telemetry import metric_key
+from tokentrace.processors.percentiles import PercentileStore
+
+if TYPE_CHECKING:
+    from tokentrace.collector.api.server import ApiServer
+    from tokentrace.collector.exporters.store_sink import StoreSink
+    from tokentrace.collector.exporters.upstream_sink import UpstreamSink
+    from tokentrace.collector.receivers.otlp import OtlpReceiver
+
+
+def _otlp_receiver(config: OtlpReceiverConfig, settings: CreateSettings) -> OtlpReceiver:
+    from tokentrace.collector.receivers.otlp import OtlpReceiver
+
+    return OtlpReceiver(config, settings)
+
+
+def _assembler(config: AssemblyConfig, settings: CreateSettings) -> TraceAssembler:
+    return TraceAssembler(
+        quiet_period_s=config.quiet_period_s,
+        root_grace_s=config.root_grace_s,
+        max_traces=config.max_traces,
+        max_spans_per_trace=config.max_spans_per_trace,
+        max_pending_spans=config.max_pending_spans,
+        clock=settings.clock,
+        telemetry=settings.component_telemetry(),
+    )
+
+
+def _slo(config: SloProcessorConfig, settings: CreateSettings) -> RecordProcessor:
+    return RecordProcessor(slo_processor(config.targets))
+
+
+def _diagnosis(config: DiagnosisProcessorConfig, settings: CreateSettings) -> RecordProcessor:
+    # The verdict answers the first SLO target a request breached.
+    targets = settings.collector_config.slo_targets
+    return RecordProcessor(diagnosis_processor(config.settings, targets))
+
+
+def _percentiles(config: PercentilesProcessorConfig, settings: CreateSettings) -> RecordProcessor:
+    store = PercentileStore(config=config.settings, clock=settings.wall_clock)
+
+    def observed() -> dict[str, int]:
+        return {
+            metric_key(semconv.SELF_METRIC_PERCENTILE_KEYS_EVICTED): store.keys_evicted,
+            metric_key(semconv.SELF_METRIC_PERCENTILE_SLICES_DROPPED): store.slices_dropped,
+            metric_key(semconv.SELF_METRIC_PERCENTILE_RECORD_ERRORS): store.record_errors,
+        }
+
+    settings.component_telemetry().observe(
+        observed,
+        counters={
+            semconv.SELF_METRIC_PERCENTILE_KEYS_EVICTED: "keys evicted at max_keys",
+            semconv.SELF_METRIC_PERCENTILE_SLICES_DROPPED: "slices dropped before export",
+            semconv.SELF_METRIC_PERCENTILE_RECORD_ERRORS: "requests not recorded",
+        },
+    )
+    return percentiles_processor(store)
+
+
+def _store_exporter(config: StoreConfig, settings: CreateSettings) -> StoreSink:
+    from tokentrace.collector.exporters.store_sink import StoreSink
+
+    collector = settings.collector_config
+    return StoreSink(
+        config,
+        slo_targets=collector.slo_targets,
+        diagnosis=collector.diagnosis,
+        clock=settings.clock,
+        telemetry=settings.telemetry,
+        component_id=settings.id,
+    )
+
+
+def _otlp_exporter(config: UpstreamConfig, settings: CreateSettings) -> UpstreamSink:
+    from tokentrace.collector.exporters.upstream_sink import UpstreamSink
+
+    return UpstreamSink(
+        config, clock=settings.clock, telemetry=settings.telemetry, component_id=settings.id
+    )
+
+
+def _ui(config: UiConfig, settings: CreateSettings) -> ApiServer:
+    from tokentrace.collector.api import ApiSettings, create_app
+    from tokentrace.collector.api.server import ApiServer
+
+    store = settings.collector_config.store
+    if store is None:
+        raise ConfigError(f"extensions.{settings.id}: the ui extension needs a store exporter")
+    app = create_app(
+        ApiSettings(
+            store_path=store.path, auth_token=config.auth_token, trace_link=config.trace_link
+        )
+    )
+    return ApiServer(
+        app,
+        endpoint=config.endpoint,
+        tls_cert_file=config.tls_cert_file,
+        tls_key_file=config.tls_key_file,
+    )
+
+
+FACTORIES: Final[tuple[Factory[Any], ...]] = (
+    Factory(
+        type="otlp",
+        kind=KIND_RECEIVER,
+        default_config=OtlpReceiverConfig,
+        read_config=OtlpReceiverConfig.from_section,
+        create=_otlp_receiver,
+    ),
+    Factory(
+        type="assembly",
+        kind=KIND_PROCESSOR,
+        default_config=AssemblyConfig,
+        read_config=AssemblyConfig.from_section,
+        create=_assembler,
+    ),
+    Factory(
+        type="slo",
+        kind=KIND_PROCESSOR,
+        default_config=SloProcessorConfig,
+        read_config=SloProcessorConfig.from_section,
+        create=_slo,
+    ),
+    Factory(
+        type="diagnosis",
+        kind=KIND_PROCESSOR,
+        default_config=DiagnosisProcessorConfig,
+        read_config=DiagnosisProcessorConfig.from_section,
+        create=_diagnosis,
+    ),
+    Factory(
+        type="percentiles",
+        kind=KIND_PROCESSOR,
+        default_config=PercentilesProcessorConfig,
+        read_config=PercentilesProcessorConfig.from_section,
+        create=_percentiles,
+    ),
+    Factory(
+        type="store",
+        kind=KIND_EXPORTER,
+        default_config=StoreConfig,
+        read_config=StoreConfig.from_section,
+        create=_store_exporter,
+    ),
+    Factory(
+        type="otlp",
+        kind=KIND_EXPORTER,
+        default_config=UpstreamConfig,
+        read_config=UpstreamConfig.from_section,
+        create=_otlp_exporter,
+    ),
+    Factory(
+        type="ui",
+        kind=KIND_EXTENSION,
+        default_config=UiConfig,
+        read_config=UiConfig.from_section,
+        create=_ui,
+    ),
+)

@@ -1,0 +1,84 @@
+"""What a request store's callers rely on besides its methods, whichever database backs it:
+the errors it raises, the items a write batch holds, and the metadata it keeps (the keys and
+the formats of their values).
+
+Separate from the SQLite store so that the collector's sink, the CLI and the API depend on the
+store's contract, not on one backend's module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Final, TypeAlias
+
+from tokentrace.processors.diagnosis import DiagnosisConfig
+from tokentrace.processors.model import AssembledTrace, RequestRecord
+
+META_SLO_TARGETS: Final = "slo_targets"
+"""Meta key: the collector's SLO targets (``processors.slo.targets_to_json``)."""
+META_COLLECTOR_STARTED_NS: Final = "collector_started_ns"
+"""Meta key: unix ns at which the collector writing this store started."""
+META_COLLECTOR_STATS: Final = "collector_stats"
+"""Meta key: the collector's counters as JSON, rewritten about once a second."""
+META_DIAGNOSIS: Final = "diagnosis"
+"""Meta key: the collector's diagnosis settings as JSON (``DiagnosisConfig`` fields), by which
+a document's verdicts about its other metrics are derived when it is read."""
+
+_DEFAULT_DIAGNOSIS: Final = DiagnosisConfig()
+_OLD_ITL_SPIKE_RATIO: Final = "itl_spike_ratio"
+"""Stored by earlier collectors: the value of both ``itl_outlier_ratio`` and
+``itl_tail_spike_ratio``."""
+
+WriteItem: TypeAlias = (
+    "tuple[AssembledTrace, Sequence[RequestRecord]]"
+    " | tuple[AssembledTrace, Sequence[RequestRecord], bytes]"
+)
+"""One trace to store: its spans, its request records and, when the caller has it, the trace
+already serialised as an ``ExportTraceServiceRequest`` (else the store encodes it)."""
+
+
+class StoreError(Exception):
+    """A request store cannot be opened or used; the message says what to do."""
+
+
+class StoreNotFoundError(StoreError):
+    """No store file at the given path."""
+
+
+class StoreWriteError(StoreError):
+    """Part or all of a ``write`` batch was not stored.
+
+    ``rejected``: request records not stored (malformed records, or every record of the batch
+    when the transaction failed and rolled back). ``written``: records stored despite the error.
+    """
+
+    def __init__(self, message: str, *, rejected: int, written: int) -> None:
+        super().__init__(message)
+        self.rejected = rejected
+        self.written = written
+
+
+def diagnosis_to_json(config: DiagnosisConfig) -> str:
+    """The collector's diagnosis settings as the store keeps them (``META_DIAGNOSIS``)."""
+    return json.dumps(dataclasses.asdict(config))
+
+
+def diagnosis_from_json(raw: str | None) -> DiagnosisConfig:
+    """Settings from ``diagnosis_to_json``; the defaults for none or unreadable ones, and
+    settings this version does not know are ignored."""
+    if not raw:
+        return _DEFAULT_DIAGNOSIS
+    try:
+        loaded = json.loads(raw)
+        known = {field.name for field in dataclasses.fields(DiagnosisConfig)}
+        settings = {k: v for k, v in loaded.items() if k in known}
+        if _OLD_ITL_SPIKE_RATIO in loaded:  # a store written before the two settings were apart
+            for setting in ("itl_outlier_ratio", "itl_tail_spike_ratio"):
+                settings.setdefault(setting, loaded[_OLD_ITL_SPIKE_RATIO])
+        if "p50_band" in settings:
+            settings["p50_band"] = tuple(settings["p50_band"])
+        return DiagnosisConfig(**settings)
+    except (ValueError, TypeError, AttributeError):
+        return _DEFAULT_DIAGNOSIS
