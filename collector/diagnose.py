@@ -3,8 +3,12 @@ cost, and two runs of the same load side by side.
 
 A window is either a load run (its requests, by the trace ids in the run record) or a time
 range of the store. Its records are re-derived from the stored spans (``collector.window``) and
-analysed exactly (``processors.window.analyze_window``). Comparison reuses
-``processors.compare.compare_metrics`` on both the client's and the server's numbers.
+analysed exactly (``processors.window.analysis.analyze_window``). Comparison reuses
+``processors.window.compare.compare_metrics`` on both the client's and the server's numbers.
+
+This module neither reads spans nor analyses records itself: it asks ``collector.window`` for a
+window's records and ``processors.window`` for their analysis, adds what the store knows (traces
+asked and found, the run), and renders the CLI's text.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from tokentrace.collector.store import RequestStore
 from tokentrace.collector.window import records_of_traces
 from tokentrace.loadgen.record import RunRecord
 from tokentrace.loadgen.report import target_text
-from tokentrace.processors.compare import compare_metrics
-from tokentrace.processors.findings import compare_findings, finding_lines
 from tokentrace.processors.slo import SloTarget
-from tokentrace.processors.window import DEFAULT_PERCENTILES, analyze_window
+from tokentrace.processors.window.analysis import DEFAULT_PERCENTILES, analyze_window
+from tokentrace.processors.window.compare import compare_metrics
+from tokentrace.processors.window.findings import compare_findings, finding_lines
 from tokentrace.processors.wording import format_duration
 
 DEFAULT_MAX_REQUESTS: Final = 50_000

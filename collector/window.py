@@ -5,6 +5,9 @@ records are rebuilt exactly as the pipeline built them (``timeline.normalize`` t
 ``budget.request_record``) rather than read back from summary columns: window diagnosis needs
 the whole record (ITL gaps, prefix hashes, preemptions). ``stored_spans_by_trace`` is also how
 the collector reads a trace's stored spans back when late spans join it (``pipeline``).
+
+This module only reads: the analysis of the records is ``processors.window`` (pure), and
+``collector.diagnose`` puts the two together for ``diagnose`` / ``compare`` and renders them.
 """
 
 from __future__ import annotations

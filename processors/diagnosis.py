@@ -23,9 +23,9 @@ client's connection). Rules, in the order they are checked:
 Which segment dominates a budget is decided here too (``ranked_segments``: largest first, ties
 to the segment earlier in ``_SEGMENT_ORDER``; ``second_segment``: a runner-up within
 ``tie_ratio``): the per-request verdicts (``verdict.py``) and the window findings
-(``findings.py``) both ask it and then ask ``cause_of_segment``, so that a window names the same
-causes as its requests. Everything here tolerates ``None`` context: a missing number is left out
-of the sentence, never guessed. The causes and their advice are in ``causes.py``;
+(``window/findings.py``) both ask it and then ask ``cause_of_segment``, so that a window names
+the same causes as its requests. Everything here tolerates ``None`` context: a missing number
+is left out of the sentence, never guessed. The causes and their advice are in ``causes.py``;
 ``DiagnosisConfig`` holds every threshold the rules, the verdicts and the findings use.
 """
 

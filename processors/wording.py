@@ -1,7 +1,7 @@
 """How diagnosis sentences word segments and numbers: labels, durations, shares and counts.
 
 Shared by the per-request verdicts (``verdict.py``), the rules' evidence (``diagnosis.py``),
-the window findings (``findings.py``) and the CLI's comparison text, so that every sentence
+the window findings (``window/findings.py``) and the CLI's comparison text, so that every sentence
 names a segment and writes a duration the same way. Standard library and the contract only.
 """
 

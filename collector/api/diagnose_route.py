@@ -22,7 +22,7 @@ from tokentrace.collector.api.params import Window
 from tokentrace.collector.api.window_routes import SloStatus, bounded_window, default_window
 from tokentrace.collector.diagnose import diagnose_range
 from tokentrace.collector.store.sqlite import list_query as store_query
-from tokentrace.processors.findings import finding_lines
+from tokentrace.processors.window.findings import finding_lines
 
 router = APIRouter(tags=["windows"])
 

@@ -3,7 +3,7 @@ time windows (``docs/api.md``).
 
 Each route reads the store (sketch slices of the window, SLO targets, requests for the budget
 bands and the slowest lists) and hands the rest to the pure builders in ``fleet`` and
-``processors.compare``.
+``processors.window.compare``.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from tokentrace.collector.api.params import (
 )
 from tokentrace.collector.store import RequestStore
 from tokentrace.collector.store.query import QueryTimeoutError, RequestFilter, RequestPageQuery
-from tokentrace.processors.compare import compare_windows
 from tokentrace.processors.sketches import LatencySketch
+from tokentrace.processors.window.compare import compare_windows
 
 router = APIRouter()
 

@@ -17,8 +17,8 @@ from tokentrace.collector.api.app import ApiSettings, create_app
 from tokentrace.collector.diagnose import diagnose_range
 from tokentrace.collector.store import META_SLO_TARGETS, RequestStore
 from tokentrace.collector.store.sqlite import list_query as store_query
-from tokentrace.processors.findings import finding_lines
 from tokentrace.processors.slo import parse_targets
+from tokentrace.processors.window.findings import finding_lines
 
 REQUESTS = 120
 EVERYTHING = {"since": 0}

@@ -1,4 +1,4 @@
-"""``processors.compare``: two window reports side by side."""
+"""``processors.window.compare``: two window reports side by side."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokentrace.agent import semconv
-from tokentrace.processors.compare import KEY_FIELDS, compare_metrics, compare_slo, compare_windows
+from tokentrace.processors.window.compare import (
+    KEY_FIELDS,
+    compare_metrics,
+    compare_slo,
+    compare_windows,
+)
 
 
 def key_entry(model: str, metrics: dict[str, dict[str, Any]], **fields: str) -> dict[str, Any]:

@@ -20,7 +20,9 @@ from tokentrace.processors.causes import (
     CAUSE_PREFILL,
     CAUSE_QUEUEING,
 )
-from tokentrace.processors.findings import (
+from tokentrace.processors.model import RequestRecord
+from tokentrace.processors.slo import SloTarget
+from tokentrace.processors.window.findings import (
     GROUP_BEYOND,
     GROUP_TAIL,
     compare_findings,
@@ -28,8 +30,6 @@ from tokentrace.processors.findings import (
     metric_findings,
     target_findings,
 )
-from tokentrace.processors.model import RequestRecord
-from tokentrace.processors.slo import SloTarget
 
 TTFT = semconv.METRIC_TTFT
 ITL = semconv.METRIC_ITL

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tests.processors.test_diagnosis import MS, make_record
 from tokentrace.agent import semconv
 from tokentrace.processors.model import RequestRecord
-from tokentrace.processors.perceived_speed import perceived_speed
+from tokentrace.processors.window.perceived_speed import perceived_speed
 
 
 def client_record(

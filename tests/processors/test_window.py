@@ -1,4 +1,4 @@
-"""``processors.window``: a window of request records analysed exactly.
+"""``processors.window.analysis``: a window of request records analysed exactly.
 
 Records come from the replay simulator's OTLP spans, normalised and budgeted the way the
 collector re-derives a stored window; every expected number is computed here from the records'
@@ -21,7 +21,7 @@ from tokentrace.processors.causes import CAUSE_QUEUEING, CAUSES
 from tokentrace.processors.model import AssembledTrace, RequestRecord, SpanRef
 from tokentrace.processors.slo import SloTarget
 from tokentrace.processors.timeline import normalize
-from tokentrace.processors.window import (
+from tokentrace.processors.window.analysis import (
     DEFAULT_PERCENTILES,
     analyze_window,
     slo_status,

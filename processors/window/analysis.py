@@ -29,11 +29,11 @@ from typing import Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.processors.diagnosis import DiagnosisConfig
-from tokentrace.processors.findings import metric_findings, target_findings
 from tokentrace.processors.model import RequestRecord
-from tokentrace.processors.perceived_speed import perceived_speed
 from tokentrace.processors.slo import SloTarget, burn_rate_of, mark_request
 from tokentrace.processors.stats import nearest_rank
+from tokentrace.processors.window.findings import metric_findings, target_findings
+from tokentrace.processors.window.perceived_speed import perceived_speed
 
 DEFAULT_PERCENTILES: Final = (50.0, 90.0, 95.0, 99.0)
 _DEFAULT_DIAGNOSIS: Final = DiagnosisConfig()

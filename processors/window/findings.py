@@ -1,6 +1,6 @@
 """What dominates a window: one finding per SLO target, per metric, and the perceived speed.
 
-Pure and I/O-free; ``window.analyze_window`` (what ``tokentrace diagnose``, its API and the fleet
+Pure and I/O-free; ``analysis.analyze_window`` (what ``tokentrace diagnose``, its API and the fleet
 view print) calls it with a window's request records.
 
 **Per target** (``target_findings``), the method's step "find the segment that dominates that
@@ -21,8 +21,8 @@ percentiles of the metric) and the tail (at or above ``tail_percentile``), on th
 when every request of the window has it (the network is then part of the answer), else the
 server's.
 
-The per-request cause rules behind a finding are ``diagnosis.py``'s; what users felt beyond the
-latency metrics (streaming, first byte, connections) is ``perceived_speed.py``.
+The per-request cause rules behind a finding are ``processors/diagnosis.py``'s; what users
+felt beyond the latency metrics (streaming, first byte, connections) is ``perceived_speed.py``.
 
 Durations in the documents are ms rounded to the microsecond.
 """
