@@ -39,14 +39,13 @@ from tokentrace.agent import semconv
 from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO
 from tokentrace.agent.identity import kubernetes_resource, visible_gpu_uuids
 from tokentrace.agent.otlp_config import PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF, OtlpExporterConfig
-from tokentrace.agent.spans import AttrValue
+from tokentrace.agent.spans import DEFAULT_MAX_TOKEN_OFFSETS, AttrValue
 
 _log = logging.getLogger(__name__)
 
 _DEFAULT_SERVICE_NAME = "vllm"
 _DEFAULT_ENDPOINT = "http://localhost:4317"
 """The node agent's OTLP/gRPC receiver on the same node."""
-_DEFAULT_MAX_TOKEN_OFFSETS = 1024
 _DEFAULT_MAX_IN_FLIGHT = 65_536
 _DEFAULT_MAX_QUEUE = 8192
 _DEFAULT_MAX_REQUEST_AGE_S = 600
@@ -67,7 +66,7 @@ class AgentConfig:
             endpoint=_DEFAULT_ENDPOINT, protocol=PROTOCOL_GRPC
         )
     )
-    max_token_offsets: int = _DEFAULT_MAX_TOKEN_OFFSETS
+    max_token_offsets: int = DEFAULT_MAX_TOKEN_OFFSETS
     max_in_flight: int = _DEFAULT_MAX_IN_FLIGHT
     max_queue: int = _DEFAULT_MAX_QUEUE
     max_request_age_s: float = _DEFAULT_MAX_REQUEST_AGE_S
@@ -116,7 +115,7 @@ def load_agent_config(environ: Mapping[str, str] | None = None) -> AgentConfig:
         resource_attributes=resource,
         exporter=exporter,
         max_token_offsets=_positive_int(
-            env, "TOKENTRACE_MAX_TOKEN_OFFSETS", _DEFAULT_MAX_TOKEN_OFFSETS, minimum=0
+            env, "TOKENTRACE_MAX_TOKEN_OFFSETS", DEFAULT_MAX_TOKEN_OFFSETS, minimum=0
         ),
         max_in_flight=_positive_int(env, "TOKENTRACE_MAX_IN_FLIGHT", _DEFAULT_MAX_IN_FLIGHT),
         max_queue=_positive_int(env, "TOKENTRACE_MAX_QUEUE", _DEFAULT_MAX_QUEUE),

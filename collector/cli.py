@@ -167,7 +167,7 @@ class ExplainCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from tokentrace.collector.store import RequestStore, StoreError
-        from tokentrace.collector.store.sqlite.reads import SLOWEST_METRIC_COLUMNS
+        from tokentrace.collector.store.row import METRIC_COLUMNS
 
         if args.slowest == (args.trace_id is not None):
             return _fail(self.name, "give a TRACE_ID or --slowest (not both)")
@@ -177,11 +177,11 @@ class ExplainCommand:
             store = RequestStore.open_readonly(args.store)
             if args.slowest:
                 order = args.metric or semconv.METRIC_E2E
-                if order not in SLOWEST_METRIC_COLUMNS:
+                if order not in METRIC_COLUMNS:
                     return _fail(
                         self.name,
                         f"--slowest cannot order by {order} (no per-request column): give a "
-                        f"TRACE_ID, or order by one of {', '.join(SLOWEST_METRIC_COLUMNS)}",
+                        f"TRACE_ID, or order by one of {', '.join(METRIC_COLUMNS)}",
                     )
                 since_ns = None
                 if args.since is not None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.span_ids import parse_ids
+from tokentrace.agent.span_ids import SPAN_ID_BYTES, TRACE_ID_BYTES, parse_ids
 
 DEFAULT_PERCENTILES: Final = (50.0, 90.0, 95.0, 99.0)
 CLIENT_METRICS: Final = (
@@ -124,7 +124,7 @@ class RequestResult:
                 raise ValueError(f"{name}: expected an integer")
         if not isinstance(result.chunk_gaps_ns, list):
             raise ValueError("chunk_gaps_ns: expected a list")
-        for name, size in (("trace_id", _TRACE_ID_BYTES), ("span_id", _SPAN_ID_BYTES)):
+        for name, size in (("trace_id", TRACE_ID_BYTES), ("span_id", SPAN_ID_BYTES)):
             value = getattr(result, name)
             if parse_ids(value, size) is None:
                 raise ValueError(f"{name}: expected {2 * size} hex digits, got {value!r}")
@@ -132,8 +132,6 @@ class RequestResult:
 
 
 _FIELDS: Final = tuple(RequestResult.__dataclass_fields__)
-_TRACE_ID_BYTES: Final = 16
-_SPAN_ID_BYTES: Final = 8
 
 
 def percentile(ordered: Sequence[float], percent: float) -> float:

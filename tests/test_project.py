@@ -167,11 +167,35 @@ def test_the_in_process_agent_loads_nothing_beyond_its_footprint() -> None:
     assert _loaded_from(loaded, _NOT_IN_AN_INFERENCE_SERVER) == []
 
 
+def test_the_in_process_agent_imports_nothing_beyond_its_footprint_anywhere() -> None:
+    # The probe above sees import-time loads; this sees the imports inside functions too. The
+    # engine and gRPC are left out: the agent imports them when it patches and exports.
+    lazy_allowed = ("grpc", "vllm", "torch")
+    forbidden = tuple(name for name in _NOT_IN_AN_INFERENCE_SERVER if name not in lazy_allowed)
+    node_agent = (ROOT / "agent" / "node", ROOT / "agent" / "node_cli.py")
+    offenders = [
+        f"{source.relative_to(ROOT)}: {name}"
+        for source in (ROOT / "agent").rglob("*.py")
+        if not any(source == part or part in source.parents for part in node_agent)
+        for name in _imported_names(source)
+        if _loaded_from({name}, forbidden)
+    ]
+    assert not offenders
+
+
 def test_the_node_agent_loads_the_receivers_but_not_the_collector() -> None:
-    loaded = _modules_loaded_by("tokentrace.agent.node.service", "tokentrace.agent.node_cli")
-    collector_side = {name for name in loaded if name.startswith("tokentrace.collector.")}
+    # The receivers are imported when the node agent starts them: load them as it does.
+    receivers = (
+        "tokentrace.collector.receivers.otlp_grpc",
+        "tokentrace.collector.receivers.otlp_http",
+    )
+    loaded = _modules_loaded_by(
+        "tokentrace.agent.node.service", "tokentrace.agent.node_cli", *receivers
+    )
+    collector_side = set(_loaded_from(loaded, ("tokentrace.collector",)))
     allowed = ("tokentrace.collector.consumer", "tokentrace.collector.receivers")
-    assert {name for name in collector_side if not name.startswith(allowed)} == set()
+    assert "tokentrace.collector.receivers.otlp_http" in collector_side  # the probe loaded them
+    assert collector_side - {"tokentrace.collector"} == set(_loaded_from(loaded, allowed))
     not_in_a_node_agent = tuple(
         name for name in _NOT_IN_AN_INFERENCE_SERVER if name not in ("tokentrace.collector", "grpc")
     )

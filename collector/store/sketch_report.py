@@ -18,7 +18,7 @@ from tokentrace.collector.store.document import finite_or_none, ns_to_ms
 if TYPE_CHECKING:
     from tokentrace.processors.slo import SloTarget
 
-_US_PER_MS: Final = 1_000
+_MS_PER_S: Final = 1_000
 
 TOP_QUANTILES: Final = ((0.5, "p50"), (0.95, "p95"), (0.99, "p99"))
 """The quantiles ``window_report`` reports for every metric."""
@@ -33,7 +33,7 @@ SketchSlice = tuple[float, tuple[str, str, str, str], str, dict[str, Any]]
 def _ms_from_s(value_s: float | None) -> float | None:
     if value_s is None or not math.isfinite(value_s):
         return None
-    return round(value_s * _US_PER_MS, 3)
+    return round(value_s * _MS_PER_S, 3)
 
 
 def window_report(

@@ -65,7 +65,6 @@ DIALECTS: Final = (DIALECT_TOKENTRACE, DIALECT_VLLM)
 _DEFAULT_SERVICE_NAME: Final = "vllm-demo"
 _DEFAULT_CLIENT_SERVICE_NAME: Final = "tokentrace-replay-client"
 _DEFAULT_BATCH_SPANS: Final = 512
-_DEFAULT_MAX_TOKEN_OFFSETS: Final = spans.DEFAULT_MAX_TOKEN_OFFSETS
 
 _NS_PER_S: Final = 1_000_000_000
 
@@ -168,7 +167,7 @@ def emit_sdk(
     *,
     dialect: Dialect = DIALECT_TOKENTRACE,
     client_tracer_provider: TracerProvider | None = None,
-    max_token_offsets: int = _DEFAULT_MAX_TOKEN_OFFSETS,
+    max_token_offsets: int = spans.DEFAULT_MAX_TOKEN_OFFSETS,
 ) -> int:
     """Create every request's spans through the OpenTelemetry SDK; returns the span count.
 
@@ -248,7 +247,7 @@ def to_otlp_requests(
     client_service_name: str = _DEFAULT_CLIENT_SERVICE_NAME,
     host_name: str | None = None,
     pid: int | None = None,
-    max_token_offsets: int = _DEFAULT_MAX_TOKEN_OFFSETS,
+    max_token_offsets: int = spans.DEFAULT_MAX_TOKEN_OFFSETS,
 ) -> list[ExportTraceServiceRequest]:
     """The requests' spans as OTLP export requests of about ``batch_spans`` spans each.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import typing
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -513,3 +514,10 @@ def test_outlier_marks_follow_the_collectors_configured_ratio(tmp_path: Path) ->
     assert body["engine_steps"] and not any(step["outlier"] for step in body["engine_steps"])
     # The collector's own verdict judged the gaps by the same ratio.
     assert "none over 6x its median gap" in body["request"]["verdicts"]["itl"]["sentence"]
+
+
+def test_the_metric_parameter_offers_exactly_the_verdict_metrics() -> None:
+    # The Literal the OpenAPI document shows restates the contract's tuple: keep them one.
+    from tokentrace.collector.api import detail_route
+
+    assert typing.get_args(detail_route.VerdictMetric) == semconv.VERDICT_METRICS

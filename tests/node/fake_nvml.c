@@ -823,14 +823,6 @@ int standin_reset(int device_count) {
     return 0;
 }
 
-int standin_set_device_count(int device_count) {
-    if (device_count < 0 || device_count > STANDIN_MAX_DEVICES) return -2;
-    pthread_mutex_lock(&g_lock);
-    g_device_count = (unsigned int)device_count;
-    pthread_mutex_unlock(&g_lock);
-    return 0;
-}
-
 int standin_set_ramp(int device, const char *field, double start, double step) {
     int f = lookup(field_names, F_COUNT, field);
     if (f < 0) return -1;

@@ -148,7 +148,6 @@ class NvmlStandIn:
         c_char_p, c_longlong = ctypes.c_char_p, ctypes.c_longlong
         signatures: dict[str, tuple[list[type], type | None]] = {
             "standin_reset": ([c_int], c_int),
-            "standin_set_device_count": ([c_int], c_int),
             "standin_set": ([c_int, c_char_p, c_double], c_int),
             "standin_set_ramp": ([c_int, c_char_p, c_double, c_double], c_int),
             "standin_set_error": ([c_int, c_char_p, c_int], c_int),
@@ -184,11 +183,6 @@ class NvmlStandIn:
         NVML is left uninitialised (its init refcount is zeroed), as in a fresh process.
         """
         self._check(self._lib.standin_reset(device_count), what=f"device_count={device_count}")
-
-    def set_device_count(self, device_count: int) -> None:
-        """Change how many devices NVML reports, keeping every device's scripted state."""
-        status = self._lib.standin_set_device_count(device_count)
-        self._check(status, what=f"device_count={device_count}")
 
     def set(self, device: int, field: str, value: float) -> None:
         """Every read of `field` on `device` (or ALL_DEVICES) returns `value`."""

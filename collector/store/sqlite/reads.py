@@ -57,9 +57,6 @@ _IN_BATCH: Final = 500
 
 _SELECT_REQUEST: Final = f"SELECT {', '.join(REQUEST_COLUMNS)} FROM requests"
 
-SLOWEST_METRIC_COLUMNS: Final = METRIC_COLUMNS
-"""Metrics ``slowest`` can order by -> their column."""
-
 
 def _readonly_uri(path: str) -> str:
     return "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
@@ -211,11 +208,11 @@ class RequestStoreReader:
     def slowest(
         self, *, metric: str = semconv.METRIC_E2E, since_ns: int | None = None, limit: int = 10
     ) -> list[dict[str, Any]]:
-        """Documents of the slowest requests by ``metric`` (one of SLOWEST_METRIC_COLUMNS)."""
-        column = SLOWEST_METRIC_COLUMNS.get(metric)
+        """Documents of the slowest requests by ``metric`` (one of METRIC_COLUMNS)."""
+        column = METRIC_COLUMNS.get(metric)
         if column is None:
             raise ValueError(
-                f"unknown metric {metric!r}; choose one of {', '.join(SLOWEST_METRIC_COLUMNS)}"
+                f"unknown metric {metric!r}; choose one of {', '.join(METRIC_COLUMNS)}"
             )
         query = f"{_SELECT_REQUEST} WHERE {column} IS NOT NULL"
         params: list[Any] = []
