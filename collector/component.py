@@ -258,6 +258,31 @@ def find_factory(factories: Factories, kind: str, type_name: str) -> Factory[Any
     raise ConfigError(f"no {kind} of type {type_name!r}")
 
 
+def create_component(
+    factories: Factories,
+    component: ComponentConfig,
+    *,
+    telemetry: SelfTelemetry,
+    collector_config: CollectorConfig,
+    clock: Callable[[], float],
+    wall_clock: Callable[[], float],
+    consumer: TraceConsumer | None = None,
+) -> Any:
+    """What ``component``'s factory makes of its config (the service and the pipeline)."""
+    settings = CreateSettings(
+        id=component.id,
+        kind=component.kind,
+        telemetry=telemetry,
+        collector_config=collector_config,
+        clock=clock,
+        wall_clock=wall_clock,
+        consumer=consumer,
+    )
+    return find_factory(factories, component.kind, component.type).create(
+        component.config, settings
+    )
+
+
 def factory_types(factories: Factories, kind: str) -> tuple[str, ...]:
     """The types of ``kind``, in the table's order (for processors: the order they run in)."""
     return tuple(factory.type for factory in factories if factory.kind == kind)

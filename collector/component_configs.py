@@ -163,9 +163,7 @@ class SloProcessorConfig:
     targets: tuple[SloTarget, ...] = ()
 
     def validate(self) -> None:
-        names = [target.name for target in self.targets]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        check(not duplicates, "targets", f"duplicate target names {duplicates}")
+        """Nothing left to check: ``parse_targets`` rejects duplicate names when reading."""
 
     @classmethod
     def from_section(cls, section: ConfigSection) -> SloProcessorConfig:
@@ -232,20 +230,24 @@ class DiagnosisProcessorConfig:
         itl_tail_spike_ratio = defaults.itl_tail_spike_ratio
         if _DEPRECATED_ITL_SPIKE_RATIO in section.raw:
             itl_outlier_ratio = itl_tail_spike_ratio = _deprecated_itl_spike_ratio(section)
+        # The getters' errors already name the full path; only DiagnosisConfig's own checks
+        # (made when it is built) need the section's path put in front.
+        long_prompt_tokens = section.integer("long_prompt_tokens", defaults.long_prompt_tokens)
+        bandwidth_bound_ratio = section.number(
+            "bandwidth_bound_ratio", defaults.bandwidth_bound_ratio
+        )
+        itl_outlier_ratio = section.number("itl_outlier_ratio", itl_outlier_ratio)
+        itl_tail_spike_ratio = section.number("itl_tail_spike_ratio", itl_tail_spike_ratio)
+        interference_share = section.number("interference_share", defaults.interference_share)
+        tie_ratio = section.number("tie_ratio", defaults.tie_ratio)
         try:
             settings = DiagnosisConfig(
-                long_prompt_tokens=section.integer(
-                    "long_prompt_tokens", defaults.long_prompt_tokens
-                ),
-                bandwidth_bound_ratio=section.number(
-                    "bandwidth_bound_ratio", defaults.bandwidth_bound_ratio
-                ),
-                itl_outlier_ratio=section.number("itl_outlier_ratio", itl_outlier_ratio),
-                itl_tail_spike_ratio=section.number("itl_tail_spike_ratio", itl_tail_spike_ratio),
-                interference_share=section.number(
-                    "interference_share", defaults.interference_share
-                ),
-                tie_ratio=section.number("tie_ratio", defaults.tie_ratio),
+                long_prompt_tokens=long_prompt_tokens,
+                bandwidth_bound_ratio=bandwidth_bound_ratio,
+                itl_outlier_ratio=itl_outlier_ratio,
+                itl_tail_spike_ratio=itl_tail_spike_ratio,
+                interference_share=interference_share,
+                tie_ratio=tie_ratio,
             )
         except ValueError as error:  # DiagnosisConfig checks some values when made
             raise ConfigError(f"{section.where}.{error}") from None
@@ -274,6 +276,10 @@ def _deprecated_itl_spike_ratio(section: ConfigSection) -> float:
     return value
 
 
+_PERCENTILE_KEYS: Final = {"window_s": "window"}
+"""``PercentileConfig`` fields whose YAML key has another name."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PercentilesProcessorConfig:
     """The ``percentiles`` processor: latency sketches over a sliding window."""
@@ -282,13 +288,18 @@ class PercentilesProcessorConfig:
 
     def validate(self) -> None:
         settings = self.settings
-        check(settings.window_s > 0, "window", "must be > 0")
-        check_range("slices", settings.slices, low=1, high=_MAX_PERCENTILE_SLICES)
-        check_range("max_keys", settings.max_keys, low=1)
         try:
             settings.validate()
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+        except ValueError as error:  # "window_s must be ...": name the YAML key as check() does
+            field_name, _, problem = str(error).partition(" ")
+            raise ConfigError(
+                f"{_PERCENTILE_KEYS.get(field_name, field_name)}: {problem}"
+            ) from None
+        check(
+            settings.slices <= _MAX_PERCENTILE_SLICES,
+            "slices",
+            f"must be <= {_MAX_PERCENTILE_SLICES}, got {settings.slices}",
+        )
 
     @classmethod
     def from_section(cls, section: ConfigSection) -> PercentilesProcessorConfig:

@@ -28,7 +28,6 @@ from tokentrace.collector.component import (
     KIND_EXTENSION,
     KIND_PROCESSOR,
     KIND_RECEIVER,
-    ConfigError,
     CreateSettings,
     Factory,
 )
@@ -108,7 +107,7 @@ def _percentiles(config: PercentilesProcessorConfig, settings: CreateSettings) -
 
 
 def _store_exporter(config: StoreConfig, settings: CreateSettings) -> StoreSink:
-    from tokentrace.collector.exporters.store_sink import StoreSink
+    from tokentrace.collector.exporters.store_sink import SNAPSHOT_PREFIX, StoreSink
 
     collector = settings.collector_config
     return StoreSink(
@@ -116,16 +115,17 @@ def _store_exporter(config: StoreConfig, settings: CreateSettings) -> StoreSink:
         slo_targets=collector.slo_targets,
         diagnosis=collector.diagnosis,
         clock=settings.clock,
-        telemetry=settings.telemetry,
-        component_id=settings.id,
+        telemetry=settings.component_telemetry(snapshot_prefix=SNAPSHOT_PREFIX),
     )
 
 
 def _otlp_exporter(config: UpstreamConfig, settings: CreateSettings) -> UpstreamSink:
-    from tokentrace.collector.exporters.upstream_sink import UpstreamSink
+    from tokentrace.collector.exporters.upstream_sink import SNAPSHOT_PREFIX, UpstreamSink
 
     return UpstreamSink(
-        config, clock=settings.clock, telemetry=settings.telemetry, component_id=settings.id
+        config,
+        clock=settings.clock,
+        telemetry=settings.component_telemetry(snapshot_prefix=SNAPSHOT_PREFIX),
     )
 
 
@@ -134,8 +134,7 @@ def _ui(config: UiConfig, settings: CreateSettings) -> ApiServer:
     from tokentrace.collector.api.server import ApiServer
 
     store = settings.collector_config.store
-    if store is None:
-        raise ConfigError(f"extensions.{settings.id}: the ui extension needs a store exporter")
+    assert store is not None, "parse_config rejects a ui extension without a store exporter"
     app = create_app(
         ApiSettings(
             store_path=store.path, auth_token=config.auth_token, trace_link=config.trace_link

@@ -62,9 +62,8 @@ from tokentrace.collector.component import (
     KIND_EXPORTER,
     KIND_PIPELINE,
     KIND_PROCESSOR,
-    CreateSettings,
     Factories,
-    find_factory,
+    create_component,
 )
 from tokentrace.collector.config import CollectorConfig
 from tokentrace.collector.consumer import Unavailable
@@ -230,16 +229,13 @@ class Pipeline:
         assembler: TraceAssembler | None = None
         self._processors: list[tuple[str, RecordProcessor]] = []
         for component in config.processors:
-            settings = CreateSettings(
-                id=component.id,
-                kind=KIND_PROCESSOR,
+            made = create_component(
+                factories,
+                component,
                 telemetry=self.telemetry,
                 collector_config=config,
                 clock=monotonic,
                 wall_clock=wall_clock,
-            )
-            made = find_factory(factories, KIND_PROCESSOR, component.type).create(
-                component.config, settings
             )
             if isinstance(made, TraceAssembler):
                 assembler = made
@@ -379,12 +375,9 @@ class Pipeline:
             record = self._budgeted(whole, timeline)
             if record is None:
                 continue
+            earlier = recorded.get(timeline.span_id)
             for name, processor in self._processors:
-                if processor.reprocess is None:
-                    self._guarded(name, processor.process, record)
-                else:
-                    again = partial(_reprocess, processor.reprocess, recorded.get(timeline.span_id))
-                    self._guarded(name, again, record)
+                self._guarded(name, partial(processor.reprocess, recorded=earlier), record)
             records.append(record)
         self._enrich(fragment.spans, records)
         return ProcessedTrace(
@@ -484,11 +477,3 @@ class Pipeline:
             self._worker.join(timeout_s)
         self.process_once(flush_all=True)
         self.housekeeping(final=True)
-
-
-def _reprocess(
-    reprocess: Callable[[RequestRecord, RequestMetrics | None], None],
-    recorded: RequestMetrics | None,
-    record: RequestRecord,
-) -> None:
-    reprocess(record, recorded)

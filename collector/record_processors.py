@@ -31,11 +31,19 @@ class RecordProcessor:
     """What a processor factory makes (all but ``assembly``, which makes the assembler)."""
 
     process: RequestProcessor
-    reprocess: RederivedRequestProcessor | None = None
-    """For a re-derived request; None: ``process`` it again."""
+    rederive: RederivedRequestProcessor | None = None
+    """For a re-derived request, where ``process`` again would not do (see ``reprocess``)."""
     percentile_store: PercentileStore | None = None
     """The ``percentiles`` processor's sketches: the pipeline hands their slices and histograms
     to the exporters on each tick."""
+
+    def reprocess(self, record: RequestRecord, recorded: RequestMetrics | None) -> None:
+        """A request derived again (a late span joined it), with what its earlier derivation
+        measured: ``rederive`` it, or (without one) ``process`` it again."""
+        if self.rederive is None:
+            self.process(record)
+        else:
+            self.rederive(record, recorded)
 
 
 def slo_processor(targets: Sequence[SloTarget]) -> RequestProcessor:

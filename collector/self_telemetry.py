@@ -313,9 +313,22 @@ class ComponentTelemetry:
         self._registry = registry
         self._component = component
 
-    @property
-    def component_id(self) -> str:
-        return self._component.id
+    def part(
+        self, *, snapshot_prefix: str, attributes: Mapping[str, str] | None = None
+    ) -> ComponentTelemetry:
+        """A view of one part of the same component (an exporter's signal): its snapshot keys
+        add ``snapshot_prefix`` after the component's, its data points add ``attributes``."""
+        component = self._component
+        merged = {**dict(component.attributes), **(attributes or {})}
+        return ComponentTelemetry(
+            self._registry,
+            _Component(
+                component.id,
+                component.kind,
+                component.snapshot_prefix + snapshot_prefix,
+                tuple(sorted(merged.items())),
+            ),
+        )
 
     def counter(self, name: str, *, description: str, unit: str = UNIT_COUNT) -> Counter:
         counter = Counter()

@@ -27,9 +27,8 @@ from tokentrace.collector.component import (
     KIND_RECEIVER,
     Component,
     ComponentConfig,
-    CreateSettings,
     Factories,
-    find_factory,
+    create_component,
 )
 from tokentrace.collector.config import CollectorConfig, ConfigError, load_config
 from tokentrace.collector.factories import FACTORIES
@@ -146,17 +145,15 @@ class Collector:
             raise
 
     def _create(self, component: ComponentConfig, *, consumer: TraceConsumer | None = None) -> Any:
-        settings = CreateSettings(
-            id=component.id,
-            kind=component.kind,
+        return create_component(
+            self._factories,
+            component,
             telemetry=self.telemetry,
             collector_config=self.config,
             clock=self._clock,
             wall_clock=self._wall_clock,
             consumer=consumer,
         )
-        factory = find_factory(self._factories, component.kind, component.type)
-        return factory.create(component.config, settings)
 
     def flush(self) -> None:
         """Finish and export every pending trace now (tests, the demo, shutdown)."""

@@ -15,9 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from tokentrace.agent import semconv
-from tokentrace.collector.component import KIND_EXPORTER
 from tokentrace.collector.component_configs import StoreConfig
-from tokentrace.collector.self_telemetry import SelfTelemetry, metric_key
+from tokentrace.collector.self_telemetry import ComponentTelemetry, metric_key
 from tokentrace.collector.store import (
     META_COLLECTOR_STARTED_NS,
     META_COLLECTOR_STATS,
@@ -40,8 +39,8 @@ _DEFAULT_PRUNE_INTERVAL_S = 10.0
 _PRUNE_BUDGET_S = 0.5
 _DEFAULT_REJECT_LOG_INTERVAL_S = 60.0
 """Left-out records are logged at most this often (the counters say how many)."""
-_DEFAULT_COMPONENT_ID: Final = "store"
-_SNAPSHOT_PREFIX: Final = "StoreSink."
+SNAPSHOT_PREFIX: Final = "StoreSink."
+"""What the view given to ``StoreSink`` prefixes its snapshot keys with."""
 _COUNTERS: Final = {
     semconv.SELF_METRIC_WRITTEN_REQUESTS: "requests written",
     semconv.SELF_METRIC_REJECTED_RECORDS: "requests the store left out",
@@ -61,12 +60,11 @@ class StoreSink:
         slo_targets: Sequence[SloTarget] = (),
         diagnosis: DiagnosisConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
-        telemetry: SelfTelemetry | None = None,
-        component_id: str = _DEFAULT_COMPONENT_ID,
+        telemetry: ComponentTelemetry | None = None,
     ) -> None:
         """Opens the store (the pipeline's look-up of stored spans works from here on).
-        ``telemetry``: the collector's registry, which the counters (``stats()``) are reported
-        to under ``component_id``."""
+        ``telemetry``: this exporter's view of the collector's registry (snapshot prefix
+        ``SNAPSHOT_PREFIX``), which the counters (``stats()``) are reported to."""
         self._store = RequestStore(
             config.path, retention_s=config.retention_s, max_requests=config.max_requests
         )
@@ -80,10 +78,7 @@ class StoreSink:
         self._store.set_meta(META_DIAGNOSIS, diagnosis_to_json(diagnosis or DiagnosisConfig()))
         self._store.set_meta(META_COLLECTOR_STARTED_NS, str(time.time_ns()))
         if telemetry is not None:
-            view = telemetry.component(
-                component_id, KIND_EXPORTER, snapshot_prefix=_SNAPSHOT_PREFIX
-            )
-            view.observe(self.stats, counters=_COUNTERS)
+            telemetry.observe(self.stats, counters=_COUNTERS)
 
     @property
     def store(self) -> RequestStore:

@@ -10,17 +10,16 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from tokentrace.agent import semconv
-from tokentrace.collector.component import KIND_EXPORTER
 from tokentrace.collector.component_configs import UpstreamConfig
 from tokentrace.collector.exporters.otlp import OtlpMetricExporter, OtlpTraceExporter
-from tokentrace.collector.self_telemetry import SelfTelemetry
+from tokentrace.collector.self_telemetry import ComponentTelemetry
 
 if TYPE_CHECKING:
     from tokentrace.collector.pipeline import PipelineTick, ProcessedTrace
 
 _COLLECTOR_SERVICE_NAME: Final = "tokentrace-collector"
-_DEFAULT_COMPONENT_ID: Final = "otlp"
-_SNAPSHOT_PREFIX: Final = "UpstreamSink."
+SNAPSHOT_PREFIX: Final = "UpstreamSink."
+"""What the view given to ``UpstreamSink`` prefixes its snapshot keys with (then the signal)."""
 _TRACES: Final = "traces"
 _METRICS: Final = "metrics"
 _QUEUE_LEN: Final = {semconv.SELF_METRIC_QUEUE_LEN: "items waiting to be sent"}
@@ -46,11 +45,11 @@ class UpstreamSink:
         config: UpstreamConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
-        telemetry: SelfTelemetry | None = None,
-        component_id: str = _DEFAULT_COMPONENT_ID,
+        telemetry: ComponentTelemetry | None = None,
     ) -> None:
-        """``telemetry``: the collector's registry, which each sender's counters are reported to
-        under ``component_id``, with the signal as an attribute."""
+        """``telemetry``: this exporter's view of the collector's registry (snapshot prefix
+        ``SNAPSHOT_PREFIX``), which each sender's counters are reported to, with the signal as
+        an attribute."""
         self._traces = OtlpTraceExporter(config.exporter)
         self._metrics = OtlpMetricExporter(config.exporter)
         self._interval_s = config.metrics_interval_s
@@ -63,11 +62,8 @@ class UpstreamSink:
         }
         if telemetry is not None:
             for signal, exporter in ((_TRACES, self._traces), (_METRICS, self._metrics)):
-                view = telemetry.component(
-                    component_id,
-                    KIND_EXPORTER,
-                    snapshot_prefix=f"{_SNAPSHOT_PREFIX}{signal}.",
-                    attributes={semconv.SELF_ATTR_SIGNAL: signal},
+                view = telemetry.part(
+                    snapshot_prefix=f"{signal}.", attributes={semconv.SELF_ATTR_SIGNAL: signal}
                 )
                 view.observe(exporter.stats, counters=_SENDER_COUNTERS[signal], gauges=_QUEUE_LEN)
 

@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from tests.collector.test_self_telemetry import attributes
 from tests.collector.test_store import assembled, make_record
 from tests.collector.upstream import FLUSH_S, UpstreamOtlp, exporter_options
 from tests.spanbuild import request_spans
 from tokentrace.agent import semconv
+from tokentrace.collector.api.server import ApiServer
 from tokentrace.collector.assembly import TraceAssembler
 from tokentrace.collector.component import (
     KIND_EXPORTER,
@@ -35,7 +37,6 @@ from tokentrace.collector.component_configs import (
     OtlpReceiverConfig,
     PercentilesProcessorConfig,
     ReceiverConfig,
-    SloProcessorConfig,
     StoreConfig,
     UiConfig,
     UpstreamConfig,
@@ -44,9 +45,11 @@ from tokentrace.collector.config import parse_config
 from tokentrace.collector.consumer import Unavailable
 from tokentrace.collector.exporters.otlp import OtlpExporterConfig
 from tokentrace.collector.exporters.store_sink import StoreSink
+from tokentrace.collector.exporters.upstream_sink import SNAPSHOT_PREFIX as UPSTREAM_SNAPSHOT_PREFIX
 from tokentrace.collector.exporters.upstream_sink import UpstreamSink
 from tokentrace.collector.factories import FACTORIES
 from tokentrace.collector.pipeline import Pipeline, PipelineTick, ProcessedTrace
+from tokentrace.collector.receivers.otlp import OtlpReceiver
 from tokentrace.collector.record_processors import RecordProcessor
 from tokentrace.collector.self_telemetry import SelfTelemetry
 from tokentrace.collector.service import Collector
@@ -82,6 +85,19 @@ def test_the_table_holds_one_factory_per_kind_and_type() -> None:
     ]
 
 
+_MADE: dict[tuple[str, str], type] = {
+    (KIND_RECEIVER, "otlp"): OtlpReceiver,
+    (KIND_PROCESSOR, "assembly"): TraceAssembler,
+    (KIND_PROCESSOR, "slo"): RecordProcessor,
+    (KIND_PROCESSOR, "diagnosis"): RecordProcessor,
+    (KIND_PROCESSOR, "percentiles"): RecordProcessor,
+    (KIND_EXPORTER, "store"): StoreSink,
+    (KIND_EXPORTER, "otlp"): UpstreamSink,
+    (KIND_EXTENSION, "ui"): ApiServer,
+}
+"""What each factory must make."""
+
+
 def _from_defaults(factory: Factory[Any], tmp_path: Path, upstream: UpstreamOtlp) -> Any:
     """The factory's default config, where a default cannot run here: a store in ``tmp_path``,
     an upstream endpoint (the ``otlp`` exporter has none by default)."""
@@ -111,13 +127,10 @@ def test_every_factory_makes_its_component_from_defaults(
         collector_config=collector_config,
         consumer=Pipeline(collector_config) if factory.kind == KIND_RECEIVER else None,
     )
-    component = factory.create(config, settings)
-    if factory.kind == KIND_PROCESSOR:
-        assert isinstance(component, TraceAssembler | RecordProcessor)
-    else:  # made, not started: nothing is bound yet
-        assert callable(component.start) and callable(component.shutdown)
-        if factory.kind == KIND_EXPORTER:
-            component.shutdown(timeout_s=FLUSH_S)
+    component = factory.create(config, settings)  # made, not started: nothing is bound yet
+    assert isinstance(component, _MADE[(factory.kind, factory.type)])
+    if factory.kind == KIND_EXPORTER:
+        component.shutdown(timeout_s=FLUSH_S)
     # Reading an empty section gives the defaults.
     empty = ConfigSection({}, f"{factory.kind}s.{factory.type}", ConfigContext(environ={}))
     if factory.kind == KIND_EXPORTER and factory.type == "otlp":
@@ -158,7 +171,6 @@ _TARGET = SloTarget(name="t", metric="ttft", percentile=95, threshold_ns=1)
         (AssemblyConfig(root_grace_s=-1), "root_grace"),
         (AssemblyConfig(max_traces=0), "max_traces"),
         (AssemblyConfig(max_pending_spans=0), "max_pending_spans"),
-        (SloProcessorConfig(targets=(_TARGET, _TARGET)), "targets"),
         (DiagnosisProcessorConfig(settings=DiagnosisConfig(tie_ratio=0.001)), "tie_ratio"),
         (
             DiagnosisProcessorConfig(settings=DiagnosisConfig(bandwidth_bound_ratio=1.5)),
@@ -220,6 +232,33 @@ def test_loading_puts_the_section_path_before_validate_errors(raw: Any, path: st
     with pytest.raises(ConfigError) as error:
         parse_config(raw, environ={})
     assert str(error.value).startswith(path)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"processors": {"diagnosis": {"long_prompt_tokens": "x"}}},
+            "processors.diagnosis.long_prompt_tokens: expected an integer, got 'x'",
+        ),
+        (
+            {"processors": {"diagnosis": {"tie_ratio": "x"}}},
+            "processors.diagnosis.tie_ratio: expected a number, got 'x'",
+        ),
+    ],
+)
+def test_a_diagnosis_key_of_the_wrong_type_is_named_once(raw: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        parse_config(raw, environ={})
+    assert str(error.value) == message
+
+
+def test_duplicate_slo_targets_are_rejected_when_read() -> None:
+    target = {"name": "fast", "metric": "ttft", "percentile": 99, "threshold": "1s"}
+    with pytest.raises(
+        ConfigError, match=r"^processors\.slo\.targets\[1\]\.name: duplicate target name"
+    ):
+        parse_config({"processors": {"slo": {"targets": [target, dict(target)]}}}, environ={})
 
 
 # Exactly what an earlier collector stored as its diagnosis settings (META_DIAGNOSIS).
@@ -463,10 +502,6 @@ def metric_points(upstream: UpstreamOtlp, name: str) -> list[Any]:
     ]
 
 
-def point_attributes(point: Any) -> dict[str, str]:
-    return {kv.key: kv.value.string_value for kv in point.attributes}
-
-
 def test_the_otlp_exporter_sends_the_self_telemetry_with_the_percentiles(
     upstream: UpstreamOtlp,
 ) -> None:
@@ -474,8 +509,9 @@ def test_the_otlp_exporter_sends_the_self_telemetry_with_the_percentiles(
     options = exporter_options(upstream.http_endpoint, "http/protobuf")
     sink = UpstreamSink(
         UpstreamConfig(exporter=OtlpExporterConfig(**options), metrics_interval_s=3600),
-        telemetry=telemetry,
-        component_id="otlp/tempo",
+        telemetry=telemetry.component(
+            "otlp/tempo", KIND_EXPORTER, snapshot_prefix=UPSTREAM_SNAPSHOT_PREFIX
+        ),
     )
     pipeline = Pipeline(
         parse_config({}, environ={}), sinks={"otlp/tempo": sink}, telemetry=telemetry
@@ -492,15 +528,15 @@ def test_the_otlp_exporter_sends_the_self_telemetry_with_the_percentiles(
     assert resource[semconv.SERVICE_NAME] == "tokentrace-collector"
     (requests,) = metric_points(upstream, semconv.SELF_METRIC_REQUESTS)
     assert requests.as_int == 1
-    assert point_attributes(requests) == {
+    assert attributes(requests) == {
         semconv.SELF_ATTR_COMPONENT_ID: "traces",
         semconv.SELF_ATTR_COMPONENT_KIND: "pipeline",
     }
     (received,) = metric_points(upstream, semconv.SELF_METRIC_RECEIVED_SPANS)
     assert received.as_int == len(request.resource_spans[0].scope_spans[0].spans)
-    assert point_attributes(received)[semconv.SELF_ATTR_COMPONENT_ID] == "assembly"
+    assert attributes(received)[semconv.SELF_ATTR_COMPONENT_ID] == "assembly"
     (sent,) = metric_points(upstream, semconv.SELF_METRIC_SENT_SPANS)
-    assert point_attributes(sent) == {
+    assert attributes(sent) == {
         semconv.SELF_ATTR_COMPONENT_ID: "otlp/tempo",
         semconv.SELF_ATTR_COMPONENT_KIND: KIND_EXPORTER,
         semconv.SELF_ATTR_SIGNAL: "traces",
