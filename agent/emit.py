@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tokentrace.agent.otlp_export import RateLimitedWarning
-from tokentrace.agent.recorder import ClockDomain, RequestTimer, to_finished_request
+from tokentrace.agent.recorder import MonotonicToUnix, RequestTimer, to_finished_request
 from tokentrace.agent.span_encoding import SpanBatchEncoder
 from tokentrace.agent.spans import DEFAULT_MAX_TOKEN_OFFSETS, DeferredSpans, SpanJob
 
@@ -54,7 +54,7 @@ class SpanEmitter:
         max_batch: int = _DEFAULT_MAX_BATCH,
         interval_s: float = _DEFAULT_INTERVAL_S,
         max_token_offsets: int = DEFAULT_MAX_TOKEN_OFFSETS,
-        clock_domain: ClockDomain | None = None,
+        to_unix: MonotonicToUnix | None = None,
         has_room: HasRoom | None = None,
     ) -> None:
         """``has_room``: checked before a batch is encoded (with its request count, a lower
@@ -70,7 +70,7 @@ class SpanEmitter:
         self._max_queue = max_queue
         self._max_batch = max_batch
         self._interval_s = interval_s
-        self._clock = clock_domain or ClockDomain()
+        self._clock = to_unix or MonotonicToUnix()
         # Each counter has one writer: the serving path (dropped_queue_full) or the emitter thread.
         self.handed_to_sender_requests = 0
         """Requests whose spans the sender accepted for export (not necessarily delivered: the

@@ -95,6 +95,7 @@ class FinishedRequest:
     as ``arrival_ns``. The time between the two (the hand-off to the engine) is part of the
     collector's ``http`` segment."""
     first_scheduled_ns: int | None = None
+    """When the engine first scheduled the request: the end of ``llm.queue``."""
     first_token_ns: int | None = None
     last_token_ns: int | None = None
     token_offsets_us: list[int] = field(default_factory=list)
@@ -115,7 +116,7 @@ class FinishedRequest:
     temperature: float | None = None
     top_p: float | None = None
     finish_reason: str | None = None
-    error: str | None = None
+    status_error: str | None = None
     """Why the request did not complete normally (e.g. ``client disconnected``); the span's status
     becomes ERROR with this message."""
 

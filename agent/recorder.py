@@ -6,9 +6,9 @@ one list append per event: no span objects, no locks, no I/O. When a request fin
 everything else - clock-domain conversion, span building, encoding, export - happens once per
 request on the emitter's thread.
 
-Clock domains: timers hold ``time.monotonic_ns()`` readings (comparable across the processes of
-one host on Linux, which is how vLLM's frontend and engine core agree); ``ClockDomain`` maps them
-to Unix time once per request with an offset it re-measures periodically, so a wall-clock step
+Clocks: timers hold ``time.monotonic_ns()`` readings (comparable across the processes of one host
+on Linux, which is how vLLM's frontend and engine core agree); ``MonotonicToUnix`` maps them to
+Unix time once per request with an offset it re-measures periodically, so a wall-clock step
 (NTP) never reorders the phases of a request.
 """
 
@@ -41,7 +41,7 @@ PROMPT_TOKEN_IDS = "prompt_token_ids"
 hands over, not a copy): the emitter's thread hashes their prefix, the serving path does not."""
 
 
-class ClockDomain:
+class MonotonicToUnix:
     """Monotonic nanoseconds -> Unix nanoseconds, with an offset measured at most every 10 s."""
 
     def __init__(
@@ -87,14 +87,16 @@ class RequestTimer:
     arrival_ns: int
     queued_ns: int | None = None
     """When the engine queued the request (engine arrival); None: not reported."""
-    scheduled_ns: int | None = None
+    first_scheduled_ns: int | None = None
+    """When the engine first scheduled the request (the end of its queue wait)."""
     token_ns: list[int] = field(default_factory=list)
-    chunks: list[tuple[int, int, int]] = field(default_factory=list)
+    prefill_chunks: list[tuple[int, int, int]] = field(default_factory=list)
     """(start, end, tokens) per prefill chunk."""
     preempted_ns: list[tuple[int, int]] = field(default_factory=list)
     preempted_since_ns: int | None = None
     end_ns: int | None = None
-    error: str | None = None
+    status_error: str | None = None
+    """Why the request failed (the ``llm.request`` span's ERROR status); None: it did not."""
     trace_id: bytes = b""
     parent_span_id: bytes = b""
     span_id: bytes = b""
@@ -117,7 +119,7 @@ class RequestTimer:
             self.preempted_since_ns = None
 
 
-def to_finished_request(timer: RequestTimer, clock: ClockDomain) -> FinishedRequest:
+def to_finished_request(timer: RequestTimer, clock: MonotonicToUnix) -> FinishedRequest:
     """The request in Unix time, for the span builder (runs on the emitter's thread)."""
     unix = clock.to_unix_ns
     end_ns = timer.end_ns if timer.end_ns is not None else timer.arrival_ns
@@ -136,13 +138,15 @@ def to_finished_request(timer: RequestTimer, clock: ClockDomain) -> FinishedRequ
         arrival_ns=unix(timer.arrival_ns),
         end_ns=unix(end_ns),
         queued_ns=None if timer.queued_ns is None else unix(timer.queued_ns),
-        first_scheduled_ns=None if timer.scheduled_ns is None else unix(timer.scheduled_ns),
+        first_scheduled_ns=None
+        if timer.first_scheduled_ns is None
+        else unix(timer.first_scheduled_ns),
         first_token_ns=None if first is None else unix(first),
         last_token_ns=None if first is None else unix(tokens[-1]),
         token_offsets_us=[] if first is None else [(t - first) // _NS_PER_US for t in tokens],
-        prefill_chunks=[PrefillChunk(unix(s), unix(e), n) for s, e, n in timer.chunks],
+        prefill_chunks=[PrefillChunk(unix(s), unix(e), n) for s, e, n in timer.prefill_chunks],
         preempted=[(unix(s), unix(e)) for s, e in timer.preempted_ns],
-        error=timer.error,
+        status_error=timer.status_error,
         ready_ns=None if timer.ready_ns is None else unix(timer.ready_ns),
         cold_start_link=timer.cold_start_link,
     )
@@ -160,12 +164,12 @@ def _last_seen_ns(timer: RequestTimer) -> int:
     seen = [timer.arrival_ns]
     if timer.queued_ns is not None:
         seen.append(timer.queued_ns)
-    if timer.scheduled_ns is not None:
-        seen.append(timer.scheduled_ns)
+    if timer.first_scheduled_ns is not None:
+        seen.append(timer.first_scheduled_ns)
     if timer.token_ns:
         seen.append(timer.token_ns[-1])
-    if timer.chunks:
-        seen.append(timer.chunks[-1][1])
+    if timer.prefill_chunks:
+        seen.append(timer.prefill_chunks[-1][1])
     if timer.preempted_ns:
         seen.append(timer.preempted_ns[-1][1])
     if timer.preempted_since_ns is not None:
@@ -252,7 +256,7 @@ class Recorder:
                 continue
             self._in_flight.pop(timer.request_id, None)
             timer.end_ns = _last_seen_ns(timer)  # not now: that would add max_age_s of nothing
-            timer.error = EXPIRED_ERROR
+            timer.status_error = EXPIRED_ERROR
             self._sink(timer)
             count += 1
         if count:
@@ -267,13 +271,13 @@ class Recorder:
     def get(self, request_id: str) -> RequestTimer | None:
         return self._in_flight.get(request_id)
 
-    def finish(self, request_id: str, *, error: str | None = None) -> None:
+    def finish(self, request_id: str, *, status_error: str | None = None) -> None:
         timer = self._in_flight.pop(request_id, None)
         if timer is None:
             return
         timer.end_ns = self.clock()
-        if error is not None:
-            timer.error = error
+        if status_error is not None:
+            timer.status_error = status_error
         self._sink(timer)
 
     @property

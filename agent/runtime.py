@@ -18,7 +18,7 @@ from tokentrace.agent.config import AgentConfig, load_agent_config
 from tokentrace.agent.emit import SpanEmitter
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.otlp_export import OtlpSender
-from tokentrace.agent.recorder import ClockDomain, Recorder
+from tokentrace.agent.recorder import MonotonicToUnix, Recorder
 
 if TYPE_CHECKING:
     from tokentrace.agent.frameworks.vllm_engine import EngineStepTracer
@@ -40,7 +40,7 @@ class AgentRuntime:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.guard = HookGuard()
-        self.clock = ClockDomain()
+        self.clock = MonotonicToUnix()
         """The process's one monotonic -> Unix mapping: spans and instrumentations share it."""
         self.sender = OtlpSender(config.exporter, signal="traces")
         self.emitter = SpanEmitter(
@@ -50,7 +50,7 @@ class AgentRuntime:
             scope_version=_package_version(),
             max_queue=config.max_queue,
             max_token_offsets=config.max_token_offsets,
-            clock_domain=self.clock,
+            to_unix=self.clock,
             has_room=self.sender.has_room,
         )
         self.recorder = Recorder(
@@ -74,7 +74,7 @@ class AgentRuntime:
             self._engine_step_tracer = EngineStepTracer(
                 self.emitter.submit,
                 guard=self.guard,
-                clock_domain=self.clock,
+                to_unix=self.clock,
                 ring_steps=self.config.engine_steps,
                 sample_rate=self.config.step_sample_rate,
                 outlier_ratio=self.config.itl_outlier_ratio,

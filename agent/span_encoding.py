@@ -410,8 +410,8 @@ class _SpanWriter:
                 append(_attribute(key, _any_value(value)))
         for linked_trace_id, linked_span_id in planned.links:
             append(_link(linked_trace_id, linked_span_id))
-        if planned.error is not None:
-            append(_status_error(planned.error))
+        if planned.status_error is not None:
+            append(_status_error(planned.status_error))
         body = b"".join(parts)
         return _TAG_SCOPE_SPANS_SPAN + _varint(len(body)) + body
 

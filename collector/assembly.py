@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from tokentrace.agent import semconv
 from tokentrace.collector.consumer import Overloaded
-from tokentrace.collector.self_telemetry import ComponentTelemetry, metric_key
+from tokentrace.collector.self_telemetry import ComponentTelemetry
 from tokentrace.processors.model import AssembledTrace, SpanRef
 
 _RECENTLY_FINISHED_CAP = 100_000
@@ -86,32 +86,40 @@ class TraceAssembler:
         self._pending_spans = 0
         self.stats = AssemblyStats()
         if telemetry is not None:
-            telemetry.observe(
-                self._observed,
+            telemetry.observe_each(
                 counters={
-                    semconv.SELF_METRIC_RECEIVED_SPANS: "spans accepted for assembly",
-                    semconv.SELF_METRIC_TRACES_FINISHED_EARLY: "traces finished at max_traces",
-                    semconv.SELF_METRIC_SPANS_DROPPED_TRACE_FULL: "spans dropped: trace full",
-                    semconv.SELF_METRIC_LATE_SPANS: "spans after their trace was finished",
-                    semconv.SELF_METRIC_REFUSED_BATCHES: "batches refused: too many pending",
+                    semconv.SELF_METRIC_RECEIVED_SPANS: (
+                        "spans accepted for assembly",
+                        lambda: self.stats.received_spans,
+                    ),
+                    semconv.SELF_METRIC_TRACES_FINISHED_EARLY: (
+                        "traces finished at max_traces",
+                        lambda: self.stats.traces_finished_early,
+                    ),
+                    semconv.SELF_METRIC_SPANS_DROPPED_TRACE_FULL: (
+                        "spans dropped: trace full",
+                        lambda: self.stats.spans_dropped,
+                    ),
+                    semconv.SELF_METRIC_LATE_SPANS: (
+                        "spans after their trace was finished",
+                        lambda: self.stats.late_spans,
+                    ),
+                    semconv.SELF_METRIC_REFUSED_BATCHES: (
+                        "batches refused: too many pending",
+                        lambda: self.stats.refused_batches,
+                    ),
                 },
                 gauges={
-                    semconv.SELF_METRIC_PENDING_SPANS: "spans waiting for their trace",
-                    semconv.SELF_METRIC_PENDING_TRACES: "traces being assembled",
+                    semconv.SELF_METRIC_PENDING_SPANS: (
+                        "spans waiting for their trace",
+                        lambda: self._pending_spans,
+                    ),
+                    semconv.SELF_METRIC_PENDING_TRACES: (
+                        "traces being assembled",
+                        lambda: len(self._pending),
+                    ),
                 },
             )
-
-    def _observed(self) -> dict[str, int]:
-        stats = self.stats
-        return {
-            metric_key(semconv.SELF_METRIC_RECEIVED_SPANS): stats.received_spans,
-            metric_key(semconv.SELF_METRIC_TRACES_FINISHED_EARLY): stats.traces_finished_early,
-            metric_key(semconv.SELF_METRIC_SPANS_DROPPED_TRACE_FULL): stats.spans_dropped,
-            metric_key(semconv.SELF_METRIC_LATE_SPANS): stats.late_spans,
-            metric_key(semconv.SELF_METRIC_REFUSED_BATCHES): stats.refused_batches,
-            metric_key(semconv.SELF_METRIC_PENDING_SPANS): self._pending_spans,
-            metric_key(semconv.SELF_METRIC_PENDING_TRACES): len(self._pending),
-        }
 
     @property
     def pending_spans(self) -> int:

@@ -15,11 +15,14 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Final, TextIO
+from typing import TYPE_CHECKING, Any, Final, TextIO
 
 # Standard library only, like this module.
 from tokentrace.agent import semconv
 from tokentrace.processors.durations import parse_duration_ns
+
+if TYPE_CHECKING:
+    from tokentrace.collector.store.document import RequestDocument
 
 _DEFAULT_STORE: Final = "./tokentrace.db"
 _DEFAULT_WINDOW_S: Final = 60.0
@@ -212,7 +215,7 @@ class ExplainCommand:
         return _EXIT_OK
 
     @staticmethod
-    def _print_list(docs: list[dict[str, Any]], args: argparse.Namespace) -> int:
+    def _print_list(docs: list[RequestDocument], args: argparse.Namespace) -> int:
         if args.json:
             _emit(json.dumps(docs, indent=2) + "\n")
         else:

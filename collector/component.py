@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
+from tokentrace.collector.receivers import split_endpoint
 from tokentrace.processors.durations import parse_duration_ns
 
 if TYPE_CHECKING:
@@ -78,9 +79,11 @@ def check_range(
 
 
 def check_endpoint(key: str, endpoint: str) -> None:
-    host, sep, port = endpoint.rpartition(":")
-    well_formed = bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
-    check(well_formed, key, f"expected HOST:PORT, got {endpoint!r}")
+    """A listening endpoint, as the receivers parse it (``receivers.split_endpoint``)."""
+    try:
+        split_endpoint(endpoint)
+    except ValueError as error:
+        raise ConfigError(f"{key}: {error}") from None
 
 
 def check_tls_pair(key: str, cert_file: str | None, key_file: str | None) -> None:

@@ -214,13 +214,12 @@ class DiagnosisProcessorConfig:
     settings: DiagnosisConfig = field(default_factory=DiagnosisConfig)
 
     def validate(self) -> None:
-        settings = self.settings
-        check_range("long_prompt_tokens", settings.long_prompt_tokens, low=1)
-        check_range("bandwidth_bound_ratio", settings.bandwidth_bound_ratio, low=0.0, high=1.0)
-        check_range("itl_outlier_ratio", settings.itl_outlier_ratio, low=1.0)
-        check_range("itl_tail_spike_ratio", settings.itl_tail_spike_ratio, low=1.0)
-        check_range("interference_share", settings.interference_share, low=0.0, high=1.0)
-        check_range("tie_ratio", settings.tie_ratio, low=0.01, high=1.0)
+        """``DiagnosisConfig.validate``'s limits (their one home), as a ``ConfigError``: its
+        messages start with the field's name, which is the YAML key."""
+        try:
+            self.settings.validate()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
     @classmethod
     def from_section(cls, section: ConfigSection) -> DiagnosisProcessorConfig:
@@ -230,8 +229,8 @@ class DiagnosisProcessorConfig:
         itl_tail_spike_ratio = defaults.itl_tail_spike_ratio
         if _DEPRECATED_ITL_SPIKE_RATIO in section.raw:
             itl_outlier_ratio = itl_tail_spike_ratio = _deprecated_itl_spike_ratio(section)
-        # The getters' errors already name the full path; only DiagnosisConfig's own checks
-        # (made when it is built) need the section's path put in front.
+        # The getters' errors already name the full path; only DiagnosisConfig's own limits
+        # (checked when it is built, by the ``validate`` above) need the section's path in front.
         long_prompt_tokens = section.integer("long_prompt_tokens", defaults.long_prompt_tokens)
         bandwidth_bound_ratio = section.number(
             "bandwidth_bound_ratio", defaults.bandwidth_bound_ratio
@@ -249,7 +248,7 @@ class DiagnosisProcessorConfig:
                 interference_share=interference_share,
                 tie_ratio=tie_ratio,
             )
-        except ValueError as error:  # DiagnosisConfig checks some values when made
+        except ValueError as error:  # "tie_ratio: ...": DiagnosisConfig checks its limits
             raise ConfigError(f"{section.where}.{error}") from None
         return cls(settings=settings)
 

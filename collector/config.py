@@ -282,16 +282,12 @@ def parse_config(
     )
     if not receiver_ids:
         raise ConfigError(f"{traces.path('receivers')}: the pipeline needs a receiver")
-    _check_processor_order(processor_ids, types[KIND_PROCESSOR], traces.path("processors"))
+    processor_ids = _run_order(processor_ids, types[KIND_PROCESSOR], traces.path("processors"))
     _one_per_type(receiver_ids, traces.path("receivers"))
     _one_per_type(processor_ids, traces.path("processors"))
     stores = [n for n in exporter_ids if component_type(n) == _STORE]
     if len(stores) > 1:
         raise ConfigError(f"{traces.path('exporters')}: one store exporter at most, got {stores}")
-    # The pipeline always assembles: a list naming no processor still runs assembly.
-    processor_ids = processor_ids or [_ASSEMBLY]
-    rank = types[KIND_PROCESSOR]
-    processor_ids.sort(key=lambda n: rank.index(component_type(n)))
 
     def read(kind: str, ids: Sequence[str], section: ConfigSection) -> tuple[ComponentConfig, ...]:
         return tuple(
@@ -356,13 +352,21 @@ def _one_per_type(names: Sequence[str], path: str) -> None:
         by_type[type_name] = name
 
 
-def _check_processor_order(names: Sequence[str], rank: Sequence[str], path: str) -> None:
+def _run_order(names: Sequence[str], rank: Sequence[str], path: str) -> list[str]:
+    """The listed processors in the order they run: the factories' table order (``rank``).
+
+    A list must already name them in that order, but for the types ``_SAME_RANK`` lets swap
+    (diagnosis before slo), which are put in the table's order here; anything else out of
+    order is refused. No processor listed: assembly alone (the pipeline always assembles)."""
+    if not names:
+        return [_ASSEMBLY]
     types = [component_type(name) for name in names]
-    order = [rank.index(_SAME_RANK.get(t, t)) for t in types]
-    if order != sorted(order):
+    listed = [rank.index(_SAME_RANK.get(t, t)) for t in types]
+    if listed != sorted(listed):
         raise ConfigError(
             f"{path}: processors must run in the order {', '.join(rank)} "
             f"(each uses what the earlier ones derived); got {', '.join(names)}"
         )
-    if names and _ASSEMBLY not in types:
+    if _ASSEMBLY not in types:
         raise ConfigError(f"{path}: 'assembly' is required (it turns spans into requests)")
+    return sorted(names, key=lambda name: rank.index(component_type(name)))

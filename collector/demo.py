@@ -42,6 +42,8 @@ exporters:
   store: {path: STORE_PATH}
 """
 
+RUN_RECORD_NAME = "demo-run.json"
+"""The load's run record, in the demo's working directory."""
 _PORT_LINE = re.compile(r"OTLP/gRPC receiver listening on ([\d.]+):(\d+)")
 _DEFAULT_VLLM_REQUESTS = 96
 _DEFAULT_REPLAY_REQUESTS = 600
@@ -201,20 +203,22 @@ def run_vllm_load(collector_port: int, workdir: Path, *, requests: int) -> int:
     ) as server:
         print(f"    ready in {server.started_in_s:.0f} s at {server.base_url}")
         print(f"\n==> tokentrace load: {requests} streaming chat requests, 16 at a time")
-        sent = _load(server.base_url, collector_port, workdir, model_dir, requests=requests)
+        sent = load_with_client_spans(
+            server.base_url, collector_port, workdir, model_dir, requests=requests
+        )
         print(f"    {sent} requests completed")
     # Stopping the server flushes the agent's last spans to the collector.
     return sent
 
 
-def _load(
+def load_with_client_spans(
     base_url: str, collector_port: int, workdir: Path, model_dir: Path, *, requests: int
 ) -> int:
     """``tokentrace load`` with client spans to the collector; the requests that succeeded.
     The model's tokenizer makes prompt lengths exact: they must fit the tiny model's context."""
     from tokentrace.loadgen import record as run_record
 
-    record_path = workdir / "demo-run.json"
+    record_path = workdir / RUN_RECORD_NAME
     command = _tokentrace(
         "load", base_url,
         "--api", "chat", "--concurrency", "16", "--requests", str(requests),

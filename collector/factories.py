@@ -47,7 +47,6 @@ from tokentrace.collector.record_processors import (
     percentiles_processor,
     slo_processor,
 )
-from tokentrace.collector.self_telemetry import metric_key
 from tokentrace.processors.percentiles import PercentileStore
 
 if TYPE_CHECKING:
@@ -88,19 +87,20 @@ def _diagnosis(config: DiagnosisProcessorConfig, settings: CreateSettings) -> Re
 def _percentiles(config: PercentilesProcessorConfig, settings: CreateSettings) -> RecordProcessor:
     store = PercentileStore(config=config.settings, clock=settings.wall_clock)
 
-    def observed() -> dict[str, int]:
-        return {
-            metric_key(semconv.SELF_METRIC_PERCENTILE_KEYS_EVICTED): store.keys_evicted,
-            metric_key(semconv.SELF_METRIC_PERCENTILE_SLICES_DROPPED): store.slices_dropped,
-            metric_key(semconv.SELF_METRIC_PERCENTILE_RECORD_ERRORS): store.record_errors,
-        }
-
-    settings.component_telemetry().observe(
-        observed,
+    settings.component_telemetry().observe_each(
         counters={
-            semconv.SELF_METRIC_PERCENTILE_KEYS_EVICTED: "keys evicted at max_keys",
-            semconv.SELF_METRIC_PERCENTILE_SLICES_DROPPED: "slices dropped before export",
-            semconv.SELF_METRIC_PERCENTILE_RECORD_ERRORS: "requests not recorded",
+            semconv.SELF_METRIC_PERCENTILE_KEYS_EVICTED: (
+                "keys evicted at max_keys",
+                lambda: store.keys_evicted,
+            ),
+            semconv.SELF_METRIC_PERCENTILE_SLICES_DROPPED: (
+                "slices dropped before export",
+                lambda: store.slices_dropped,
+            ),
+            semconv.SELF_METRIC_PERCENTILE_RECORD_ERRORS: (
+                "requests not recorded",
+                lambda: store.record_errors,
+            ),
         },
     )
     return percentiles_processor(store)

@@ -1,9 +1,10 @@
 """Terminal rendering of request documents, and what every terminal view shares: pure functions.
 
-Dicts in, text out. The inputs are the store's request documents (``store.codec.record_to_dict``),
-so the CLI, an API and a web UI show the same verdict text and the same phases; the glyphs,
-colours and ms formatting here are also what the ``top`` view (``render_top.py``) draws with.
-Nothing here does I/O or imports the store.
+Documents in, text out. The inputs are the store's request documents (``RequestDocument``,
+``store.document``: what ``RequestStore.get`` and ``record_to_dict`` give), so the CLI, an API
+and a web UI show the same verdict text and the same phases; the glyphs, colours and ms
+formatting here are also what the ``top`` view (``render_top.py``) draws with. Nothing here does
+I/O or imports the store (its document types only for the type checker).
 """
 
 from __future__ import annotations
@@ -11,10 +12,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 from tokentrace.agent import semconv
 from tokentrace.processors.causes import NETWORK_NOT_MEASURED
+
+if TYPE_CHECKING:
+    from tokentrace.collector.store.document import (
+        MetricBudgetDoc,
+        MetricsDoc,
+        RequestDocument,
+        VerdictDoc,
+    )
 
 _LABEL_WIDTH: Final = 16
 _DURATION_WIDTH: Final = 12
@@ -116,10 +125,10 @@ class WaterfallRow:
         return sum(end - start for start, end in self.intervals_ms)
 
 
-def waterfall_rows(doc: Mapping[str, Any]) -> list[WaterfallRow]:
+def waterfall_rows(doc: RequestDocument) -> list[WaterfallRow]:
     """The phases of one request document, in time order, leaving out phases it did not have."""
-    timeline = doc.get("timeline") or {}
-    at: Mapping[str, float] = timeline.get("boundaries_ms") or {}
+    timeline = doc["timeline"]
+    at = timeline["boundaries_ms"]
     rows: list[WaterfallRow] = []
 
     def add(
@@ -168,7 +177,7 @@ def waterfall_rows(doc: Mapping[str, Any]) -> list[WaterfallRow]:
     first_token = at.get("first_token")
     add("queue", semconv.SEGMENT_QUEUE, [(queue_start, first_scheduled)])
 
-    chunks = timeline.get("prefill_chunks") or []
+    chunks = timeline["prefill_chunks"]
     if len(chunks) > 1:
         for index, chunk in enumerate(chunks, start=1):
             label = f"prefill {index}/{len(chunks)}"
@@ -178,22 +187,22 @@ def waterfall_rows(doc: Mapping[str, Any]) -> list[WaterfallRow]:
     else:
         add("prefill", semconv.SEGMENT_PREFILL, [(first_scheduled, first_token)])
 
-    preemptions = timeline.get("preemptions_ms") or []
+    preemptions = timeline["preemptions_ms"]
     add("preempted", semconv.SEGMENT_PREEMPTED, [(start, stop) for start, stop in preemptions])
 
     last_token = at.get("last_token")
     ticks: list[float] = []
     if first_token is not None:
-        ticks = [first_token + offset_us / 1000 for offset_us in doc.get("token_offsets_us", ())]
+        ticks = [first_token + offset_us / 1000 for offset_us in doc["token_offsets_us"]]
     add("decode", semconv.SEGMENT_DECODE, [(first_token, last_token)], ticks)
     # As in the budget: everything from the last token until the server sent the response.
     add("postprocess", semconv.SEGMENT_POSTPROCESS, [(last_token, server_end)])
     return rows
 
 
-def _axis_end_ms(doc: Mapping[str, Any], rows: Sequence[WaterfallRow]) -> float:
-    timeline = doc.get("timeline") or {}
-    ends = [float(v) for v in (timeline.get("boundaries_ms") or {}).values()]
+def _axis_end_ms(doc: RequestDocument, rows: Sequence[WaterfallRow]) -> float:
+    boundaries = doc["timeline"]["boundaries_ms"]
+    ends = [float(v) for v in boundaries.values() if isinstance(v, int | float)]
     ends += [end for row in rows for _, end in row.intervals_ms]
     return max(ends, default=0.0)
 
@@ -221,7 +230,7 @@ def draw_bar(
 
 
 def render_waterfall(
-    doc: Mapping[str, Any],
+    doc: RequestDocument,
     *,
     width: int = _DEFAULT_WIDTH,
     color: bool = False,
@@ -235,7 +244,8 @@ def render_waterfall(
         return ["(no phase timestamps recorded)"]
     axis_end = _axis_end_ms(doc, rows)
     bar_width = max(_MIN_BAR_WIDTH, width - _LABEL_WIDTH - _DURATION_WIDTH - 2)
-    highlight = waterfall_segment((chosen_verdict(doc, metric) or {}).get("segment"))
+    verdict = chosen_verdict(doc, metric)
+    highlight = None if verdict is None else waterfall_segment(verdict["segment"])
     lines: list[str] = []
     for row in rows:
         bar = draw_bar(row, axis_end_ms=axis_end, bar_width=bar_width, glyphs=glyphs)
@@ -252,11 +262,11 @@ def render_waterfall(
 
 
 def metric_budget_doc(
-    doc: Mapping[str, Any], metric: str, clock: str | None = None
-) -> tuple[str, Mapping[str, Any]] | None:
+    doc: RequestDocument, metric: str, clock: str | None = None
+) -> tuple[str, MetricBudgetDoc] | None:
     """(clock, ``{value_ms, segments}``) of one metric's budget in a request document: on
     ``clock``, else the client's when the document has it, else the server's."""
-    clocks: Mapping[str, Any] = (doc.get("budgets") or {}).get(metric) or {}
+    clocks: Mapping[str, MetricBudgetDoc] = doc["budgets"].get(metric) or {}
     for candidate in (clock,) if clock else (semconv.CLOCK_CLIENT, semconv.CLOCK_SERVER):
         found = clocks.get(candidate)
         if found:
@@ -264,7 +274,7 @@ def metric_budget_doc(
     return None
 
 
-def render_budget_table(doc: Mapping[str, Any], *, metric: str | None = None) -> list[str]:
+def render_budget_table(doc: RequestDocument, *, metric: str | None = None) -> list[str]:
     """Segment, ms, % of E2E and % of TTFT (both on the E2E budget's clock) for every segment
     the request spent time in; for a TPOT or ITL ``metric``, that metric's budget after it."""
     e2e = metric_budget_doc(doc, semconv.METRIC_E2E)
@@ -275,14 +285,14 @@ def render_budget_table(doc: Mapping[str, Any], *, metric: str | None = None) ->
     ttft = metric_budget_doc(doc, semconv.METRIC_TTFT, clock) or metric_budget_doc(
         doc, semconv.METRIC_TTFT
     )
-    e2e_ms = e2e_budget.get("value_ms")
-    ttft_ms = ttft[1].get("value_ms") if ttft else None
-    ttft_segments: Mapping[str, Any] = ttft[1].get("segments", {}) if ttft else {}
+    e2e_ms = e2e_budget["value_ms"]
+    ttft_ms = ttft[1]["value_ms"] if ttft else None
+    ttft_segments: Mapping[str, float] = ttft[1]["segments"] if ttft else {}
     heading = f"{clock}-seen E2E {format_ms(e2e_ms)}"
     if ttft is not None:
         heading += f", {ttft[0]}-seen TTFT {format_ms(ttft_ms)}"
     lines = [heading, f"{'segment':<14}{'ms':>12}{'% E2E':>9}{'% TTFT':>9}"]
-    for segment, value in (e2e_budget.get("segments") or {}).items():
+    for segment, value in e2e_budget["segments"].items():
         if not value:
             continue
         lines.append(
@@ -296,12 +306,12 @@ def render_budget_table(doc: Mapping[str, Any], *, metric: str | None = None) ->
         found = metric_budget_doc(doc, metric)
         if found is not None:
             metric_clock, budget = found
-            value_ms = budget.get("value_ms")
+            value_ms = budget["value_ms"]
             what = "per output token" if metric == semconv.METRIC_TPOT else "slow gaps together"
             lines.append("")
             lines.append(f"{metric_clock}-seen {metric.upper()} {format_ms(value_ms)} ({what})")
             lines.append(f"{'segment':<14}{'ms':>12}{'share':>9}")
-            for segment, value in (budget.get("segments") or {}).items():
+            for segment, value in budget["segments"].items():
                 if value:
                     lines.append(
                         f"{segment:<14}{format_ms(value, unit=False):>12}"
@@ -316,33 +326,32 @@ def _share(part: float | None, whole: float | None) -> str:
     return format_percent(part / whole)
 
 
-def chosen_verdict(doc: Mapping[str, Any], metric: str | None = None) -> Mapping[str, Any] | None:
+def chosen_verdict(doc: RequestDocument, metric: str | None = None) -> VerdictDoc | None:
     """The verdict about ``metric`` (None: the document's default verdict), or None."""
     if metric is None:
-        verdict: Mapping[str, Any] | None = doc.get("verdict")
-        return verdict
-    return (doc.get("verdicts") or {}).get(metric)
+        return doc["verdict"]
+    return doc["verdicts"].get(metric)
 
 
-def verdict_text(doc: Mapping[str, Any], metric: str | None = None) -> str:
+def verdict_text(doc: RequestDocument, metric: str | None = None) -> str:
     """The verdict sentence of a request document (the line every view leads with), about
     ``metric`` when given, else the default one."""
     verdict = chosen_verdict(doc, metric)
     if not verdict:
-        if metric is not None and doc.get("verdict"):
+        if metric is not None and doc["verdict"]:
             return f"no {metric.upper()} for this request"
         return "no diagnosis for this request"
-    return str(verdict.get("sentence") or verdict.get("cause") or "no diagnosis")
+    return verdict["sentence"] or verdict["cause"] or "no diagnosis"
 
 
-def verdict_heading(doc: Mapping[str, Any], metric: str | None = None) -> str:
+def verdict_heading(doc: RequestDocument, metric: str | None = None) -> str:
     """Which metric the verdict answers about and why (the first line of ``explain``)."""
     verdict = chosen_verdict(doc, metric)
     if not verdict:
         return ""
-    metric_name = str(verdict.get("metric", semconv.METRIC_E2E))
+    metric_name = verdict["metric"]
     name = semconv.METRIC_LABELS.get(metric_name, metric_name.upper())
-    clock = verdict.get("clock", semconv.CLOCK_SERVER)
+    clock = verdict["clock"]
     why = verdict.get("why")  # only the default verdict has one, asked for or not
     if not why and metric is not None:
         why = "as asked"
@@ -371,42 +380,49 @@ def _slo_marks(slo: Mapping[str, bool], *, color: bool, glyphs: Glyphs) -> str:
     return "   ".join(marks)
 
 
-def _tokens_line(doc: Mapping[str, Any], glyphs: Glyphs) -> str:
-    tokens = doc.get("tokens") or {}
+def _tokens_line(doc: RequestDocument, glyphs: Glyphs) -> str:
+    tokens = doc["tokens"]
     parts = []
-    if tokens.get("input") is not None:
-        cached = tokens.get("cached")
+    if tokens["input"] is not None:
+        cached = tokens["cached"]
         suffix = f" (cached {cached})" if cached else ""
         parts.append(f"input {tokens['input']}{suffix}")
-    if tokens.get("output") is not None:
+    if tokens["output"] is not None:
         parts.append(f"output {tokens['output']}")
-    if doc.get("finish_reason"):
+    if doc["finish_reason"]:
         parts.append(f"finish {doc['finish_reason']}")
     return glyphs.separator.join(parts) if parts else "-"
 
 
-def _metrics_line(doc: Mapping[str, Any], glyphs: Glyphs) -> str:
+def metric_ms(metrics: MetricsDoc, metric: str) -> float | None:
+    """A document's ``metrics_ms`` value of ``metric`` by name (None for ``itl``, which is a
+    summary, and for names it does not have)."""
+    value = metrics.get(metric)
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _metrics_line(doc: RequestDocument, glyphs: Glyphs) -> str:
     """Every latency with its clock: server-seen (what the SLOs judge), client-seen beside it."""
-    metrics = doc.get("metrics_ms") or {}
+    metrics = doc["metrics_ms"]
     parts = []
     for metric in (semconv.METRIC_E2E, semconv.METRIC_TTFT):
-        text = f"{semconv.METRIC_LABELS[metric]} server {format_ms(metrics.get(metric))}"
+        text = f"{semconv.METRIC_LABELS[metric]} server {format_ms(metric_ms(metrics, metric))}"
         client = metric_budget_doc(doc, metric, semconv.CLOCK_CLIENT)
         if client is not None:
-            text += f" client {format_ms(client[1].get('value_ms'))}"
+            text += f" client {format_ms(client[1]['value_ms'])}"
         parts.append(text)
-    parts.append(f"TPOT {format_ms(metrics.get(semconv.METRIC_TPOT))}")
-    itl = metrics.get(semconv.METRIC_ITL) or {}
-    if itl.get("count"):
+    parts.append(f"TPOT {format_ms(metrics[semconv.METRIC_TPOT])}")
+    itl = metrics[semconv.METRIC_ITL]
+    if itl["count"]:
         parts.append(
-            f"ITL p50 {format_ms(itl.get('p50'))} p99 {format_ms(itl.get('p99'))} "
-            f"max {format_ms(itl.get('max'))}"
+            f"ITL p50 {format_ms(itl['p50'])} p99 {format_ms(itl['p99'])} "
+            f"max {format_ms(itl['max'])}"
         )
     return glyphs.separator.join(parts)
 
 
 def render_explain(
-    doc: Mapping[str, Any],
+    doc: RequestDocument,
     *,
     metric: str | None = None,
     width: int = _DEFAULT_WIDTH,
@@ -415,63 +431,62 @@ def render_explain(
 ) -> str:
     """The full ``tokentrace explain`` view of one request document; the verdict about
     ``metric`` when given, else the default one."""
-    start = (doc.get("start") or {}).get("iso", "?")
     title = (
-        f"trace {doc.get('trace_id', '?')}  span {doc.get('span_id', '?')}  "
-        f"{doc.get('service', '?')} / {doc.get('model', '?')} / {doc.get('operation', '?')}  "
-        f"{start}"
+        f"trace {doc['trace_id']}  span {doc['span_id']}  "
+        f"{doc['service']} / {doc['model']} / {doc['operation']}  {doc['start']['iso']}"
     )
     lines = [paint(title, ANSI_BOLD, color), ""]
-    verdict = chosen_verdict(doc, metric) or {}
+    verdict = chosen_verdict(doc, metric)
     heading = verdict_heading(doc, metric)
     if heading:
         lines.append(f"{'about':<10}{heading}")
     lines.append(f"{'verdict':<10}" + paint(verdict_text(doc, metric), ANSI_BOLD, color))
-    if verdict.get("advice"):
-        lines.append(f"{'advice':<10}{verdict['advice']}")
-    if verdict.get("segment"):
-        lines.append(f"{'dominant':<10}{verdict['segment']} ({verdict.get('cause', '?')})")
+    if verdict is not None:
+        if verdict["advice"]:
+            lines.append(f"{'advice':<10}{verdict['advice']}")
+        if verdict["segment"]:
+            lines.append(f"{'dominant':<10}{verdict['segment']} ({verdict['cause']})")
     others = [
-        f"{name.upper()} {other.get('segment')} ({other.get('cause')})"
-        for name, other in (doc.get("verdicts") or {}).items()
-        if other is not verdict and other.get("metric") != verdict.get("metric")
+        f"{name.upper()} {other['segment']} ({other['cause']})"
+        for name, other in doc["verdicts"].items()
+        if other is not verdict and (verdict is None or other["metric"] != verdict["metric"])
     ]
     if others:
         lines.append(f"{'others':<10}" + glyphs.separator.join(others) + "  (explain --metric)")
-    if (verdict.get("numbers") or {}).get("network_measured") == 0:
+    if verdict is not None and verdict["numbers"].get("network_measured") == 0:
         lines.append(f"{'note':<10}{NETWORK_NOT_MEASURED}")
     lines.append(f"{'latency':<10}{_metrics_line(doc, glyphs)}")
     lines.append(f"{'tokens':<10}{_tokens_line(doc, glyphs)}")
-    slo = doc.get("slo") or {}
-    if slo:
-        lines.append(f"{'SLO':<10}{_slo_marks(slo, color=color, glyphs=glyphs)}")
-    if doc.get("status_error"):
-        lines.append(f"{'error':<10}" + paint(str(doc["status_error"]), ANSI_RED, color))
-    if doc.get("skew_clamped"):
+    if doc["slo"]:
+        lines.append(f"{'SLO':<10}{_slo_marks(doc['slo'], color=color, glyphs=glyphs)}")
+    if doc["status_error"]:
+        lines.append(f"{'error':<10}" + paint(doc["status_error"], ANSI_RED, color))
+    if doc["skew_clamped"]:
         lines.append(f"{'note':<10}out-of-order timestamps (clock skew) were clamped")
-    if doc.get("token_offsets_dropped"):
+    if doc["token_offsets_dropped"]:
         lines.append(f"{'note':<10}{doc['token_offsets_dropped']} token times not recorded (cap)")
-    others = doc.get("other_span_ids") or []
-    if others:
+    other_spans = doc.get("other_span_ids") or []
+    if other_spans:
         lines.append(
-            f"{'note':<10}{len(others)} more request(s) in this trace: {', '.join(others)}"
+            f"{'note':<10}{len(other_spans)} more request(s) in this trace: "
+            f"{', '.join(other_spans)}"
         )
     lines.append("")
     lines.append(paint("waterfall", ANSI_DIM, color))
     lines.extend(render_waterfall(doc, width=width, color=color, glyphs=glyphs, metric=metric))
     lines.append("")
     lines.append(paint("budget", ANSI_DIM, color))
-    lines.extend(render_budget_table(doc, metric=verdict.get("metric")))
+    lines.extend(render_budget_table(doc, metric=None if verdict is None else verdict["metric"]))
     return "\n".join(lines) + "\n"
 
 
-def render_slowest_list(docs: Sequence[Mapping[str, Any]], *, metric: str) -> str:
+def render_slowest_list(docs: Sequence[RequestDocument], *, metric: str) -> str:
     """One line per request: trace id, the metric, model, and the verdict about that metric."""
     lines = [f"{'trace id':<34}{metric.upper():>12}  {'model':<20}verdict"]
     for doc in docs:
-        value = (doc.get("metrics_ms") or {}).get(metric)
+        value = metric_ms(doc["metrics_ms"], metric)
         lines.append(
-            f"{doc.get('trace_id', '?'):<34}{format_ms(value):>12}  "
-            f"{str(doc.get('model', '?'))[:19]:<20}{verdict_text(doc, metric)}"
+            f"{doc['trace_id']:<34}{format_ms(value):>12}  "
+            f"{doc['model'][:19]:<20}{verdict_text(doc, metric)}"
         )
     return "\n".join(lines) + "\n"

@@ -9,8 +9,11 @@ kind (``registry.component("otlp/tempo", KIND_EXPORTER)``):
 - ``gauge(name, callback)``: observed when collected;
 - ``histogram(name, bounds)`` -> ``Histogram.record(value)``: explicit buckets;
 - ``observe(source, counters=..., gauges=...)``: for a component that already keeps its own
-  counters (the assembler, the percentile store, the receivers shared with the node agent, the
-  OTLP senders): ``source()`` returns them by key, read once per collection.
+  counters as a ``stats()`` dict (the receivers shared with the node agent, the OTLP senders,
+  the store sink): ``source()`` returns them by key, read once per collection;
+- ``observe_each(counters={name: (description, read)}, gauges=...)``: for counters a component
+  keeps as attributes (the assembler, the percentile store): each metric named once, with the
+  callable that reads it.
 
 Every name comes from ``semconv`` (``SELF_METRIC_*``); a source's keys are the names without
 ``SELF_METRIC_PREFIX``. Two readers:
@@ -381,6 +384,27 @@ class ComponentTelemetry:
             for name, description in described.items()
         )
         self._registry._register(_Source(source, series))
+
+    def observe_each(
+        self,
+        *,
+        counters: Mapping[str, tuple[str, Callable[[], float]]],
+        gauges: Mapping[str, tuple[str, Callable[[], float]]] = MappingProxyType({}),
+        unit: str = UNIT_COUNT,
+    ) -> None:
+        """``observe`` for values read one by one: each metric named once, mapped to its
+        description and the callable that reads it (at collection)."""
+        readers = {
+            metric_key(name): read
+            for described in (counters, gauges)
+            for name, (_, read) in described.items()
+        }
+        self.observe(
+            lambda: {key: read() for key, read in readers.items()},
+            counters={name: description for name, (description, _) in counters.items()},
+            gauges={name: description for name, (description, _) in gauges.items()},
+            unit=unit,
+        )
 
     def _series(
         self, name: str, instrument: str, description: str, unit: str, *, key_kind: str = ""

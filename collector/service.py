@@ -32,6 +32,7 @@ from tokentrace.collector.component import (
 )
 from tokentrace.collector.config import CollectorConfig, ConfigError, load_config
 from tokentrace.collector.factories import FACTORIES
+from tokentrace.collector.receivers import join_endpoint, split_endpoint
 from tokentrace.collector.self_telemetry import SelfTelemetry
 
 if TYPE_CHECKING:
@@ -241,9 +242,9 @@ def describe_config(
     for protocol, receiver in (("gRPC", config.grpc), ("HTTP", config.http)):
         if receiver is None:
             continue
-        host, _, port = receiver.endpoint.rpartition(":")
+        host, port = split_endpoint(receiver.endpoint)
         bound = (ports or {}).get(protocol)
-        address = f"{host}:{bound if bound is not None else port}"
+        address = join_endpoint(host, bound if bound is not None else port)
         if protocol == "HTTP":
             address = f"http://{address}/v1/traces"
         auth = ", bearer token required" if receiver.auth_token else ""

@@ -106,17 +106,35 @@ class DiagnosisConfig:
     """Requests at or above this percentile make up a window's tail."""
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field outside its bounds (``"tie_ratio: ..."``).
+
+        The one home of these limits: the collector's ``diagnosis`` processor config reuses it
+        (the field names are its YAML keys)."""
+        for name, (low, high) in _LIMITS.items():
+            value = getattr(self, name)
+            if not low <= value <= high:  # NaN is outside every range
+                raise ValueError(f"{name}: {value!r} is outside [{low}, {high}]")
         low, high = self.p50_band
         if not 0 < low <= high <= 100:
             raise ValueError(f"p50_band: expected 0 < low <= high <= 100, got {self.p50_band!r}")
         if not 0 < self.tail_percentile <= 100:
             raise ValueError(f"tail_percentile: expected (0, 100], got {self.tail_percentile!r}")
-        for name in ("preemption_share", "itl_outlier_ratio", "itl_tail_spike_ratio"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be positive, got {getattr(self, name)!r}")
-        if not 0 < self.tie_ratio <= 1:
-            raise ValueError(f"tie_ratio: expected (0, 1], got {self.tie_ratio!r}")
+        if self.preemption_share <= 0:
+            raise ValueError(f"preemption_share: must be > 0, got {self.preemption_share!r}")
 
+
+_LIMITS: Final = {
+    "long_prompt_tokens": (1, math.inf),
+    "bandwidth_bound_ratio": (0.0, 1.0),
+    "itl_outlier_ratio": (1.0, math.inf),
+    "itl_tail_spike_ratio": (1.0, math.inf),
+    "interference_share": (0.0, 1.0),
+    "tie_ratio": (0.01, 1.0),
+}
+"""``DiagnosisConfig`` fields and their inclusive bounds (checked by ``validate``)."""
 
 _DEFAULT_CONFIG: Final = DiagnosisConfig()
 
@@ -154,8 +172,9 @@ def _ms(ns: int | float) -> float:
 
 # --- the rules --------------------------------------------------------------------------------
 @dataclass(slots=True)
-class Finding:
-    """A segment explained: its cause, the words and numbers that say why, and the advice."""
+class RequestFinding:
+    """A segment of one request explained: its cause, the words and numbers that say why, and
+    the advice (a window's findings are ``window.findings.WindowFinding``)."""
 
     cause: str
     cited_segment: str
@@ -174,7 +193,7 @@ def cause_of_segment(
     *,
     seen_prefixes: Container[str] | None = None,
     preemption_rule: bool = True,
-) -> Finding:
+) -> RequestFinding:
     """Why ``segment`` of ``record``'s ``view`` took its time: the rule table of the module
     docstring. ``preemption_rule=False`` skips rule 3 (a window asking about one segment)."""
     segments = view.segments
@@ -192,7 +211,7 @@ def cause_of_segment(
     if segment == semconv.SEGMENT_QUEUE:
         return _queueing(record)
     if segment == semconv.SEGMENT_COLD_START:
-        return Finding(
+        return RequestFinding(
             CAUSE_COLD_START, segment, "the request arrived before the server was ready", {}
         )
     if segment == semconv.SEGMENT_PREFILL:
@@ -214,26 +233,30 @@ def cause_of_segment(
     if segment == semconv.SEGMENT_HTTP:
         return _http(record, view)
     if segment == semconv.SEGMENT_POSTPROCESS:
-        return Finding(
+        return RequestFinding(
             CAUSE_POSTPROCESS,
             segment,
             "after the last token (detokenisation, response assembly)",
             {},
         )
     # A segment this version does not know: name it without a specific cause.
-    return Finding(CAUSE_UNATTRIBUTED, segment, f"segment {segment!r} has no diagnosis rule", {})
+    return RequestFinding(
+        CAUSE_UNATTRIBUTED, segment, f"segment {segment!r} has no diagnosis rule", {}
+    )
 
 
-def _unattributed(record: RequestRecord, segment_ns: int) -> Finding:
+def _unattributed(record: RequestRecord, segment_ns: int) -> RequestFinding:
     """Unattributed time, worded by what arrived: client spans only, or a server span whose
     phases cannot be placed."""
     segment = semconv.SEGMENT_UNATTRIBUTED
     if segment_ns <= 0:
-        return Finding(CAUSE_UNATTRIBUTED, segment, "no time was attributed to any segment", {})
+        return RequestFinding(
+            CAUSE_UNATTRIBUTED, segment, "no time was attributed to any segment", {}
+        )
     timeline = record.timeline
     if not has_server_view(timeline):
         detail = "only client-side spans arrived; server-side spans are missing"
-        return Finding(CAUSE_UNATTRIBUTED, segment, detail, {"server_span": 0})
+        return RequestFinding(CAUSE_UNATTRIBUTED, segment, detail, {"server_span": 0})
     if timeline.dialect == DIALECT_VLLM:
         detail = (
             f"the server's {semconv.VLLM_SPAN_REQUEST} span has no "
@@ -241,7 +264,7 @@ def _unattributed(record: RequestRecord, segment_ns: int) -> Finding:
         )
     else:
         detail = "the server span has no phase timings, so its time cannot be split into phases"
-    return Finding(
+    return RequestFinding(
         CAUSE_UNATTRIBUTED,
         segment,
         detail,
@@ -250,7 +273,7 @@ def _unattributed(record: RequestRecord, segment_ns: int) -> Finding:
     )
 
 
-def _queueing(record: RequestRecord) -> Finding:
+def _queueing(record: RequestRecord) -> RequestFinding:
     timeline = record.timeline
     parts: list[str] = []
     numbers: dict[str, float | int | str] = {}
@@ -273,12 +296,12 @@ def _queueing(record: RequestRecord) -> Finding:
             parts.append(f"{running:,}/{max_running:,} running at arrival")
     elif running is not None:
         parts.append(f"{running:,} running at arrival")
-    return Finding(CAUSE_QUEUEING, semconv.SEGMENT_QUEUE, ", ".join(parts), numbers)
+    return RequestFinding(CAUSE_QUEUEING, semconv.SEGMENT_QUEUE, ", ".join(parts), numbers)
 
 
 def _prefill(
     record: RequestRecord, config: DiagnosisConfig, seen_prefixes: Container[str] | None
-) -> Finding:
+) -> RequestFinding:
     timeline = record.timeline
     input_tokens = timeline.input_tokens
     cached = timeline.cached_tokens
@@ -301,7 +324,7 @@ def _prefill(
             f"shared prompt prefix {prefix[:_PREFIX_HASH_CHARS]} seen earlier in the window was "
             f"recomputed (0 cached tokens, {recomputed} prefilled{chunk_note})"
         )
-        return Finding(CAUSE_PREFIX_CACHE_MISS, semconv.SEGMENT_PREFILL, detail, numbers)
+        return RequestFinding(CAUSE_PREFIX_CACHE_MISS, semconv.SEGMENT_PREFILL, detail, numbers)
     cached_note = f", {cached:,} from the prefix cache" if cached else ""
     # A prompt is long by what the prefill computed: cached tokens cost it nothing.
     computed = None if input_tokens is None else input_tokens - (cached or 0)
@@ -310,7 +333,7 @@ def _prefill(
             f"long prompt, {input_tokens:,} input tokens{cached_note}{chunk_note} "
             f"(long-prompt threshold {config.long_prompt_tokens:,})"
         )
-        return Finding(CAUSE_LONG_PROMPT, semconv.SEGMENT_PREFILL, detail, numbers)
+        return RequestFinding(CAUSE_LONG_PROMPT, semconv.SEGMENT_PREFILL, detail, numbers)
     if input_tokens is not None:
         prompt = (
             f"{input_tokens:,} input tokens{cached_note}{chunk_note}, "
@@ -319,7 +342,7 @@ def _prefill(
     else:
         prompt = f"prompt length unknown{chunk_note}"
     detail = f"{prompt}; compute-bound prefill or contention with other requests"
-    return Finding(CAUSE_PREFILL, semconv.SEGMENT_PREFILL, detail, numbers)
+    return RequestFinding(CAUSE_PREFILL, semconv.SEGMENT_PREFILL, detail, numbers)
 
 
 def _per_token(record: RequestRecord, numbers: dict[str, float | int | str]) -> str:
@@ -359,17 +382,19 @@ def _bandwidth_bound(
 
 def _bandwidth_finding(
     record: RequestRecord, config: DiagnosisConfig, numbers: dict[str, float | int | str]
-) -> tuple[Finding | None, str]:
+) -> tuple[RequestFinding | None, str]:
     """(the bandwidth-bound finding when the GPU says so, else None; the per-token text)."""
     per_token = _per_token(record, numbers)
     bound = _bandwidth_bound(record, config, numbers)
     if bound is None:
         return None, per_token
     detail = f"{bound}; {per_token}" if per_token else bound
-    return Finding(CAUSE_BANDWIDTH_BOUND_DECODE, semconv.SEGMENT_DECODE, detail, numbers), per_token
+    return RequestFinding(
+        CAUSE_BANDWIDTH_BOUND_DECODE, semconv.SEGMENT_DECODE, detail, numbers
+    ), per_token
 
 
-def _decode(record: RequestRecord, config: DiagnosisConfig) -> Finding:
+def _decode(record: RequestRecord, config: DiagnosisConfig) -> RequestFinding:
     """Decode dominating E2E: bandwidth, spikes from co-scheduled prefills, or many tokens."""
     timeline = record.timeline
     metrics = record.metrics
@@ -387,7 +412,7 @@ def _decode(record: RequestRecord, config: DiagnosisConfig) -> Finding:
         decode_ns = sum(split.values())
         if decode_ns and interference >= config.interference_share * decode_ns:
             return _interference(record, config, cited=semconv.SEGMENT_DECODE)
-        return Finding(CAUSE_LONG_DECODE, semconv.SEGMENT_DECODE, per_token, numbers)
+        return RequestFinding(CAUSE_LONG_DECODE, semconv.SEGMENT_DECODE, per_token, numbers)
     spikes = _itl_spikes(metrics.itl, config)
     outliers = timeline.outlier_steps_with_prefill
     if spikes is not None and (outliers is None or outliers > 0):
@@ -395,8 +420,8 @@ def _decode(record: RequestRecord, config: DiagnosisConfig) -> Finding:
         if outliers is not None:
             numbers["outlier_steps_with_prefill"] = outliers
             detail = f"{detail}; {plural(outliers, 'outlier step')} shared the batch with a prefill"
-        return Finding(CAUSE_BATCHING_INTERFERENCE, semconv.SEGMENT_DECODE, detail, numbers)
-    return Finding(CAUSE_LONG_DECODE, semconv.SEGMENT_DECODE, per_token, numbers)
+        return RequestFinding(CAUSE_BATCHING_INTERFERENCE, semconv.SEGMENT_DECODE, detail, numbers)
+    return RequestFinding(CAUSE_LONG_DECODE, semconv.SEGMENT_DECODE, per_token, numbers)
 
 
 def _spike_text(spikes: tuple[int, int], numbers: dict[str, float | int | str]) -> str:
@@ -411,7 +436,7 @@ def _spike_text(spikes: tuple[int, int], numbers: dict[str, float | int | str]) 
     return f"spiky inter-token gaps, p99 {format_duration(p99_ns)} is {spread}"
 
 
-def _decode_pace(record: RequestRecord, config: DiagnosisConfig) -> Finding:
+def _decode_pace(record: RequestRecord, config: DiagnosisConfig) -> RequestFinding:
     """The request's own per-token pace dominating TPOT/ITL: bandwidth, else the model's pace."""
     numbers: dict[str, float | int | str] = {}
     bound, per_token = _bandwidth_finding(record, config, numbers)
@@ -429,7 +454,7 @@ def _decode_pace(record: RequestRecord, config: DiagnosisConfig) -> Finding:
         numbers["max_running"] = running
         pace = f"{pace}, batch limit {running:,}"
     detail = f"{pace} ({per_token})" if per_token else pace
-    return Finding(CAUSE_SLOW_DECODE, semconv.SEGMENT_DECODE, detail, numbers)
+    return RequestFinding(CAUSE_SLOW_DECODE, semconv.SEGMENT_DECODE, detail, numbers)
 
 
 def _outlier_gaps(record: RequestRecord, segment: str) -> int:
@@ -442,7 +467,7 @@ def _interference(
     config: DiagnosisConfig,
     *,
     cited: str = semconv.SEGMENT_INTERFERENCE,
-) -> Finding:
+) -> RequestFinding:
     numbers: dict[str, float | int | str] = {}
     facts = decode_facts_of(record)
     interference = facts.split.get(semconv.SEGMENT_INTERFERENCE, 0)
@@ -461,19 +486,19 @@ def _interference(
     spikes = _itl_spikes(record.metrics.itl, config)
     if spikes is not None:
         parts.append(_spike_text(spikes, numbers))
-    return Finding(CAUSE_BATCHING_INTERFERENCE, cited, "; ".join(parts), numbers)
+    return RequestFinding(CAUSE_BATCHING_INTERFERENCE, cited, "; ".join(parts), numbers)
 
 
-def _stall(record: RequestRecord) -> Finding:
+def _stall(record: RequestRecord) -> RequestFinding:
     gaps = _outlier_gaps(record, semconv.SEGMENT_STALL)
     detail = (
         f"{plural(gaps, 'slow inter-token gap')} had no engine step of the request for most "
         "of its length: the engine or its frontend did not step it"
     )
-    return Finding(CAUSE_DECODE_STALL, semconv.SEGMENT_STALL, detail, {"stalled_gaps": gaps})
+    return RequestFinding(CAUSE_DECODE_STALL, semconv.SEGMENT_STALL, detail, {"stalled_gaps": gaps})
 
 
-def _network(record: RequestRecord) -> Finding:
+def _network(record: RequestRecord) -> RequestFinding:
     timeline = record.timeline
     numbers: dict[str, float | int | str] = {}
     detail = "time between the client and the server that neither of them spent"
@@ -488,20 +513,20 @@ def _network(record: RequestRecord) -> Finding:
             )
         else:
             detail = f"{detail}; the first hop's round trip is {format_duration(rtt)}"
-    return Finding(CAUSE_NETWORK, semconv.SEGMENT_NETWORK, detail, numbers)
+    return RequestFinding(CAUSE_NETWORK, semconv.SEGMENT_NETWORK, detail, numbers)
 
 
-def _connect(record: RequestRecord) -> Finding:
+def _connect(record: RequestRecord) -> RequestFinding:
     timeline = record.timeline
     numbers: dict[str, float | int | str] = {}
     detail = "the request opened a new connection (TCP handshake, TLS)"
     if timeline.client_connect_ns is not None:
         numbers["connect_ms"] = _ms(timeline.client_connect_ns)
         detail = f"{detail} that took {format_duration(timeline.client_connect_ns)}"
-    return Finding(CAUSE_CONNECTION_SETUP, semconv.SEGMENT_CONNECT, detail, numbers)
+    return RequestFinding(CAUSE_CONNECTION_SETUP, semconv.SEGMENT_CONNECT, detail, numbers)
 
 
-def _client(record: RequestRecord) -> Finding:
+def _client(record: RequestRecord) -> RequestFinding:
     timeline = record.timeline
     numbers: dict[str, float | int | str] = {}
     parts = []
@@ -518,10 +543,10 @@ def _client(record: RequestRecord) -> Finding:
     detail = "the client was late"
     if parts:
         detail = f"{detail}: {', '.join(parts)} (its event loop or CPU was busy)"
-    return Finding(CAUSE_CLIENT_SATURATED, semconv.SEGMENT_CLIENT, detail, numbers)
+    return RequestFinding(CAUSE_CLIENT_SATURATED, semconv.SEGMENT_CLIENT, detail, numbers)
 
 
-def _http(record: RequestRecord, view: MetricBudget) -> Finding:
+def _http(record: RequestRecord, view: MetricBudget) -> RequestFinding:
     """The API server's own time: before the engine, waiting in the kernel, delivering."""
     timeline = record.timeline
     numbers: dict[str, float | int | str] = {}
@@ -556,10 +581,10 @@ def _http(record: RequestRecord, view: MetricBudget) -> Finding:
             "engine made it"
         )
     detail = "; ".join(parts) or "server time outside the engine"
-    return Finding(CAUSE_HTTP, semconv.SEGMENT_HTTP, detail, numbers)
+    return RequestFinding(CAUSE_HTTP, semconv.SEGMENT_HTTP, detail, numbers)
 
 
-def _kv_cache_pressure(record: RequestRecord, view: MetricBudget, segment: str) -> Finding:
+def _kv_cache_pressure(record: RequestRecord, view: MetricBudget, segment: str) -> RequestFinding:
     numbers: dict[str, float | int | str] = {}
     evictions = len(record.timeline.preempted)
     if evictions:
@@ -574,7 +599,7 @@ def _kv_cache_pressure(record: RequestRecord, view: MetricBudget, segment: str) 
         detail = (
             f"{detail}; the largest segment, {segment_label(segment)}, was {largest} of {label}"
         )
-    return Finding(CAUSE_KV_CACHE_PRESSURE, semconv.SEGMENT_PREEMPTED, detail, numbers)
+    return RequestFinding(CAUSE_KV_CACHE_PRESSURE, semconv.SEGMENT_PREEMPTED, detail, numbers)
 
 
 def _itl_spikes(gaps: Sequence[int], config: DiagnosisConfig) -> tuple[int, int] | None:

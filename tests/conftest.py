@@ -1,4 +1,6 @@
-"""Fixtures shared across the test tree: a test-owned OTLP receiver and the tiny model."""
+"""Fixtures shared across the test tree: a test-owned OTLP receiver, the tiny model and the
+session's one traced vLLM server (tests/vllm/shared_server.py, registered here once so that
+every directory shares the same instance)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.collector.upstream import UpstreamOtlp
+from tests.vllm.shared_server import traced_server, vllm_server
+
+__all__ = ["traced_server", "vllm_server"]  # fixtures, registered for the whole tree
 
 
 @pytest.fixture
@@ -24,3 +29,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tokentrace.loadgen.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_store_left_in_the_working_directory() -> Iterator[None]:
+    """A test that runs the collector with its default store path would leave ``tokentrace.db``
+    in the working directory (a user's file there, in CI the clone): give tests a tmp path."""
+    default_store = Path("tokentrace.db")
+    existed = default_store.exists()
+    yield
+    assert existed or not default_store.exists(), "a test wrote ./tokentrace.db"

@@ -40,7 +40,7 @@ from typing import Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import ClockDomain
+from tokentrace.agent.recorder import MonotonicToUnix
 from tokentrace.agent.span_ids import parse_traceparent, random_span_id_bytes, random_trace_id
 from tokentrace.agent.spans import KIND_SERVER, AttrValue, DeferredSpans, PlannedSpan, SpanJob
 from tokentrace.agent.tcp_info import read_tcp_info
@@ -115,12 +115,12 @@ class HttpServerTracer:
         submit: Callable[[DeferredSpans], None],
         *,
         guard: HookGuard,
-        clock_domain: ClockDomain,
+        to_unix: MonotonicToUnix,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self._submit = submit
         self.guard = guard
-        self._clock_domain = clock_domain
+        self._to_unix = to_unix
         self.clock = monotonic_ns
         self.traced_requests = 0
 
@@ -168,7 +168,7 @@ class HttpServerTracer:
 
     def _plan(self, span: HttpServerSpan) -> list[SpanJob]:
         """On the emitter's thread: the span in Unix time."""
-        unix = self._clock_domain.to_unix_ns
+        unix = self._to_unix.to_unix_ns
         start = unix(span.start_ns)
         attributes: dict[str, AttrValue] = {
             semconv.HTTP_REQUEST_METHOD: span.method,
@@ -183,17 +183,17 @@ class HttpServerTracer:
             attributes[semconv.HTTP_RECEIVE_WAIT_NS] = span.receive_wait_ns
         if span.first_body_ns:
             attributes[semconv.HTTP_FIRST_BODY_TIME] = unix(span.first_body_ns)
-        error = span.error
-        if error is None and status >= _SERVER_ERROR_STATUS:
-            error = f"HTTP {status}"  # 4xx is the client's error, not the server span's
-        if error is not None:
+        status_error = span.error
+        if status_error is None and status >= _SERVER_ERROR_STATUS:
+            status_error = f"HTTP {status}"  # 4xx is the client's error, not the server span's
+        if status_error is not None:
             attributes[semconv.ERROR_TYPE] = span.error or str(status)
         # Semantic conventions: "{method} {route}", the method alone without a route (a raw
         # path would give every unknown URL a span name of its own).
         name = f"{span.method} {span.route}" if span.route else span.method
         planned = PlannedSpan(
             _ROOT_LOCAL_ID, -1, name, KIND_SERVER, start, max(unix(span.end_ns), start),
-            attributes, error,
+            attributes, status_error,
         )  # fmt: skip
         return [
             SpanJob(span.trace_id, span.parent_span_id, [planned], {_ROOT_LOCAL_ID: span.span_id})

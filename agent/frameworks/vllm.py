@@ -55,7 +55,7 @@ from tokentrace.agent.frameworks.vllm_engine import (
 )
 from tokentrace.agent.frameworks.vllm_requests import FrontendRequestHooks
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import ClockDomain, Recorder
+from tokentrace.agent.recorder import MonotonicToUnix, Recorder
 from tokentrace.agent.spans import AttrValue
 
 __all__ = [
@@ -314,7 +314,7 @@ class VllmInstrumentor(FrontendRequestHooks, BaseInstrumentor):
             frontend = ROLE_FRONTEND in roles
             if frontend:
                 http_tracer = HttpServerTracer(
-                    runtime.emitter.submit, guard=guard, clock_domain=runtime.clock
+                    runtime.emitter.submit, guard=guard, to_unix=runtime.clock
                 )
                 runtime.add_stats_source(http_tracer.stats)
             # The process the user started begins a new cold start; vLLM's children join it.
@@ -325,7 +325,7 @@ class VllmInstrumentor(FrontendRequestHooks, BaseInstrumentor):
                     process_cold_start_tracer,
                     frontend=frontend,
                     inherit=not top_level,
-                    clock_domain=runtime.clock,
+                    to_unix=runtime.clock,
                 ),
                 runtime.emitter.submit,
             )
@@ -335,10 +335,10 @@ class VllmInstrumentor(FrontendRequestHooks, BaseInstrumentor):
                     guard.run(HOOK_COLD_START_IMPORT, cold_start.import_done)
         else:
             roles = frozenset({ROLE_FRONTEND, ROLE_ENGINE, ROLE_WORKER})
-            clock = kwargs.get("clock") or ClockDomain()
+            clock = kwargs.get("clock") or MonotonicToUnix()
         self._recorder = recorder
         self._guard = guard
-        # The emitter converts back to Unix time with the same offset: one clock domain.
+        # The emitter converts back to Unix time with the same offset: one monotonic-to-Unix offset.
         self._clock = clock
         self._step_tracer = step_tracer
         self._cold_start_tracer = cold_start

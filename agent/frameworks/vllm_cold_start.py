@@ -36,7 +36,7 @@ several API servers (``--api-server-count``) the process that starts them sets t
 but builds no engine, so no root is emitted and the phases' parent is missing from the trace.
 
 **Clocks**: every time is ``time.monotonic_ns()`` (comparable across the processes of a host
-on Linux), converted to Unix time on the emitter's thread with the runtime's ``ClockDomain``.
+on Linux), converted to Unix time on the emitter's thread with the runtime's ``MonotonicToUnix``.
 A process's start comes from ``/proc/self/stat`` (``starttime``, in clock ticks since boot:
 10 ms resolution at the usual 100 Hz), mapped to the monotonic clock through
 ``CLOCK_BOOTTIME``. Where it cannot be read, ``import`` is left out and the root starts when
@@ -64,7 +64,7 @@ from functools import partial
 from typing import Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.recorder import ClockDomain, RequestTimer
+from tokentrace.agent.recorder import MonotonicToUnix, RequestTimer
 from tokentrace.agent.span_ids import (
     SPAN_ID_BYTES,
     TRACE_ID_BYTES,
@@ -177,7 +177,7 @@ class ColdStartTracer:
         self,
         submit: Callable[[Any], None],
         *,
-        clock_domain: ClockDomain,
+        to_unix: MonotonicToUnix,
         frontend: bool,
         inherit: bool = True,
         environ: MutableMapping[str, str] | None = None,
@@ -186,7 +186,7 @@ class ColdStartTracer:
         max_waiting_requests: int = _DEFAULT_MAX_WAITING_REQUESTS,
     ) -> None:
         self._submit = submit
-        self._clock_domain = clock_domain
+        self._monotonic_to_unix = to_unix
         self.clock = monotonic_ns
         self.frontend = frontend
         now = monotonic_ns()
@@ -336,11 +336,11 @@ class ColdStartTracer:
 
     def _to_unix(self, monotonic_ns: int) -> int:
         """Unix ns; the process start is converted once, so that the root and the import phase
-        start at the very same nanosecond (the clock domain's offset is re-measured)."""
+        start at the very same nanosecond (the monotonic-to-Unix offset is re-measured)."""
         if monotonic_ns != self.process_start_ns:
-            return self._clock_domain.to_unix_ns(monotonic_ns)
+            return self._monotonic_to_unix.to_unix_ns(monotonic_ns)
         if self._process_start_unix_ns is None:
-            self._process_start_unix_ns = self._clock_domain.to_unix_ns(monotonic_ns)
+            self._process_start_unix_ns = self._monotonic_to_unix.to_unix_ns(monotonic_ns)
         return self._process_start_unix_ns
 
     def _plan_phase(
@@ -374,7 +374,7 @@ _process_tracer_lock = threading.Lock()
 
 
 def process_cold_start_tracer(
-    submit: Callable[[Any], None], *, clock_domain: ClockDomain, frontend: bool, inherit: bool
+    submit: Callable[[Any], None], *, to_unix: MonotonicToUnix, frontend: bool, inherit: bool
 ) -> ColdStartTracer:
     """The process's one tracer (created on the first call, with ``os.environ``): instrumenting
     again must not start a second cold start."""
@@ -382,6 +382,6 @@ def process_cold_start_tracer(
     with _process_tracer_lock:
         if _process_tracer is None:
             _process_tracer = ColdStartTracer(
-                submit, clock_domain=clock_domain, frontend=frontend, inherit=inherit
+                submit, to_unix=to_unix, frontend=frontend, inherit=inherit
             )
         return _process_tracer

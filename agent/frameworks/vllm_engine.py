@@ -29,7 +29,7 @@ requests shared the step that made a token late, and how much prefill they broug
   frontend) is counted in steps but never tracked.
 
 Clock: EngineCore's ``time.monotonic()``, the domain of the frontend's token times too; the
-emitter converts to Unix time with the runtime's ``ClockDomain``. Requests aborted inside the
+emitter converts to Unix time with the runtime's ``MonotonicToUnix``. Requests aborted inside the
 engine never show a finish reason here: their step lists are dropped by a sweep every
 ``_SWEEP_EVERY_STEPS`` steps, so the table stays bounded by the requests the scheduler holds.
 """
@@ -48,7 +48,7 @@ from typing import Any, Final, NamedTuple
 from tokentrace.agent import semconv
 from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO, gap_median
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import ClockDomain
+from tokentrace.agent.recorder import MonotonicToUnix
 from tokentrace.agent.span_ids import (
     SPAN_ID_BYTES,
     TRACE_ID_BYTES,
@@ -117,7 +117,7 @@ class _TrackedRequest:
     trace_id: bytes
     request_span_id: bytes
     prefill_span_id: bytes
-    scheduled_ns: int | None
+    first_scheduled_ns: int | None
     """vLLM's SCHEDULED event time (the start of the frontend's ``llm.prefill``), when known."""
     prefill_steps: list[tuple[int, int]] = field(default_factory=list)
     """(step index, prompt tokens) per step that computed part of the prompt."""
@@ -160,7 +160,7 @@ class EngineStepTracer:
         submit: Callable[[Any], None],
         *,
         guard: HookGuard,
-        clock_domain: ClockDomain,
+        to_unix: MonotonicToUnix,
         ring_steps: int = _DEFAULT_RING_STEPS,
         sample_rate: float = _DEFAULT_SAMPLE_RATE,
         outlier_ratio: float = _DEFAULT_OUTLIER_RATIO,
@@ -173,7 +173,7 @@ class EngineStepTracer:
             raise ValueError("sample_rate must be between 0 and 1")
         self._submit = submit
         self.guard = guard
-        self._clock_domain = clock_domain
+        self._to_unix = to_unix
         self._ring: list[StepRecord | None] = [None] * ring_steps
         self._ring_steps = ring_steps
         self._sample_rate = sample_rate
@@ -296,11 +296,11 @@ class EngineStepTracer:
     def plan_request(self, tracked: _TrackedRequest) -> list[SpanJob]:
         """The chunk and outlier-step spans of one finished request (emitter thread)."""
         jobs: list[SpanJob] = []
-        unix = self._clock_domain.to_unix_ns
+        unix = self._to_unix.to_unix_ns
         chunks = tracked.prefill_steps
         if len(chunks) > 1:
             planned: list[PlannedSpan] = []
-            previous_end = tracked.scheduled_ns
+            previous_end = tracked.first_scheduled_ns
             for index, tokens in chunks:
                 step = self._step_at(index)
                 if step is None:
@@ -357,7 +357,7 @@ class EngineStepTracer:
         return [chosen[index] for index in sorted(chosen)]
 
     def _step_span(self, local_id: int, parent: int, step: StepRecord) -> PlannedSpan:
-        unix = self._clock_domain.to_unix_ns
+        unix = self._to_unix.to_unix_ns
         attributes: dict[str, AttrValue] = {
             semconv.ENGINE_STEP_BATCH_SIZE: len(step.request_ids),
             semconv.ENGINE_STEP_PREFILL_REQUESTS: step.prefill_requests,
@@ -393,9 +393,9 @@ def _track(request: Any) -> _TrackedRequest | None:
     parent = parse_engine_parent(headers.get(ENGINE_PARENT_HEADER))
     if parent is None:
         return None
-    scheduled_ns = None
+    first_scheduled_ns = None
     for event in reversed(getattr(request, "events", None) or ()):
         if event.type == EVENT_SCHEDULED:
-            scheduled_ns = int(event.timestamp * _NS_PER_S)
+            first_scheduled_ns = int(event.timestamp * _NS_PER_S)
             break
-    return _TrackedRequest(*parent, scheduled_ns)
+    return _TrackedRequest(*parent, first_scheduled_ns)

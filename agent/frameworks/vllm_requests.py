@@ -6,7 +6,7 @@ is read per token: each token gets the timestamp of the engine step that produce
 
 - **arrival** (``OutputProcessor.add_request``): the timer begins. Its arrival is vLLM's own
   ``arrival_time`` (wall clock, taken by the input processor) converted once to monotonic ns with
-  a ``ClockDomain`` offset, so ``llm.request`` starts where vLLM's built-in ``llm_request`` span
+  a ``MonotonicToUnix`` offset, so ``llm.request`` starts where vLLM's built-in ``llm_request`` span
   starts and TTFT has vLLM's meaning (arrival at the engine client, after tokenisation).
 - **tokens** (``OutputProcessor.process_outputs``, once per output chunk of an engine step): each
   new token appends the step's EngineCore timestamp (``time.monotonic()`` in EngineCore; on Linux
@@ -66,7 +66,7 @@ from tokentrace.agent.frameworks.vllm_engine import (
     engine_parent_header,
 )
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import PROMPT_TOKEN_IDS, ClockDomain, Recorder, RequestTimer
+from tokentrace.agent.recorder import PROMPT_TOKEN_IDS, MonotonicToUnix, Recorder, RequestTimer
 from tokentrace.agent.span_ids import parse_traceparent, random_span_id_bytes, random_trace_id
 
 __all__ = [
@@ -136,7 +136,7 @@ class FrontendRequestHooks:
     _active: bool
     _guard: HookGuard
     _recorder: Recorder
-    _clock: ClockDomain
+    _clock: MonotonicToUnix
     _cold_start_tracer: ColdStartTracer | None
     _model_names: weakref.WeakKeyDictionary[Any, str]
     _last_fan_out: tuple[Any, bytes]
@@ -338,12 +338,12 @@ class FrontendRequestHooks:
                     attributes[name] = value
         finish_reason = _finish_reason(reason)
         attributes["finish_reason"] = finish_reason
-        error = None
+        status_error = None
         if finish_reason == _FINISH_REASONS[_FINISH_ABORT]:
-            error = _ERROR_ABORTED
+            status_error = _ERROR_ABORTED
         elif finish_reason == "error":
-            error = _ERROR_ENGINE
-        self._recorder.finish(timer.request_id, error=error)
+            status_error = _ERROR_ENGINE
+        self._recorder.finish(timer.request_id, status_error=status_error)
 
 
 def _apply_events(timer: RequestTimer, events: Any) -> None:
@@ -351,8 +351,8 @@ def _apply_events(timer: RequestTimer, events: Any) -> None:
         kind = event.type
         if kind == EVENT_SCHEDULED:
             event_ns = int(event.timestamp * _NS_PER_S)
-            if timer.scheduled_ns is None:
-                timer.scheduled_ns = event_ns
+            if timer.first_scheduled_ns is None:
+                timer.first_scheduled_ns = event_ns
             else:  # scheduled again: resumed after a preemption
                 timer.resume(event_ns)
         elif kind == EVENT_PREEMPTED:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 from tokentrace.collector.api.app import ApiSettings, ErrorBody, store_of
 from tokentrace.collector.api.params import ApiError
 from tokentrace.collector.api.request_view import request_view
+from tokentrace.collector.store.document import RequestDocument, VerdictDoc
 
 router = APIRouter(tags=["requests"])
 
@@ -110,8 +111,10 @@ class Links(BaseModel):
 
 
 class RequestDetail(BaseModel):
-    request: dict[str, Any] = Field(description="the document `tokentrace explain --json` prints")
-    verdict: dict[str, Any] | None = Field(
+    request: RequestDocument = Field(
+        description="the document `tokentrace explain --json` prints (store.document)"
+    )
+    verdict: VerdictDoc | None = Field(
         description="the verdict answered: request.verdict, or request.verdicts[metric]"
     )
     verdict_metric: str | None = Field(

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.collector.store.sketch_report import KEY_FIELDS, SketchSlice, window_report
+from tokentrace.collector.store.sketch_report import SketchSlice, window_report
 from tokentrace.processors.sketches import LatencySketch
-from tokentrace.processors.slo import SloTarget
+from tokentrace.processors.slo import SELECTOR_KEYS, SloTarget
 
 DISTRIBUTION_METRICS: Final = (
     semconv.METRIC_TTFT,
@@ -51,11 +51,11 @@ BAND_NAMES: Final = ("p50", "p99")
 
 
 def select_slices(slices: Iterable[SketchSlice], selector: Mapping[str, str]) -> list[SketchSlice]:
-    """The slices whose key matches every entry of ``selector`` (``KEY_FIELDS`` name -> exact
+    """The slices whose key matches every entry of ``selector`` (``SELECTOR_KEYS`` name -> exact
     value, e.g. ``Dimensions.as_selector()``); an empty selector keeps them all."""
     if not selector:
         return list(slices)
-    positions = [(KEY_FIELDS.index(name), value) for name, value in selector.items()]
+    positions = [(SELECTOR_KEYS.index(name), value) for name, value in selector.items()]
     return [
         piece
         for piece in slices

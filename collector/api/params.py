@@ -54,7 +54,7 @@ class Dimensions:
     prompt_bucket: str | None = None
 
     def as_selector(self) -> dict[str, str]:
-        """The filters that are set, keyed like ``store.sketch_report.KEY_FIELDS``."""
+        """The filters that are set, keyed like ``processors.slo.SELECTOR_KEYS``."""
         return {
             name: value
             for name, value in (

@@ -45,7 +45,7 @@ from tokentrace.collector.render import (
     waterfall_rows,
     waterfall_segment,
 )
-from tokentrace.collector.store.document import ns_to_ms
+from tokentrace.collector.store.document import RequestDocument, ns_to_ms
 
 DEFAULT_MAX_SPANS: Final = 500
 """Spans of one request the view lists at most (the request span first)."""
@@ -122,7 +122,7 @@ def trace_link(template: str | None, trace_id_hex: str) -> str | None:
 
 
 def request_view(
-    doc: Mapping[str, Any],
+    doc: RequestDocument,
     otlp: bytes | None,
     *,
     metric: str | None = None,
@@ -135,7 +135,7 @@ def request_view(
     its verdict is about ``metric`` (None: the document's default verdict).
     ``itl_outlier_ratio``: the collector's (``RequestStore.diagnosis_settings``)."""
     warnings: list[str] = []
-    origin_ns = int((doc.get("timeline") or {}).get("origin_unix_ns") or 0)
+    origin_ns = doc["timeline"]["origin_unix_ns"]
     tokens = token_gaps(doc, itl_outlier_ratio=itl_outlier_ratio)
 
     spans_doc: list[dict[str, Any]] = []
@@ -145,7 +145,7 @@ def request_view(
     steps_dropped = 0
     decoded = _decode(otlp, warnings)
     if decoded is not None:
-        request_span_id = _id_bytes(doc.get("span_id"))
+        request_span_id = _id_bytes(doc["span_id"])
         own, spans_dropped = _own_spans(decoded, request_span_id, max_spans)
         if not own:
             warnings.append(
@@ -154,7 +154,7 @@ def request_view(
             )
         spans_doc = [_span_doc(span, origin_ns) for span in own]
         gpu_doc = _gpu_phases(own, request_span_id, origin_ns)
-        steps, steps_dropped = _engine_steps(decoded, own, doc.get("request_id"), max_engine_steps)
+        steps, steps_dropped = _engine_steps(decoded, own, doc["request_id"], max_engine_steps)
         outlier_intervals_us = _outlier_intervals_us(doc, tokens)
         steps_doc = [_step_doc(step, origin_ns, outlier_intervals_us) for step in steps]
     if spans_dropped:
@@ -163,11 +163,11 @@ def request_view(
         warnings.append(f"{steps_dropped} more engine step(s) not listed (cap)")
 
     verdict = chosen_verdict(doc, metric)
-    highlighted = waterfall_segment((verdict or {}).get("segment"))
+    highlighted = None if verdict is None else waterfall_segment(verdict["segment"])
     return {
-        "request": dict(doc),
-        "verdict": None if verdict is None else dict(verdict),
-        "verdict_metric": metric or answered_metric(verdict),
+        "request": doc,
+        "verdict": verdict,
+        "verdict_metric": metric or (None if verdict is None else verdict["metric"]),
         "verdict_text": verdict_text(doc, metric),
         "verdict_heading": verdict_heading(doc, metric),
         "waterfall": [
@@ -185,23 +185,16 @@ def request_view(
         "gpu": gpu_doc,
         "spans": spans_doc,
         "spans_dropped": spans_dropped,
-        "links": {"trace": trace_link(trace_link_template, str(doc.get("trace_id", "")))},
+        "links": {"trace": trace_link(trace_link_template, doc["trace_id"])},
         "other_span_ids": list(doc.get("other_span_ids") or []),
         "warnings": warnings,
     }
 
 
-def answered_metric(verdict: Mapping[str, Any] | None) -> str | None:
-    """The metric a verdict answers about; documents older than per-metric verdicts judged E2E."""
-    if verdict is None:
-        return None
-    return str(verdict.get("metric") or semconv.METRIC_E2E)
-
-
 # --- token gaps -------------------------------------------------------------------------------
 
 
-def token_gaps(doc: Mapping[str, Any], *, itl_outlier_ratio: float) -> dict[str, Any]:
+def token_gaps(doc: RequestDocument, *, itl_outlier_ratio: float) -> dict[str, Any]:
     """Ticks (ms on the document's axis), gaps and outlier gaps of a request document.
 
     Ticks are ``render.waterfall_rows``' decode ticks: first token + offset. Gap ``i`` is tick
@@ -209,10 +202,9 @@ def token_gaps(doc: Mapping[str, Any], *, itl_outlier_ratio: float) -> dict[str,
     offsets) is listed but never an outlier and not part of the median, as in
     ``budget.inter_token_gaps_ns``.
     """
-    boundaries = (doc.get("timeline") or {}).get("boundaries_ms") or {}
-    first_token = boundaries.get("first_token")
-    offsets: Sequence[int] = doc.get("token_offsets_us") or ()
-    dropped = int(doc.get("token_offsets_dropped") or 0)
+    first_token = doc["timeline"]["boundaries_ms"].get("first_token")
+    offsets = doc["token_offsets_us"]
+    dropped = doc["token_offsets_dropped"]
     if first_token is None or not offsets:
         return {
             "ticks_ms": [],
@@ -244,12 +236,11 @@ def token_gaps(doc: Mapping[str, Any], *, itl_outlier_ratio: float) -> dict[str,
 
 
 def _outlier_intervals_us(
-    doc: Mapping[str, Any], tokens: Mapping[str, Any]
+    doc: RequestDocument, tokens: Mapping[str, Any]
 ) -> list[tuple[float, float]]:
     """[previous tick, tick] of every outlier gap, in µs on the document's axis."""
-    boundaries = (doc.get("timeline") or {}).get("boundaries_ms") or {}
-    first_token = boundaries.get("first_token")
-    offsets: Sequence[int] = doc.get("token_offsets_us") or ()
+    first_token = doc["timeline"]["boundaries_ms"].get("first_token")
+    offsets = doc["token_offsets_us"]
     if first_token is None:
         return []
     first_us = first_token * _US_PER_MS

@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any, Final
 
+from tokentrace.collector.receivers import join_endpoint, split_endpoint
+
 _log = logging.getLogger(__name__)
 
 _DEFAULT_START_TIMEOUT_S: Final = 10.0
@@ -24,14 +26,6 @@ _START_POLL_S: Final = 0.005
 
 class ApiServerStartError(RuntimeError):
     """The API server could not bind or start; the message says why."""
-
-
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) -> (host, port)."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT, got {endpoint!r}")
-    return host.strip("[]"), int(port)
 
 
 class ApiServer:
@@ -56,8 +50,7 @@ class ApiServer:
     @property
     def url(self) -> str:
         scheme = "https" if self._tls else "http"
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"{scheme}://{host}:{self.port}"
+        return f"{scheme}://{join_endpoint(self._host, self.port or 0)}"
 
     def start(self, *, timeout_s: float = _DEFAULT_START_TIMEOUT_S) -> None:
         import uvicorn

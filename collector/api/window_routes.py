@@ -28,6 +28,7 @@ from tokentrace.collector.api.fleet import (
     select_slices,
     window_document,
 )
+from tokentrace.collector.api.list_route import RequestSummary
 from tokentrace.collector.api.params import (
     ApiError,
     Dimensions,
@@ -37,6 +38,7 @@ from tokentrace.collector.api.params import (
     window_dependency,
 )
 from tokentrace.collector.store import RequestStore
+from tokentrace.collector.store.document import RequestSummaryDoc
 from tokentrace.collector.store.query import QueryTimeoutError, RequestFilter, RequestPageQuery
 from tokentrace.processors.sketches import LatencySketch
 from tokentrace.processors.window.compare import compare_windows
@@ -125,7 +127,7 @@ class BudgetBand(BaseModel):
 
 
 RequestSummaryList = Annotated[
-    list[dict[str, Any]],
+    list[RequestSummary],
     Field(description="RequestSummary objects, as GET /api/v1/requests lists them"),
 ]
 
@@ -271,7 +273,7 @@ def _budget(
 
 def _summaries(
     store: RequestStore, query_filter: RequestFilter, what: str, warnings: list[str]
-) -> list[dict[str, Any]]:
+) -> list[RequestSummaryDoc]:
     """The slowest matching requests by E2E (``_LISTED_REQUESTS``); none, with a warning, when
     the query runs too long."""
     query = RequestPageQuery(

@@ -24,6 +24,7 @@ __all__ = [
     "ReceiverStartError",
     "bearer_token_matches",
     "deliver",
+    "join_endpoint",
     "split_endpoint",
 ]
 
@@ -39,16 +40,24 @@ class ConsumerFailed(Exception):
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``"host:port"`` or ``"[v6addr]:port"`` -> (host, port); raises ReceiverStartError."""
-    host, sep, port_text = endpoint.rpartition(":")
-    if not sep or not port_text.isdigit():
-        raise ReceiverStartError(f"invalid receiver endpoint {endpoint!r}: expected HOST:PORT")
-    port = int(port_text)
-    if port > 65535:
-        raise ReceiverStartError(f"invalid receiver endpoint {endpoint!r}: port out of range")
+    """``"host:port"`` or ``"[v6addr]:port"`` -> (host without brackets, port); raises
+    ValueError ``"expected HOST:PORT, got '...'"``.
+
+    The one parser of a listening endpoint: the receivers bind with it (here, so that the node
+    agent, which may load the receivers but not the rest of the collector, shares it), and the
+    collector's config checks (``component.check_endpoint``) and describes its endpoints with it.
+    """
+    host, sep, port = endpoint.rpartition(":")
+    if not (sep and host and port.isascii() and port.isdigit() and int(port) <= 65535):
+        raise ValueError(f"expected HOST:PORT, got {endpoint!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    return host, port
+    return host, int(port)
+
+
+def join_endpoint(host: str, port: int) -> str:
+    """``split_endpoint`` reversed: an IPv6 host goes back in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def bearer_token_matches(authorization: str | None, expected_token: str) -> bool:
@@ -131,6 +140,13 @@ class OtlpReceiverBase:
     @property
     def endpoint(self) -> str:
         return self._endpoint
+
+    def _bind_address(self) -> tuple[str, int]:
+        """(host, port) of the endpoint; raises ReceiverStartError when it is malformed."""
+        try:
+            return split_endpoint(self._endpoint)
+        except ValueError as error:
+            raise ReceiverStartError(f"invalid receiver endpoint: {error}") from None
 
     @property
     def port(self) -> int:

@@ -35,7 +35,6 @@ from tokentrace.collector.receivers import (
     ReceiverStartError,
     bearer_token_matches,
     deliver,
-    split_endpoint,
 )
 
 __all__ = ["OtlpGrpcReceiver", "ReceiverStartError"]
@@ -151,7 +150,7 @@ class OtlpGrpcReceiver(OtlpReceiverBase):
         """Bind and serve in grpc's threads; raises ReceiverStartError if binding fails."""
         if self._server is not None:
             raise RuntimeError("receiver already started")
-        split_endpoint(self._endpoint)  # reject malformed endpoints with a clear message
+        self._bind_address()  # reject malformed endpoints with a clear message
         credentials = self._server_credentials()
         server = grpc.server(
             futures.ThreadPoolExecutor(

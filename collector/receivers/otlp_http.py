@@ -35,7 +35,6 @@ from tokentrace.collector.receivers import (
     ReceiverStartError,
     bearer_token_matches,
     deliver,
-    split_endpoint,
 )
 
 __all__ = ["OtlpHttpReceiver", "ReceiverStartError", "otlp_json_to_request"]
@@ -522,7 +521,7 @@ class OtlpHttpReceiver(OtlpReceiverBase):
         """Bind and serve in a daemon thread; raises ReceiverStartError if binding fails."""
         if self._server is not None:
             raise RuntimeError("receiver already started")
-        host, port = split_endpoint(self._endpoint)
+        host, port = self._bind_address()
         tls_context = self._tls_context()
         try:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -15,14 +15,25 @@ exactly to the rounded E2E (the budget partitions E2E, and the document keeps th
 
 Separate from ``row.py`` because the row is the storage format and this is the reading
 format: either changes without the other (``DOC_VERSION`` versions this one).
-"""
 
-from __future__ import annotations
+The reading format's shape is stated once, here, as ``TypedDict``s: ``RequestDocument`` (one
+request, made of ``StartDoc``, ``TokenCountsDoc``, ``MetricsDoc``, ``TimelineDoc``,
+``ContextDoc``, ``MetricBudgetDoc`` and ``VerdictDoc``) and ``RequestSummaryDoc`` (one request in
+the list). The store, ``tokentrace explain``, ``render.py`` and the API read these types, so
+mypy checks every key they use, and the API's OpenAPI schema is generated from them (pydantic
+validates each response against them). Their fields are declared in the order the builders
+emit them: the JSON is the builders' dicts, unchanged, whoever serialises it.
+"""
 
 import math
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import Any, Final
+from typing import Any, Final, TypeAlias, TypeVar, cast, overload
+
+# typing_extensions: pydantic (the API's schema) reads only its TypedDict before Python 3.12.
+# No ``from __future__ import annotations`` in this module: the TypedDicts' ``NotRequired``
+# must be visible at run time (``__required_keys__``).
+from typing_extensions import NotRequired, TypedDict
 
 from tokentrace.agent import semconv
 from tokentrace.collector.store.row import (
@@ -70,7 +81,214 @@ _DEFAULT_DIAGNOSIS: Final = DiagnosisConfig()
 _US_PER_MS: Final = 1_000
 _NS_PER_S: Final = 1_000_000_000
 
+_T = TypeVar("_T")
 
+# --- the shape of the documents --------------------------------------------------------------
+# Durations are ms floats (exact µs); None where the request has no such value. A field typed
+# ``int | float`` holds whichever the request's data held (pydantic keeps each as it is).
+
+DocNumber: TypeAlias = int | float | str | None
+"""A value of a verdict's ``numbers`` (non-finite numbers are null)."""
+
+SegmentsMs: TypeAlias = dict[str, float]
+"""Budget segment (``semconv.SEGMENTS`` / ``METRIC_BUDGET_SEGMENTS`` names) -> ms, in time
+order."""
+
+BudgetDoc: TypeAlias = dict[str, float]
+"""A document's ``budget``: every ``semconv.SEGMENTS`` segment in that order (zeros included,
+then any segment this version does not know), then ``e2e_ms``: the client-seen E2E the
+segments sum to. A ``ttft_budget`` is the same with ``ttft_ms`` (``budget_segments`` reads the
+segments of either). A mapping, not a TypedDict: its keys are the stored segments'."""
+
+
+class StartDoc(TypedDict):
+    """When the request started as the server saw it (client start for a client-only one)."""
+
+    iso: str
+    unix_ns: int
+
+
+class TokenCountsDoc(TypedDict):
+    """The request's token counts (a document's ``tokens``)."""
+
+    input: int | None
+    output: int | None
+    cached: int | None
+
+
+class ItlSummaryDoc(TypedDict):
+    """Count, p50, p99 (nearest rank) and max of the request's inter-token gaps."""
+
+    count: int
+    p50: float | None
+    p99: float | None
+    max: float | None
+
+
+class MetricsDoc(TypedDict):
+    """The request's server-seen metrics in ms (``RequestMetrics``; a client-only request's
+    are the client's), ``e2e`` always present."""
+
+    ttft: float | None
+    tpot: float | None
+    e2e: float
+    queue: float | None
+    prefill: float | None
+    decode: float | None
+    network: float | None
+    itl: ItlSummaryDoc
+
+
+class BoundariesDoc(TypedDict, total=False):
+    """The request's instants (ms after ``TimelineDoc.origin_unix_ns``), only those it has;
+    ``row.BOUNDARY_KEYS`` in order (engine arrival keeps the older key ``arrival``)."""
+
+    client_start: float
+    server_start: float
+    arrival: float
+    ready: float
+    first_scheduled: float
+    first_token: float
+    server_first_body: float
+    client_first_byte: float
+    client_first_token: float
+    last_token: float
+    end: float
+    server_end: float
+    client_end: float
+
+
+class PrefillChunkDoc(TypedDict):
+    start_ms: float
+    end_ms: float
+    tokens: int
+
+
+class TimelineDoc(TypedDict):
+    """The request's time axis: ``origin_unix_ns`` (its earliest instant) and everything on
+    it in ms after that origin."""
+
+    origin_unix_ns: int
+    boundaries_ms: BoundariesDoc
+    preemptions_ms: list[list[float]]
+    """[start, end] of every interval the request spent evicted."""
+    prefill_chunks: list[PrefillChunkDoc]
+
+
+class ContextDoc(TypedDict, total=False):
+    """What the diagnosis read besides the timeline (``row.CONTEXT_FIELDS`` in order), only
+    those the request has; a non-finite ratio is null."""
+
+    requests_ahead: int
+    running_at_arrival: int
+    max_running: int
+    outlier_steps_with_prefill: int
+    decode_bandwidth_peak_ratio: float | None
+    decode_roofline_ratio: float | None
+    prefix_hash: str
+
+
+class MetricBudgetDoc(TypedDict):
+    """One metric's budget on one clock (``budget.metric_budget``): the segments the metric's
+    time was spent in, in time order, summing to ``value_ms``."""
+
+    value_ms: float | None
+    segments: SegmentsMs
+
+
+class VerdictDoc(TypedDict):
+    """A verdict (``Verdict``): the dominant segment of one metric's budget on one clock, its
+    cause, the sentence and advice, and the numbers the sentence cites."""
+
+    metric: str
+    """One of ``semconv.VERDICT_METRICS``."""
+    clock: str
+    """``client`` or ``server``: whose clock measured the metric."""
+    segment: str
+    cause: str | None
+    sentence: str | None
+    advice: str
+    numbers: dict[str, DocNumber]
+    why: NotRequired[str]
+    """The default verdict only: why this metric (e.g. the SLO target the request breached)."""
+
+
+class RequestDocument(TypedDict):
+    """One stored request as every reader sees it (``document_from_row``; ``tokentrace explain
+    --json`` prints it, the API serves it as ``RequestDetail.request``)."""
+
+    doc_version: int
+    trace_id: str
+    span_id: str
+    service: str
+    model: str
+    operation: str
+    dialect: str
+    prompt_bucket: str
+    request_id: str | None
+    start: StartDoc
+    tokens: TokenCountsDoc
+    finish_reason: str | None
+    status_error: str | None
+    metrics_ms: MetricsDoc
+    budget: BudgetDoc
+    ttft_budget: BudgetDoc | None
+    """The server-seen TTFT's budget (segments and ``ttft_ms``); null without a first token."""
+    skew_clamped: bool
+    timeline: TimelineDoc
+    token_offsets_us: list[int]
+    """Token times in µs after the first token (at most ``DOC_TOKEN_OFFSETS_CAP``)."""
+    token_offsets_dropped: int
+    context: ContextDoc
+    budgets: dict[str, dict[str, MetricBudgetDoc]]
+    """Metric (``semconv.VERDICT_METRICS``) -> clock -> that metric's budget on that clock."""
+    verdict: VerdictDoc | None
+    """The default verdict: about the metric of the first SLO target the request breached,
+    else E2E; null when the request was not diagnosed."""
+    verdicts: dict[str, VerdictDoc]
+    """Metric -> the verdict about it (the default one among them)."""
+    slo: dict[str, bool]
+    """SLO target name -> met."""
+    other_span_ids: NotRequired[list[str]]
+    """``RequestStore.get`` only: the other requests of the same trace."""
+
+
+class RequestSummaryDoc(TypedDict):
+    """One request in the list (``summary_from_row``; the API's ``RequestSummary``)."""
+
+    trace_id: str
+    span_id: str
+    request_id: str | None
+    start_unix_ns: int
+    start_iso: str
+    service: str
+    model: str
+    operation: str
+    prompt_bucket: str
+    e2e_ms: float
+    ttft_ms: float | None
+    tpot_ms: float | None
+    queue_ms: float | None
+    prefill_ms: float | None
+    decode_ms: float | None
+    network_ms: float | None
+    input_tokens: int | None
+    output_tokens: int | None
+    segment: str | None
+    cause: str | None
+    verdict: str | None
+    slo_breached: bool
+
+
+# --- units -----------------------------------------------------------------------------------
+
+
+@overload
+def ns_to_ms(value_ns: int) -> float: ...
+@overload
+def ns_to_ms(value_ns: None) -> None: ...
+@overload
+def ns_to_ms(value_ns: int | None) -> float | None: ...
 def ns_to_ms(value_ns: int | None) -> float | None:
     """Integer ns -> ms rounded to the microsecond (half up), None stays None."""
     if value_ns is None:
@@ -83,7 +301,7 @@ def _round_us(value_ns: int) -> int:
     return (int(value_ns) + _NS_PER_US // 2) // _NS_PER_US
 
 
-def finite_or_none(value: Any) -> Any:
+def finite_or_none(value: _T) -> _T | None:
     """JSON has no NaN/Infinity: a non-finite float becomes None."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -111,7 +329,7 @@ def _partition_ms(segments: Mapping[str, int], *, present_only: bool = False) ->
     return out
 
 
-def _itl_summary(offsets_us: Sequence[int]) -> dict[str, float | int | None]:
+def _itl_summary(offsets_us: Sequence[int]) -> ItlSummaryDoc:
     """Count, p50, p99 (nearest rank) and max of the inter-token gaps, derived from the token
     offsets exactly as ``RequestMetrics.itl`` is (``budget.inter_token_gaps_ns``)."""
     gaps_ns = inter_token_gaps_ns(offsets_us)
@@ -136,9 +354,9 @@ def iso_utc(unix_ns: int) -> str:
 # --- the document of one row ---------------------------------------------------------------------
 
 
-def _metric_budgets_doc(record: RequestRecord) -> dict[str, dict[str, Any]]:
+def _metric_budgets_doc(record: RequestRecord) -> dict[str, dict[str, MetricBudgetDoc]]:
     """Every metric budget of the request (``budget.metric_budget``), on each clock it has."""
-    budgets: dict[str, dict[str, Any]] = {}
+    budgets: dict[str, dict[str, MetricBudgetDoc]] = {}
     for metric in semconv.VERDICT_METRICS:
         for clock in (semconv.CLOCK_SERVER, semconv.CLOCK_CLIENT):
             view = metric_budget(record, metric, clock=clock)
@@ -152,14 +370,14 @@ def _metric_budgets_doc(record: RequestRecord) -> dict[str, dict[str, Any]]:
 
 
 def _verdicts_doc(
-    record: RequestRecord, default: dict[str, Any], diagnosis: DiagnosisConfig
-) -> dict[str, dict[str, Any]]:
+    record: RequestRecord, default: VerdictDoc, diagnosis: DiagnosisConfig
+) -> dict[str, VerdictDoc]:
     """The stored default verdict, and the verdicts about the request's other metrics derived
     now (``verdict.diagnose_request``, with the window's prefix judgement it was stored
     with), in ``semconv.VERDICT_METRICS`` order."""
     prefix = record.timeline.prefix_hash
     seen = frozenset((prefix,)) if record.prefix_seen and prefix else frozenset()
-    verdicts: dict[str, dict[str, Any]] = {}
+    verdicts: dict[str, VerdictDoc] = {}
     for metric in semconv.VERDICT_METRICS:
         if metric == default["metric"]:
             verdicts[metric] = default
@@ -183,7 +401,7 @@ def _timeline_doc(
     preempted: Sequence[Sequence[int]],
     chunks: Sequence[Sequence[int]],
     start_ns: int,
-) -> dict[str, Any]:
+) -> TimelineDoc:
     present = {
         name: int(value)
         for name, value in zip(BOUNDARY_KEYS, boundaries, strict=False)
@@ -197,9 +415,11 @@ def _timeline_doc(
     def offset(value: int) -> float:
         return _round_us(int(value) - origin) / _US_PER_MS
 
+    # ``BoundariesDoc``'s keys are ``BOUNDARY_KEYS`` (a test holds them equal).
+    boundaries_ms = cast(BoundariesDoc, {name: offset(value) for name, value in present.items()})
     return {
         "origin_unix_ns": origin,
-        "boundaries_ms": {name: offset(value) for name, value in present.items()},
+        "boundaries_ms": boundaries_ms,
         "preemptions_ms": [[offset(start), offset(end)] for start, end in preempted],
         "prefill_chunks": [
             {"start_ms": offset(start), "end_ms": offset(end), "tokens": int(tokens)}
@@ -213,7 +433,7 @@ def document_from_row(
     *,
     load_decode: Callable[[], DecodeSpans],
     diagnosis: DiagnosisConfig = _DEFAULT_DIAGNOSIS,
-) -> dict[str, Any]:
+) -> RequestDocument:
     """The JSON-ready document of one stored request (see the module docstring for units).
 
     ``row`` is in ``REQUEST_COLUMNS`` order. ``load_decode`` (the request's token offsets and
@@ -228,12 +448,12 @@ def document_from_row(
     start_ns = int(stored.start_ns)
     detail = decode_detail(stored.detail)
 
-    budget_doc: dict[str, Any] = dict(_partition_ms(detail[DETAIL_SEGMENTS]))
+    budget_doc: BudgetDoc = _partition_ms(detail[DETAIL_SEGMENTS])
     budget_doc["e2e_ms"] = ns_to_ms(int(stored.e2e_ns))
-    ttft_budget_doc: dict[str, Any] | None = None
+    ttft_budget_doc: BudgetDoc | None = None
     budget_ttft_ns = detail.get(DETAIL_TTFT_NS)
     if budget_ttft_ns is not None:
-        ttft_budget_doc = dict(_partition_ms(detail.get(DETAIL_TTFT_SEGMENTS) or {}))
+        ttft_budget_doc = _partition_ms(detail.get(DETAIL_TTFT_SEGMENTS) or {})
         ttft_budget_doc["ttft_ms"] = ns_to_ms(int(budget_ttft_ns))
 
     recorded, dropped = detail.get(DETAIL_OFFSETS) or (0, 0)
@@ -251,8 +471,8 @@ def document_from_row(
     if len(offsets) > DOC_TOKEN_OFFSETS_CAP:
         dropped += len(offsets) - DOC_TOKEN_OFFSETS_CAP
         offsets = offsets[:DOC_TOKEN_OFFSETS_CAP]
-    verdict_doc: dict[str, Any] | None = None
-    verdicts_doc: dict[str, dict[str, Any]] = {}
+    verdict_doc: VerdictDoc | None = None
+    verdicts_doc: dict[str, VerdictDoc] = {}
     if stored.segment is not None:
         verdict_doc = _verdict_doc(
             stored.segment,
@@ -266,11 +486,15 @@ def document_from_row(
         verdict_doc["why"] = str(detail.get(DETAIL_VERDICT_WHY, ""))
         verdicts_doc = _verdicts_doc(record, verdict_doc, diagnosis)
 
-    context = {
-        name: finite_or_none(value)
-        for name, value in zip(CONTEXT_FIELDS, detail.get(DETAIL_CONTEXT) or (), strict=False)
-        if value is not None
-    }
+    # ``ContextDoc``'s keys are ``CONTEXT_FIELDS`` (a test holds them equal).
+    context = cast(
+        ContextDoc,
+        {
+            name: finite_or_none(value)
+            for name, value in zip(CONTEXT_FIELDS, detail.get(DETAIL_CONTEXT) or (), strict=False)
+            if value is not None
+        },
+    )
 
     return {
         "doc_version": DOC_VERSION,
@@ -320,15 +544,15 @@ def document_from_row(
 
 
 def _verdict_doc(
-    segment: Any,
-    cause: Any,
-    sentence: Any,
-    advice: Any,
-    numbers: Any,
+    segment: str,
+    cause: str | None,
+    sentence: str | None,
+    advice: object,
+    numbers: Mapping[str, DocNumber] | None,
     *,
     metric: str,
     clock: str,
-) -> dict[str, Any]:
+) -> VerdictDoc:
     return {
         "metric": metric,
         "clock": clock,
@@ -342,7 +566,7 @@ def _verdict_doc(
 
 def record_to_dict(
     record: RequestRecord, *, diagnosis: DiagnosisConfig = _DEFAULT_DIAGNOSIS
-) -> dict[str, Any]:
+) -> RequestDocument:
     """The document of one record, exactly as the store gives it back after writing it.
 
     Raises (TypeError/ValueError/AttributeError) on a malformed record.
@@ -355,7 +579,7 @@ def record_to_dict(
 # --- the list's summary of one row, budget segments ----------------------------------------------
 
 
-def summary_from_row(row: Sequence[Any]) -> dict[str, Any]:
+def summary_from_row(row: Sequence[Any]) -> RequestSummaryDoc:
     """The list API's ``RequestSummary`` (``docs/api.md``) of a row in ``SUMMARY_COLUMNS`` order.
 
     Columns only: no JSON decoding, no span reads (a list page builds up to 500 of these).
@@ -418,6 +642,6 @@ def budget_segments_ms(segments_ns: Mapping[str, int]) -> dict[str, float]:
     return _partition_ms(segments_ns)
 
 
-def budget_segments(budget_doc: Mapping[str, Any]) -> dict[str, float]:
+def budget_segments(budget_doc: Mapping[str, float]) -> dict[str, float]:
     """The segment entries of a document's ``budget``/``ttft_budget`` (without the total)."""
     return {k: float(v) for k, v in budget_doc.items() if k not in ("e2e_ms", "ttft_ms")}

@@ -15,8 +15,9 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
+from tokentrace.collector.store.document import RequestSummaryDoc
 from tokentrace.collector.store.row import METRIC_COLUMNS
 
 SORT_START: Final = "start"
@@ -85,7 +86,7 @@ class RequestPageQuery:
 
 @dataclass(frozen=True, slots=True)
 class RequestPage:
-    items: list[dict[str, Any]]
+    items: list[RequestSummaryDoc]
     """``RequestSummary`` documents (``document.summary_from_row``)."""
     next_cursor: str | None
     """Give it back for the next page; None on the last page."""

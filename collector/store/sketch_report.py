@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.collector.store.document import finite_or_none, ns_to_ms
+from tokentrace.processors.slo import SELECTOR_KEYS
 
 if TYPE_CHECKING:
     from tokentrace.processors.slo import SloTarget
@@ -22,9 +23,6 @@ _MS_PER_S: Final = 1_000
 
 TOP_QUANTILES: Final = ((0.5, "p50"), (0.95, "p95"), (0.99, "p99"))
 """The quantiles ``window_report`` reports for every metric."""
-
-KEY_FIELDS: Final = ("service", "model", "operation", "prompt_bucket")
-"""The percentile key, in the order stored sketch slices carry it."""
 
 SketchSlice = tuple[float, tuple[str, str, str, str], str, dict[str, Any]]
 """(slice_start_s, (service, model, operation, prompt_bucket), metric, LatencySketch dict)."""
@@ -72,7 +70,7 @@ def window_report(
     keys_doc: list[dict[str, Any]] = []
     for key in sorted(merged, key=_key_sort):
         per_metric = merged[key]
-        key_fields = dict(zip(KEY_FIELDS, key, strict=True))
+        key_fields = dict(zip(SELECTOR_KEYS, key, strict=True))
         metrics_doc: dict[str, dict[str, Any]] = {}
         for metric in semconv.LATENCY_METRICS:
             sketch = per_metric.get(metric)
@@ -111,7 +109,7 @@ def window_report(
             sketch = per_metric.get(target.metric)
             if sketch is None:
                 continue
-            if not target.matches_key(dict(zip(KEY_FIELDS, key, strict=True))):
+            if not target.matches_key(dict(zip(SELECTOR_KEYS, key, strict=True))):
                 continue
             if combined is None:
                 combined = sketch.copy()

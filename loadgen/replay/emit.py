@@ -202,8 +202,8 @@ def emit_sdk(
             attributes=planned.attributes,
             start_time=planned.start_ns,
         )
-        if planned.error is not None:
-            span.set_status(Status(StatusCode.ERROR, planned.error))
+        if planned.status_error is not None:
+            span.set_status(Status(StatusCode.ERROR, planned.status_error))
         ends.append((span, planned.end_ns))
         return span
 

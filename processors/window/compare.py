@@ -25,8 +25,6 @@ from typing import Any, Final, TypedDict
 from tokentrace.agent import semconv
 from tokentrace.processors.slo import SELECTOR_KEYS
 
-KEY_FIELDS: Final = SELECTOR_KEYS
-"""The percentile key's fields, in report order (service, model, operation, prompt_bucket)."""
 COUNT_FIELD: Final = "count"
 """The entry of a metric summary that counts values rather than giving a quantile."""
 _DELTA_DECIMALS: Final = 3
@@ -97,7 +95,7 @@ def compare_metrics(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[dict[str
                 comparison["change"] = {
                     label: _change(summary_a.get(label), summary_b.get(label)) for label in labels
                 }
-            rows.append({**dict(zip(KEY_FIELDS, key, strict=True)), **comparison})
+            rows.append({**dict(zip(SELECTOR_KEYS, key, strict=True)), **comparison})
     return rows
 
 
@@ -114,7 +112,7 @@ def _metrics_by_key(report: Mapping[str, Any]) -> dict[Key, dict[str, dict[str, 
     first listing of each metric."""
     found: dict[Key, dict[str, dict[str, Any]]] = {}
     for entry in _entries(report.get("keys")):
-        key = tuple(str(entry.get(field, "")) for field in KEY_FIELDS)
+        key = tuple(str(entry.get(field, "")) for field in SELECTOR_KEYS)
         per_metric = found.setdefault(key, {})
         metrics = entry.get("metrics")
         if not isinstance(metrics, Mapping):

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 from tokentrace.agent import semconv
 from tokentrace.processors.budget import metric_budget
@@ -54,6 +54,12 @@ WINDOW_METRICS: Final = (semconv.METRIC_TTFT, semconv.METRIC_TPOT, semconv.METRI
 GROUP_BEYOND: Final = "beyond_threshold"
 GROUP_TAIL: Final = "tail"
 GROUP_TYPICAL: Final = "typical"
+
+WindowFinding: TypeAlias = dict[str, Any]
+"""One finding of a window, as a JSON-ready dict: per target (``target_findings``) or per
+metric and group (``metric_findings``); what ``tokentrace diagnose --json`` and the API's
+``Finding`` model carry (read back as any ``Mapping``). Not the per-request
+``diagnosis.RequestFinding``."""
 
 _DEFAULT_CONFIG: Final = DiagnosisConfig()
 _NS_PER_MS: Final = 1_000_000
@@ -155,14 +161,14 @@ def target_findings(
     records: Sequence[RequestRecord],
     targets: Sequence[SloTarget],
     config: DiagnosisConfig = _DEFAULT_CONFIG,
-) -> list[dict[str, Any]]:
+) -> list[WindowFinding]:
     """One finding per target (see the module docstring), breached ones first."""
     seen = SeenPrefixes(records)
     findings = []
     for target in targets:
         indices = [index for index, record in enumerate(records) if target.matches(record)]
         units = _units(records, indices, target.metric, semconv.CLOCK_SERVER, config)
-        finding: dict[str, Any] = {
+        finding: WindowFinding = {
             "target": target.name,
             "metric": target.metric,
             "clock": semconv.CLOCK_SERVER,
@@ -207,7 +213,7 @@ def metric_findings(
     records: Sequence[RequestRecord],
     metrics: Sequence[str] = WINDOW_METRICS,
     config: DiagnosisConfig = _DEFAULT_CONFIG,
-) -> list[dict[str, Any]]:
+) -> list[WindowFinding]:
     """Per metric, the typical request's and the tail's finding (see the module docstring)."""
     seen = SeenPrefixes(records)
     findings = []
@@ -230,7 +236,7 @@ def metric_findings(
             (GROUP_TYPICAL, [u for u in units if low <= u.value_ns <= high], 50.0),
             (GROUP_TAIL, [u for u in units if u.value_ns >= tail_from], config.tail_percentile),
         ):
-            finding: dict[str, Any] = {
+            finding: WindowFinding = {
                 "target": None,
                 "metric": metric,
                 "clock": clock,

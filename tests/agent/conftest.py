@@ -32,7 +32,7 @@ def vllm_stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[Setup]:
     tracer = EngineStepTracer(
         engine_jobs.append,
         guard=guard,
-        clock_domain=CLOCK,
+        to_unix=CLOCK,
         sample_rate=0.0,
         monotonic_ns=engine_monotonic_ns,
     )

@@ -100,7 +100,7 @@ def aborted_while_queued() -> FinishedRequest:
         end_ns=T0 + 900 * MS,
         input_tokens=100,
         requests_ahead=40,
-        error="client disconnected",
+        status_error="client disconnected",
     )
 
 
@@ -120,7 +120,7 @@ def aborted_mid_decode() -> FinishedRequest:
         prefill_chunks=[PrefillChunk(T0 + 2 * MS, T0 + 20 * MS, 100)],
         input_tokens=100,
         output_tokens=3,
-        error="client disconnected",
+        status_error="client disconnected",
     )
 
 

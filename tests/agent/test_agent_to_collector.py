@@ -57,7 +57,7 @@ def test_recorded_requests_reach_the_collector_with_their_timings(
             timer.trace_id = os.urandom(16)
             timer.attributes.update(model="tiny", operation="text_completion", output_tokens=3)
             time.sleep(0.002)
-            timer.scheduled_ns = recorder.clock()
+            timer.first_scheduled_ns = recorder.clock()
             for _ in range(3):
                 time.sleep(0.001)
                 timer.token_ns.append(recorder.clock())

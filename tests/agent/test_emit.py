@@ -37,7 +37,7 @@ class Sent:
 def finished_timer(request_id: str, *, tokens: int = 4) -> RequestTimer:
     timer = RequestTimer(request_id, arrival_ns=1_000_000)
     timer.trace_id = os.urandom(16)
-    timer.scheduled_ns = 2_000_000
+    timer.first_scheduled_ns = 2_000_000
     timer.token_ns.extend(3_000_000 + i * 1_000_000 for i in range(tokens))
     timer.end_ns = 3_000_000 + tokens * 1_000_000
     timer.attributes.update(model="m", operation="chat", output_tokens=tokens)
@@ -173,7 +173,7 @@ def test_an_unencodable_batch_is_counted_and_warned_once(
     )
     for index in range(3):
         broken = finished_timer(f"r{index}")
-        broken.chunks = [(1,)]  # not (start, end, tokens)
+        broken.prefill_chunks = [(1,)]  # not (start, end, tokens)
         emitter.submit(broken)
     with caplog.at_level(logging.WARNING, logger="tokentrace.agent.emit"):
         assert emitter.flush(5.0)

@@ -144,7 +144,7 @@ def test_a_post_is_a_server_span_that_parents_llm_request_and_honours_traceparen
     (job,) = http_spans(vllm_stand_in)
     (span,) = job.spans
     assert (job.trace_id, job.parent_span_id) == (_CALLER_TRACE_ID, _CALLER_SPAN_ID)
-    assert span.kind == 2 and span.name == "POST /v1/completions" and span.error is None
+    assert span.kind == 2 and span.name == "POST /v1/completions" and span.status_error is None
     attributes = dict(span.attributes)
     first_body = attributes.pop(semconv.HTTP_FIRST_BODY_TIME)
     assert isinstance(first_body, int) and span.start_ns < first_body <= span.end_ns
@@ -212,7 +212,7 @@ def test_a_route_that_raises_is_an_error_span_and_the_server_still_answers_500(
     assert serve(app, "POST", "/boom").status_code == 500
     (job,) = http_spans(vllm_stand_in)
     (span,) = job.spans
-    assert span.error == "RuntimeError"
+    assert span.status_error == "RuntimeError"
     assert span.attributes[semconv.ERROR_TYPE] == "RuntimeError"
     assert span.attributes[semconv.HTTP_RESPONSE_STATUS_CODE] == 500
     assert span.name == "POST /boom"
@@ -224,7 +224,7 @@ def test_an_unknown_path_is_named_by_its_method_alone_and_is_no_server_error(
     assert serve(app, "POST", "/v1/nothing-here/123").status_code == 404
     (job,) = http_spans(vllm_stand_in)
     (span,) = job.spans
-    assert span.name == "POST" and span.error is None
+    assert span.name == "POST" and span.status_error is None
     assert semconv.HTTP_ROUTE not in span.attributes
     assert span.attributes[semconv.URL_PATH] == "/v1/nothing-here/123"
     assert vllm_stand_in.http_tracer.stats() == {"http_server_spans": 1}

@@ -8,7 +8,7 @@ from tokentrace.agent.finished_request import PREFIX_HASH_TOKENS
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import (
     PROMPT_TOKEN_IDS,
-    ClockDomain,
+    MonotonicToUnix,
     Recorder,
     RequestTimer,
     to_finished_request,
@@ -28,8 +28,8 @@ class Ticks:
 WALL_OFFSET = 1_700_000_000_000_000_000
 
 
-def fixed_domain(ticks: Ticks) -> ClockDomain:
-    return ClockDomain(wall_ns=lambda: ticks.now + WALL_OFFSET, monotonic_ns=ticks)
+def fixed_domain(ticks: Ticks) -> MonotonicToUnix:
+    return MonotonicToUnix(wall_ns=lambda: ticks.now + WALL_OFFSET, monotonic_ns=ticks)
 
 
 def test_a_request_life_becomes_a_finished_request_in_unix_time() -> None:
@@ -41,7 +41,7 @@ def test_a_request_life_becomes_a_finished_request_in_unix_time() -> None:
     timer.attributes.update(model="m", operation="chat", input_tokens=12, output_tokens=3)
     timer.queued_ns = ticks.now + 2_000_000
     ticks.now += 5_000_000
-    timer.scheduled_ns = ticks.now
+    timer.first_scheduled_ns = ticks.now
     for _ in range(3):
         ticks.now += 10_000_000
         timer.token_ns.append(ticks.now)
@@ -100,11 +100,11 @@ def test_preemption_intervals_and_an_abort_while_evicted() -> None:
     timer.resume(ticks.now + 5)
     timer.preempt(ticks.now + 8)
     ticks.now += 10
-    recorder.finish("r", error="client disconnected")
+    recorder.finish("r", status_error="client disconnected")
     request = to_finished_request(finished[0], fixed_domain(ticks))
     start = 1_000_000_000 + WALL_OFFSET
     assert request.preempted == [(start + 1, start + 5), (start + 8, start + 10)]
-    assert request.error == "client disconnected"
+    assert request.status_error == "client disconnected"
     assert request.first_token_ns is None and request.token_offsets_us == []
     assert request.queued_ns is None  # never reported: llm.queue starts at arrival
 
@@ -119,10 +119,10 @@ def test_in_flight_limit_leaves_requests_untraced_and_counts_them() -> None:
     assert recorder.begin("c") is not None
 
 
-def test_clock_domain_follows_a_wall_clock_step_only_after_refresh() -> None:
+def test_monotonic_to_unix_follows_a_wall_clock_step_only_after_refresh() -> None:
     ticks = Ticks()
     wall = {"offset": WALL_OFFSET}
-    domain = ClockDomain(wall_ns=lambda: ticks.now + wall["offset"], monotonic_ns=ticks)
+    domain = MonotonicToUnix(wall_ns=lambda: ticks.now + wall["offset"], monotonic_ns=ticks)
     wall["offset"] += 3_000_000_000  # NTP steps the wall clock by 3 s
     assert domain.to_unix_ns(ticks.now) == ticks.now + WALL_OFFSET  # phases stay consistent
     ticks.now += 11_000_000_000  # past the refresh interval
@@ -165,7 +165,7 @@ def test_timers_without_an_end_expire_after_max_age_on_a_later_begin() -> None:
         assert recorder.get("leaked") is leaked
         recorder.begin(f"r{index}")
     assert finished == [leaked]
-    assert leaked.error == "expired: no end seen"
+    assert leaked.status_error == "expired: no end seen"
     assert leaked.end_ns == leaked.token_ns[-1]  # not the expiry time: no phantom 600 s tail
     assert recorder.expired_requests == 1
     assert recorder.get("leaked") is None and recorder.get("young") is young

@@ -170,7 +170,7 @@ def test_an_endpoint_on_the_other_protocols_port_is_warned_about(
     assert any("OTEL_EXPORTER_OTLP_PROTOCOL=" in r.getMessage() for r in caplog.records) is warned
 
 
-def test_runtime_shares_one_clock_domain_and_checks_sender_room() -> None:
+def test_runtime_shares_one_monotonic_to_unix_mapping_and_checks_sender_room() -> None:
     from tokentrace.agent.runtime import AgentRuntime
 
     config = load_agent_config({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})

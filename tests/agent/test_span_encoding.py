@@ -54,17 +54,17 @@ def reference_span(planned: PlannedSpan, trace: bytes, span_id: bytes, parent: b
         end_time_unix_nano=planned.end_ns,
     )
     span.attributes.extend(key_value(k, v) for k, v in planned.attributes.items())
-    if planned.error is not None:
+    if planned.status_error is not None:
         span.status.code = Status.STATUS_CODE_ERROR
-        span.status.message = planned.error
+        span.status.message = planned.status_error
     return span
 
 
 def test_encoded_spans_equal_spans_built_through_the_protobuf_api() -> None:
     finished = full_finished_request()
-    message, _ = encode([dataclasses.replace(finished, error="engine died")])
+    message, _ = encode([dataclasses.replace(finished, status_error="engine died")])
     encoded = spans_of(message)
-    planned = list(plan_spans(dataclasses.replace(finished, error="engine died")))
+    planned = list(plan_spans(dataclasses.replace(finished, status_error="engine died")))
     assert len(encoded) == len(planned)
     for span, plan in zip(encoded, planned, strict=True):
         parent = encoded[plan.parent_local_id].span_id if plan.parent_local_id >= 0 else PARENT
@@ -95,7 +95,9 @@ def test_encoded_spans_equal_spans_built_through_the_protobuf_api() -> None:
     ],
 )
 def test_every_attribute_value_type_round_trips(value: Any) -> None:
-    planned = PlannedSpan(0, -1, "x", KIND_CLIENT, T0, T0 + 1, {"k": value, "n": 7}, error="")
+    planned = PlannedSpan(
+        0, -1, "x", KIND_CLIENT, T0, T0 + 1, {"k": value, "n": 7}, status_error=""
+    )
     span_id = (2**64 - 1).to_bytes(8, "big")
     payload = export_request(
         [(ResourceScope(resource_attributes={"r": value}, scope_name="s", scope_version="1"), [
@@ -137,7 +139,7 @@ def test_bad_finished_requests_are_skipped_and_counted_never_raised() -> None:
 
 def test_encoded_bytes_include_unicode_and_error_messages_intact() -> None:
     finished = aborted_while_queued()
-    finished = dataclasses.replace(finished, model="模型-ü", error="abgebrochen: 客户端")
+    finished = dataclasses.replace(finished, model="模型-ü", status_error="abgebrochen: 客户端")
     (message, _) = encode([finished])
     root = request_span(spans_of(message))
     assert attributes_of(root)[semconv.GEN_AI_REQUEST_MODEL] == "模型-ü"

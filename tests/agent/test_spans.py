@@ -427,7 +427,7 @@ def test_collector_reads_back_the_recorded_phase_durations(finished: FinishedReq
         assert budget.ttft_ns is None
     else:
         assert budget.ttft_ns == finished.first_token_ns - finished.arrival_ns
-    assert timeline.status_error == finished.error
+    assert timeline.status_error == finished.status_error
     assert timeline.request_id == finished.request_id
     assert (timeline.model, timeline.operation) == (finished.model, finished.operation)
     assert timeline.service == RESOURCE[semconv.SERVICE_NAME]

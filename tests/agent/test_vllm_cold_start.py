@@ -47,7 +47,7 @@ from tokentrace.agent.frameworks.vllm_cold_start import (
     process_start_monotonic_ns,
 )
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import ClockDomain, RequestTimer, to_finished_request
+from tokentrace.agent.recorder import MonotonicToUnix, RequestTimer, to_finished_request
 
 IMPORT_NS = 5_000
 UNIX_OFFSET = 10**18  # CLOCK: Unix ns = monotonic ns + 10**18
@@ -164,7 +164,7 @@ def test_processes_that_inherit_the_variable_put_their_phases_under_the_frontend
     frontend_jobs: list[Any] = []
     frontend = ColdStartTracer(
         frontend_jobs.append,
-        clock_domain=CLOCK,
+        to_unix=CLOCK,
         frontend=True,
         environ=environ,
         monotonic_ns=lambda: 50,
@@ -175,7 +175,7 @@ def test_processes_that_inherit_the_variable_put_their_phases_under_the_frontend
     now = [2_000]
     engine = ColdStartTracer(
         engine_jobs.append,
-        clock_domain=CLOCK,
+        to_unix=CLOCK,
         frontend=False,
         environ=inherited,
         monotonic_ns=lambda: now[0],
@@ -197,7 +197,7 @@ def test_processes_that_inherit_the_variable_put_their_phases_under_the_frontend
     assert all(s.parent_span_id == frontend.root_span_id for s in spans)
     # A second frontend (another API server) with the variable: no second root.
     second = ColdStartTracer(
-        frontend_jobs.append, clock_domain=CLOCK, frontend=True, environ=dict(environ)
+        frontend_jobs.append, to_unix=CLOCK, frontend=True, environ=dict(environ)
     )
     second.engine_ready()
     assert not frontend_jobs and not second.owns_root and second.ready_ns is not None
@@ -207,9 +207,9 @@ def test_an_engine_without_a_frontend_gives_its_phases_a_rootless_trace_of_their
     environ: dict[str, str] = {}
     jobs: list[Any] = []
     engine = ColdStartTracer(
-        jobs.append, clock_domain=CLOCK, frontend=False, environ=environ, read_process_start=int
+        jobs.append, to_unix=CLOCK, frontend=False, environ=environ, read_process_start=int
     )
-    worker = ColdStartTracer(jobs.append, clock_domain=CLOCK, frontend=False, environ=dict(environ))
+    worker = ColdStartTracer(jobs.append, to_unix=CLOCK, frontend=False, environ=dict(environ))
     for tracer in (engine, worker):
         tracer.import_done()
     spans = encoded_spans(planned_jobs(jobs))
@@ -256,7 +256,7 @@ def test_a_raising_cold_start_hook_is_disabled_and_vllm_still_runs(vllm_stand_in
     def refuse(_job: object) -> None:
         raise RuntimeError("emitter broken")
 
-    tracer = ColdStartTracer(refuse, clock_domain=CLOCK, frontend=True, environ={})
+    tracer = ColdStartTracer(refuse, to_unix=CLOCK, frontend=True, environ={})
     instrument(vllm_stand_in, tracer)
     worker = Worker()
     worker.load_model()
@@ -294,7 +294,7 @@ def test_requests_that_arrive_before_ready_carry_the_ready_time(
 
 def test_requests_waiting_for_ready_are_bounded_and_counted() -> None:
     tracer = ColdStartTracer(
-        lambda _job: None, clock_domain=CLOCK, frontend=True, environ={}, max_waiting_requests=1
+        lambda _job: None, to_unix=CLOCK, frontend=True, environ={}, max_waiting_requests=1
     )
     first, second = RequestTimer("a", arrival_ns=0), RequestTimer("b", arrival_ns=0)
     tracer.on_request(first)
@@ -373,7 +373,7 @@ def test_cold_start_parent_round_trips_with_and_without_a_root() -> None:
 def test_a_frontend_alone_emits_its_import_and_the_root() -> None:
     """The offline engine with everything in one process and no phase hooks reached."""
     jobs: list[Any] = []
-    tracer = ColdStartTracer(jobs.append, clock_domain=CLOCK, frontend=True, environ={})
+    tracer = ColdStartTracer(jobs.append, to_unix=CLOCK, frontend=True, environ={})
     guard = HookGuard()
     guard.run("start", tracer.engine_init_started)
     guard.run("ready", tracer.engine_ready)
@@ -387,7 +387,7 @@ def test_the_process_a_user_started_replaces_an_inherited_variable() -> None:
     stale = cold_start_parent(bytes(range(1, 17)), bytes(range(21, 29)))
     environ = {COLD_START_PARENT_ENV: stale}
     tracer = ColdStartTracer(
-        lambda _job: None, clock_domain=CLOCK, frontend=True, inherit=False, environ=environ
+        lambda _job: None, to_unix=CLOCK, frontend=True, inherit=False, environ=environ
     )
     assert tracer.owns_root
     assert environ[COLD_START_PARENT_ENV] != stale
@@ -397,8 +397,9 @@ def test_the_process_a_user_started_replaces_an_inherited_variable() -> None:
     )
 
 
-class _DriftingClock(ClockDomain):
-    """A clock domain whose offset moves by 10 ns at every conversion (as re-measuring does)."""
+class _DriftingClock(MonotonicToUnix):
+    """A monotonic-to-Unix mapping whose offset moves by 10 ns at every conversion (as
+    re-measuring does)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -413,7 +414,7 @@ def test_the_root_and_the_import_phase_start_at_the_same_nanosecond() -> None:
     jobs: list[Any] = []
     tracer = ColdStartTracer(
         jobs.append,
-        clock_domain=_DriftingClock(),
+        to_unix=_DriftingClock(),
         frontend=True,
         environ={},
         read_process_start=lambda: 7,

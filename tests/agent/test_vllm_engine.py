@@ -65,7 +65,7 @@ def direct_tracer(jobs: list[Any], **options: Any) -> EngineStepTracer:
     return EngineStepTracer(
         jobs.append,
         guard=HookGuard(),
-        clock_domain=CLOCK,
+        to_unix=CLOCK,
         monotonic_ns=engine_monotonic_ns,
         **options,
     )
@@ -146,8 +146,8 @@ def test_a_chunked_prefill_becomes_chunk_spans_under_the_prefill_span(
     assert {c.parent_span_id for c in chunks} == {bytes([3]) * 8}
     assert {c.trace_id for c in chunks} == {bytes([1]) * 16}
     # Back to back, the first from vLLM's SCHEDULED event (the start of llm.prefill).
-    scheduled_ns = int(1000.0 * NS) + CLOCK.to_unix_ns(0)
-    assert chunks[0].start_time_unix_nano == scheduled_ns
+    first_scheduled_ns = int(1000.0 * NS) + CLOCK.to_unix_ns(0)
+    assert chunks[0].start_time_unix_nano == first_scheduled_ns
     for before, after in itertools.pairwise(chunks):
         assert before.end_time_unix_nano <= after.start_time_unix_nano
     assert not [span for span in spans if span.name == semconv.SPAN_ENGINE_STEP]

@@ -106,7 +106,7 @@ def test_a_request_gets_step_timestamps_per_token_and_vllms_own_numbers(
     assert timer.request_id == "chatcmpl-xyz-internal"
     assert timer.token_ns == [100_500_000_000, 101_000_000_000, 101_000_000_000, 102_000_000_000]
     assert timer.queued_ns == 99_750_000_000  # the first QUEUED: engine arrival
-    assert timer.scheduled_ns == 100_000_000_000
+    assert timer.first_scheduled_ns == 100_000_000_000
     assert timer.preempted_ns == [(101_200_000_000, 101_700_000_000)]
     # vLLM's wall-clock arrival, moved to the monotonic domain: it converts back to itself.
     offset_ns = time.time_ns() - time.monotonic_ns()
@@ -124,7 +124,7 @@ def test_a_request_gets_step_timestamps_per_token_and_vllms_own_numbers(
         "top_p": 1.0,
         "finish_reason": "length",
     }
-    assert timer.error is None
+    assert timer.status_error is None
     assert len(timer.trace_id) == 16 and timer.parent_span_id == b""
 
 
@@ -151,7 +151,7 @@ def test_an_aborted_request_finishes_with_an_error(vllm_stand_in: Setup) -> None
     processor.process_outputs([Output("cmpl-gone-0-internal", [1])], 10.0)
     processor.abort_requests(["cmpl-gone-0"], internal=False)
     (timer,) = vllm_stand_in.finished
-    assert timer.error == "aborted"
+    assert timer.status_error == "aborted"
     assert timer.attributes["finish_reason"] == "abort"
     assert timer.attributes["output_tokens"] == 1
     assert vllm_stand_in.recorder.in_flight == 0

@@ -25,10 +25,10 @@ from tokentrace.agent.frameworks.vllm import (
 from tokentrace.agent.frameworks.vllm_cold_start import ColdStartTracer
 from tokentrace.agent.frameworks.vllm_engine import EngineStepTracer
 from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import ClockDomain, Recorder, RequestTimer
+from tokentrace.agent.recorder import MonotonicToUnix, Recorder, RequestTimer
 
 QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
-CLOCK = ClockDomain(wall_ns=lambda: 10**18, monotonic_ns=lambda: 0)
+CLOCK = MonotonicToUnix(wall_ns=lambda: 10**18, monotonic_ns=lambda: 0)
 """Unix ns = monotonic ns + 10**18: a fixed offset keeps span times checkable."""
 LENGTH, ABORT = 1, 2
 
@@ -466,7 +466,7 @@ class Setup:
     cold_start: ColdStartTracer = field(init=False)
     http_jobs: list[Any] = field(default_factory=list)
     """What the HTTP server tracer submitted (``DeferredSpans``: the emitter would call them)."""
-    http_clock: ClockDomain = field(default_factory=ClockDomain)
+    http_clock: MonotonicToUnix = field(default_factory=MonotonicToUnix)
     """The HTTP tracer's: the real clocks, which the stand-in ``AsyncLLM``'s arrival also reads."""
     http_tracer: HttpServerTracer = field(init=False)
 
@@ -474,14 +474,14 @@ class Setup:
         _startup_clock_ns[0] = PROCESS_START_NS
         self.cold_start = ColdStartTracer(
             self.cold_start_jobs.append,
-            clock_domain=CLOCK,
+            to_unix=CLOCK,
             frontend=True,
             environ=self.cold_start_environ,
             monotonic_ns=startup_monotonic_ns,
             read_process_start=lambda: PROCESS_START_NS,
         )
         self.http_tracer = HttpServerTracer(
-            self.http_jobs.append, guard=self.guard, clock_domain=self.http_clock
+            self.http_jobs.append, guard=self.guard, to_unix=self.http_clock
         )
 
     def instrument(self) -> None:

@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.api.replayed import replayed_store
+from tests.collector.test_store import make_record
 from tests.spanbuild import T0, key_value, request_spans, span, trace
 from tokentrace.agent import semconv
 from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO
@@ -29,7 +30,8 @@ from tokentrace.collector.render import (
     waterfall_rows,
     waterfall_segment,
 )
-from tokentrace.collector.store import RequestStore
+from tokentrace.collector.store import RequestStore, record_to_dict
+from tokentrace.collector.store.document import RequestDocument
 
 MS = 1_000_000
 TRACE = bytes.fromhex("a1b2c3d4" + "5a" * 12)
@@ -445,17 +447,25 @@ def test_span_cap_counts_what_it_leaves_out(doc: dict[str, Any], store_path: Pat
     assert any("not listed" in warning for warning in view["warnings"])
 
 
+def tokens_doc(first_token_ms: float | None, offsets_us: list[int]) -> RequestDocument:
+    """A whole request document whose first token and token offsets are the given ones."""
+    doc = record_to_dict(make_record(1))
+    boundaries = doc["timeline"]["boundaries_ms"]
+    boundaries.pop("first_token")
+    if first_token_ms is not None:
+        boundaries["first_token"] = first_token_ms
+    doc["token_offsets_us"] = offsets_us
+    return doc
+
+
 def test_gaps_without_a_first_token_or_with_one_gap_have_no_outliers() -> None:
-    no_first_token = {"timeline": {"boundaries_ms": {}}, "token_offsets_us": [0, 5, 900]}
+    no_first_token = tokens_doc(None, [0, 5, 900])
     assert token_gaps(no_first_token, itl_outlier_ratio=3.0)["gaps"] == []
-    one_gap = {"timeline": {"boundaries_ms": {"first_token": 1.0}}, "token_offsets_us": [0, 900]}
+    one_gap = tokens_doc(1.0, [0, 900])
     tokens = token_gaps(one_gap, itl_outlier_ratio=3.0)
     assert [g["outlier"] for g in tokens["gaps"]] == [False]
     assert tokens["median_gap_ms"] is None
-    malformed = {
-        "timeline": {"boundaries_ms": {"first_token": 0.0}},
-        "token_offsets_us": [0, 1000, 500, 1500, 2500],
-    }
+    malformed = tokens_doc(0.0, [0, 1000, 500, 1500, 2500])
     gaps = token_gaps(malformed, itl_outlier_ratio=3.0)["gaps"]
     assert gaps[1]["gap_ms"] == -0.5
     assert not any(g["outlier"] for g in gaps)
@@ -482,7 +492,7 @@ def test_marked_gaps_are_the_ones_the_agent_exports_steps_for(gaps_ms: list[int]
     offsets_us = [0]
     for gap in gaps_ms:
         offsets_us.append(offsets_us[-1] + gap * 1000)
-    doc = {"timeline": {"boundaries_ms": {"first_token": 0.0}}, "token_offsets_us": offsets_us}
+    doc = tokens_doc(0.0, offsets_us)
     marked = [g["index"] for g in token_gaps(doc, itl_outlier_ratio=3.0)["gaps"] if g["outlier"]]
     step_ends = [(index, offset * 1000) for index, offset in enumerate(offsets_us)]
     assert marked == outlier_gap_ends(step_ends, 3.0)

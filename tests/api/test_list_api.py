@@ -33,6 +33,7 @@ from tests.collector.test_store import BASE_NS
 from tokentrace.collector.api import list_route
 from tokentrace.collector.api.app import ApiSettings, create_app
 from tokentrace.collector.store import RequestFilter, RequestStore
+from tokentrace.collector.store.document import RequestSummaryDoc
 from tokentrace.collector.store.sqlite import list_query as query_module
 
 NS_PER_S = 1_000_000_000
@@ -334,6 +335,12 @@ def test_openapi_describes_the_list_parameters_and_response(client: TestClient) 
 
 def test_sort_keys_of_the_route_and_the_store_agree() -> None:
     assert list(typing.get_args(list_route.SortKey)) == list(query_module.SORT_KEYS)
+
+
+def test_the_summary_model_documents_the_stores_summary_fields_in_order() -> None:
+    # The store's summaries (``RequestSummaryDoc``) go out as they are; the pydantic model only
+    # describes them (and validates the fleet view's lists), so it must list the same fields.
+    assert list(list_route.RequestSummary.model_fields) == list(RequestSummaryDoc.__annotations__)
 
 
 def test_thresholds_in_ms_become_whole_ns_without_float_drift(

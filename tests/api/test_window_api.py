@@ -30,9 +30,9 @@ from tokentrace.collector.pipeline import Pipeline
 from tokentrace.collector.store import META_SLO_TARGETS, RequestStore, window_report
 from tokentrace.collector.store.document import budget_segments
 from tokentrace.collector.store.query import QueryTimeoutError
-from tokentrace.collector.store.sketch_report import KEY_FIELDS, SketchSlice
+from tokentrace.collector.store.sketch_report import SketchSlice
 from tokentrace.processors.sketches import LatencySketch
-from tokentrace.processors.slo import parse_targets
+from tokentrace.processors.slo import SELECTOR_KEYS, parse_targets
 
 NS_PER_S = 1_000_000_000
 T0_S = T0 // NS_PER_S
@@ -136,7 +136,7 @@ def _expected_report(
         s
         for s in slices
         if since_s <= s[0] < until_s
-        and all(dict(zip(KEY_FIELDS, s[1], strict=True))[k] == v for k, v in dims.items())
+        and all(dict(zip(SELECTOR_KEYS, s[1], strict=True))[k] == v for k, v in dims.items())
     ]
     return window_report(
         chosen, window_s=until_s - since_s, now_s=until_s, slo_targets=parse_targets([E2E_TARGET])

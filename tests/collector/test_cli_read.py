@@ -16,6 +16,7 @@ from tests.collector.test_store import (
     MS,
     assembled,
     make_record,
+    make_rich_record,
     sketch_of,
     trace_id,
 )
@@ -297,20 +298,7 @@ def test_cli_durations_use_the_configuration_units(text: str, seconds: float) ->
 
 def rich_doc() -> dict[str, object]:
     """A request with every phase: client, http, cold start, chunked prefill, preemption."""
-    record = make_record(1, queue_ms=100, prefill_ms=60, decode_ms=300)
-    timeline = record.timeline
-    assert timeline.server_start is not None and timeline.first_scheduled is not None
-    assert timeline.first_token is not None and timeline.engine_arrival is not None
-    timeline.client_start = timeline.server_start - 10 * MS
-    timeline.client_end = (timeline.server_end or 0) + 10 * MS
-    timeline.ready = timeline.engine_arrival + 40 * MS
-    middle = timeline.first_scheduled + 20 * MS
-    timeline.prefill_chunks = [
-        (timeline.first_scheduled, middle, 256),
-        (middle, timeline.first_token, 44),
-    ]
-    timeline.preempted = [(timeline.first_token + 100 * MS, timeline.first_token + 150 * MS)]
-    return record_to_dict(record)
+    return record_to_dict(make_rich_record())
 
 
 def test_waterfall_has_one_row_per_phase_in_time_order() -> None:

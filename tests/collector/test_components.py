@@ -171,15 +171,6 @@ _TARGET = SloTarget(name="t", metric="ttft", percentile=95, threshold_ns=1)
         (AssemblyConfig(root_grace_s=-1), "root_grace"),
         (AssemblyConfig(max_traces=0), "max_traces"),
         (AssemblyConfig(max_pending_spans=0), "max_pending_spans"),
-        (DiagnosisProcessorConfig(settings=DiagnosisConfig(tie_ratio=0.001)), "tie_ratio"),
-        (
-            DiagnosisProcessorConfig(settings=DiagnosisConfig(bandwidth_bound_ratio=1.5)),
-            "bandwidth_bound_ratio",
-        ),
-        (
-            DiagnosisProcessorConfig(settings=DiagnosisConfig(long_prompt_tokens=0)),
-            "long_prompt_tokens",
-        ),
         (PercentilesProcessorConfig(settings=PercentileConfig(window_s=0)), "window"),
         (PercentilesProcessorConfig(settings=PercentileConfig(slices=0)), "slices"),
         (PercentilesProcessorConfig(settings=PercentileConfig(max_keys=0)), "max_keys"),
@@ -205,6 +196,32 @@ def test_validate_names_the_key(config: Any, key: str) -> None:
     with pytest.raises(ConfigError) as error:
         config.validate()
     assert str(error.value).startswith(f"{key}: ")
+
+
+_DIAGNOSIS_OUT_OF_BOUNDS = [
+    ("tie_ratio", 0.001),
+    ("tie_ratio", 1.5),
+    ("bandwidth_bound_ratio", 1.5),
+    ("long_prompt_tokens", 0),
+    ("itl_outlier_ratio", 0.5),
+    ("itl_tail_spike_ratio", 0.9),
+    ("interference_share", -0.1),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), _DIAGNOSIS_OUT_OF_BOUNDS)
+def test_the_diagnosis_limits_have_one_home(key: str, value: float) -> None:
+    # DiagnosisConfig checks its limits when made; the YAML key is the field's name.
+    with pytest.raises(ValueError, match=rf"^{key}: {value!r} is outside \["):
+        DiagnosisConfig(**{key: value})
+    with pytest.raises(ConfigError, match=rf"^processors\.diagnosis\.{key}: {value!r} is outside"):
+        parse_config({"processors": {"diagnosis": {key: value}}}, environ={})
+    # The processor config's validate() reuses the same check (here on settings changed after
+    # they were made, which nothing in the collector does).
+    settings = DiagnosisConfig()
+    object.__setattr__(settings, key, value)
+    with pytest.raises(ConfigError, match=rf"^{key}: {value!r} is outside"):
+        DiagnosisProcessorConfig(settings=settings).validate()
 
 
 @pytest.mark.parametrize(
@@ -372,7 +389,10 @@ def probed_collector(log: Log, **receiver: Any) -> Collector:
         "receivers": {"probe": receiver},
         "exporters": {"probe/a": {}, "probe/b": {}},
         "extensions": {"probe": {}},
-        "service": {"pipelines": {"traces": {"receivers": ["probe"]}}},
+        # Exporters named: by default the pipeline would export to a store in the working dir.
+        "service": {
+            "pipelines": {"traces": {"receivers": ["probe"], "exporters": ["probe/a", "probe/b"]}}
+        },
     }
     # The clock stands still: no trace finishes, no periodic tick comes; only shutdown drains.
     return Collector(

@@ -207,6 +207,11 @@ def test_slo_and_diagnosis_may_be_listed_in_either_order(listed: list[str]) -> N
     assert config.diagnosis is not None and config.slo_targets == ()
 
 
+def test_a_pipeline_listing_no_processor_still_assembles() -> None:
+    config = parse({"service": {"pipelines": {"traces": {"processors": []}}}})
+    assert config.processor_ids == ("assembly",)
+
+
 def test_percentiles_before_the_verdict_is_still_refused() -> None:
     with pytest.raises(ConfigError, match="must run in the order assembly, slo, diagnosis"):
         parse(

@@ -37,7 +37,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from tests.collector.consumers import RecordingConsumer
 from tokentrace.collector.consumer import Overloaded, Unavailable
-from tokentrace.collector.receivers import ReceiverStartError
+from tokentrace.collector.receivers import ReceiverStartError, join_endpoint, split_endpoint
 from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
 from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
 
@@ -283,6 +283,21 @@ def test_grpc_bearer_auth(consumer: RecordingConsumer) -> None:
         assert receiver.stats()["unauthenticated_requests"] == 3
     finally:
         receiver.shutdown(grace_s=0)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "host", "port"),
+    [("127.0.0.1:4317", "127.0.0.1", 4317), ("[::1]:0", "::1", 0), ("h:65535", "h", 65535)],
+)
+def test_an_endpoint_is_split_and_joined_back(endpoint: str, host: str, port: int) -> None:
+    assert split_endpoint(endpoint) == (host, port)
+    assert join_endpoint(host, port) == endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["nowhere", ":4317", "h:", "h:65536", "h:-1", "h:\u00b2"])
+def test_a_malformed_endpoint_is_refused_by_the_one_parser(endpoint: str) -> None:
+    with pytest.raises(ValueError, match=f"^expected HOST:PORT, got {re.escape(repr(endpoint))}$"):
+        split_endpoint(endpoint)
 
 
 def test_grpc_port_taken_raises_clear_error(grpc_receiver: OtlpGrpcReceiver) -> None:

@@ -66,6 +66,22 @@ def test_counters_gauges_and_sources_in_the_snapshot_keep_the_readers_shape() ->
     }
 
 
+def test_values_observed_one_by_one_name_each_metric_once() -> None:
+    telemetry = SelfTelemetry()
+    evicted = [0]
+    view = telemetry.component("percentiles", KIND_PROCESSOR)
+    view.observe_each(
+        counters={semconv.SELF_METRIC_PERCENTILE_KEYS_EVICTED: ("evicted", lambda: evicted[0])},
+        gauges={semconv.SELF_METRIC_PENDING_TRACES: ("pending", lambda: 2)},
+    )
+    evicted[0] = 5  # read when collected, not when registered
+    assert telemetry.snapshot() == {"percentile_keys_evicted": 5, "pending_traces": 2}
+    metrics = decoded(telemetry)
+    assert metrics[semconv.SELF_METRIC_PERCENTILE_KEYS_EVICTED].description == "evicted"
+    assert metrics[semconv.SELF_METRIC_PERCENTILE_KEYS_EVICTED].sum.data_points[0].as_int == 5
+    assert metrics[semconv.SELF_METRIC_PENDING_TRACES].gauge.data_points[0].as_int == 2
+
+
 def test_series_with_one_snapshot_key_are_summed() -> None:
     telemetry = SelfTelemetry()
     for component_id, sent in (("otlp/a", 2), ("otlp/b", 5)):

@@ -144,6 +144,24 @@ def make_record(
     )
 
 
+def make_rich_record(number: int = 1) -> RequestRecord:
+    """A request with every phase: client, http, cold start, chunked prefill, preemption."""
+    record = make_record(number, queue_ms=100, prefill_ms=60, decode_ms=300)
+    timeline = record.timeline
+    assert timeline.server_start is not None and timeline.first_scheduled is not None
+    assert timeline.first_token is not None and timeline.engine_arrival is not None
+    timeline.client_start = timeline.server_start - 10 * MS
+    timeline.client_end = (timeline.server_end or 0) + 10 * MS
+    timeline.ready = timeline.engine_arrival + 40 * MS
+    middle = timeline.first_scheduled + 20 * MS
+    timeline.prefill_chunks = [
+        (timeline.first_scheduled, middle, 256),
+        (middle, timeline.first_token, 44),
+    ]
+    timeline.preempted = [(timeline.first_token + 100 * MS, timeline.first_token + 150 * MS)]
+    return record
+
+
 def decode_span(record: RequestRecord) -> Span:
     """The ``llm.decode`` child of the request span, carrying the token offsets (as the agent
     sends them), so the store can read them back for the document."""

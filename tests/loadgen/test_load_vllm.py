@@ -32,7 +32,7 @@ import pytest
 
 from tests.loadgen.delay_proxy import DelayProxy
 from tests.loadgen.support import frontend_delay
-from tests.vllm.conftest import require_vllm
+from tests.vllm.shared_server import require_vllm
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
 from tokentrace.collector.config import parse_config
@@ -318,7 +318,7 @@ def test_a_ttft_target_missed_by_queueing_names_the_queue_not_decode(
     record = run_load(
         loop, "queueing",
         "--concurrency", "24", "--requests", "24", "--prompt-tokens", "16",
-        "--output-tokens", "192", "--api", "chat", "--seed", "21",
+        "--output-tokens", "96", "--api", "chat", "--seed", "21",
         capsys=capsys,
     )  # fmt: skip
     analysis = diagnose(loop, loop.workdir / "queueing.json", capsys)
@@ -463,13 +463,13 @@ def test_an_injected_delay_is_network_within_ten_percent_and_is_diagnosed(
 def test_a_saturated_server_with_no_delay_on_the_wire_is_never_called_network(
     loop: Loop, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """32 streams on a batch of 2 over loopback: vLLM's API server falls behind the engine on
-    2 cores and requests wait in its kernel before the app reads them; the client sees that
-    time and the server does not. It is measured on each side (the server's kernel wait, the
-    client's own read waits), so it is http or client time, never network."""
+    """32 streams at once on a batch of 2 over loopback: vLLM's API server falls behind the
+    engine on 2 cores and requests wait in its kernel before the app reads them; the client
+    sees that time and the server does not. It is measured on each side (the server's kernel
+    wait, the client's own read waits), so it is http or client time, never network."""
     record = run_load(
         loop, "saturated-streams",
-        "--concurrency", "32", "--requests", "48", "--prompt-tokens", "32",
+        "--concurrency", "32", "--requests", "32", "--prompt-tokens", "32",
         "--output-tokens", "128", "--api", "completions", "--seed", "3",
         capsys=capsys,
     )  # fmt: skip
@@ -519,8 +519,8 @@ def test_diagnose_names_queueing_when_far_more_requests_arrive_than_the_batch_ad
     # Engine-side view: no client spans, whole responses.
     run_load(
         loop, "saturated",
-        "--concurrency", str(12 * _BATCH), "--requests", "48", "--prompt-tokens", "32",
-        "--output-tokens", "256", "--api", "completions", "--no-stream", "--seed", "3",
+        "--concurrency", str(12 * _BATCH), "--requests", str(12 * _BATCH), "--prompt-tokens",
+        "32", "--output-tokens", "96", "--api", "completions", "--no-stream", "--seed", "3",
         capsys=capsys, client_spans=False,
     )  # fmt: skip
     analysis = diagnose(loop, loop.workdir / "saturated.json", capsys)

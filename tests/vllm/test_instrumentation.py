@@ -1,7 +1,7 @@
 """tokentrace on a real vLLM server: the plugin entry point, every request's span tree, and its
 agreement with vLLM's own ``llm_request`` span from the same run.
 
-On the session's shared server (``tests/vllm/conftest.py``: the tokentrace plugin,
+On the session's shared server (``tests/vllm/shared_server.py``: the tokentrace plugin,
 ``VLLM_PLUGINS=tokentrace``, and vLLM's built-in tracing, both exporting to one test-owned OTLP
 receiver). Requests carry an ``X-Request-Id`` so that each test finds both spans of its own
 requests among everything the server has exported.
@@ -24,7 +24,6 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from tests.collector.upstream import UpstreamOtlp
 from tests.spanbuild import attributes_of
-from tests.vllm.conftest import SERVICE_NAME, STEP_TOKEN_BUDGET, TracedServer, require_vllm
 from tests.vllm.openai_api import (
     PROMPT,
     REQUEST_TIMEOUT_S,
@@ -34,6 +33,7 @@ from tests.vllm.openai_api import (
     request_body,
     usage_of,
 )
+from tests.vllm.shared_server import SERVICE_NAME, STEP_TOKEN_BUDGET, TracedServer, require_vllm
 from tests.vllm.traces import (
     Agreement,
     RequestTree,
@@ -481,7 +481,7 @@ def test_patch_table_and_constants_match_the_installed_vllm() -> None:
         EngineStepTracer,
     )
     from tokentrace.agent.hooks import HookGuard
-    from tokentrace.agent.recorder import ClockDomain, Recorder
+    from tokentrace.agent.recorder import MonotonicToUnix, Recorder
 
     engine = importlib.import_module("vllm.v1.engine")
     assert engine.EngineCoreEventType.QUEUED == EVENT_QUEUED
@@ -504,11 +504,11 @@ def test_patch_table_and_constants_match_the_installed_vllm() -> None:
     instrumentor.instrument(
         recorder=Recorder(lambda timer: None),
         guard=guard,
-        step_tracer=EngineStepTracer(lambda job: None, guard=guard, clock_domain=ClockDomain()),
+        step_tracer=EngineStepTracer(lambda job: None, guard=guard, to_unix=MonotonicToUnix()),
         cold_start_tracer=ColdStartTracer(
-            lambda job: None, clock_domain=ClockDomain(), frontend=True, environ={}
+            lambda job: None, to_unix=MonotonicToUnix(), frontend=True, environ={}
         ),
-        http_tracer=HttpServerTracer(lambda job: None, guard=guard, clock_domain=ClockDomain()),
+        http_tracer=HttpServerTracer(lambda job: None, guard=guard, to_unix=MonotonicToUnix()),
     )
     try:
         wrapped = targets()

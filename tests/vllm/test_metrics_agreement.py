@@ -1,7 +1,7 @@
 """tokentrace's TTFT and ITL distributions against vLLM's own ``/metrics`` histograms, same load.
 
-On the session's shared server (``tests/vllm/conftest.py``: the tokentrace plugin exporting to a
-test-owned OTLP receiver, fine ``--custom-histogram-buckets``). The test waits until the server
+On the session's shared server (``tests/vllm/shared_server.py``: the tokentrace plugin exporting
+to a test-owned OTLP receiver, fine ``--custom-histogram-buckets``). The test waits until the server
 is idle, snapshots ``vllm:time_to_first_token_seconds`` and
 ``vllm:inter_token_latency_seconds`` before and after a concurrent streaming load, derives every
 request's TTFT and inter-token gaps the way the collector does (``normalize`` ->
@@ -43,9 +43,9 @@ import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tests.collector.upstream import UpstreamOtlp
-from tests.vllm.conftest import TracedServer, require_vllm, wait_until_idle
 from tests.vllm.openai_api import REQUEST_TIMEOUT_S, request_body
 from tests.vllm.prometheus import Histogram, parse_histogram
+from tests.vllm.shared_server import TracedServer, require_vllm, wait_until_idle
 from tests.vllm.traces import exported_spans
 from tokentrace.agent import semconv
 from tokentrace.loadgen.local_vllm import VllmServer

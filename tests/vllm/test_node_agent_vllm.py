@@ -1,6 +1,6 @@
 """The real vLLM's spans through a real ``tokentrace node-agent`` process.
 
-The shared server (`traced_server`, tests/vllm/conftest.py) runs with the agent, exporting to a
+The shared server (`traced_server`, tests/vllm/shared_server.py) runs with the agent, exporting to a
 node agent started as a command whose ``pynvml`` loads the stand-in NVML library from
 ``LD_LIBRARY_PATH`` (the path the binding loads from). The vLLM processes name the stand-in's
 first GPU as theirs (``TOKENTRACE_GPU_UUIDS``, as the NVIDIA device plugin's UUIDs would). What
@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from tests.spanbuild import attributes_of
-from tests.vllm.conftest import TracedServer, require_vllm, wait_until_idle
 from tests.vllm.openai_api import request_body
+from tests.vllm.shared_server import TracedServer, require_vllm, wait_until_idle
 from tests.vllm.traces import exported_spans
 from tokentrace.agent import semconv
 

@@ -36,7 +36,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from tests.collector.upstream import UpstreamOtlp
 from tests.spanbuild import attributes_of
-from tests.vllm.conftest import require_vllm, traced_server_env
+from tests.vllm.shared_server import require_vllm, traced_server_env
 from tests.vllm.traces import RequestTree, assert_consistent_tree, duration_s, request_trees
 from tokentrace.agent import semconv
 from tokentrace.processors.budget import compute_budget

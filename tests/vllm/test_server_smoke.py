@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.vllm.conftest import require_vllm, wait_until_idle
 from tests.vllm.openai_api import REQUEST_TIMEOUT_S, request_body, sse_events
 from tests.vllm.prometheus import parse_histogram
+from tests.vllm.shared_server import require_vllm, wait_until_idle
 from tokentrace.loadgen.local_vllm import VllmServer
 
 require_vllm()

