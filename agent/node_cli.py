@@ -2,6 +2,10 @@
 
 Every option has an environment variable (for a DaemonSet manifest) and a default; flags win.
 The standard ``OTEL_EXPORTER_OTLP_*`` variables describe the upstream as for any OTLP exporter.
+
+The receivers take the collector's receiver options: a bearer token (read from a file, a
+Secret mount, and never printed) and TLS. A receiver on a non-loopback address without a token
+is refused unless ``--allow-unauthenticated`` says so.
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ _OFF = ("", "off", "none")
 _ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
 _TRACES_ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 _METRICS_ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
+TOKEN_FILE_VARIABLE = "TOKENTRACE_NODE_AUTH_TOKEN_FILE"
+TOKEN_VARIABLE = "TOKENTRACE_NODE_AUTH_TOKEN"
+TLS_CERT_VARIABLE = "TOKENTRACE_NODE_TLS_CERT_FILE"
+TLS_KEY_VARIABLE = "TOKENTRACE_NODE_TLS_KEY_FILE"
+ALLOW_UNAUTHENTICATED_VARIABLE = "TOKENTRACE_NODE_ALLOW_UNAUTHENTICATED"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
 
 
 class NodeAgentCommand:
@@ -78,6 +89,31 @@ class NodeAgentCommand:
             " default 1)",
         )
         parser.add_argument(
+            "--auth-token-file",
+            metavar="PATH",
+            help="file holding the bearer token the receivers require, e.g. a Secret mount; "
+            f"surrounding whitespace is ignored ({TOKEN_FILE_VARIABLE}; {TOKEN_VARIABLE} holds "
+            "the token itself; default: no token, loopback only)",
+        )
+        parser.add_argument(
+            "--tls-cert-file",
+            metavar="PATH",
+            help=f"PEM certificate the receivers serve TLS with ({TLS_CERT_VARIABLE}; needs "
+            "--tls-key-file; default: plaintext)",
+        )
+        parser.add_argument(
+            "--tls-key-file",
+            metavar="PATH",
+            help=f"PEM private key of --tls-cert-file ({TLS_KEY_VARIABLE})",
+        )
+        parser.add_argument(
+            "--allow-unauthenticated",
+            action="store_true",
+            default=None,
+            help="let a receiver listen on a non-loopback address without a token: anyone who "
+            f"reaches it can relay spans to the collector ({ALLOW_UNAUTHENTICATED_VARIABLE}=true)",
+        )
+        parser.add_argument(
             "--stats-interval",
             type=float,
             default=60.0,
@@ -108,8 +144,11 @@ class NodeAgentCommand:
             f"{r.endpoint.rpartition(':')[0]}:{r.port}"
             for r in agent.receivers
         )
+        security = ("TLS" if config.tls_cert_file else "plaintext") + (
+            ", bearer token required" if config.auth_token else ", no token"
+        )
         print(
-            f"tokentrace node-agent: receiving OTLP on {listening}; "
+            f"tokentrace node-agent: receiving OTLP on {listening} ({security}); "
             + (
                 f"sampling {len(gpus)} GPU(s) every {config.sample_interval_s:g} s"
                 if agent.sampler.available
@@ -175,6 +214,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> An
             raise ValueError(f"{variable}: {environ.get(variable)!r} is not a number") from None
 
     defaults = NodeAgentConfig()
+    tls_cert_file, tls_key_file = _tls_files(args, environ)
     config = NodeAgentConfig(
         grpc_endpoint=None if args.grpc_endpoint.strip().lower() in _OFF else args.grpc_endpoint,
         http_endpoint=None if args.http_endpoint.strip().lower() in _OFF else args.http_endpoint,
@@ -187,7 +227,93 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> An
             args.metrics_interval, "TOKENTRACE_NODE_METRICS_INTERVAL", defaults.metrics_interval_s
         ),
         max_hold_s=number(args.max_hold, "TOKENTRACE_NODE_MAX_HOLD", defaults.max_hold_s),
-        auth_token=environ.get("TOKENTRACE_NODE_AUTH_TOKEN") or None,
+        auth_token=_auth_token(args, environ),
+        tls_cert_file=tls_cert_file,
+        tls_key_file=tls_key_file,
+        allow_unauthenticated=_allow_unauthenticated(args, environ),
     )
     config.validate()
     return config
+
+
+def _setting(flag: str | None, environ: Mapping[str, str], variable: str) -> str | None:
+    """The flag, else the variable; None when neither is set (empty counts as unset)."""
+    if flag is not None:
+        return flag
+    return environ.get(variable, "").strip() or None
+
+
+def _auth_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The receivers' bearer token: from ``--auth-token-file`` / its variable, else from
+    ``TOKENTRACE_NODE_AUTH_TOKEN``. Errors name the file, never its content."""
+    path = _setting(args.auth_token_file, environ, TOKEN_FILE_VARIABLE)
+    if path is None:
+        return environ.get(TOKEN_VARIABLE, "").strip() or None
+    if args.auth_token_file is None and environ.get(TOKEN_VARIABLE, "").strip():
+        raise ValueError(f"{TOKEN_FILE_VARIABLE} and {TOKEN_VARIABLE}: set one, not both")
+    try:
+        with open(path, "rb") as file:
+            raw = file.read(64 * 1024 + 1)
+    except OSError as error:
+        raise ValueError(
+            f"auth token file {path}: cannot read it ({error.strerror or error})"
+        ) from None
+    if len(raw) > 64 * 1024:
+        raise ValueError(f"auth token file {path}: larger than 64 KiB, not a token")
+    try:
+        token = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"auth token file {path}: not ASCII text") from None
+    if not token:
+        raise ValueError(f"auth token file {path}: is empty")
+    if not all("!" <= char <= "~" for char in token):
+        raise ValueError(
+            f"auth token file {path}: the token must be printable ASCII without spaces"
+        )
+    return token
+
+
+def _tls_files(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> tuple[str | None, str | None]:
+    """The receivers' TLS certificate and key files, checked now: both or neither, readable,
+    and a certificate with its key. Errors name the files, never the key."""
+    cert = _setting(args.tls_cert_file, environ, TLS_CERT_VARIABLE)
+    key = _setting(args.tls_key_file, environ, TLS_KEY_VARIABLE)
+    if cert is None and key is None:
+        return None, None
+    if cert is None or key is None:
+        cert_option = f"--tls-cert-file ({TLS_CERT_VARIABLE})"
+        key_option = f"--tls-key-file ({TLS_KEY_VARIABLE})"
+        given, missing = (cert_option, key_option) if key is None else (key_option, cert_option)
+        raise ValueError(f"{given} needs {missing} as well (TLS takes a certificate and its key)")
+    for what, path in (("TLS certificate file", cert), ("TLS key file", key)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as error:
+            raise ValueError(f"{what} {path}: cannot read it ({error.strerror or error})") from None
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # A password callback, so that an encrypted key fails here instead of prompting.
+        context.load_cert_chain(cert, key, password=lambda: b"")
+    except (ssl.SSLError, ValueError) as error:
+        reason = getattr(error, "reason", None) or type(error).__name__
+        raise ValueError(
+            f"TLS files {cert} and {key}: not a PEM certificate and its unencrypted private key "
+            f"({reason})"
+        ) from None
+    return cert, key
+
+
+def _allow_unauthenticated(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:
+    if args.allow_unauthenticated:
+        return True
+    raw = environ.get(ALLOW_UNAUTHENTICATED_VARIABLE, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{ALLOW_UNAUTHENTICATED_VARIABLE}: {raw!r} is not true or false")

@@ -14,6 +14,12 @@ pre-serialised bytes through a raw unary call; ``grpc`` is imported only then) o
 (``application/x-protobuf``, gzip), retries retryable failures and counts everything it could not
 deliver. Configuration (``OtlpExporterConfig``, ``OTEL_EXPORTER_OTLP_*``) is ``otlp_config``'s;
 the gRPC and HTTP transports, one attempt each, are ``otlp_transport``'s.
+
+A misconfigured endpoint (OTLP/HTTP sent to a gRPC port, TLS against plain text or the reverse,
+a path with no OTLP receiver: see ``otlp_transport``) is not retried: the first answer that shows
+it is logged once, in one line naming the setting to change, and for
+``_MISCONFIGURATION_RECHECK_S`` after it every batch is dropped (counted in ``dropped_<items>``)
+without touching the network; then one batch tries again.
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ _DROP_WARNING_INTERVAL_S: Final = 10.0
 """At most one drop warning per sender in this many seconds; the counters carry the rest."""
 _SHUTDOWN_ABORT_GRACE_S: Final = 1.0
 """After the shutdown timeout, how long to wait for the cancelled in-flight call to unwind."""
+_MISCONFIGURATION_RECHECK_S: Final = 30.0
+"""After a misconfigured endpoint answered, batches are dropped unsent for this long; then the
+next one is tried (the endpoint may have been fixed, e.g. the right server started on it)."""
 
 
 # --- the queue + worker + retry -------------------------------------------------------------------
@@ -140,6 +149,9 @@ class OtlpSender:
         self._rejected = 0
         self._retries = 0
         self._closed = False
+        self._misconfiguration: str | None = None
+        self._misconfiguration_logged: str | None = None
+        self._recheck_at = -math.inf
         self._init_runtime_state()
         if hasattr(os, "register_at_fork"):
             reinit = weakref.WeakMethod(self._after_fork_in_child)
@@ -174,6 +186,12 @@ class OtlpSender:
     def endpoint(self) -> str | None:
         """Where requests go; None when the configuration has none for this signal."""
         return self._endpoint
+
+    @property
+    def misconfiguration(self) -> str | None:
+        """What is wrong with the endpoint, when its last answer showed a misconfiguration
+        (batches are then dropped without sending, see the module docstring); else None."""
+        return self._misconfiguration
 
     @property
     def enabled(self) -> bool:
@@ -349,6 +367,8 @@ class OtlpSender:
 
     def _send_with_retry(self, payload: bytes, items: int) -> int | None:
         """Deliver one request; the number of items the server rejected, or None if dropped."""
+        if self._misconfiguration is not None and self._clock() < self._recheck_at:
+            return None  # named once already; counted as dropped, nothing sent
         try:
             transport = self._get_transport()
         except Exception as error:  # e.g. grpc not installed: rate-limited, unlike the worker's
@@ -364,7 +384,13 @@ class OtlpSender:
                 return None
             attempts += 1
             outcome = transport.send(body, self._config.timeout_s)
+            if outcome.misconfiguration:
+                self._misconfigured(outcome.misconfiguration)
+                return None
             if outcome.result is SendResult.SENT:
+                if self._misconfiguration is not None:
+                    self._misconfiguration = self._misconfiguration_logged = None
+                    logger.info("OTLP %s export to %s works now", self._signal.name, self._endpoint)
                 rejected = min(max(outcome.rejected, 0), items)
                 if rejected:
                     self._warning.warn(
@@ -392,6 +418,24 @@ class OtlpSender:
             with self._lock:
                 self._retries += 1
             self._sleep(delay)
+
+    def _misconfigured(self, message: str) -> None:
+        """The endpoint is misconfigured: say so once, drop without sending for a while."""
+        self._misconfiguration = message
+        self._recheck_at = self._clock() + _MISCONFIGURATION_RECHECK_S
+        if message == self._misconfiguration_logged:
+            return
+        self._misconfiguration_logged = message
+        logger.error(
+            "OTLP %s export to %s is misconfigured: %s. Dropping %s without retrying (counted in "
+            "dropped_%s); trying again every %d s",
+            self._signal.name,
+            self._endpoint,
+            message,
+            self._signal.item,
+            self._signal.item,
+            _MISCONFIGURATION_RECHECK_S,
+        )
 
     def _interruptible_sleep(self, delay_s: float) -> None:
         self._abort_event.wait(delay_s)

@@ -4,6 +4,12 @@ Each transport makes one attempt per ``send`` and classifies its outcome (sent, 
 items the server rejected; retryable, with the delay the server asked for; permanent) by the
 OTLP specification's rules; what to do about it (retry, backoff, giving up) is the sender's
 (``otlp_export``). ``grpc`` is imported only when a gRPC transport is made.
+
+A transport also recognises a misconfigured endpoint from the first answer, and names it in
+``SendOutcome.misconfiguration`` (a permanent outcome): OTLP/HTTP sent to a gRPC port (the server
+answers with an HTTP/2 frame), TLS spoken to a plain-text server and plain text to a TLS server,
+an HTTP 404 (no OTLP/HTTP receiver at that path), and gRPC sent to an HTTP/1.1 server or with
+TLS to a plain-text one.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from google.protobuf.message import DecodeError, Message
 from tokentrace.agent.otlp_config import (
     COMPRESSION_GZIP,
     PROTOCOL_GRPC,
+    SIGNAL_TRACES,
     OtlpExporterConfig,
     SignalSpec,
 )
@@ -51,6 +58,20 @@ _GRPC_RETRYABLE_CODES: Final = frozenset(
 only by the gRPC transport); RESOURCE_EXHAUSTED honours RetryInfo."""
 _HTTP_RETRYABLE: Final = frozenset({429, 502, 503, 504})
 _GRPC_STATUS_DETAILS_KEY: Final = "grpc-status-details-bin"
+
+_ENV_PREFIX: Final = "OTEL_EXPORTER_OTLP_"
+_HTTP2_FRAME_HEADER_BYTES: Final = 9
+_HTTP2_CONNECTION_FRAMES: Final = frozenset({"\x04", "\x07"})
+"""SETTINGS and GOAWAY: what an HTTP/2 (gRPC) server sends first, on stream 0."""
+_TLS_RECORD_TYPES: Final = frozenset({"\x15", "\x16"})
+"""A TLS alert or handshake record, as the first byte a TLS server answers plain text with."""
+_NOT_TLS_REASONS: Final = frozenset(
+    {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "UNKNOWN_PROTOCOL"}
+)
+"""``ssl.SSLError.reason`` when the server answered a TLS handshake with something else."""
+_TLS_PROBE_TIMEOUT_S: Final = 3.0
+_GRPC_SAW_HTTP1: Final = ("Failed parsing HTTP/2", "http1.x server", "Expected SETTINGS frame")
+"""What grpc's connection error says when the server answered HTTP/1.x."""
 
 
 # --- transports -------------------------------------------------------------------------------
@@ -78,6 +99,29 @@ class SendOutcome:
     retry_after_s: float | None = None
     """The delay the server asked for (RetryInfo / Retry-After), if any."""
     detail: str = ""
+    misconfiguration: str = ""
+    """With PERMANENT: what about the endpoint is wrong and which setting fixes it (one line,
+    for the user); retrying cannot help, and nor can the next batch until it is fixed."""
+
+
+class _Settings:
+    """The names of the settings that fix a misconfiguration: the ``OTEL_EXPORTER_OTLP_*``
+    variables (a config file's ``endpoint`` / ``protocol`` / ``insecure`` keys mean the same)."""
+
+    def __init__(self, config: OtlpExporterConfig, signal: SignalSpec) -> None:
+        specific = (
+            config.traces_endpoint if signal.name == SIGNAL_TRACES else config.metrics_endpoint
+        )
+        self.endpoint_is_full_url = bool(specific)
+        self.endpoint = (
+            f"{_ENV_PREFIX}{signal.name.upper()}_ENDPOINT" if specific else f"{_ENV_PREFIX}ENDPOINT"
+        )
+        self.protocol = f"{_ENV_PREFIX}PROTOCOL"
+        self.insecure = f"{_ENV_PREFIX}INSECURE"
+
+
+def _misconfigured(message: str, detail: str) -> SendOutcome:
+    return SendOutcome(SendResult.PERMANENT, detail=detail, misconfiguration=message)
 
 
 class Transport(Protocol):
@@ -106,6 +150,8 @@ class _GrpcTransport:
         import grpc  # here, not at module level: an OTLP/HTTP sender never loads it
 
         self._signal = signal
+        self._settings = _Settings(config, signal)
+        self._tls = config.uses_tls(endpoint)
         target = urlsplit(endpoint).netloc if "://" in endpoint else endpoint
         options = [("grpc.enable_retries", 0), ("grpc.primary_user_agent", user_agent)]
         compression = (
@@ -113,7 +159,7 @@ class _GrpcTransport:
             if config.compression == COMPRESSION_GZIP
             else grpc.Compression.NoCompression
         )
-        if config.uses_tls(endpoint):
+        if self._tls:
             self._channel = grpc.secure_channel(
                 target, grpc.ssl_channel_credentials(), options=options, compression=compression
             )
@@ -139,6 +185,8 @@ class _GrpcTransport:
                 return SendOutcome(SendResult.RETRYABLE, detail=repr(error))
             code = error.code()
             detail = f"gRPC {code.name}: {error.details()}"
+            if code.name == "UNAVAILABLE" and (misconfigured := self._misconfiguration(error)):
+                return _misconfigured(misconfigured, detail)
             if code.name in _GRPC_RETRYABLE_CODES:
                 return SendOutcome(
                     SendResult.RETRYABLE, retry_after_s=_grpc_retry_delay(error), detail=detail
@@ -146,6 +194,23 @@ class _GrpcTransport:
             return SendOutcome(SendResult.PERMANENT, detail=detail)
         rejected, message = _rejected_items(response, self._signal)
         return SendOutcome(SendResult.SENT, rejected=rejected, detail=message)
+
+    def _misconfiguration(self, error: grpc.Call) -> str:
+        """What grpc's connection error says is wrong with the endpoint; empty if nothing."""
+        details = error.details() or ""
+        settings = self._settings
+        if any(sign in details for sign in _GRPC_SAW_HTTP1):
+            return (
+                f"the endpoint speaks HTTP/1.1, not gRPC: set {settings.protocol}=http/protobuf "
+                f"to export OTLP/HTTP there, or point {settings.endpoint} at the gRPC port "
+                f"(4317 by default)"
+            )
+        if self._tls and any(reason in details for reason in _NOT_TLS_REASONS):
+            return (
+                f"the endpoint does not speak TLS (plain-text gRPC): use an http:// URL in "
+                f"{settings.endpoint}, or set {settings.insecure}=true"
+            )
+        return ""
 
     def close(self) -> None:
         self._channel.close()
@@ -180,6 +245,8 @@ class _HttpTransport:
         self, config: OtlpExporterConfig, signal: SignalSpec, url: str, user_agent: str
     ) -> None:
         self._signal = signal
+        self._settings = _Settings(config, signal)
+        self._probe_tls = True  # at most one TLS probe until a request goes through
         parts = urlsplit(url)
         path = parts.path or "/"
         self._path = f"{path}?{parts.query}" if parts.query else path
@@ -218,15 +285,22 @@ class _HttpTransport:
                     raise
                 # The server closed an idle keep-alive connection: one fresh attempt, not a retry.
                 self._drop_connection(connection)
+                reused = False
                 with self._lock:
                     connection = self._connection = self._new_connection(timeout_s)
                 status, reason, will_close, retry_after, data = self._post(connection, body)
         except (OSError, http.client.HTTPException, ValueError, AttributeError) as error:
             # ValueError/AttributeError: the connection was closed under us (shutdown abort).
             self._drop_connection(connection)
-            return SendOutcome(SendResult.RETRYABLE, detail=f"connection error: {error!r}")
+            detail = f"connection error: {error!r}"
+            if misconfigured := self._misconfiguration(
+                error, fresh=not reused, timeout_s=timeout_s
+            ):
+                return _misconfigured(misconfigured, detail)
+            return SendOutcome(SendResult.RETRYABLE, detail=detail)
         if will_close:
             self._drop_connection(connection)
+        self._probe_tls = True
         if 200 <= status < 300:
             if not data:
                 return SendOutcome(SendResult.SENT)
@@ -241,7 +315,70 @@ class _HttpTransport:
             return SendOutcome(
                 SendResult.RETRYABLE, retry_after_s=_parse_retry_after(retry_after), detail=detail
             )
+        if status == http.client.NOT_FOUND:
+            return _misconfigured(self._wrong_path(), detail)
         return SendOutcome(SendResult.PERMANENT, detail=detail)
+
+    def _misconfiguration(self, error: Exception, *, fresh: bool, timeout_s: float) -> str:
+        """What ``error`` says is wrong with the endpoint (not a passing failure); empty if
+        nothing. ``fresh``: it happened on a new connection, whose first answer it is."""
+        settings = self._settings
+        speaks_tls = (
+            f"the endpoint speaks TLS, not plain text: use an https:// URL in {settings.endpoint}"
+        )
+        if isinstance(error, http.client.BadStatusLine):
+            line = str(error.args[0]) if error.args else ""
+            if _is_http2_frame(line):
+                return (
+                    f"the endpoint speaks gRPC (HTTP/2), not OTLP/HTTP: set "
+                    f"{settings.protocol}=grpc to export with gRPC there, or point "
+                    f"{settings.endpoint} at the OTLP/HTTP port (4318 by default)"
+                )
+            if line[:1] in _TLS_RECORD_TYPES and line[1:2] == "\x03" and not self._tls:
+                return speaks_tls
+            return ""
+        if isinstance(error, ssl.SSLError) and self._tls:
+            if getattr(error, "reason", None) in _NOT_TLS_REASONS:
+                return (
+                    f"the endpoint does not speak TLS (plain text): use an http:// URL in "
+                    f"{settings.endpoint}"
+                )
+            return ""
+        if (
+            fresh
+            and not self._tls
+            and self._probe_tls
+            and isinstance(error, (ConnectionResetError, http.client.RemoteDisconnected))
+        ):
+            # A TLS server hangs up on plain text without a word (OpenSSL, BoringSSL); ask it
+            # once whether it speaks TLS rather than retrying into the same wall.
+            self._probe_tls = False
+            if _speaks_tls(self._host, self._port, min(timeout_s, _TLS_PROBE_TIMEOUT_S)):
+                return speaks_tls
+        return ""
+
+    def _wrong_path(self) -> str:
+        path, expected = self._path, self._signal.http_path
+        settings = self._settings
+        if path.split("?", 1)[0].endswith(expected):
+            return (
+                f"the server answered 404 for path {path!r}: it has no OTLP/HTTP "
+                f"{self._signal.name} receiver there; check that {settings.endpoint} names the "
+                f"collector's OTLP/HTTP port (4318 by default)"
+            )
+        if settings.endpoint_is_full_url:
+            hint = (
+                f"{settings.endpoint} is used as it is: give the full URL ending in {expected}, "
+                f"or set {_ENV_PREFIX}ENDPOINT to the base URL and {expected} is appended"
+            )
+        else:
+            hint = (
+                f"{expected} is appended to {settings.endpoint}, which should be the base URL "
+                f"(scheme, host and port, e.g. http://collector:4318)"
+            )
+        return (
+            f"the server answered 404 for path {path!r}: OTLP/HTTP expects {expected} there; {hint}"
+        )
 
     def _post(
         self, connection: http.client.HTTPConnection, body: bytes
@@ -281,6 +418,34 @@ class _HttpTransport:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         connection.close()
+
+
+def _is_http2_frame(line: str) -> bool:
+    """Whether an HTTP/1 status line is really an HTTP/2 server's first frame (SETTINGS or
+    GOAWAY on stream 0), as ``http.client`` read it (latin-1)."""
+    return (
+        len(line) >= _HTTP2_FRAME_HEADER_BYTES
+        and line[3] in _HTTP2_CONNECTION_FRAMES
+        and line[5:9] == "\x00\x00\x00\x00"
+    )
+
+
+def _speaks_tls(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a TLS handshake with ``host:port`` gets a TLS answer (no certificate checks:
+    this only asks which protocol the server speaks, nothing is sent over it)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((host, port), timeout=timeout_s) as raw,
+            context.wrap_socket(raw, server_hostname=host or None),
+        ):
+            return True
+    except ssl.SSLError as error:  # a TLS alert (e.g. a client certificate required) is TLS too
+        return str(getattr(error, "reason", "")).startswith(("TLSV1", "SSLV3", "TLSV13"))
+    except (OSError, ValueError):
+        return False
 
 
 def _parse_retry_after(value: str | None) -> float | None:

@@ -356,6 +356,8 @@ OTLP_METRIC_NAMES: Final = {
     METRIC_NETWORK: "tokentrace.network.duration",
 }
 METRIC_UNIT_SECONDS: Final = "s"
+METRIC_UNIT_BYTES: Final = "By"
+"""Unit of the self-telemetry gauges counted in bytes (the spool's size)."""
 
 # Metric data-point attributes (the percentile key).
 METRIC_ATTR_SERVICE: Final = SERVICE_NAME
@@ -411,6 +413,31 @@ SELF_METRIC_EXPORTER_ERRORS: Final = "tokentrace.collector.exporter_errors"
 SELF_METRIC_BATCH_DURATION: Final = "tokentrace.collector.batch_duration"
 """Pipeline, histogram (s): processing one batch of finished traces and handing it to the
 exporters."""
+SELF_METRIC_SPOOL_BYTES: Final = "tokentrace.collector.spool_bytes"
+"""Pipeline, gauge (By): bytes in the write-ahead spool's segment files (durability ``fsync``)."""
+SELF_METRIC_SPOOL_SEGMENTS: Final = "tokentrace.collector.spool_segments"
+"""Pipeline, gauge: segment files of the write-ahead spool."""
+SELF_METRIC_SPOOL_FSYNC_DURATION: Final = "tokentrace.collector.spool_fsync_duration"
+"""Pipeline, histogram (s): one group commit's fsync (every export it covers waited for it)."""
+SELF_METRIC_SPOOL_REFUSED_REQUESTS: Final = "tokentrace.collector.spool_refused_requests"
+"""Pipeline: exports refused because the spool held ``durability.max_bytes`` (the sender was
+told to retry)."""
+SELF_METRIC_SPOOL_REPLAYED_REQUESTS: Final = "tokentrace.collector.spool_replayed_requests"
+"""Pipeline: spooled export requests replayed into assembly at start (after a crash)."""
+SELF_METRIC_SPOOL_REPLAYED_TRACES_STORED: Final = (
+    "tokentrace.collector.spool_replayed_traces_stored"
+)
+"""Pipeline: replayed traces whose spans the store already held (not processed again)."""
+SELF_METRIC_SPOOL_TORN_RECORDS: Final = "tokentrace.collector.spool_torn_records"
+"""Pipeline: spool records ignored at replay (cut short or failing their CRC)."""
+SELF_METRIC_MEMORY_RESIDENT: Final = "tokentrace.collector.memory_resident"
+"""Memory limiter, gauge (By): the collector's resident set size at the last reading."""
+SELF_METRIC_MEMORY_LIMIT: Final = "tokentrace.collector.memory_limit"
+"""Memory limiter, gauge (By): the hard limit (the soft limit is ``spike_limit_mib`` below)."""
+SELF_METRIC_MEMORY_REFUSED_REQUESTS: Final = "tokentrace.collector.memory_refused_requests"
+"""Memory limiter: exports refused near the limit (the sender was told to retry)."""
+SELF_METRIC_MEMORY_GARBAGE_COLLECTIONS: Final = "tokentrace.collector.memory_garbage_collections"
+"""Memory limiter: garbage collections forced above the hard limit."""
 SELF_METRIC_PERCENTILE_KEYS_EVICTED: Final = "tokentrace.collector.percentile_keys_evicted"
 """Percentiles: keys evicted at ``max_keys``."""
 SELF_METRIC_PERCENTILE_SLICES_DROPPED: Final = "tokentrace.collector.percentile_slices_dropped"

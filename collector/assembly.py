@@ -15,10 +15,16 @@ the fragment's (see ``pipeline``). A fragment that finishes in the same ``pop_fi
 trace's early-finished part joins that part, so one batch never holds two parts of one trace.
 The receivers call ``add`` from their threads; the pipeline thread calls ``pop_finished``; both
 take one short lock, and no processing happens under it.
+
+With the durability spool (``collector/spool.py``), each batch comes with the sequence number of
+the spooled request that holds it; every pending trace remembers the lowest one among its spans
+(``first_seq``), and ``lowest_seq`` is the lowest of all traces not yet popped, which the
+pipeline reads after exporting a batch to know which spool segments are no longer needed.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +45,8 @@ class _PendingTrace:
     last_update: float
     late: bool = False
     root_seen_at: float | None = None
+    first_seq: int | None = None
+    """The lowest spool sequence number among its spans (None: not spooled)."""
 
 
 @dataclass(slots=True)
@@ -81,7 +89,10 @@ class TraceAssembler:
         # Ordered by last update: the front holds the traces quiet the longest.
         self._pending: OrderedDict[bytes, _PendingTrace] = OrderedDict()
         self._root_done: OrderedDict[bytes, float] = OrderedDict()
-        self._early: list[AssembledTrace] = []
+        self._early: list[tuple[AssembledTrace, int | None]] = []
+        # Spool sequence numbers still needed: pending traces per first_seq, and a lazy min-heap.
+        self._seq_refs: dict[int, int] = {}
+        self._seq_heap: list[int] = []
         self._recently_finished: OrderedDict[bytes, None] = OrderedDict()
         self._pending_spans = 0
         self.stats = AssemblyStats()
@@ -129,17 +140,51 @@ class TraceAssembler:
     def pending_traces(self) -> int:
         return len(self._pending)
 
-    def add(self, spans_by_trace: dict[bytes, list[SpanRef]], span_count: int) -> None:
-        """Add one received batch, already grouped by trace id. Raises ``Overloaded``."""
+    def check_room(self, span_count: int) -> None:
+        """Raise ``Overloaded`` as ``add`` would now (before the batch is spooled)."""
+        with self._lock:
+            self._refuse_if_full(span_count)
+
+    def _refuse_if_full(self, span_count: int) -> None:
+        if self._pending_spans + span_count > self._max_pending_spans:
+            self.stats.refused_batches += 1
+            raise Overloaded(
+                f"{self._pending_spans} spans are waiting for assembly "
+                f"(max_pending_spans={self._max_pending_spans})",
+                retry_after_s=max(1.0, self._root_grace_s),
+            )
+
+    def lowest_seq(self) -> int | None:
+        """The lowest spool sequence number a trace not yet popped holds spans of."""
+        with self._lock:
+            heap = self._seq_heap
+            while heap and heap[0] not in self._seq_refs:
+                heapq.heappop(heap)
+            return heap[0] if heap else None
+
+    def _ref_seq(self, seq: int) -> None:
+        count = self._seq_refs.get(seq, 0)
+        self._seq_refs[seq] = count + 1
+        if not count:
+            heapq.heappush(self._seq_heap, seq)
+
+    def _unref_seq(self, seq: int | None) -> None:
+        if seq is None:
+            return
+        count = self._seq_refs[seq] - 1
+        if count:
+            self._seq_refs[seq] = count
+        else:
+            del self._seq_refs[seq]
+
+    def add(
+        self, spans_by_trace: dict[bytes, list[SpanRef]], span_count: int, *, seq: int | None = None
+    ) -> None:
+        """Add one received batch, already grouped by trace id. Raises ``Overloaded``.
+        ``seq``: the spool sequence number of the request that holds it."""
         now = self._clock()
         with self._lock:
-            if self._pending_spans + span_count > self._max_pending_spans:
-                self.stats.refused_batches += 1
-                raise Overloaded(
-                    f"{self._pending_spans} spans are waiting for assembly "
-                    f"(max_pending_spans={self._max_pending_spans})",
-                    retry_after_s=max(1.0, self._root_grace_s),
-                )
+            self._refuse_if_full(span_count)
             self.stats.received_spans += span_count
             for trace_id, refs in spans_by_trace.items():
                 pending = self._pending.get(trace_id)
@@ -154,6 +199,10 @@ class TraceAssembler:
                 else:
                     pending.last_update = now
                     self._pending.move_to_end(trace_id)
+                if seq is not None and (pending.first_seq is None or seq < pending.first_seq):
+                    self._unref_seq(pending.first_seq)
+                    pending.first_seq = seq
+                    self._ref_seq(seq)
                 room = self._max_spans_per_trace - len(pending.spans)
                 if room < len(refs):
                     self.stats.spans_dropped += len(refs) - max(room, 0)
@@ -174,7 +223,10 @@ class TraceAssembler:
         # Its spans still count as pending until the pipeline pops them: back-pressure must see
         # them, or a flood of new trace ids would grow _early without bound.
         self._early.append(
-            AssembledTrace(trace_id=trace_id, spans=pending.spans, late=pending.late)
+            (
+                AssembledTrace(trace_id=trace_id, spans=pending.spans, late=pending.late),
+                pending.first_seq,
+            )
         )
         self._remember_finished(trace_id)
         self.stats.traces_finished_early += 1
@@ -184,16 +236,22 @@ class TraceAssembler:
         if len(self._recently_finished) > _RECENTLY_FINISHED_CAP:
             self._recently_finished.popitem(last=False)
 
-    def pop_finished(self, *, flush_all: bool = False) -> list[AssembledTrace]:
-        """Traces that are complete now (all pending ones with ``flush_all``, at shutdown)."""
+    def pop_finished(
+        self, *, flush_all: bool = False, max_traces: int | None = None
+    ) -> list[AssembledTrace]:
+        """Traces that are complete now (all pending ones with ``flush_all``, at shutdown); at
+        most about ``max_traces`` of them, oldest first (a trace whose early-finished part is
+        popped comes with it), so what one batch holds in memory while it is processed is
+        bounded however far behind the pipeline is."""
         now = self._clock()
         finished: list[AssembledTrace] = []
         with self._lock:
             early_by_id: dict[bytes, AssembledTrace] = {}
-            for early in self._early:
+            for early, first_seq in self._early:
                 self._pending_spans -= len(early.spans)
+                self._unref_seq(first_seq)
                 early_by_id[early.trace_id] = early
-            finished.extend(self._early)
+                finished.append(early)
             self._early.clear()
             if flush_all:
                 ready = list(self._pending)
@@ -209,6 +267,10 @@ class TraceAssembler:
                     if seen_at > root_before:
                         break
                     ready.append(trace_id)
+            if max_traces is not None and len(ready) > max_traces:
+                ready = ready[:max_traces] + [
+                    trace_id for trace_id in ready[max_traces:] if trace_id in early_by_id
+                ]
             completed = 0
             for trace_id in ready:
                 pending_or_none = self._pending.pop(trace_id, None)
@@ -216,6 +278,7 @@ class TraceAssembler:
                 if pending_or_none is None:
                     continue  # listed twice: quiet and root-finished
                 self._pending_spans -= len(pending_or_none.spans)
+                self._unref_seq(pending_or_none.first_seq)
                 self._remember_finished(trace_id)
                 early_part = early_by_id.get(trace_id)
                 if early_part is not None:

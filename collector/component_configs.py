@@ -378,6 +378,66 @@ def upstream_in_environment(environ: Mapping[str, str]) -> bool:
     )
 
 
+# --- service ------------------------------------------------------------------------------------
+DURABILITY_FSYNC: Final = "fsync"
+DURABILITY_NONE: Final = "none"
+_DURABILITY_MODES: Final = (DURABILITY_FSYNC, DURABILITY_NONE)
+_DEFAULT_SPOOL_MAX_MIB: Final = 256
+_DEFAULT_SPOOL_SEGMENT_MIB: Final = 8
+_DEFAULT_SPOOL_SEGMENT_AGE_S: Final = 5.0
+_MIN_SPOOL_SEGMENT_BYTES: Final = 64 * 1024
+SPOOL_DIRECTORY_SUFFIX: Final = ".spool"
+"""The spool's default directory: the store file's path plus this (next to the store)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DurabilityConfig:
+    """``service.durability``: whether an acknowledged export is on disk first (the write-ahead
+    spool, ``collector/spool.py``). ``mode`` None: ``fsync`` when the pipeline has a store,
+    else ``none`` (``CollectorConfig.spool_directory`` resolves it)."""
+
+    mode: str | None = None
+    directory: str | None = None
+    """Where the spool's segment files go; None: next to the store file (``<store>.spool``)."""
+    max_bytes: int = _DEFAULT_SPOOL_MAX_MIB * _MIB
+    """Past this the receivers answer "retry later" (429 / RESOURCE_EXHAUSTED)."""
+    segment_bytes: int = _DEFAULT_SPOOL_SEGMENT_MIB * _MIB
+    segment_age_s: float = _DEFAULT_SPOOL_SEGMENT_AGE_S
+
+    def validate(self) -> None:
+        check(
+            self.mode is None or self.mode in _DURABILITY_MODES,
+            "mode",
+            f"expected one of {', '.join(_DURABILITY_MODES)}, got {self.mode!r}",
+        )
+        check(self.directory != "", "directory", "expected a non-empty path")
+        check(
+            self.segment_bytes >= _MIN_SPOOL_SEGMENT_BYTES,
+            "segment_size_mib",
+            f"must be >= {_MIN_SPOOL_SEGMENT_BYTES / _MIB:g}",
+        )
+        check(
+            self.max_bytes >= 2 * self.segment_bytes,
+            "max_size_mib",
+            f"must be at least twice segment_size_mib ({2 * self.segment_bytes / _MIB:g})",
+        )
+        check(self.segment_age_s > 0, "segment_age", "must be > 0")
+
+    @classmethod
+    def from_section(cls, section: ConfigSection) -> DurabilityConfig:
+        section.allow_keys("mode", "directory", "max_size_mib", "segment_size_mib", "segment_age")
+        mode = section.optional_str("mode")
+        return cls(
+            mode=None if mode is None else mode.lower(),
+            directory=section.optional_str("directory"),
+            max_bytes=int(section.number("max_size_mib", _DEFAULT_SPOOL_MAX_MIB) * _MIB),
+            segment_bytes=int(
+                section.number("segment_size_mib", _DEFAULT_SPOOL_SEGMENT_MIB) * _MIB
+            ),
+            segment_age_s=section.duration_s("segment_age", _DEFAULT_SPOOL_SEGMENT_AGE_S),
+        )
+
+
 # --- extensions -----------------------------------------------------------------------------------
 def validate_trace_link(template: str) -> str:
     """A trace-link template must be an http(s) URL containing ``{trace_id}``."""

@@ -21,7 +21,17 @@ service:
   pipelines:
     traces: {receivers: [otlp], processors: [assembly, slo, diagnosis, percentiles],
              exporters: [store, otlp]}
+  durability: {mode: fsync, directory: ./tokentrace.db.spool, max_size_mib: 256}
+  memory_limiter: {limit_mib: 1024, spike_limit_mib: 200, check_interval: 100ms}
 ```
+
+``service.durability`` (``DurabilityConfig``) is the collector's, not a component's: the
+write-ahead spool in front of assembly that makes an acknowledged export durable (see
+``collector/spool.py`` and docs/reliability.md). By default it is on (``fsync``) whenever the
+pipeline has a store, with the spool in a directory next to the store file.
+``service.memory_limiter`` (``MemoryLimiterConfig``) is the collector's memory ceiling: receivers
+answer "retry later" while the process is near it (``collector/memory_limiter.py``); by default
+80 % of the container's memory limit, or 1 GiB.
 
 Every section is optional: with no file at all the collector listens on the standard OTLP ports on
 loopback, keeps its store in ``./tokentrace.db`` and exports upstream only when
@@ -61,8 +71,12 @@ from tokentrace.collector.component import (
     validated,
 )
 from tokentrace.collector.component_configs import (
+    DURABILITY_FSYNC,
+    DURABILITY_NONE,
+    SPOOL_DIRECTORY_SUFFIX,
     AssemblyConfig,
     DiagnosisProcessorConfig,
+    DurabilityConfig,
     OtlpReceiverConfig,
     PercentilesProcessorConfig,
     ReceiverConfig,
@@ -73,6 +87,7 @@ from tokentrace.collector.component_configs import (
     upstream_in_environment,
     validate_trace_link,
 )
+from tokentrace.collector.memory_limiter import MemoryLimiterConfig
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.percentiles import PercentileConfig
 from tokentrace.processors.slo import SloTarget
@@ -81,6 +96,7 @@ __all__ = [
     "AssemblyConfig",
     "CollectorConfig",
     "ConfigError",
+    "DurabilityConfig",
     "ReceiverConfig",
     "StoreConfig",
     "UiConfig",
@@ -116,6 +132,28 @@ class CollectorConfig:
     exporters: tuple[ComponentConfig, ...]
     """In the order each batch is handed to them."""
     extensions: tuple[ComponentConfig, ...] = ()
+    durability: DurabilityConfig = dataclasses.field(default_factory=DurabilityConfig)
+    """``service.durability``; ``durability_mode`` and ``spool_directory`` resolve its defaults."""
+    memory_limiter: MemoryLimiterConfig = dataclasses.field(default_factory=MemoryLimiterConfig)
+    """``service.memory_limiter``: the memory ceiling (``collector/memory_limiter.py``)."""
+
+    @property
+    def durability_mode(self) -> str:
+        """``fsync`` or ``none``: as configured, else ``fsync`` when there is a store."""
+        if self.durability.mode is not None:
+            return self.durability.mode
+        return DURABILITY_FSYNC if self.store is not None else DURABILITY_NONE
+
+    @property
+    def spool_directory(self) -> str | None:
+        """Where the write-ahead spool lives; None when durability is ``none``."""
+        if self.durability_mode == DURABILITY_NONE:
+            return None
+        if self.durability.directory is not None:
+            return self.durability.directory
+        store = self.store
+        assert store is not None, "parse_config requires a directory without a store"
+        return store.path + SPOOL_DIRECTORY_SUFFIX
 
     @property
     def processor_ids(self) -> tuple[str, ...]:
@@ -256,7 +294,7 @@ def parse_config(
     root = ConfigSection(raw, "", ConfigContext(environ, base_dir))
     root.allow_keys("receivers", "processors", "exporters", "service", "extensions")
     service = root.section("service")
-    service.allow_keys("pipelines", "telemetry", "extensions")
+    service.allow_keys("pipelines", "telemetry", "extensions", "durability", "memory_limiter")
     pipelines = service.section("pipelines")
     pipelines.allow_keys("traces")
     traces = pipelines.section("traces")
@@ -315,9 +353,51 @@ def parse_config(
             f"{extensions_section.path(ui_id)}.endpoint: the ui extension serves the request "
             "store; add a store exporter to the pipeline"
         )
-    return CollectorConfig(
-        receivers=receivers, processors=processors, exporters=exporters, extensions=extensions
+    durability_section = service.section("durability")
+    durability = validated(
+        DurabilityConfig.from_section(durability_section), durability_section.where
     )
+    _check_durability(durability, durability_section, receivers, stores)
+    limiter_section = service.section("memory_limiter")
+    memory_limiter = validated(
+        MemoryLimiterConfig.from_section(limiter_section), limiter_section.where
+    )
+    return CollectorConfig(
+        receivers=receivers,
+        processors=processors,
+        exporters=exporters,
+        extensions=extensions,
+        durability=durability,
+        memory_limiter=memory_limiter,
+    )
+
+
+def _check_durability(
+    durability: DurabilityConfig,
+    section: ConfigSection,
+    receivers: Sequence[ComponentConfig],
+    stores: Sequence[str],
+) -> None:
+    """What ``DurabilityConfig.validate`` cannot see: the store it sits next to, and the largest
+    request a receiver takes (one that the spool could never hold would be refused forever)."""
+    if durability.mode == DURABILITY_NONE:
+        return
+    if durability.mode == DURABILITY_FSYNC and durability.directory is None and not stores:
+        raise ConfigError(
+            f"{section.path('directory')}: needed with mode fsync when the pipeline has no "
+            "store exporter (by default the spool goes next to the store file)"
+        )
+    if durability.mode is None and not stores:
+        return
+    otlp: OtlpReceiverConfig | None = _config_of(receivers, _OTLP)
+    if otlp is None:
+        return
+    for receiver in (otlp.grpc, otlp.http):
+        if receiver is not None and receiver.max_message_size > durability.max_bytes:
+            raise ConfigError(
+                f"{section.path('max_size_mib')}: must be at least the receivers' largest "
+                f"message ({receiver.max_message_size / 1048576:g} MiB)"
+            )
 
 
 def _read(factories: Factories, kind: str, component_id: str, parent: ConfigSection) -> Any:

@@ -38,6 +38,18 @@ alone, never the stored ones again. Two rules keep the derived state counted onc
 Without a look-up, or when it finds nothing (pruned, too large, failed), a late fragment is
 processed alone and its client-only timelines are dropped (they would pose as a second
 request); ``late_traces_rederived`` and ``late_traces_unmatched`` count the two cases.
+
+Acknowledged means durable (with a ``Spool``, ``collector/spool.py``): ``consume_traces``
+appends the request to the write-ahead spool and returns (the receiver answers OK) only once an
+fsync covered it; then it hands the spans to the assembler with the request's sequence number.
+After each exported batch the pipeline tells the spool the lowest sequence number still needed
+(the spool's appends not yet handed on, then the assembler's pending traces: read in that
+order, nothing slips between them), and segments below it are deleted. ``replay`` (the
+collector calls it before the receivers start) feeds what survived a crash back into assembly.
+A replayed trace is first compared with the store through the same look-up as late spans:
+spans already stored are left out, a trace stored whole is not processed again
+(``spool_replayed_traces_stored``), one stored in part goes on as a late fragment. So a replay
+adds no row twice and no request's latencies twice to the percentiles.
 """
 
 from __future__ import annotations
@@ -66,11 +78,13 @@ from tokentrace.collector.component import (
     create_component,
 )
 from tokentrace.collector.config import CollectorConfig
-from tokentrace.collector.consumer import Unavailable
+from tokentrace.collector.consumer import Overloaded, Unavailable
 from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.collector.factories import FACTORIES
+from tokentrace.collector.memory_limiter import MemoryLimiter
 from tokentrace.collector.record_processors import RecordProcessor, RequestProcessor
-from tokentrace.collector.self_telemetry import SelfTelemetry
+from tokentrace.collector.self_telemetry import Counter, SelfTelemetry
+from tokentrace.collector.spool import Spool, SpoolError
 from tokentrace.processors.budget import request_record
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.enrich import enrich_span
@@ -88,6 +102,10 @@ _log = logging.getLogger(__name__)
 
 _DEFAULT_TICK_S: Final = 0.05
 _DEFAULT_HOUSEKEEPING_S: Final = 1.0
+_MAX_BATCH_TRACES: Final = 1024
+"""Traces one batch takes at most: what a batch holds while it is processed (records, encoded
+spans, the store's rows) stays bounded when the pipeline is behind; the worker takes the next
+batch at once."""
 _DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 10.0
 _UNKNOWN_SERVICE: Final = "unknown_service"
 _PIPELINE_ID: Final = "traces"
@@ -213,11 +231,15 @@ class Pipeline:
         wall_clock: Callable[[], float] = time.time,
         tick_s: float = _DEFAULT_TICK_S,
         factories: Factories = FACTORIES,
+        spool: Spool | None = None,
+        memory_limiter: MemoryLimiter | None = None,
     ) -> None:
         """``sinks``: the exporters by component id, in the order they get each batch.
         ``earlier_spans`` looks up a trace's stored spans for late fragments (called on the
         pipeline thread, once per late fragment; see the module docstring). ``telemetry``: the
-        collector's registry (default: one of its own)."""
+        collector's registry (default: one of its own). ``spool``: the write-ahead spool every
+        accepted request goes to before it is acknowledged (the pipeline closes it at shutdown);
+        None: durability ``none``."""
         self.config = config
         self.telemetry = telemetry if telemetry is not None else SelfTelemetry()
         self._sinks = dict(sinks)
@@ -276,6 +298,18 @@ class Pipeline:
             description="processing one batch and handing it to the exporters",
             unit=semconv.METRIC_UNIT_SECONDS,
         )
+        self._spool = spool
+        self._memory_limiter = memory_limiter
+        self._replayed: set[bytes] = set()
+        """Trace ids replayed from the spool and not processed yet (compared with the store)."""
+        self._replayed_stored = (
+            own.counter(
+                semconv.SELF_METRIC_SPOOL_REPLAYED_TRACES_STORED,
+                description="replayed traces the store already held",
+            )
+            if spool is not None
+            else Counter()
+        )
         self._stop = threading.Event()
         self._accepting = True
         self._worker: threading.Thread | None = None
@@ -288,8 +322,93 @@ class Pipeline:
         if not self._accepting:
             raise Unavailable("the collector is shutting down")
         groups, count = group_by_trace(request)
-        if count:
+        if not count:
+            return
+        if self._memory_limiter is not None:
+            self._memory_limiter.admit(count)
+        spool = self._spool
+        if spool is None:
             self.assembler.add(groups, count)
+            return
+        # Refuse before spooling what assembly would refuse: nothing refused is ever replayed.
+        self.assembler.check_room(count)
+        try:
+            seq = spool.append(request.SerializeToString())
+        except SpoolError as error:  # the disk failed: the sender retries, here or elsewhere
+            raise Unavailable(str(error)) from None
+        try:
+            spool.wait_durable(seq)
+            self.assembler.add(groups, count, seq=seq)
+        except SpoolError as error:
+            raise Unavailable(str(error)) from None
+        finally:
+            spool.done(seq)
+
+    def replay(self) -> int:
+        """Feed the requests the spool kept from the last run into assembly (before the
+        receivers start); returns how many. Each keeps its sequence number and its place in
+        the spool, so it is deleted once processed, like any other."""
+        spool = self._spool
+        if spool is None:
+            return 0
+        replayed = 0
+        spans = 0
+        for seq, payload in spool.replay():
+            try:
+                request = ExportTraceServiceRequest.FromString(payload)
+            except Exception:  # the CRC matched: written by another version, say
+                _log.warning("spool: record %d is not an OTLP export request; skipped", seq)
+                continue
+            groups, count = group_by_trace(request)
+            if not count:
+                continue
+            self._replayed.update(groups)
+            try:
+                self.assembler.add(groups, count, seq=seq)
+            except Overloaded:  # more spooled than assembly holds: finish what it has now
+                self.process_once(flush_all=True)
+                try:
+                    self.assembler.add(groups, count, seq=seq)
+                except Overloaded as error:
+                    _log.warning("spool: record %d skipped at replay: %s", seq, error)
+                    continue
+            replayed += 1
+            spans += count
+        if replayed:
+            _log.info(
+                "spool: replayed %d export requests (%d spans) kept from the last run",
+                replayed,
+                spans,
+            )
+        self.release_spool()
+        return replayed
+
+    def release_spool(self, *, final: bool = False) -> None:
+        """Delete the spool segments whose requests were all processed and exported (``final``:
+        the segment still written to as well, at shutdown)."""
+        spool = self._spool
+        if spool is None:
+            return
+        # The spool first: a request it no longer counts as unfinished is in the assembler.
+        low = spool.lowest_unfinished()
+        pending = self.assembler.lowest_seq()
+        if pending is not None:
+            low = min(low, pending)
+        spool.release(low, active_too=final)
+
+    def _unstored_part(self, trace: AssembledTrace) -> AssembledTrace | None:
+        """A replayed trace without the spans the store already holds: None when it holds them
+        all (processed before the crash), a late fragment when it holds some."""
+        self._replayed.discard(trace.trace_id)
+        stored = self._look_up_earlier_spans(trace.trace_id)
+        if not stored:
+            return trace
+        stored_ids = {ref.span.span_id for ref in stored}
+        rest = [ref for ref in trace.spans if ref.span.span_id not in stored_ids]
+        if not rest:
+            self._replayed_stored.add()
+            return None
+        return AssembledTrace(trace.trace_id, rest, late=True)
 
     # --- processing ------------------------------------------------------------------------------
     def process_trace(self, trace: AssembledTrace) -> ProcessedTrace:
@@ -400,22 +519,31 @@ class Pipeline:
             return self._process_finished(flush_all=flush_all)
 
     def _process_finished(self, *, flush_all: bool) -> int:
-        traces = self.assembler.pop_finished(flush_all=flush_all)
+        traces = self.assembler.pop_finished(
+            flush_all=flush_all, max_traces=None if flush_all else _MAX_BATCH_TRACES
+        )
         if not traces:
             return 0
         started = self._monotonic()
+        if self._replayed:
+            unstored = (
+                self._unstored_part(t) if t.trace_id in self._replayed else t for t in traces
+            )
+            traces = [trace for trace in unstored if trace is not None]
         batch = [self.process_trace(trace) for trace in traces]
         self._traces.add(len(batch))
         # A re-derived trace's records replace stored ones: only the requests it adds count.
         self._requests.add(
             sum(max(0, len(item.records) - len(item.replaces_stored)) for item in batch)
         )
-        for sink_id, sink in self._sinks.items():
+        for sink_id, sink in self._sinks.items() if batch else ():
             try:
                 sink.export_traces(batch)
             except Exception:
                 self._exporter_errors.add(sink_id)
                 _log.exception("exporter %s failed on a batch of %d traces", sink_id, len(batch))
+        # Every trace popped above is with the exporters now (the store committed it).
+        self.release_spool()
         self._batch_duration.record(self._monotonic() - started)
         return len(batch)
 
@@ -437,6 +565,7 @@ class Pipeline:
     def housekeeping(self, *, final: bool = False) -> None:
         """Hand every exporter a tick (``final`` once, when the pipeline has drained)."""
         with self._process_lock:
+            self.release_spool()  # the active segment, once old enough and all processed
             tick = self.make_tick(final=final)
             for sink_id, sink in self._sinks.items():
                 try:
@@ -477,3 +606,7 @@ class Pipeline:
             self._worker.join(timeout_s)
         self.process_once(flush_all=True)
         self.housekeeping(final=True)
+        if self._spool is not None:
+            with self._process_lock:
+                self.release_spool(final=True)
+            self._spool.close()

@@ -1,11 +1,14 @@
 """The collector service: builds the components from a config and runs them.
 
 Components are made by their factories (``factories.py``) in the order the configuration lists
-them and started downstream first: the exporters, then the pipeline's worker, then the
-extensions, then the receivers. Shutdown is upstream first: receivers stop taking data (in-flight
-exports are refused with a retry hint), extensions stop, the pipeline finishes every pending
-trace and hands the exporters its final tick, the exporters flush. Nothing accepted is lost on a
-clean stop; a start that fails shuts down what had started.
+them and started downstream first: the exporters, then the pipeline (with durability ``fsync``
+its write-ahead spool is opened and what it kept from the last run is replayed into assembly
+first), then the pipeline's worker, then the extensions, then the receivers. Shutdown is
+upstream first: receivers stop taking data (in-flight exports are refused with a retry hint),
+extensions stop, the pipeline finishes every pending trace and hands the exporters its final
+tick, the exporters flush. Nothing accepted is lost on a clean stop, nor (durability ``fsync``)
+on a crash: what was acknowledged is in the spool until stored. A start that fails shuts down
+what had started.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Final
 from tokentrace.collector.component import (
     KIND_EXPORTER,
     KIND_EXTENSION,
+    KIND_PIPELINE,
     KIND_RECEIVER,
     Component,
     ComponentConfig,
@@ -32,6 +36,7 @@ from tokentrace.collector.component import (
 )
 from tokentrace.collector.config import CollectorConfig, ConfigError, load_config
 from tokentrace.collector.factories import FACTORIES
+from tokentrace.collector.memory_limiter import MemoryLimiter
 from tokentrace.collector.receivers import join_endpoint, split_endpoint
 from tokentrace.collector.self_telemetry import SelfTelemetry
 
@@ -41,6 +46,7 @@ if TYPE_CHECKING:
     from tokentrace.collector.consumer import TraceConsumer
     from tokentrace.collector.pipeline import Pipeline, TraceSink
     from tokentrace.collector.receivers.otlp import OtlpReceiver
+    from tokentrace.collector.spool import Spool
 
     class Exporter(TraceSink, Component, Protocol):
         """What an exporter factory makes."""
@@ -51,6 +57,8 @@ _log = logging.getLogger(__name__)
 _DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 10.0
 _FAILED_START_SHUTDOWN_S: Final = 1.0
 _MIN_STEP_TIMEOUT_S: Final = 0.1
+_MEMORY_LIMITER_ID: Final = "memory_limiter"
+"""The memory limiter's id in the self-telemetry (a part of the service, like the pipeline)."""
 # Each request allocates a few hundred short-lived containers; with CPython's default gen-0
 # threshold (700) the collector spent ~15% of its time in the cyclic GC scanning live traces.
 _GC_THRESHOLDS = (50_000, 20, 20)
@@ -81,6 +89,7 @@ class Collector:
         self._wall_clock = wall_clock
         self.exporters: dict[str, Exporter] = {}
         self.pipeline: Pipeline | None = None
+        self.memory_limiter: MemoryLimiter | None = None
         self.extensions: dict[str, Component] = {}
         self.receivers: dict[str, Component] = {}
 
@@ -123,6 +132,13 @@ class Collector:
                 self.exporters[component.id] = exporter
             # Late spans join their request through the spans the store holds for its trace.
             stores = [e for e in self.exporters.values() if isinstance(e, StoreSink)]
+            spool = self._open_spool()
+            self.memory_limiter = MemoryLimiter.from_config(
+                config.memory_limiter,
+                telemetry=self.telemetry.component(_MEMORY_LIMITER_ID, KIND_PIPELINE),
+            )
+            if self.memory_limiter is not None:
+                self.memory_limiter.start()
             self.pipeline = Pipeline(
                 config,
                 sinks=self.exporters,
@@ -131,7 +147,10 @@ class Collector:
                 monotonic=self._clock,
                 wall_clock=self._wall_clock,
                 factories=self._factories,
+                spool=spool,
+                memory_limiter=self.memory_limiter,
             )
+            self.pipeline.replay()  # before any receiver takes new data
             self.pipeline.start()
             for component in config.extensions:
                 extension = self._create(component)
@@ -144,6 +163,22 @@ class Collector:
         except Exception:
             self.shutdown(timeout_s=_FAILED_START_SHUTDOWN_S)
             raise
+
+    def _open_spool(self) -> Spool | None:
+        from tokentrace.collector.spool import Spool
+
+        directory = self.config.spool_directory
+        if directory is None:
+            return None
+        durability = self.config.durability
+        return Spool(
+            directory,
+            max_bytes=durability.max_bytes,
+            segment_bytes=durability.segment_bytes,
+            segment_age_s=durability.segment_age_s,
+            clock=self._clock,
+            telemetry=self.telemetry.component("traces", KIND_PIPELINE),
+        )
 
     def _create(self, component: ComponentConfig, *, consumer: TraceConsumer | None = None) -> Any:
         return create_component(
@@ -184,6 +219,9 @@ class Collector:
             components.clear()
         if pipeline is not None:
             pipeline.shutdown(timeout_s=left())
+        limiter, self.memory_limiter = self.memory_limiter, None
+        if limiter is not None:
+            limiter.shutdown()
         for component_id, exporter in reversed(self.exporters.items()):
             try:
                 exporter.shutdown(timeout_s=left())
@@ -256,6 +294,20 @@ def describe_config(
         lines.append(f"SLO targets: {', '.join(target.name for target in config.slo_targets)}")
     if config.store is not None:
         lines.append(f"request store: {os.path.abspath(config.store.path)}")
+    spool_directory = config.spool_directory
+    if spool_directory is None:
+        lines.append("durability: none (an acknowledged export is lost if the process dies)")
+    else:
+        lines.append(f"durability: fsync, write-ahead spool in {os.path.abspath(spool_directory)}")
+    limiter = config.memory_limiter
+    if limiter.enabled:
+        limit = limiter.limit_bytes()
+        soft = limit - limiter.spike_limit_bytes(limit)
+        lines.append(
+            f"memory limit: {limit / 2**20:.0f} MiB (refusing data above {soft / 2**20:.0f} MiB)"
+        )
+    else:
+        lines.append("memory limit: none")
     for upstream in config.upstream:
         exporter = upstream.config.exporter
         target = exporter.endpoint_for("traces") or exporter.endpoint

@@ -4,6 +4,8 @@ every directory shares the same instance)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,3 +41,26 @@ def no_store_left_in_the_working_directory() -> Iterator[None]:
     existed = default_store.exists()
     yield
     assert existed or not default_store.exists(), "a test wrote ./tokentrace.db"
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate for localhost / 127.0.0.1 and its key: (cert file, key file),
+    made with the openssl command."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl command not available to make a test certificate")
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [
+            *(openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"),
+            *("-nodes", "-days", "1", "-subj", "/CN=localhost"),
+            *("-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    return str(cert), str(key)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, TypeAlias
 
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import (
     AnyValue,
     ArrayValue,
@@ -165,6 +166,16 @@ def trace(
     if trace_id is None:
         trace_id = refs[0].span.trace_id if refs else DEFAULT_TRACE_ID
     return AssembledTrace(trace_id=trace_id, spans=refs)
+
+
+def export_request(spans: Sequence[Span], *, service: str = "svc") -> ExportTraceServiceRequest:
+    """The OTLP export request a sender of ``service`` would send for ``spans``."""
+    request = ExportTraceServiceRequest()
+    resource_spans = request.resource_spans.add()
+    attribute = resource_spans.resource.attributes.add(key=semconv.SERVICE_NAME)
+    attribute.value.string_value = service
+    resource_spans.scope_spans.add().spans.extend(spans)
+    return request
 
 
 def request_spans(

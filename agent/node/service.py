@@ -10,13 +10,17 @@ Spans are usually sent after the request ends, so their windows are already samp
 whose spans end after the last sample waits in the hold queue until the sampler passes them or
 ``max_hold_s`` runs out, then goes on with what exists. The hold queue is bounded in spans: when
 it is full the receivers answer RESOURCE_EXHAUSTED / 429 with a retry hint, so senders back off
-and nothing is lost silently. Upstream sending is the agent's ``OtlpSender`` (bounded queue,
-retry with backoff and jitter, drop counters). Components start downstream first (sender,
-sampler, enricher, then receivers) and stop upstream first.
+and nothing is lost silently. The receivers are the collector's, with its bearer-token and TLS
+options; one bound to a non-loopback address needs a token (or ``allow_unauthenticated``),
+because what it takes goes on to the collector under the node agent's own credentials. Upstream
+sending is the agent's ``OtlpSender`` (bounded queue, retry with backoff and jitter, drop
+counters). Components start downstream first (sender, sampler, enricher, then receivers) and
+stop upstream first.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
@@ -76,11 +80,41 @@ class NodeAgentConfig:
     max_held_spans: int = _DEFAULT_MAX_HELD_SPANS
     metrics_interval_s: float = _DEFAULT_METRICS_INTERVAL_S
     auth_token: str | None = None
-    """Bearer token the receivers require (None: none)."""
+    """Bearer token the receivers require (``Authorization: Bearer <token>``; gRPC
+    UNAUTHENTICATED / HTTP 401 without it). None: none, which only a loopback endpoint or
+    ``allow_unauthenticated`` permits. The collector's receivers' ``auth_token``."""
+    tls_cert_file: str | None = None
+    """PEM certificate (chain) the receivers serve TLS with; both files or neither."""
+    tls_key_file: str | None = None
+    """PEM private key of ``tls_cert_file``."""
+    allow_unauthenticated: bool = False
+    """Permit a receiver on a non-loopback address without ``auth_token``: whoever reaches it
+    could then put spans into the collector under the node agent's upstream credentials."""
 
     def validate(self) -> None:
         if not self.grpc_endpoint and not self.http_endpoint:
             raise ValueError("grpc_endpoint/http_endpoint: at least one receiver is needed")
+        if self.auth_token is not None:
+            if not self.auth_token:
+                raise ValueError("auth_token: must not be empty (None: no token)")
+            if not all("!" <= char <= "~" for char in self.auth_token):
+                # Never echoed: the message names the rule, not the token.
+                raise ValueError(
+                    "auth_token: must be printable ASCII without spaces (it travels in a header)"
+                )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file/tls_key_file: give both or neither")
+        for name in ("grpc_endpoint", "http_endpoint"):
+            endpoint = getattr(self, name)
+            if not endpoint:
+                continue
+            exposed = not is_loopback_endpoint(endpoint, name)
+            if exposed and self.auth_token is None and not self.allow_unauthenticated:
+                raise ValueError(
+                    f"{name}: {endpoint} is not a loopback address, and without a bearer token "
+                    "anyone who reaches it can relay spans to the collector; set a token "
+                    "(--auth-token-file) or allow it explicitly (--allow-unauthenticated)"
+                )
         for name in ("sample_interval_s", "metrics_interval_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -94,6 +128,32 @@ class NodeAgentConfig:
         self.exporter.validate()
         if self.metrics_exporter is not None:
             self.metrics_exporter.validate()
+
+
+def is_loopback_endpoint(endpoint: str, name: str = "endpoint") -> bool:
+    """Whether ``HOST:PORT`` listens on loopback only (``localhost`` or a loopback IP); a
+    wildcard, another address or any other host name is not. ValueError naming ``name`` when
+    ``endpoint`` is not ``HOST:PORT``."""
+    from tokentrace.collector.receivers import split_endpoint
+
+    try:
+        host, _ = split_endpoint(endpoint)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any address
+
+
+def bind_endpoint(endpoint: str) -> str:
+    """``endpoint`` as the receivers bind it: an IPv6 host in brackets (``fd00::5:4317``, what
+    ``$(POD_IP):4317`` gives on an IPv6 pod network, becomes ``[fd00::5]:4317``)."""
+    from tokentrace.collector.receivers import join_endpoint, split_endpoint
+
+    return join_endpoint(*split_endpoint(endpoint))
 
 
 class _Held:
@@ -264,15 +324,24 @@ class NodeAgent:
             self._spawn("tokentrace-node-metrics", self._metrics_loop)
         config = self._config
         try:
+            # The collector's receivers, with the same auth and TLS options as its config.
             if config.grpc_endpoint:
                 receiver: Any = OtlpGrpcReceiver(
-                    self, endpoint=config.grpc_endpoint, auth_token=config.auth_token
+                    self,
+                    endpoint=bind_endpoint(config.grpc_endpoint),
+                    auth_token=config.auth_token,
+                    tls_cert_file=config.tls_cert_file,
+                    tls_key_file=config.tls_key_file,
                 )
                 receiver.start()
                 self._receivers.append(receiver)
             if config.http_endpoint:
                 receiver = OtlpHttpReceiver(
-                    self, endpoint=config.http_endpoint, auth_token=config.auth_token
+                    self,
+                    endpoint=bind_endpoint(config.http_endpoint),
+                    auth_token=config.auth_token,
+                    tls_cert_file=config.tls_cert_file,
+                    tls_key_file=config.tls_key_file,
                 )
                 receiver.start()
                 self._receivers.append(receiver)

@@ -37,8 +37,10 @@ _log = logging.getLogger(__name__)
 
 _DEFAULT_PRUNE_INTERVAL_S = 10.0
 _PRUNE_BUDGET_S = 0.5
-_DEFAULT_REJECT_LOG_INTERVAL_S = 60.0
-"""Left-out records are logged at most this often (the counters say how many)."""
+_DEFAULT_REJECT_LOG_INTERVAL_S = 10.0
+"""Left-out (malformed or quarantined) records are logged in one line at most this often; the
+line says how many such lines were suppressed since the last, and the counters say how many
+records."""
 SNAPSHOT_PREFIX: Final = "StoreSink."
 """What the view given to ``StoreSink`` prefixes its snapshot keys with."""
 _COUNTERS: Final = {
@@ -73,7 +75,9 @@ class StoreSink:
         self._written_requests = 0
         self._rejected_records = 0
         self._failed_batches = 0
+        self._quarantined_records = 0
         self._next_reject_log = clock()
+        self._suppressed_reject_logs = 0
         self._store.set_meta(META_SLO_TARGETS, targets_to_json(slo_targets))
         self._store.set_meta(META_DIAGNOSIS, diagnosis_to_json(diagnosis or DiagnosisConfig()))
         self._store.set_meta(META_COLLECTOR_STARTED_NS, str(time.time_ns()))
@@ -87,11 +91,19 @@ class StoreSink:
     def export_traces(self, batch: Sequence[ProcessedTrace]) -> None:
         """Store the batch (with each trace's OTLP encoding made once by the pipeline).
 
-        Records the store left out are counted and logged (rate-limited) here; a batch that was
-        not stored at all is counted as failed and re-raised for the pipeline's error counters.
+        Isolation per trace: a trace the store could not write even alone is quarantined by the
+        store (dropped), the rest of the batch is stored, and nothing is raised; it is counted
+        (``quarantined_records``, and in ``rejected_records`` with malformed records) and logged
+        in one line at most every ``_DEFAULT_REJECT_LOG_INTERVAL_S``. A batch the database
+        refused (rolled back whole), or with nothing storable in it, is counted as failed and
+        re-raised for the pipeline's error counters.
         """
+        store = self._store
+        failed_before = store.failed_batches
+        quarantined_before = store.quarantined_records
+        quarantined_traces_before = store.quarantined_traces
         try:
-            self._store.write(
+            store.write(
                 [(item.trace, item.records, item.otlp) for item in batch],
                 replacing={
                     item.trace.trace_id: item.replaces_stored
@@ -102,18 +114,40 @@ class StoreSink:
         except StoreWriteError as error:
             self._written_requests += error.written
             self._rejected_records += error.rejected
-            if error.written == 0:  # rolled back, or nothing in it was storable
+            self._quarantined_records += store.quarantined_records - quarantined_before
+            quarantined = store.quarantined_traces > quarantined_traces_before
+            if store.failed_batches > failed_before or (error.written == 0 and not quarantined):
+                # rolled back, or nothing in it was storable
                 self._failed_batches += 1
                 raise
-            now = self._clock()
-            if now >= self._next_reject_log:
-                self._next_reject_log = now + _DEFAULT_REJECT_LOG_INTERVAL_S
-                _log.warning("%s (%d left out so far)", error, self._rejected_records)
+            self._log_left_out(error)
             return
         except Exception:
             self._failed_batches += 1
             raise
         self._written_requests += sum(len(item.records) for item in batch)
+
+    @property
+    def quarantined_records(self) -> int:
+        """Request records dropped because their trace could not be stored even alone (also
+        in the ``rejected_records`` counter)."""
+        return self._quarantined_records
+
+    def _log_left_out(self, error: StoreWriteError) -> None:
+        """One warning per ``_DEFAULT_REJECT_LOG_INTERVAL_S`` at most, counting the rest."""
+        now = self._clock()
+        if now < self._next_reject_log:
+            self._suppressed_reject_logs += 1
+            return
+        self._next_reject_log = now + _DEFAULT_REJECT_LOG_INTERVAL_S
+        suppressed, self._suppressed_reject_logs = self._suppressed_reject_logs, 0
+        _log.warning(
+            "%s (%d left out so far, %d quarantined; %d similar messages suppressed)",
+            error,
+            self._rejected_records,
+            self._quarantined_records,
+            suppressed,
+        )
 
     def stored_spans(self, trace_id: bytes) -> list[SpanRef] | None:
         """The spans stored for ``trace_id`` (each span id once), or None when the store holds

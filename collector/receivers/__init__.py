@@ -77,8 +77,8 @@ class ReceiverCounters:
     - rejected_spans: invalid spans dropped by validation (reported back as partial success).
     - refused_requests: requests the consumer refused (Overloaded/Unavailable); sender retries.
     - failed_requests: requests the consumer failed on unexpectedly (INTERNAL / HTTP 500).
-    - malformed_requests: undecodable or over-limit requests (HTTP 4xx); gRPC answers undecodable
-      messages itself, before the receiver sees them, so those are not counted here.
+    - malformed_requests: undecodable or over-limit requests (HTTP 4xx, gRPC INVALID_ARGUMENT;
+      gRPC answers over-size messages itself, before the receiver sees them).
     - unauthenticated_requests: missing or wrong bearer token.
     - refused_connections: HTTP connections closed at once because max_connections was reached.
     """

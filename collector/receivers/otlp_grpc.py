@@ -1,30 +1,35 @@
 """OTLP/gRPC trace receiver (``opentelemetry.proto.collector.trace.v1.TraceService/Export``).
 
-Status mapping (OTLP 1.x): invalid spans -> OK with ``partial_success``; consumer Overloaded ->
+Status mapping (OTLP 1.x): invalid spans -> OK with ``partial_success``; undecodable request ->
+INVALID_ARGUMENT (the receiver parses the bytes itself, so a bad payload never reaches grpc's
+deserializer, which would answer INTERNAL and log a traceback); consumer Overloaded ->
 RESOURCE_EXHAUSTED with a ``google.rpc.RetryInfo`` (retryable only with it, per the spec);
 Unavailable -> UNAVAILABLE; any other consumer error -> INTERNAL; bad bearer token ->
-UNAUTHENTICATED. Oversized and undecodable messages are answered by grpc itself
-(RESOURCE_EXHAUSTED / INTERNAL) before the servicer runs.
+UNAUTHENTICATED. Oversized messages are answered by grpc itself (RESOURCE_EXHAUSTED) before the
+servicer runs; compressed messages (gzip) reach it decompressed.
+
+Client errors are logged without a traceback, at most one line per reason per
+``_LOG_INTERVAL_S`` (with the number suppressed); the counters in ``stats()`` carry the totals.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
+import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 from google.protobuf.any_pb2 import Any as AnyMessage
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
-)
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import (
-    TraceServiceServicer,
-    add_TraceServiceServicer_to_server,
 )
 
 from tokentrace.collector.consumer import Overloaded, TraceConsumer, Unavailable
@@ -53,6 +58,39 @@ _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 # ... and the key the Python OTLP exporter reads RetryInfo from.
 _RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
 
+_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+_LOG_INTERVAL_S = 10.0
+"""At most one log line per reason (undecodable request, receiver error) in this many seconds."""
+
+
+class _RateLimitedLog:
+    """One line per reason at most every ``interval_s``, saying how many were suppressed."""
+
+    def __init__(
+        self, interval_s: float = _LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def log(
+        self, level: int, reason: str, message: str, *args: object, exc_info: bool = False
+    ) -> None:
+        with self._lock:
+            now = self._clock()
+            last = self._last.get(reason)
+            if last is not None and now - last < self._interval_s:
+                self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
+                return
+            self._last[reason] = now
+            suppressed = self._suppressed.pop(reason, 0)
+        if suppressed:
+            message += " (%d more since the last such line)"
+            args += (suppressed,)
+        _log.log(level, message, *args, exc_info=exc_info)
+
 
 def _retry_info_trailers(
     message: str, retry_after_s: float
@@ -70,20 +108,43 @@ def _retry_info_trailers(
     )
 
 
-class _TraceServicer(TraceServiceServicer):
+class _TraceServicer:
+    """``Export`` on the request's raw bytes (registered without a request deserializer)."""
+
     def __init__(
-        self, consumer: TraceConsumer, counters: ReceiverCounters, auth_token: str | None
+        self,
+        consumer: TraceConsumer,
+        counters: ReceiverCounters,
+        auth_token: str | None,
+        log: _RateLimitedLog,
     ) -> None:
         self._consumer = consumer
         self._counters = counters
         self._auth_token = auth_token
+        self._log = log
 
-    def Export(
-        self, request: ExportTraceServiceRequest, context: grpc.ServicerContext
-    ) -> ExportTraceServiceResponse:
+    def Export(self, data: bytes, context: grpc.ServicerContext) -> ExportTraceServiceResponse:
         if self._auth_token is not None and not self._authorized(context):
             self._counters.add("unauthenticated_requests")
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+        try:
+            request = ExportTraceServiceRequest.FromString(data)
+        except (DecodeError, RecursionError, ValueError) as error:
+            # The client's fault: one rate-limited line, no traceback.
+            self._counters.add("malformed_requests")
+            self._log.log(
+                logging.WARNING,
+                "undecodable",
+                "OTLP gRPC receiver: undecodable %d-byte export request from %s answered "
+                "INVALID_ARGUMENT (%s)",
+                len(data),
+                context.peer(),
+                error,
+            )
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request is not a valid ExportTraceServiceRequest protobuf",
+            )
         try:
             return deliver(self._consumer, request, self._counters)
         except Overloaded as refusal:
@@ -97,7 +158,12 @@ class _TraceServicer(TraceServiceServicer):
         except Exception:
             # Not the consumer: a receiver bug. Still answer, never take the server down.
             self._counters.add("failed_requests")
-            _log.error("OTLP gRPC export failed inside the receiver", exc_info=True)
+            self._log.log(
+                logging.ERROR,
+                "receiver error",
+                "OTLP gRPC export failed inside the receiver",
+                exc_info=True,
+            )
             context.abort(grpc.StatusCode.INTERNAL, "receiver error")
 
     def _authorized(self, context: grpc.ServicerContext) -> bool:
@@ -114,7 +180,8 @@ class OtlpGrpcReceiver(OtlpReceiverBase):
     Binds loopback by default; TLS (both files) and a bearer token are opt-in. ``port`` is the
     bound port after ``start()`` (endpoint port 0 picks a free one). At most
     ``max_concurrent_rpcs`` exports are queued or running; grpc refuses more with
-    RESOURCE_EXHAUSTED (not counted in ``stats()``, like oversized or undecodable messages).
+    RESOURCE_EXHAUSTED (not counted in ``stats()``, like oversized messages; undecodable ones
+    are answered INVALID_ARGUMENT here and counted as ``malformed_requests``).
     """
 
     def __init__(
@@ -145,6 +212,7 @@ class OtlpGrpcReceiver(OtlpReceiverBase):
         self._max_workers = max_workers
         self._max_concurrent_rpcs = max_concurrent_rpcs
         self._server: grpc.Server | None = None
+        self._log = _RateLimitedLog()
 
     def start(self) -> None:
         """Bind and serve in grpc's threads; raises ReceiverStartError if binding fails."""
@@ -164,8 +232,14 @@ class OtlpGrpcReceiver(OtlpReceiverBase):
             ],
             maximum_concurrent_rpcs=self._max_concurrent_rpcs,
         )
-        add_TraceServiceServicer_to_server(
-            _TraceServicer(self._consumer, self._counters, self._auth_token), server
+        servicer = _TraceServicer(self._consumer, self._counters, self._auth_token, self._log)
+        export = grpc.unary_unary_rpc_method_handler(
+            servicer.Export,
+            request_deserializer=None,  # raw bytes: Export parses them, INVALID_ARGUMENT if bad
+            response_serializer=ExportTraceServiceResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(_SERVICE, {"Export": export}),)
         )
         try:
             if credentials is None:

@@ -1,491 +1,209 @@
-"""OTLP/HTTP trace receiver (``POST /v1/traces``), standard library only.
+"""OTLP/HTTP trace receiver (``POST /v1/traces``) served by uvicorn.
 
 Binary protobuf (``application/x-protobuf``) and OTLP/JSON (``application/json``: hex trace and
 span ids, lowerCamelCase keys, int64 as strings) with ``Content-Encoding`` gzip, deflate or
-identity. The response uses the request's content type; errors carry a ``google.rpc.Status``.
-Status codes follow OTLP 1.x: 200 (``partial_success`` when spans were rejected), 400, 401, 404,
-405, 411, 413, 415, 429/503 with ``Retry-After``, 500.
+identity. The request handling is a raw ASGI app (:mod:`.otlp_http_app`); here it is served by
+uvicorn's h11 protocol on its own thread and event loop:
+
+- the socket is bound before the thread starts (``:0`` gives a free port, a taken port fails in
+  the caller); uvicorn on a thread other than the main one leaves SIGINT/SIGTERM to the host;
+- at most ``max_connections`` connections: one more gets a 503 with ``Retry-After`` at once;
+- every reply goes out in one write (uvicorn writes status line, headers and body separately,
+  which costs a round of delayed ACKs on a kept-alive connection without TCP_NODELAY);
+- HTTP parse errors (bad request line, invalid or conflicting Content-Length) get 400 and count
+  as malformed; they are logged at DEBUG, not once per request at WARNING.
+
+h11 rather than httptools: pure Python (always installed with uvicorn, light for the node agent)
+and it keeps the header names' case as written.
 """
 
 from __future__ import annotations
 
-import base64
-import json
+import asyncio
 import logging
-import math
 import socket
 import ssl
 import threading
 import time
-import zlib
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, cast
-from urllib.parse import urlsplit
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Final
 
-from google.protobuf import json_format
-from google.protobuf.message import DecodeError, Message
-from google.rpc import code_pb2, status_pb2
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-from tokentrace.collector.consumer import Overloaded, TraceConsumer, Unavailable
+from tokentrace.collector.consumer import TraceConsumer
 from tokentrace.collector.receivers import (
-    ConsumerFailed,
     OtlpReceiverBase,
+    ReceiverCounters,
     ReceiverStartError,
-    bearer_token_matches,
-    deliver,
+)
+from tokentrace.collector.receivers.otlp_http_app import (
+    TRACES_PATH,
+    OtlpHttpApp,
+    otlp_json_to_request,
 )
 
-__all__ = ["OtlpHttpReceiver", "ReceiverStartError", "otlp_json_to_request"]
+__all__ = ["TRACES_PATH", "OtlpHttpReceiver", "ReceiverStartError", "otlp_json_to_request"]
 
 _log = logging.getLogger(__name__)
 
-_DEFAULT_ENDPOINT = "127.0.0.1:4318"
-_DEFAULT_MAX_REQUEST_BODY_SIZE = 20 * 1024 * 1024
-_DEFAULT_MAX_CONNECTIONS = 64
-_DEFAULT_SOCKET_TIMEOUT_S = 30.0
-_DEFAULT_SHUTDOWN_GRACE_S = 5.0
-# Unavailable carries no delay of its own: ask for a short pause (the sender may be routed to
-# another replica meanwhile).
-_UNAVAILABLE_RETRY_AFTER_S = 1
-
-TRACES_PATH = "/v1/traces"
-_PROTOBUF = "application/x-protobuf"
-_JSON = "application/json"
-_DECOMPRESS_CHUNK = 64 * 1024
-# Before closing a connection whose request body was not read (see _drain_before_close).
-_LINGER_S = 1.0
-_LINGER_MAX_BYTES = 2 * 1024 * 1024
-_OVER_CAPACITY_RESPONSE = (
+_DEFAULT_ENDPOINT: Final = "127.0.0.1:4318"
+_DEFAULT_MAX_REQUEST_BODY_SIZE: Final = 20 * 1024 * 1024
+_DEFAULT_MAX_CONNECTIONS: Final = 64
+_DEFAULT_SOCKET_TIMEOUT_S: Final = 30.0
+_DEFAULT_SHUTDOWN_GRACE_S: Final = 5.0
+_START_TIMEOUT_S: Final = 10.0
+_START_POLL_S: Final = 0.005
+# uvicorn notices should_exit within one 0.1 s tick and pauses 0.1 s before closing connections.
+_STOP_OVERHEAD_S: Final = 1.0
+_MIN_GRACE_S: Final = 0.05
+_LISTEN_BACKLOG: Final = 128
+_OVER_CAPACITY_RESPONSE: Final = (
     b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n"
     b"Content-Length: 0\r\nConnection: close\r\n\r\n"
 )
 
-# OTLP/JSON ids are hex, while protobuf's JSON mapping expects base64 for bytes fields.
-_SPAN_ID_KEYS = ("traceId", "trace_id", "spanId", "span_id", "parentSpanId", "parent_span_id")
-_LINK_ID_KEYS = ("traceId", "trace_id", "spanId", "span_id")
+if TYPE_CHECKING:
+    _LoggerAdapter = logging.LoggerAdapter[logging.Logger]
+else:
+    _LoggerAdapter = logging.LoggerAdapter
 
 
-class _BadRequest(Exception):
-    """The body cannot be decoded: 400 (or ``status`` when given)."""
+class _ServerLog(_LoggerAdapter):
+    """uvicorn's per-connection log, under this module's name, with its warnings (one per
+    malformed request) demoted to DEBUG; errors stay errors."""
 
-    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> None:
-        super().__init__(message)
-        self.status = status
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        if level == logging.WARNING:
+            level = logging.DEBUG
+        super().log(level, msg, *args, **kwargs)
 
-
-def _hex_ids_to_base64(container: dict[str, Any], keys: tuple[str, ...]) -> None:
-    for key in keys:
-        value = container.get(key)
-        if isinstance(value, str):
-            try:
-                container[key] = base64.b64encode(bytes.fromhex(value)).decode("ascii")
-            except ValueError:
-                # Not hex: leave the id empty so validation rejects just this span.
-                container[key] = ""
+    @property
+    def level(self) -> int:  # uvicorn compares it with its TRACE level per connection
+        return self.logger.getEffectiveLevel()
 
 
-def _items(container: Any, *keys: str) -> list[Any]:
-    """The list under the first present key, or [] (shape errors surface in ParseDict)."""
-    if isinstance(container, dict):
-        for key in keys:
-            value = container.get(key)
-            if isinstance(value, list):
-                return value
-    return []
+class _CoalescingTransport(asyncio.Transport):
+    """Joins what the protocol writes in one turn of the event loop into one ``write``.
 
-
-def otlp_json_to_request(document: Any) -> ExportTraceServiceRequest:
-    """Build a request from a decoded OTLP/JSON document (rewrites its hex ids in place).
-
-    Raises ``json_format.ParseError`` (or TypeError/ValueError) when it is not a valid request.
+    uvicorn's h11 protocol writes a reply as status line and headers, body, and end of message:
+    here they leave in one send (one TCP segment when it fits), flushed at the end of the turn
+    or before the connection closes.
     """
-    for resource_spans in _items(document, "resourceSpans", "resource_spans"):
-        for scope_spans in _items(resource_spans, "scopeSpans", "scope_spans"):
-            for span in _items(scope_spans, "spans"):
-                if not isinstance(span, dict):
-                    continue
-                _hex_ids_to_base64(span, _SPAN_ID_KEYS)
-                for link in _items(span, "links"):
-                    if isinstance(link, dict):
-                        _hex_ids_to_base64(link, _LINK_ID_KEYS)
-    request = ExportTraceServiceRequest()
-    json_format.ParseDict(document, request, ignore_unknown_fields=True)
-    return request
 
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] | None = None
 
-def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
-    """Inflate ``body`` (gzip: all members; deflate: zlib or raw) to at most ``limit`` bytes."""
-    if encoding == "gzip":
-        wbits = 16 + zlib.MAX_WBITS
-    elif body[:1] and (body[0] & 0x0F) == 8 and int.from_bytes(body[:2], "big") % 31 == 0:
-        wbits = zlib.MAX_WBITS  # zlib-wrapped, what HTTP "deflate" means
-    else:
-        wbits = -zlib.MAX_WBITS  # raw deflate, which some clients send instead
-    output: list[bytes] = []
-    produced = 0
-    remaining = body
-    try:
-        while True:
-            inflater = zlib.decompressobj(wbits)
-            pending = remaining
-            while True:
-                # max_length bounds memory: a bomb never expands past limit + one chunk.
-                chunk = inflater.decompress(pending, _DECOMPRESS_CHUNK)
-                produced += len(chunk)
-                if produced > limit:
-                    raise _BadRequest(
-                        f"decompressed body exceeds {limit} bytes",
-                        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                    )
-                output.append(chunk)
-                pending = inflater.unconsumed_tail
-                if inflater.eof:
-                    break
-                if not chunk and not pending:
-                    raise _BadRequest(f"truncated {encoding} body")
-            remaining = inflater.unused_data
-            if encoding != "gzip" or not remaining:
-                break
-    except zlib.error as error:
-        raise _BadRequest(f"invalid {encoding} body: {error}") from error
-    return b"".join(output)
-
-
-def _status_body(content_type: str, code: int, message: str) -> bytes:
-    status = status_pb2.Status(code=code, message=message)
-    return _encode(content_type, status)
-
-
-def _encode(content_type: str, message: Message) -> bytes:
-    if content_type == _JSON:
-        return json_format.MessageToJson(message, indent=None).encode()
-    return message.SerializeToString()
-
-
-def _retry_after_header(retry_after_s: float) -> str:
-    # Retry-After takes whole seconds; round up so the sender never comes back early.
-    if not math.isfinite(retry_after_s):
-        return "1"
-    return str(max(0, math.ceil(retry_after_s)))
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    # No request queue beyond the listen backlog: connections above max_connections get 503.
-    request_queue_size = 128
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        receiver: OtlpHttpReceiver,
-        *,
-        address_family: socket.AddressFamily,
-        max_connections: int,
-        tls_context: ssl.SSLContext | None,
-    ) -> None:
-        self.address_family = address_family
-        self.receiver = receiver
-        self._connection_slots = threading.BoundedSemaphore(max_connections)
-        self._tls_context = tls_context
-        self.stopping = False
-        super().__init__(address, _Handler)
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        connection, address = super().get_request()
-        if self._tls_context is not None:
-            # The handshake happens lazily in the connection's own thread, so a slow client
-            # cannot stall the accept loop.
-            connection = self._tls_context.wrap_socket(
-                connection, server_side=True, do_handshake_on_connect=False
-            )
-        return connection, address
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._connection_slots.acquire(blocking=False):
-            self.receiver._counters.add("refused_connections")
-            # Plain TCP: a best-effort 503 (short timeout, this is the accept thread). TLS: the
-            # handshake has not happened yet and must not happen here, so just close.
-            if not isinstance(request, ssl.SSLSocket):
-                try:
-                    request.settimeout(0.5)
-                    request.sendall(_OVER_CAPACITY_RESPONSE)
-                except OSError:
-                    pass
-            self.shutdown_request(request)
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not data:
             return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._connection_slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # Client resets, TLS failures, timeouts: not worth a traceback on stderr.
-        _log.debug("OTLP HTTP connection from %s failed", client_address, exc_info=True)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive
-    server_version = "tokentrace-otlp"
-    sys_version = ""
-    server: _Server
-    _head_only = False
-    _unread_input = False
-
-    def setup(self) -> None:
-        super().setup()
-        # Bounds idle keep-alive connections and slow senders (each holds a thread).
-        self.connection.settimeout(self.server.receiver._socket_timeout_s)
-
-    # -- methods --------------------------------------------------------------------------
-    def do_POST(self) -> None:
-        receiver = self.server.receiver
-        content_type = _PROTOBUF
-        try:
-            if self.server.stopping:  # a keep-alive connection outliving shutdown()
-                self._reply_status(
-                    HTTPStatus.SERVICE_UNAVAILABLE,
-                    content_type,
-                    "receiver shutting down",
-                    close=True,
-                    extra_headers=(("Retry-After", str(_UNAVAILABLE_RETRY_AFTER_S)),),
-                )
-                return
-            if urlsplit(self.path).path != TRACES_PATH:
-                self._reply_status(HTTPStatus.NOT_FOUND, content_type, "unknown path", close=True)
-                return
-            content_type = self._media_type() or _PROTOBUF
-            if receiver._auth_token is not None and not bearer_token_matches(
-                self.headers.get("Authorization"), receiver._auth_token
-            ):
-                receiver._counters.add("unauthenticated_requests")
-                self._reply_status(
-                    HTTPStatus.UNAUTHORIZED,
-                    content_type,
-                    "missing or invalid bearer token",
-                    close=True,
-                    extra_headers=(("WWW-Authenticate", "Bearer"),),
-                )
-                return
-            request = self._read_request(content_type)
-            if request is None:
-                return
-            try:
-                response = deliver(receiver._consumer, request, receiver._counters)
-            except Overloaded as refusal:
-                self._reply_status(
-                    HTTPStatus.TOO_MANY_REQUESTS,
-                    content_type,
-                    str(refusal) or "collector overloaded",
-                    extra_headers=(("Retry-After", _retry_after_header(refusal.retry_after_s)),),
-                )
-                return
-            except Unavailable as refusal:
-                self._reply_status(
-                    HTTPStatus.SERVICE_UNAVAILABLE,
-                    content_type,
-                    str(refusal) or "collector unavailable",
-                    extra_headers=(("Retry-After", str(_UNAVAILABLE_RETRY_AFTER_S)),),
-                )
-                return
-            except ConsumerFailed as failure:
-                self._reply_status(HTTPStatus.INTERNAL_SERVER_ERROR, content_type, str(failure))
-                return
-            self._reply(HTTPStatus.OK, content_type, _encode(content_type, response))
-        except (ConnectionError, TimeoutError, ssl.SSLError):
-            self.close_connection = True
-        except Exception:
-            receiver._counters.add("failed_requests")
-            _log.error("OTLP HTTP export failed inside the receiver", exc_info=True)
-            try:
-                self._reply_status(
-                    HTTPStatus.INTERNAL_SERVER_ERROR, content_type, "receiver error", close=True
-                )
-            except OSError:
-                self.close_connection = True
-
-    def _wrong_method(self) -> None:
-        if urlsplit(self.path).path != TRACES_PATH:
-            self._reply_status(HTTPStatus.NOT_FOUND, _PROTOBUF, "unknown path", close=True)
+        if self._pending is None:
+            self._pending = [bytes(data)]
+            self._loop.call_soon(self._flush)
         else:
-            self._reply_status(
-                HTTPStatus.METHOD_NOT_ALLOWED,
-                _PROTOBUF,
-                "only POST is allowed",
-                close=True,
-                extra_headers=(("Allow", "POST"),),
-            )
+            self._pending.append(bytes(data))
 
-    do_GET = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _wrong_method
+    def writelines(self, list_of_data: Any) -> None:
+        for data in list_of_data:
+            self.write(data)
 
-    def do_HEAD(self) -> None:
-        self._head_only = True
-        self._wrong_method()
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
 
-    # -- request --------------------------------------------------------------------------
-    def _media_type(self) -> str | None:
-        header = self.headers.get("Content-Type")
-        if header is None:
-            return None
-        media_type = header.split(";", 1)[0].strip().lower()
-        return media_type if media_type in (_PROTOBUF, _JSON) else None
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
 
-    def _read_request(self, content_type: str) -> ExportTraceServiceRequest | None:
-        """Read, decompress and decode the body; on failure reply and return None."""
-        receiver = self.server.receiver
-        counters = receiver._counters
-        limit = receiver._max_request_body_size
-        if self._media_type() is None:
+    def abort(self) -> None:
+        self._pending = None
+        self._transport.abort()
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_size(self) -> int:
+        pending = sum(len(data) for data in self._pending or ())
+        return self._transport.get_write_buffer_size() + pending
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+
+def _protocol_class(max_connections: int, counters: ReceiverCounters) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with a connection cap, one write per reply and counted 400s."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class OtlpHttpProtocol(H11Protocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.logger = _ServerLog(_log)  # type: ignore[assignment]
+            self._refused = False
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            if len(self.connections) >= max_connections:
+                # Answered at once, before any request: the sender backs off and retries.
+                self._refused = True
+                counters.add("refused_connections")
+                transport.write(_OVER_CAPACITY_RESPONSE)
+                transport.close()
+                return
+            super().connection_made(_CoalescingTransport(transport, self.loop))
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if not self._refused:
+                super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:
+                super().data_received(data)
+
+        def send_400_response(self, msg: str) -> None:
+            # The HTTP parser refused the request (bad request line, bad or conflicting
+            # Content-Length, header too large): count it like any other malformed request.
             counters.add("malformed_requests")
-            self._reply_status(
-                HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
-                _PROTOBUF,
-                f"unsupported content type {self.headers.get('Content-Type')!r}; "
-                f"use {_PROTOBUF} or {_JSON}",
-                close=True,
-            )
-            return None
-        encoding = (self.headers.get("Content-Encoding") or "identity").strip().lower()
-        if encoding not in ("identity", "gzip", "deflate", "none"):
-            counters.add("malformed_requests")
-            self._reply_status(
-                HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
-                content_type,
-                f"unsupported content encoding {encoding!r}",
-                close=True,
-            )
-            return None
-        length_header = self.headers.get("Content-Length")
-        if length_header is None:
-            counters.add("malformed_requests")
-            self._reply_status(
-                HTTPStatus.LENGTH_REQUIRED, content_type, "Content-Length required", close=True
-            )
-            return None
-        if not length_header.strip().isdigit():
-            counters.add("malformed_requests")
-            self._reply_status(
-                HTTPStatus.BAD_REQUEST, content_type, "invalid Content-Length", close=True
-            )
-            return None
-        length = int(length_header)
-        if length > limit:
-            counters.add("malformed_requests")
-            # Not reading the body: the connection must close (its bytes are still in flight).
-            self._reply_status(
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                content_type,
-                f"body of {length} bytes exceeds the limit of {limit} bytes",
-                close=True,
-            )
-            return None
-        body = self.rfile.read(length)
-        if len(body) != length:  # client went away mid-body
-            self.close_connection = True
-            return None
-        try:
-            if encoding in ("gzip", "deflate") and body:
-                body = _decompress(body, encoding, limit)
-            if content_type == _JSON:
-                try:
-                    document = json.loads(body)
-                    return otlp_json_to_request(document)
-                except (ValueError, TypeError, RecursionError, json_format.ParseError) as error:
-                    raise _BadRequest(f"invalid OTLP/JSON: {error}") from error
-            try:
-                return ExportTraceServiceRequest.FromString(body)
-            except (DecodeError, RecursionError) as error:
-                raise _BadRequest(f"invalid OTLP protobuf: {error}") from error
-        except _BadRequest as error:
-            counters.add("malformed_requests")
-            self._reply_status(error.status, content_type, str(error)[:512])
-            return None
+            super().send_400_response(msg)
 
-    # -- response -------------------------------------------------------------------------
-    def _reply_status(
-        self,
-        status: HTTPStatus,
-        content_type: str,
-        message: str,
-        *,
-        close: bool = False,
-        extra_headers: tuple[tuple[str, str], ...] = (),
-    ) -> None:
-        body = _status_body(content_type, _RPC_CODES.get(status, code_pb2.UNKNOWN), message)
-        self._reply(status, content_type, body, close=close, extra_headers=extra_headers)
-
-    def _reply(
-        self,
-        status: HTTPStatus,
-        content_type: str,
-        body: bytes,
-        *,
-        close: bool = False,
-        extra_headers: tuple[tuple[str, str], ...] = (),
-    ) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in extra_headers:
-            self.send_header(name, value)
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-            self._unread_input = True
-        self.end_headers()
-        if not self._head_only:
-            self.wfile.write(body)
-
-    def finish(self) -> None:
-        super().finish()  # flushes the response
-        if self._unread_input:
-            self._drain_before_close()
-
-    def _drain_before_close(self) -> None:
-        # Closing a socket with unread request bytes makes the kernel send RST, which can
-        # destroy the error response before the client reads it (e.g. a 413 while the client is
-        # still sending). Half-close, then discard a bounded amount for a bounded time.
-        try:
-            self.connection.shutdown(socket.SHUT_WR)
-            self.connection.settimeout(_LINGER_S)
-            deadline = time.monotonic() + _LINGER_S
-            drained = 0
-            while drained < _LINGER_MAX_BYTES and time.monotonic() < deadline:
-                chunk = self.connection.recv(_DECOMPRESS_CHUNK)
-                if not chunk:
-                    break
-                drained += len(chunk)
-        except OSError:
-            pass
-
-    def log_message(self, format: str, *args: Any) -> None:
-        _log.debug("%s - " + format, self.address_string(), *args)
-
-
-_RPC_CODES: dict[HTTPStatus, int] = {
-    HTTPStatus.BAD_REQUEST: code_pb2.INVALID_ARGUMENT,
-    HTTPStatus.UNAUTHORIZED: code_pb2.UNAUTHENTICATED,
-    HTTPStatus.NOT_FOUND: code_pb2.UNIMPLEMENTED,
-    HTTPStatus.METHOD_NOT_ALLOWED: code_pb2.UNIMPLEMENTED,
-    HTTPStatus.LENGTH_REQUIRED: code_pb2.INVALID_ARGUMENT,
-    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: code_pb2.RESOURCE_EXHAUSTED,
-    HTTPStatus.UNSUPPORTED_MEDIA_TYPE: code_pb2.INVALID_ARGUMENT,
-    HTTPStatus.TOO_MANY_REQUESTS: code_pb2.RESOURCE_EXHAUSTED,
-    HTTPStatus.INTERNAL_SERVER_ERROR: code_pb2.INTERNAL,
-    HTTPStatus.SERVICE_UNAVAILABLE: code_pb2.UNAVAILABLE,
-}
+    return OtlpHttpProtocol
 
 
 class OtlpHttpReceiver(OtlpReceiverBase):
     """Serves OTLP/HTTP trace exports on ``POST /v1/traces`` and hands valid spans to ``consumer``.
 
-    One daemon thread per connection, at most ``max_connections`` at once (further connections
-    get 503 and count as ``refused_connections``); idle keep-alive connections close after
-    ``socket_timeout_s``. Binds loopback by default; TLS and a bearer token are opt-in.
+    One uvicorn server on a daemon thread; decoding and the consumer call run on a pool of at
+    most ``max_connections`` threads. At most ``max_connections`` connections at once (further
+    connections get 503 and count as ``refused_connections``); idle keep-alive connections and
+    request bodies that stall close after ``socket_timeout_s``. Binds loopback by default; TLS
+    and a bearer token are opt-in.
     """
 
     def __init__(
@@ -514,58 +232,137 @@ class OtlpHttpReceiver(OtlpReceiverBase):
         self._max_request_body_size = max_request_body_size
         self._max_connections = max_connections
         self._socket_timeout_s = socket_timeout_s
-        self._server: _Server | None = None
+        self._server: Any = None
+        self._app: OtlpHttpApp | None = None
+        self._socket: socket.socket | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Bind and serve in a daemon thread; raises ReceiverStartError if binding fails."""
+        """Bind and serve on a daemon thread; raises ReceiverStartError if that fails."""
         if self._server is not None:
             raise RuntimeError("receiver already started")
         host, port = self._bind_address()
-        tls_context = self._tls_context()
+        self._check_tls_files()
         try:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            server = _Server(
-                (host, port),
-                self,
-                address_family=family,
-                max_connections=self._max_connections,
-                tls_context=tls_context,
+            import uvicorn
+        except ImportError as error:
+            raise ReceiverStartError(
+                f"OTLP HTTP receiver on {self._endpoint} needs uvicorn: {error}"
+            ) from None
+        sock = self._listen(host, port)
+        executor = ThreadPoolExecutor(
+            max_workers=self._max_connections, thread_name_prefix="otlp-http-export"
+        )
+        app = OtlpHttpApp(
+            self._consumer,
+            self._counters,
+            executor,
+            max_request_body_size=self._max_request_body_size,
+            auth_token=self._auth_token,
+            read_timeout_s=self._socket_timeout_s,
+        )
+        tls: dict[str, Any] = {}
+        if self._tls_cert_file is not None:
+            tls = {"ssl_certfile": self._tls_cert_file, "ssl_keyfile": self._tls_key_file}
+        try:
+            config = uvicorn.Config(
+                app,
+                http=_protocol_class(self._max_connections, self._counters),
+                loop="asyncio",  # never installs an event-loop policy in the host process
+                interface="asgi3",
+                lifespan="off",
+                ws="none",  # nor a websocket library loaded
+                # The host's logging configuration stays as it is; uvicorn's own loggers say
+                # only warnings (as the API server's do), not "running on ... CTRL+C".
+                log_config=None,
+                log_level="warning",
+                access_log=False,
+                server_header=False,
+                proxy_headers=False,
+                timeout_keep_alive=max(1, round(self._socket_timeout_s)),
+                timeout_graceful_shutdown=int(_DEFAULT_SHUTDOWN_GRACE_S),
+                backlog=_LISTEN_BACKLOG,
+                **tls,
             )
-        except (OSError, UnicodeError) as error:
+            config.load()  # TLS files and the app, here in the caller
+        except (OSError, ssl.SSLError, ValueError) as error:
+            sock.close()
+            executor.shutdown(wait=False)
+            raise ReceiverStartError(
+                f"OTLP HTTP receiver on {self._endpoint} cannot start: {error}"
+            ) from error
+        server = uvicorn.Server(config)
+        self._socket, self._executor, self._app, self._server = sock, executor, app, server
+        self._port = int(sock.getsockname()[1])
+        self._thread = threading.Thread(
+            target=self._serve, args=(server, sock), name=f"otlp-http-{self.port}", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.shutdown(0)
+                raise ReceiverStartError(
+                    f"OTLP HTTP receiver on {self._endpoint} did not start "
+                    f"within {_START_TIMEOUT_S:g} s"
+                )
+            time.sleep(_START_POLL_S)
+        _log.debug("OTLP HTTP receiver listening on %s (port %d)", self._endpoint, self.port)
+
+    @staticmethod
+    def _serve(server: Any, sock: socket.socket) -> None:
+        try:
+            server.run(sockets=[sock])
+        except BaseException:  # SystemExit from a failed startup included: log, never raise
+            _log.error("OTLP HTTP receiver stopped on an error", exc_info=True)
+
+    def _listen(self, host: str, port: int) -> socket.socket:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as error:
             raise ReceiverStartError(
                 f"OTLP HTTP receiver cannot bind {self._endpoint}: {error}"
             ) from error
-        self._server = server
-        self._port = cast(int, server.server_address[1])
-        self._thread = threading.Thread(
-            target=server.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name=f"otlp-http-{self.port}",
-            daemon=True,
-        )
-        self._thread.start()
-        _log.debug("OTLP HTTP receiver listening on %s (port %d)", self._endpoint, self.port)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(_LISTEN_BACKLOG)
+        except (OSError, UnicodeError, OverflowError) as error:
+            sock.close()
+            raise ReceiverStartError(
+                f"OTLP HTTP receiver cannot bind {self._endpoint}: {error}"
+            ) from error
+        return sock
 
     def shutdown(self, grace_s: float = _DEFAULT_SHUTDOWN_GRACE_S) -> None:
-        """Stop accepting and close the listening socket (waits up to ``grace_s`` for the loop).
-
-        Requests already being handled finish on their own threads; later requests on kept-alive
-        connections get 503 and the connection closes. Idempotent.
-        """
+        """Stop accepting, close the listening socket and idle connections, and give requests
+        being handled up to ``grace_s`` to finish (then they are cancelled). Waits for the
+        server thread; a request arriving meanwhile gets 503. Idempotent."""
         server, self._server = self._server, None
         thread, self._thread = self._thread, None
         if server is None:
             return
-        server.stopping = True
-        server.shutdown()
+        if self._app is not None:
+            self._app.stopping = True
+        # (uvicorn reports a zero timeout as exceeded even with nothing left to wait for.)
+        server.config.timeout_graceful_shutdown = max(_MIN_GRACE_S, grace_s)
+        server.should_exit = True
         if thread is not None:
-            thread.join(grace_s)
-        server.server_close()
+            thread.join(max(0.0, grace_s) + _STOP_OVERHEAD_S)
+            if thread.is_alive():
+                _log.warning("OTLP HTTP receiver on port %d did not stop in time", self.port)
+        if self._socket is not None:
+            self._socket.close()  # uvicorn closed it already; this covers a failed start
+            self._socket = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
-    def _tls_context(self) -> ssl.SSLContext | None:
+    def _check_tls_files(self) -> None:
         if self._tls_cert_file is None or self._tls_key_file is None:
-            return None
+            return
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
             context.load_cert_chain(self._tls_cert_file, self._tls_key_file)
@@ -573,4 +370,3 @@ class OtlpHttpReceiver(OtlpReceiverBase):
             raise ReceiverStartError(
                 f"OTLP HTTP receiver on {self._endpoint}: cannot load TLS files: {error}"
             ) from error
-        return context

@@ -175,3 +175,17 @@ def test_late_spans_finished_with_their_early_part_join_it() -> None:
     ]
     assert assembler.pending_spans == 0 and assembler.pending_traces == 0
     assert assembler.stats.traces_finished == 2
+
+
+def test_a_batch_takes_at_most_max_traces_oldest_first_and_the_rest_stay_pending() -> None:
+    clock = FakeClock()
+    assembler = make(clock)
+    for trace in range(1, 6):
+        add(assembler, ref(trace, 2, parent=1))
+        clock.now += 0.01
+    clock.now += 3.0  # all five are quiet now
+    batches = []
+    while batch := assembler.pop_finished(max_traces=2):
+        batches.append([t.trace_id[-1] for t in batch])
+    assert batches == [[1, 2], [3, 4], [5]]
+    assert assembler.pending_spans == 0

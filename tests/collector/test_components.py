@@ -566,6 +566,12 @@ def test_the_otlp_exporter_sends_the_self_telemetry_with_the_percentiles(
 
 
 # --- the snapshot `tokentrace top` and the API read ----------------------------------------------
+_MEMORY_LIMITER_KEYS = {
+    "memory_resident",
+    "memory_limit",
+    "memory_refused_requests",
+    "memory_garbage_collections",
+}
 _PIPELINE_KEYS = {
     "received_spans",
     "traces",
@@ -583,6 +589,13 @@ _PIPELINE_KEYS = {
     "percentile_keys_evicted",
     "percentile_slices_dropped",
     "percentile_record_errors",
+    # durability fsync (the default with a store): the write-ahead spool
+    "spool_bytes",
+    "spool_segments",
+    "spool_refused_requests",
+    "spool_replayed_requests",
+    "spool_replayed_traces_stored",
+    "spool_torn_records",
 }
 _RECEIVER_KEYS = (
     "accepted_spans",
@@ -639,7 +652,7 @@ def running(tmp_path: Path, upstream: UpstreamOtlp) -> Iterator[Collector]:
 
 
 def test_the_snapshot_keeps_the_keys_its_readers_read(running: Collector) -> None:
-    expected = set(_PIPELINE_KEYS)
+    expected = set(_PIPELINE_KEYS) | _MEMORY_LIMITER_KEYS
     for receiver in ("OtlpGrpcReceiver", "OtlpHttpReceiver"):
         expected |= {f"{receiver}.{key}" for key in _RECEIVER_KEYS}
     expected |= {f"StoreSink.{key}" for key in _STORE_KEYS}

@@ -1,9 +1,6 @@
 from __future__ import annotations
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.trace.v1.trace_pb2 import Span
-
-from tests.spanbuild import KIND_CLIENT, T0, request_spans, sid, span
+from tests.spanbuild import KIND_CLIENT, T0, export_request, request_spans, sid, span
 from tokentrace.agent import semconv
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.pipeline import Pipeline
@@ -15,15 +12,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def export_request(spans: list[Span]) -> ExportTraceServiceRequest:
-    request = ExportTraceServiceRequest()
-    resource_spans = request.resource_spans.add()
-    attribute = resource_spans.resource.attributes.add(key=semconv.SERVICE_NAME)
-    attribute.value.string_value = "svc"
-    resource_spans.scope_spans.add().spans.extend(spans)
-    return request
 
 
 def test_a_late_client_span_does_not_become_a_second_request() -> None:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import http.client
 import json
 import re
-import shutil
 import socket
-import subprocess
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -37,7 +38,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from tests.collector.consumers import RecordingConsumer
 from tokentrace.collector.consumer import Overloaded, Unavailable
-from tokentrace.collector.receivers import ReceiverStartError, join_endpoint, split_endpoint
+from tokentrace.collector.receivers import (
+    ReceiverCounters,
+    ReceiverStartError,
+    join_endpoint,
+    split_endpoint,
+)
 from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
 from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
 
@@ -559,42 +565,216 @@ def test_http_shutdown_stops_listening(consumer: RecordingConsumer) -> None:
         pass
 
 
-# -- TLS -----------------------------------------------------------------------------------
+def raw_exchange(port: int, data: bytes) -> bytes:
+    """Send raw bytes; return everything the server answers until it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+        connection.sendall(data)
+        chunks = []
+        while chunk := connection.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl command not available to make a test certificate")
-    directory = tmp_path_factory.mktemp("tls")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        [
-            openssl,
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=30,
+@pytest.mark.parametrize(
+    "framing",
+    [
+        b"Content-Length: 5\r\nContent-Length: 6\r\n",
+        b"Content-Length: 5, 6\r\n",
+        b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
+        b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n",
+    ],
+    ids=["two-lengths", "length-list", "length-then-chunked", "chunked-then-length"],
+)
+def test_http_conflicting_framing_is_400_and_closes(
+    http_receiver: OtlpHttpReceiver, consumer: RecordingConsumer, framing: bytes
+) -> None:
+    # Two readings of where the body ends (request smuggling): refused, never delivered.
+    body = one_span_request("smuggled").SerializeToString()
+    chunked = b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    answer = raw_exchange(
+        http_receiver.port,
+        b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+        + framing
+        + b"\r\n"
+        + (chunked if b"chunked" in framing else body[:5]),
     )
-    return str(cert), str(key)
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert consumer.requests == []
+    assert http_receiver.stats()["malformed_requests"] == 1
+    assert post(http_receiver.port, one_span_request("after").SerializeToString())[0] == 200
+
+
+def test_http_same_content_length_twice_is_one_length(
+    http_receiver: OtlpHttpReceiver, consumer: RecordingConsumer
+) -> None:
+    body = one_span_request("twice").SerializeToString()
+    length = str(len(body)).encode()
+    answer = raw_exchange(
+        http_receiver.port,
+        b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+        b"Content-Length: " + length + b"\r\nContent-Length: " + length + b"\r\n"
+        b"Connection: close\r\n\r\n" + body,
+    )
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert consumer.span_names() == ["twice"]
+
+
+class _RecordingTransport(asyncio.Transport):
+    """Stands in for the socket's transport: records each write (one write is one send)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = asyncio.Event()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed.set()
+
+    def is_closing(self) -> bool:
+        return self.closed.is_set()
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"sockname": ("127.0.0.1", 4318), "peername": ("127.0.0.1", 50000)}.get(
+            name, default
+        )
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def _writes_of_one_exchange(consumer: RecordingConsumer, request: bytes) -> list[bytes]:
+    """Drive the receiver's uvicorn protocol over a recording transport: what it writes."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from tokentrace.collector.receivers.otlp_http import _protocol_class
+    from tokentrace.collector.receivers.otlp_http_app import OtlpHttpApp
+
+    async def exchange() -> list[bytes]:
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            app = OtlpHttpApp(
+                consumer,
+                ReceiverCounters(),
+                executor,
+                max_request_body_size=1 << 20,
+                auth_token=None,
+                read_timeout_s=5,
+            )
+            config = uvicorn.Config(
+                app,
+                http=_protocol_class(4, ReceiverCounters()),
+                interface="asgi3",
+                lifespan="off",
+                log_config=None,
+            )
+            config.load()
+            protocol = config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=ServerState(), app_state={}, _loop=loop
+            )
+            transport = _RecordingTransport()
+            protocol.connection_made(transport)
+            protocol.data_received(request)
+            deadline = loop.time() + 5
+            while not transport.writes:
+                assert loop.time() < deadline, "no reply"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # anything written after the reply would show up here
+            protocol.connection_lost(None)
+            return transport.writes
+
+    return asyncio.run(exchange())
+
+
+@pytest.mark.parametrize("case", ["partial-success", "bad-request", "empty-ok"])
+def test_http_reply_leaves_in_one_write(consumer: RecordingConsumer, case: str) -> None:
+    # Status line, headers and body in one send: no second small segment waiting for the
+    # client's delayed ACK on a kept-alive connection.
+    request = one_span_request("kept")
+    if case == "partial-success":
+        request.resource_spans[0].scope_spans[0].spans.add(name="no-ids", start_time_unix_nano=1)
+    body = b"\xff garbage" if case == "bad-request" else request.SerializeToString()
+    writes = _writes_of_one_exchange(
+        consumer,
+        b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body,
+    )
+    assert len(writes) == 1, writes
+    head, _, payload = writes[0].partition(b"\r\n\r\n")
+    expected = {"partial-success": b" 200 ", "bad-request": b" 400 ", "empty-ok": b" 200 "}[case]
+    assert expected in head.split(b"\r\n")[0]
+    assert f"Content-Length: {len(payload)}".encode() in head
+    if case == "partial-success":
+        assert ExportTraceServiceResponse.FromString(payload).partial_success.rejected_spans == 1
+
+
+def test_http_slow_consumer_does_not_stall_other_connections(consumer: RecordingConsumer) -> None:
+    release = threading.Event()
+    entered = threading.Event()
+
+    class SlowFirst(RecordingConsumer):
+        def consume_traces(self, request: ExportTraceServiceRequest) -> None:
+            if request.resource_spans[0].scope_spans[0].spans[0].name == "slow":
+                entered.set()
+                release.wait(10)
+            super().consume_traces(request)
+
+    slow_consumer = SlowFirst()
+    receiver = OtlpHttpReceiver(slow_consumer, endpoint="127.0.0.1:0")
+    receiver.start()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            slow = pool.submit(post, receiver.port, one_span_request("slow").SerializeToString())
+            assert entered.wait(5)
+            # The event loop still serves other connections while the consumer holds one.
+            assert post(receiver.port, one_span_request("fast").SerializeToString())[0] == 200
+            assert not slow.done()
+            release.set()
+            assert slow.result(timeout=5)[0] == 200
+        assert slow_consumer.span_names() == ["fast", "slow"]
+    finally:
+        release.set()
+        receiver.shutdown()
+
+
+def test_http_shutdown_ends_the_server_thread_even_with_a_request_in_flight(
+    consumer: RecordingConsumer,
+) -> None:
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Stuck(RecordingConsumer):
+        def consume_traces(self, request: ExportTraceServiceRequest) -> None:
+            entered.set()
+            release.wait(10)
+            super().consume_traces(request)
+
+    receiver = OtlpHttpReceiver(Stuck(), endpoint="127.0.0.1:0")
+    receiver.start()
+    port = receiver.port
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            stuck = pool.submit(post, port, one_span_request("stuck").SerializeToString())
+            assert entered.wait(5)
+            receiver.shutdown(grace_s=0)
+            assert not [t for t in threading.enumerate() if t.name == f"otlp-http-{port}"]
+            # The request the grace period cut short is told to come back later.
+            status, headers, _ = stuck.result(timeout=5)
+            assert status == 503
+            assert headers["Retry-After"] == "1"
+    finally:
+        release.set()
+        receiver.shutdown()
+
+
+# -- TLS -----------------------------------------------------------------------------------
 
 
 def _export_over_tls(

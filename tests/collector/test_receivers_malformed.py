@@ -541,9 +541,10 @@ def test_grpc_undecodable_message(
     grpc_receiver: OtlpGrpcReceiver, consumer: RecordingConsumer
 ) -> None:
     error = _raw_grpc_call(grpc_receiver.port, b"\xff\xff\xff\xff garbage")
-    # grpc's own answer when the request deserializer fails.
-    assert error.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    # OTLP: a request that cannot be decoded is INVALID_ARGUMENT (never retried), not INTERNAL.
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert consumer.requests == []
+    assert grpc_receiver.stats()["malformed_requests"] == 1
 
 
 def test_grpc_oversized_message_is_resource_exhausted(

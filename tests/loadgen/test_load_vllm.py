@@ -64,15 +64,33 @@ queueing scenario breaches, an E2E target nothing here breaches."""
 @dataclass(frozen=True)
 class Loop:
     server: VllmServer
-    collector: Collector
+    collectors: list[Collector]
+    """The collector the server exports to now is the last (a test may restart it)."""
+    raw_config: dict[str, Any]
     store_path: Path
     slo_path: Path
     workdir: Path
     model_dir: Path
 
     @property
+    def collector(self) -> Collector:
+        return self.collectors[-1]
+
+    @property
     def otlp_endpoint(self) -> str:
         return f"http://127.0.0.1:{self.collector.grpc_port}"
+
+    def restart_collector(self, *, down_s: float) -> None:
+        """Stop the collector, leave its port closed for ``down_s``, start a new one on the
+        same port and store (as a restarted collector process would be)."""
+        port = self.collector.grpc_port
+        self.collector.shutdown()
+        time.sleep(down_s)
+        raw = json.loads(json.dumps(self.raw_config))
+        raw["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"] = f"127.0.0.1:{port}"
+        collector = Collector(parse_config(raw, environ={}))
+        collector.start()
+        self.collectors.append(collector)
 
 
 # Own server: a batch of 2, no prefix caching, a blocking middleware, under `tokentrace run`.
@@ -91,10 +109,10 @@ def loop(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         },
         "exporters": {"store": {"path": str(store_path)}},
     }
-    collector = Collector(parse_config(raw, environ={}))
-    collector.start()
+    collectors = [Collector(parse_config(raw, environ={}))]
+    collectors[0].start()
     env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.grpc_port}",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collectors[0].grpc_port}",
         "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
         "OTEL_SERVICE_NAME": "vllm-loop",
         "PYTHONSAFEPATH": "1",
@@ -114,9 +132,9 @@ def loop(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             env=env,
             command_prefix=[sys.executable, "-m", "tokentrace.agent.cli", "run", "--"],
         ) as server:
-            yield Loop(server, collector, store_path, slo_path, workdir, model_dir)
+            yield Loop(server, collectors, raw, store_path, slo_path, workdir, model_dir)
     finally:
-        collector.shutdown()
+        collectors[-1].shutdown()
 
 
 def run_load(
@@ -550,3 +568,53 @@ def test_diagnose_names_a_shared_prefix_recomputed_with_prefix_caching_off(
 
 def _port(base_url: str) -> int:
     return int(base_url.rsplit(":", 1)[1])
+
+
+def test_a_collector_restart_under_load_fails_no_inference_request(
+    loop: Loop, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The collector goes away for 3 s in the middle of a streaming load and comes back on the
+    same port: every inference request is served, and the requests that ran after it came back
+    are traced (the agent kept serving, retried, and resumed)."""
+    record_path = loop.workdir / "restart.json"
+    command = [
+        sys.executable, "-m", "tokentrace.agent.cli", "load", loop.server.base_url,
+        "--concurrency", "8", "--requests", "160", "--prompt-tokens", "32",
+        "--output-tokens", "32", "--api", "completions", "--seed", "31", "--quiet",
+        "--out", str(record_path), "--otlp-endpoint", loop.otlp_endpoint,
+    ]  # fmt: skip
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    traffic = subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        time.sleep(2.0)
+        assert traffic.poll() is None, "the load ended before the collector went away"
+        loop.restart_collector(down_s=3.0)
+        restarted_ns = time.time_ns()
+        output, _ = traffic.communicate(timeout=_STORE_WAIT_S * 4)
+    finally:
+        if traffic.poll() is None:
+            traffic.kill()
+            traffic.wait()
+    assert traffic.returncode == 0, output
+    record = load(record_path)
+    assert record.summary["failed"] == 0, record.summary["errors"]
+    assert len(record.results) == 160
+    after = [r for r in record.results if r.start_ns > restarted_ns]
+    assert after, "no request started after the collector came back"
+    wanted = [bytes.fromhex(r.trace_id) for r in after]
+    deadline = time.monotonic() + _STORE_WAIT_S
+    while True:
+        store = RequestStore.open_readonly(loop.store_path)
+        try:
+            window = records_of_traces(store, wanted)
+        finally:
+            store.close()
+        stored = sum(1 for r in window.records if has_server_view(r.timeline))
+        if stored >= len(wanted) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    show(capsys, f"restart under load: {len(record.results)} served, 0 failed; "
+         f"{stored} of {len(wanted)} requests after the restart stored")  # fmt: skip
+    assert stored == len(wanted)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,45 +141,104 @@ def test_bad_configuration_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_the_shipped_daemonset_runs_a_valid_node_agent() -> None:
-    """The manifest's args and environment (downward API and secret filled in as Kubernetes
-    would) make a valid node agent configuration with node identity."""
+_DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "node-agent"
+
+
+def _expand(value: str, environ: dict[str, str]) -> str:
+    """``$(NAME)`` replaced as Kubernetes does in env values and args."""
+    return re.sub(r"\$\((\w+)\)", lambda m: environ[m.group(1)], value)
+
+
+def test_the_shipped_daemonset_runs_a_valid_node_agent(tmp_path: Path) -> None:
+    """The manifest's args and environment (downward API, secrets and the token's Secret mount
+    filled in as Kubernetes would) make a valid node agent configuration with node identity,
+    receivers on the pod IP that require the token, and refused without it."""
     import argparse
-    import re
 
     import yaml
 
     from tokentrace.agent.identity import host_resource
     from tokentrace.agent.node_cli import NodeAgentCommand, config_from_args
 
-    manifest = Path(__file__).resolve().parents[2] / "deploy" / "node-agent" / "daemonset.yaml"
-    documents = {doc["kind"]: doc for doc in yaml.safe_load_all(manifest.read_text())}
+    documents = {
+        doc["kind"]: doc for doc in yaml.safe_load_all((_DEPLOY / "daemonset.yaml").read_text())
+    }
     pod = documents["DaemonSet"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    filled = {"spec.nodeName": "gpu-node-1", "metadata.name": "na-1", "metadata.namespace": "tt"}
+    filled = {
+        "spec.nodeName": "gpu-node-1",
+        "metadata.name": "na-1",
+        "metadata.namespace": "tt",
+        "status.podIP": "10.1.2.3",
+    }
     environ: dict[str, str] = {}
     for variable in container["env"]:
         if "value" in variable:  # Kubernetes expands $(NAME) from earlier variables
-            environ[variable["name"]] = re.sub(
-                r"\$\((\w+)\)", lambda m: environ[m.group(1)], variable["value"]
-            )
+            environ[variable["name"]] = _expand(variable["value"], environ)
         elif "fieldRef" in variable["valueFrom"]:
             environ[variable["name"]] = filled[variable["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             environ[variable["name"]] = "secret-token"
+    # The node agent's token: a file in the mounted Secret, here under tmp_path.
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    mounted: dict[str, str] = {}
+    for mount in container["volumeMounts"]:
+        secret = volumes[mount["name"]]["secret"]["secretName"]
+        directory = tmp_path / secret
+        directory.mkdir()
+        (directory / "token").write_text("node-agent-token\n")
+        mounted[mount["mountPath"].rstrip("/") + "/"] = str(directory) + "/"
+    assert list(mounted) == ["/etc/tokentrace/node-agent-token/"]
+    args = []
+    for arg in container["args"][1:]:
+        arg = _expand(arg, environ)  # Kubernetes expands $(NAME) in args too
+        for mount_path, local in mounted.items():
+            arg = arg.replace(mount_path, local)
+        args.append(arg)
     parser = argparse.ArgumentParser()
     command = NodeAgentCommand()
     assert container["args"][0] == command.name
     command.add_arguments(parser)
-    config = config_from_args(parser.parse_args(container["args"][1:]), environ)
-    assert config.grpc_endpoint == "0.0.0.0:4317"
+    config = config_from_args(parser.parse_args(args), environ)
+    assert config.grpc_endpoint == "10.1.2.3:4317"
+    assert config.http_endpoint == "10.1.2.3:4318"
+    assert config.auth_token == "node-agent-token"
+    assert not config.allow_unauthenticated
     assert config.exporter.headers == {"authorization": "Bearer secret-token"}
     assert config.exporter.endpoint_for("traces").startswith("http://tokentrace-collector")
     assert host_resource(environ)[semconv.K8S_NODE_NAME] == "gpu-node-1"
+    # Without its token the same configuration is refused: the pod IP is not loopback.
+    without_token = [arg for arg in args if not arg.startswith("--auth-token-file")]
+    with pytest.raises(ValueError, match="not a loopback address"):
+        config_from_args(parser.parse_args(without_token), environ)
     ports = {p["containerPort"] for p in container["ports"]}
     service_ports = {p["port"] for p in documents["Service"]["spec"]["ports"]}
     assert ports == service_ports == {4317, 4318}
     assert documents["Service"]["spec"]["internalTrafficPolicy"] == "Local"
+
+
+def test_the_node_agent_kustomization_renders() -> None:
+    """``kubectl kustomize`` (or ``kustomize build``) renders the directory offline, with the
+    DaemonSet's pod-IP binding and token mount as written."""
+    import yaml
+
+    if shutil.which("kustomize"):
+        command = ["kustomize", "build", str(_DEPLOY)]
+    elif shutil.which("kubectl"):
+        command = ["kubectl", "kustomize", str(_DEPLOY)]
+    else:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    rendered = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+    documents = {doc["kind"]: doc for doc in yaml.safe_load_all(rendered.stdout)}
+    assert set(documents) == {"DaemonSet", "Service"}
+    pod = documents["DaemonSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "--grpc-endpoint=$(POD_IP):4317" in container["args"]
+    assert not any("0.0.0.0" in arg for arg in container["args"])
+    assert {
+        "name": "node-agent-token",
+        "secret": {"secretName": "tokentrace-node-agent-token"},
+    } in (pod["volumes"])
 
 
 def test_gpu_metrics_go_only_to_their_own_endpoint_with_the_exporter_variables() -> None:

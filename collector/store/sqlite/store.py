@@ -13,6 +13,15 @@ transaction that inserts the new ones, while only the fragment's spans are appen
 stored trace. The collector reads the stored spans back on the writer's thread through a
 read-only connection (``trace_otlp``, size-capped), which sees every committed batch.
 
+A write never leaves the writer inside a transaction: every write runs in ``_transaction``, which
+rolls back on any exception (not only ``sqlite3.Error``: binding a hostile value raises
+``OverflowError``, ``ValueError`` or ``TypeError``) and first rolls back a transaction left open
+by anything else. A batch whose transaction fails on a value (any exception that is not a
+``sqlite3.Error``) is retried item by item, once: every trace that can be stored is, and the one
+that cannot is quarantined (dropped and counted: ``quarantined_records``,
+``quarantined_traces``). A ``sqlite3.Error`` is the database's (locked, full, failing disk, a
+trigger): the whole batch rolls back, as retrying its items one by one would fail the same way.
+
 Writes are hot, reads are rare: a request row holds the columns the queries use and a compact
 ``detail`` (``row.request_row``); the document ``explain`` prints is built when it is read. WAL
 checkpoints (copying the log into the database file, with its fsync) run on a background
@@ -28,9 +37,10 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from contextlib import closing, suppress
-from typing import Any, Final
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import closing, contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any, Final, NoReturn
 
 from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.collector.store.contract import StoreError, StoreWriteError, WriteItem
@@ -76,6 +86,15 @@ _UPSERT_TRACE: Final = (
     "THEN CAST(otlp || excluded.otlp AS BLOB) "
     f"WHEN {_TRACE_REPLACED_FUNCTION}() THEN excluded.otlp ELSE excluded.otlp END"
 )
+
+
+@dataclass(slots=True)
+class _PreparedItem:
+    """One batch item's statements' parameters: what ``write`` commits (or quarantines) as one."""
+
+    replaced_rows: list[tuple[bytes, bytes]] = field(default_factory=list)
+    request_rows: list[tuple[Any, ...]] = field(default_factory=list)
+    trace_row: tuple[bytes, int, bytes, int] | None = None
 
 
 class _Checkpointer:
@@ -184,6 +203,11 @@ class RequestStore(RequestStoreReader):
         self.pruned_slices = 0
         self.replaced_traces = 0
         """Trace writes whose spans replaced the stored ones because of ``max_trace_bytes``."""
+        self.quarantined_records = 0
+        """Request records dropped because their trace could not be written even alone (also
+        counted in ``rejected_records``)."""
+        self.quarantined_traces = 0
+        """Batch items (a trace's records and spans) dropped that way."""
         self._replaced_in_batch = 0
         # The writer connection may be created on one thread and used on the exporter thread;
         # the lock keeps accidental concurrent use safe instead of corrupting a transaction.
@@ -280,15 +304,17 @@ class RequestStore(RequestStoreReader):
         and only when the trace's item is stored; rows of the trace not named stay.
 
         A malformed record is left out (counted in ``rejected_records``) and the rest is stored;
-        then StoreWriteError reports it. A database error rolls the whole batch back and raises
-        StoreWriteError with every record counted as rejected.
+        then StoreWriteError reports it. A value the database cannot take (any exception other
+        than ``sqlite3.Error``, e.g. ``OverflowError`` for an integer past 2**63) rolls the
+        batch back, and each item is written again alone, once: the items that fail alone are
+        quarantined (``quarantined_records``, ``quarantined_traces``; their records also count
+        in ``rejected_records``), the rest is stored, and StoreWriteError reports it. A
+        database error (``sqlite3.Error``) rolls the whole batch back and raises
+        StoreWriteError with every record counted as rejected (``failed_batches``).
         """
-        request_rows: list[tuple[Any, ...]] = []
-        trace_rows: list[tuple[bytes, int, bytes, int]] = []
-        replaced_rows: list[tuple[bytes, bytes]] = []
+        items: list[_PreparedItem] = []
         rejected = 0
         traces_failed = 0
-        written_bytes = 0
         first_problem: str | None = None
         received_ns = int(self._clock() * _NS_PER_S)
         max_trace_bytes = self.max_trace_bytes
@@ -306,53 +332,105 @@ class RequestStore(RequestStoreReader):
             # A late fragment's spans are appended to the stored trace, records or not: the
             # stored spans are what the next re-derivation (and diagnose, compare) reads.
             trace_key = bytes(trace.trace_id)
+            prepared = _PreparedItem(request_rows=rows)
             if replacing:
-                replaced_rows.extend(
+                prepared.replaced_rows = [
                     (trace_key, bytes(span_id)) for span_id in replacing.get(trace_key, ())
-                )
-            request_rows.extend(rows)
+                ]
             try:
                 otlp = item[2] if len(item) > 2 else None
                 if not otlp:
                     otlp = encode_trace_request(trace.spans)
-                trace_rows.append((trace_key, received_ns, otlp, max_trace_bytes))
-                written_bytes += len(otlp)
+                prepared.trace_row = (trace_key, received_ns, otlp, max_trace_bytes)
             except Exception as error:  # the requests are still worth keeping without spans
                 traces_failed += 1
                 first_problem = first_problem or f"{type(error).__name__}: {error}"
+            items.append(prepared)
 
-        if request_rows or trace_rows or replaced_rows:
+        written: list[_PreparedItem] = []
+        quarantined: list[_PreparedItem] = []
+        if items:
             with self._lock:
                 connection = self._require_writer()
                 self._replaced_in_batch = 0
                 try:
-                    connection.execute("BEGIN IMMEDIATE")
-                    connection.executemany(_DELETE_REQUEST, replaced_rows)
-                    connection.executemany(_INSERT_REQUEST, request_rows)
-                    connection.executemany(_UPSERT_TRACE, trace_rows)
-                    connection.execute("COMMIT")
+                    with _transaction(connection):
+                        connection.executemany(
+                            _DELETE_REQUEST, [row for p in items for row in p.replaced_rows]
+                        )
+                        connection.executemany(
+                            _INSERT_REQUEST, [row for p in items for row in p.request_rows]
+                        )
+                        connection.executemany(
+                            _UPSERT_TRACE, [p.trace_row for p in items if p.trace_row]
+                        )
+                    written = items
                 except sqlite3.Error as error:
-                    _rollback(connection)
-                    self.failed_batches += 1
-                    self.rejected_records += rejected + len(request_rows)
-                    raise StoreWriteError(
-                        f"store {self.path}: batch rolled back: {error}",
-                        rejected=rejected + len(request_rows),
-                        written=0,
-                    ) from error
-            self.written_requests += len(request_rows)
-            self.written_traces += len(trace_rows)
-            self.replaced_traces += self._replaced_in_batch  # only once committed
-            self._wrote(written_bytes + sum(len(row[-1]) for row in request_rows))
+                    self._fail_batch(error, rejected + _request_rows_in(items))
+                except Exception as error:
+                    # A value of one item (most likely) the database cannot take: each item
+                    # alone, so that it costs only its own trace.
+                    first_problem = first_problem or f"{type(error).__name__}: {error}"
+                    self._replaced_in_batch = 0
+                    for index, prepared in enumerate(items):
+                        replaced_before = self._replaced_in_batch
+                        try:
+                            with _transaction(connection):
+                                _execute_item(connection, prepared)
+                        except sqlite3.Error as item_error:  # the database, not the item
+                            self._replaced_in_batch = replaced_before
+                            self._count_written(written)
+                            lost = _request_rows_in(items[index:]) + _request_rows_in(quarantined)
+                            self._count_quarantined(quarantined)
+                            self._fail_batch(
+                                item_error, rejected + lost, written=_request_rows_in(written)
+                            )
+                        except Exception:
+                            self._replaced_in_batch = replaced_before
+                            quarantined.append(prepared)
+                        else:
+                            written.append(prepared)
+            self._count_written(written)
+        if quarantined:
+            self._count_quarantined(quarantined)
+            rejected += _request_rows_in(quarantined)
         if first_problem is not None:
             self.rejected_records += rejected
             self.failed_traces += traces_failed
-            raise StoreWriteError(
-                f"store {self.path}: {rejected} malformed request record(s) left out, "
-                f"{traces_failed} trace(s) stored without spans ({first_problem})",
-                rejected=rejected,
-                written=len(request_rows),
+            quarantine = (
+                f", {len(quarantined)} trace(s) quarantined (not storable even alone)"
+                if quarantined
+                else ""
             )
+            raise StoreWriteError(
+                f"store {self.path}: {rejected} request record(s) left out, "
+                f"{traces_failed} trace(s) stored without spans{quarantine} ({first_problem})",
+                rejected=rejected,
+                written=_request_rows_in(written),
+            )
+
+    def _count_written(self, written: Sequence[_PreparedItem]) -> None:
+        """Counters of committed items (the replaced-trace count only once committed)."""
+        self.written_requests += _request_rows_in(written)
+        self.written_traces += sum(1 for p in written if p.trace_row)
+        self.replaced_traces += self._replaced_in_batch
+        self._replaced_in_batch = 0
+        payload = sum(len(p.trace_row[2]) for p in written if p.trace_row)
+        payload += sum(len(row[-1]) for p in written for row in p.request_rows)
+        if written:
+            self._wrote(payload)
+
+    def _count_quarantined(self, quarantined: Sequence[_PreparedItem]) -> None:
+        self.quarantined_records += _request_rows_in(quarantined)
+        self.quarantined_traces += len(quarantined)
+
+    def _fail_batch(self, error: sqlite3.Error, lost: int, *, written: int = 0) -> NoReturn:
+        """Count a batch the database refused (rolled back) and raise StoreWriteError."""
+        self.failed_batches += 1
+        self.rejected_records += lost
+        raise StoreWriteError(
+            f"store {self.path}: batch rolled back: {error}", rejected=lost, written=written
+        ) from error
 
     def _wrote(self, payload_bytes: int) -> None:
         """Ask for a background checkpoint every ``checkpoint_bytes`` of payload written."""
@@ -398,15 +476,13 @@ class RequestStore(RequestStoreReader):
         with self._lock:
             connection = self._require_writer()
             try:
-                connection.execute("BEGIN IMMEDIATE")
-                connection.executemany(
-                    "INSERT OR REPLACE INTO sketch_slices (slice_start_s, service, model, "
-                    "operation, prompt_bucket, metric, sketch) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    rows,
-                )
-                connection.execute("COMMIT")
-            except sqlite3.Error as error:
-                _rollback(connection)
+                with _transaction(connection):
+                    connection.executemany(
+                        "INSERT OR REPLACE INTO sketch_slices (slice_start_s, service, model, "
+                        "operation, prompt_bucket, metric, sketch) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        rows,
+                    )
+            except Exception as error:  # rolled back; a value SQLite cannot bind included
                 raise StoreError(f"store {self.path}: sketch slices not stored: {error}") from error
         self.written_slices += len(rows)
 
@@ -414,10 +490,11 @@ class RequestStore(RequestStoreReader):
         with self._lock:
             connection = self._require_writer()
             try:
-                connection.execute(
-                    "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, str(value))
-                )
-            except sqlite3.Error as error:
+                with _transaction(connection):
+                    connection.execute(
+                        "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, str(value))
+                    )
+            except Exception as error:  # rolled back
                 raise StoreError(f"store {self.path}: meta {key!r} not stored: {error}") from error
 
     def prune(self) -> int:
@@ -430,49 +507,47 @@ class RequestStore(RequestStoreReader):
         with self._lock:
             connection = self._require_writer()
             try:
-                connection.execute("BEGIN IMMEDIATE")
-                (total,) = connection.execute("SELECT COUNT(*) FROM requests").fetchone()
-                excess = max(0, total - self.max_requests)
-                # Oldest first: everything past retention, then more while over max_requests.
-                # Two index-ordered queries; an OR of both conditions would scan the table.
-                victims = connection.execute(
-                    "SELECT rowid, trace_id FROM requests WHERE start_ns < ? "
-                    "ORDER BY start_ns LIMIT ?",
-                    (cutoff_ns, self.prune_batch),
-                ).fetchall()
-                if excess > len(victims) and len(victims) < self.prune_batch:
+                with _transaction(connection):
+                    (total,) = connection.execute("SELECT COUNT(*) FROM requests").fetchone()
+                    excess = max(0, total - self.max_requests)
+                    # Oldest first: everything past retention, then more while over max_requests.
+                    # Two index-ordered queries; an OR of both conditions would scan the table.
                     victims = connection.execute(
-                        "SELECT rowid, trace_id FROM requests ORDER BY start_ns LIMIT ?",
-                        (min(excess, self.prune_batch),),
+                        "SELECT rowid, trace_id FROM requests WHERE start_ns < ? "
+                        "ORDER BY start_ns LIMIT ?",
+                        (cutoff_ns, self.prune_batch),
                     ).fetchall()
-                connection.executemany(
-                    "DELETE FROM requests WHERE rowid = ?", [(rowid,) for rowid, _ in victims]
-                )
-                trace_ids = {(trace_id,) for _, trace_id in victims}
-                before = connection.total_changes
-                connection.executemany(
-                    "DELETE FROM traces WHERE trace_id = ? AND NOT EXISTS "
-                    "(SELECT 1 FROM requests WHERE requests.trace_id = traces.trace_id)",
-                    list(trace_ids),
-                )
-                pruned_traces = connection.total_changes - before
-                before = connection.total_changes
-                connection.execute(
-                    "DELETE FROM traces WHERE rowid IN (SELECT rowid FROM traces "
-                    "WHERE received_ns < ? LIMIT ?)",
-                    (cutoff_ns, self.prune_batch),
-                )
-                pruned_traces += connection.total_changes - before
-                before = connection.total_changes
-                connection.execute(
-                    "DELETE FROM sketch_slices WHERE rowid IN (SELECT rowid FROM sketch_slices "
-                    "WHERE slice_start_s < ? LIMIT ?)",
-                    (cutoff_ns // _NS_PER_S, self.prune_batch),
-                )
-                pruned_slices = connection.total_changes - before
-                connection.execute("COMMIT")
-            except sqlite3.Error as error:
-                _rollback(connection)
+                    if excess > len(victims) and len(victims) < self.prune_batch:
+                        victims = connection.execute(
+                            "SELECT rowid, trace_id FROM requests ORDER BY start_ns LIMIT ?",
+                            (min(excess, self.prune_batch),),
+                        ).fetchall()
+                    connection.executemany(
+                        "DELETE FROM requests WHERE rowid = ?", [(rowid,) for rowid, _ in victims]
+                    )
+                    trace_ids = {(trace_id,) for _, trace_id in victims}
+                    before = connection.total_changes
+                    connection.executemany(
+                        "DELETE FROM traces WHERE trace_id = ? AND NOT EXISTS "
+                        "(SELECT 1 FROM requests WHERE requests.trace_id = traces.trace_id)",
+                        list(trace_ids),
+                    )
+                    pruned_traces = connection.total_changes - before
+                    before = connection.total_changes
+                    connection.execute(
+                        "DELETE FROM traces WHERE rowid IN (SELECT rowid FROM traces "
+                        "WHERE received_ns < ? LIMIT ?)",
+                        (cutoff_ns, self.prune_batch),
+                    )
+                    pruned_traces += connection.total_changes - before
+                    before = connection.total_changes
+                    connection.execute(
+                        "DELETE FROM sketch_slices WHERE rowid IN (SELECT rowid FROM sketch_slices "
+                        "WHERE slice_start_s < ? LIMIT ?)",
+                        (cutoff_ns // _NS_PER_S, self.prune_batch),
+                    )
+                    pruned_slices = connection.total_changes - before
+            except Exception as error:  # rolled back
                 raise StoreError(f"store {self.path}: prune failed: {error}") from error
         self.pruned_requests += len(victims)
         self.pruned_traces += pruned_traces
@@ -511,6 +586,33 @@ def _records_in(item: Any) -> int:
         return max(1, len(item[1]))
     except Exception:
         return 1
+
+
+def _request_rows_in(items: Sequence[_PreparedItem]) -> int:
+    return sum(len(p.request_rows) for p in items)
+
+
+def _execute_item(connection: sqlite3.Connection, prepared: _PreparedItem) -> None:
+    connection.executemany(_DELETE_REQUEST, prepared.replaced_rows)
+    connection.executemany(_INSERT_REQUEST, prepared.request_rows)
+    if prepared.trace_row is not None:
+        connection.execute(_UPSERT_TRACE, prepared.trace_row)
+
+
+@contextmanager
+def _transaction(connection: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE ... COMMIT; any exception (of any type, the COMMIT's too) rolls back and
+    propagates. A transaction some earlier failure left open is rolled back first, so the writer
+    can never stay stuck in one ("cannot start a transaction within a transaction")."""
+    if connection.in_transaction:
+        _rollback(connection)
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        connection.execute("COMMIT")
+    except BaseException:
+        _rollback(connection)
+        raise
 
 
 def _rollback(connection: sqlite3.Connection) -> None:

@@ -1,0 +1,146 @@
+"""The memory ceiling of a real collector process under overload: exporters flood it with far
+more spans than it processes; its resident size stays under the configured limit, the overflow
+is refused with RESOURCE_EXHAUSTED (retry later), and it serves again once the flood stops."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.spanbuild import export_request, request_spans
+
+pytestmark = pytest.mark.slow
+
+_LIMIT_MIB = 300
+_SPIKE_MIB = 80
+_FLOOD_S = 10.0
+_SENDERS = 8
+_TRACES_PER_REQUEST = 200
+_EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+_PORT_LINE = re.compile(r"OTLP/gRPC receiver listening on [\d.]+:(\d+)")
+_MIB = 1024 * 1024
+
+
+def resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def one_request(rng: random.Random) -> bytes:
+    """A request of ``_TRACES_PER_REQUEST`` whole requests' spans, each trace new (random id)."""
+    start_ns = time.time_ns() - 10**9
+    spans = [
+        span
+        for _ in range(_TRACES_PER_REQUEST)
+        for span in request_spans(start_ns=start_ns, trace_id=rng.randbytes(16))
+    ]
+    return export_request(spans).SerializeToString()
+
+
+@pytest.fixture
+def collector(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    config = tmp_path / "collector.yaml"
+    config.write_text(
+        "receivers: {otlp: {protocols: {grpc: {endpoint: '127.0.0.1:0'}}}}\n"
+        f"exporters: {{store: {{path: '{tmp_path / 'store.db'}'}}}}\n"
+        f"service: {{memory_limiter: {{limit_mib: {_LIMIT_MIB}, "
+        f"spike_limit_mib: {_SPIKE_MIB}}}}}\n",
+        encoding="utf-8",
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokentrace.agent.cli", "collector", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    assert process.stdout is not None
+    port = None
+    for line in process.stdout:
+        if match := _PORT_LINE.search(line):
+            port = int(match.group(1))
+            break
+    assert port is not None, "the collector did not start"
+    threading.Thread(target=lambda: [None for _ in process.stdout or ()], daemon=True).start()
+    try:
+        yield process, port
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_resident_memory_stays_under_the_limit_and_the_overflow_is_refused(
+    collector: tuple[subprocess.Popen[str], int],
+) -> None:
+    process, port = collector
+    rng = random.Random(7)
+    payloads = [one_request(rng) for _ in range(40)]
+    codes: Counter[str] = Counter()
+    codes_lock = threading.Lock()
+    stop = threading.Event()
+
+    def send(index: int) -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            export = channel.unary_unary(_EXPORT)  # bytes in, bytes out
+            sent = index
+            while not stop.is_set():
+                try:
+                    export(payloads[sent % len(payloads)], timeout=10)
+                    code = "OK"
+                except grpc.RpcError as error:
+                    code = error.code().name
+                with codes_lock:
+                    codes[code] += 1
+                sent += _SENDERS
+
+    senders = [threading.Thread(target=send, args=(i,)) for i in range(_SENDERS)]
+    peak = resident_bytes(process.pid)
+    for thread in senders:
+        thread.start()
+    deadline = time.monotonic() + _FLOOD_S
+    while time.monotonic() < deadline:
+        peak = max(peak, resident_bytes(process.pid))
+        time.sleep(0.02)
+    stop.set()
+    for thread in senders:
+        thread.join(30)
+    peak = max(peak, resident_bytes(process.pid))
+    print(f"peak RSS {peak / _MIB:.0f} MiB (limit {_LIMIT_MIB} MiB); answers {dict(codes)}")
+    assert process.poll() is None
+    assert codes["RESOURCE_EXHAUSTED"] > 0, codes  # the flood was more than it takes
+    assert codes["OK"] > 0, codes
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
+    assert peak <= _LIMIT_MIB * _MIB
+
+    # Once the flood is over it takes data again.
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        export = channel.unary_unary(_EXPORT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                export(payloads[0], timeout=10)
+                break
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert time.monotonic() < deadline, "still refusing a minute after the flood"
+                time.sleep(0.5)
