@@ -104,7 +104,9 @@ async def send(
 
 
 def collect(traced_server: TracedServer, sent: list[Sent]) -> list[tuple[Sent, RequestTree, Any]]:
-    """Each sent request's tokentrace tree and vLLM span, waiting until all have arrived."""
+    """Each sent request's tokentrace tree (with the HTTP server span that holds it) and vLLM
+    span, waiting until all have arrived: they come in separate exports, through the node
+    agent, which holds a span up to a second."""
 
     def arrived() -> bool:
         ours, theirs = (
@@ -112,7 +114,10 @@ def collect(traced_server: TracedServer, sent: list[Sent]) -> list[tuple[Sent, R
             vllm_request_spans(traced_server.upstream),
         )
         return all(
-            any(s.marker in request_id for request_id in ours)
+            any(
+                s.marker in request_id and tree.parent is not None
+                for request_id, tree in ours.items()
+            )
             and any(s.marker in request_id for request_id in theirs)
             for s in sent
         )
