@@ -321,11 +321,18 @@ class Pipeline:
     def consume_traces(self, request: ExportTraceServiceRequest) -> None:
         if not self._accepting:
             raise Unavailable("the collector is shutting down")
+        if self._memory_limiter is not None:
+            # Before grouping: a refused request should cost as little as it can.
+            self._memory_limiter.admit(
+                sum(
+                    len(scope.spans)
+                    for spans in request.resource_spans
+                    for scope in spans.scope_spans
+                )
+            )
         groups, count = group_by_trace(request)
         if not count:
             return
-        if self._memory_limiter is not None:
-            self._memory_limiter.admit(count)
         spool = self._spool
         if spool is None:
             self.assembler.add(groups, count)

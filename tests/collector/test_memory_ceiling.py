@@ -1,9 +1,11 @@
 """The memory ceiling of a real collector process under overload: exporters flood it with far
 more spans than it processes; its resident size stays under the configured limit, the overflow
-is refused with RESOURCE_EXHAUSTED (retry later), and it serves again once the flood stops."""
+is refused with RESOURCE_EXHAUSTED (retry later), its own metrics keep coming (fresh, not frozen)
+during the flood, and it serves again once the flood stops."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import re
@@ -18,8 +20,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
 
+from tests.collector.upstream import UpstreamOtlp
 from tests.spanbuild import export_request, request_spans
+from tokentrace.agent import semconv
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +38,10 @@ _TRACES_PER_REQUEST = 200
 _EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 _PORT_LINE = re.compile(r"OTLP/gRPC receiver listening on [\d.]+:(\d+)")
 _MIB = 1024 * 1024
+_METRICS_INTERVAL = "1s"
+_STALE_S = 3.5
+"""The longest the collector's own metrics may go without an export during the flood (it was
+10 s and more before a batch was capped and refusals came before grouping)."""
 
 
 def resident_bytes(pid: int) -> int:
@@ -53,11 +64,15 @@ def one_request(rng: random.Random) -> bytes:
 
 
 @pytest.fixture
-def collector(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
+def collector(
+    tmp_path: Path, upstream: UpstreamOtlp
+) -> Iterator[tuple[subprocess.Popen[str], int]]:
     config = tmp_path / "collector.yaml"
     config.write_text(
         "receivers: {otlp: {protocols: {grpc: {endpoint: '127.0.0.1:0'}}}}\n"
-        f"exporters: {{store: {{path: '{tmp_path / 'store.db'}'}}}}\n"
+        f"exporters: {{store: {{path: '{tmp_path / 'store.db'}'}}, "
+        f"otlp: {{endpoint: '{upstream.grpc_endpoint}', tls: {{insecure: true}}, "
+        f"metrics_interval: {_METRICS_INTERVAL}}}}}\n"
         f"service: {{memory_limiter: {{limit_mib: {_LIMIT_MIB}, "
         f"spike_limit_mib: {_SPIKE_MIB}}}}}\n",
         encoding="utf-8",
@@ -89,8 +104,18 @@ def collector(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
             process.wait()
 
 
+def refused_by_memory(request: ExportMetricsServiceRequest) -> int | None:
+    """The ``memory_refused_requests`` count in one export of the collector's own metrics."""
+    for resource_metrics in request.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if metric.name == semconv.SELF_METRIC_MEMORY_REFUSED_REQUESTS:
+                    return sum(point.as_int for point in metric.sum.data_points)
+    return None
+
+
 def test_resident_memory_stays_under_the_limit_and_the_overflow_is_refused(
-    collector: tuple[subprocess.Popen[str], int],
+    collector: tuple[subprocess.Popen[str], int], upstream: UpstreamOtlp
 ) -> None:
     process, port = collector
     rng = random.Random(7)
@@ -117,10 +142,12 @@ def test_resident_memory_stays_under_the_limit_and_the_overflow_is_refused(
     peak = resident_bytes(process.pid)
     for thread in senders:
         thread.start()
+    metrics_before = len(upstream.metric_requests)
     deadline = time.monotonic() + _FLOOD_S
     while time.monotonic() < deadline:
         peak = max(peak, resident_bytes(process.pid))
         time.sleep(0.02)
+    during = upstream.metric_requests[metrics_before:]
     stop.set()
     for thread in senders:
         thread.join(30)
@@ -131,6 +158,12 @@ def test_resident_memory_stays_under_the_limit_and_the_overflow_is_refused(
     assert codes["OK"] > 0, codes
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
     assert peak <= _LIMIT_MIB * _MIB
+    # Its own metrics kept coming during the flood (asked for every second; on two cores shared
+    # with eight senders, at least one every _STALE_S), and the refusals they count kept rising.
+    refused = [count for count in map(refused_by_memory, during) if count is not None]
+    print(f"{len(refused)} exports of its own metrics during the {_FLOOD_S:.0f} s flood: {refused}")
+    assert len(refused) >= _FLOOD_S / _STALE_S
+    assert all(a < b for a, b in itertools.pairwise(refused)), refused
 
     # Once the flood is over it takes data again.
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
