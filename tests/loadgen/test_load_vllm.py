@@ -481,13 +481,13 @@ def test_an_injected_delay_is_network_within_ten_percent_and_is_diagnosed(
 def test_a_saturated_server_with_no_delay_on_the_wire_is_never_called_network(
     loop: Loop, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """32 streams at once on a batch of 2 over loopback: vLLM's API server falls behind the
+    """32 streams on a batch of 2 over loopback: vLLM's API server falls behind the
     engine on 2 cores and requests wait in its kernel before the app reads them; the client
     sees that time and the server does not. It is measured on each side (the server's kernel
     wait, the client's own read waits), so it is http or client time, never network."""
     record = run_load(
         loop, "saturated-streams",
-        "--concurrency", "32", "--requests", "32", "--prompt-tokens", "32",
+        "--concurrency", "32", "--requests", "48", "--prompt-tokens", "32",
         "--output-tokens", "128", "--api", "completions", "--seed", "3",
         capsys=capsys,
     )  # fmt: skip
