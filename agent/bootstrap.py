@@ -9,10 +9,19 @@ instrumentor in vLLM's spawned processes; instrumenting twice is a no-op.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from collections.abc import MutableMapping
 from importlib.metadata import EntryPoint, entry_points
+from typing import Final
 
 _log = logging.getLogger(__name__)
+
+EXPORTER_VARIABLE_PREFIX: Final = "OTEL_EXPORTER_OTLP_"
+PINNED_EXPORTER_ENV: Final = "TOKENTRACE_PINNED_OTLP_ENV"
+"""The ``OTEL_EXPORTER_OTLP_*`` variables as the first instrumented process saw them (a JSON
+object), inherited by its children, whose agent reads these instead of their own (``config``)."""
 
 INSTRUMENTOR_GROUP = "opentelemetry_instrumentor"
 _DISTRIBUTION = "tokentrace"
@@ -26,8 +35,21 @@ def _ours(entry: EntryPoint) -> bool:
     return dist is not None and dist.name == _DISTRIBUTION
 
 
+def pin_exporter_environment(environ: MutableMapping[str, str]) -> None:
+    """Keep this process's ``OTEL_EXPORTER_OTLP_*`` variables for its children: an engine may
+    set them for its own tracing once it runs (vLLM writes ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+    for ``--otlp-traces-endpoint``), and its child processes would otherwise send tokentrace's
+    spans there too, bypassing the node agent. A process that inherited a pin keeps it."""
+    if PINNED_EXPORTER_ENV in environ:
+        return
+    seen = {k: v for k, v in environ.items() if k.startswith(EXPORTER_VARIABLE_PREFIX)}
+    environ[PINNED_EXPORTER_ENV] = json.dumps(seen, sort_keys=True)
+
+
 def autoinstrument() -> None:
     import wrapt
+
+    pin_exporter_environment(os.environ)
 
     for entry in entry_points(group=INSTRUMENTOR_GROUP):
         if not _ours(entry):

@@ -21,12 +21,19 @@
 - ``K8S_POD_NAME`` / ``K8S_NAMESPACE_NAME`` / ``K8S_NODE_NAME`` (or ``POD_NAME`` /
   ``POD_NAMESPACE`` / ``NODE_NAME``): the pod's identity from the Kubernetes downward API.
 
+The ``OTEL_EXPORTER_OTLP_*`` variables are read as the first instrumented process saw them at
+start-up (``bootstrap.pin_exporter_environment``): an engine may set them for its own tracing
+once it runs (vLLM writes ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` for ``--otlp-traces-endpoint``),
+and its child processes (EngineCore, workers) would otherwise send tokentrace's spans there too,
+bypassing the node agent.
+
 The agent runs inside someone else's server, so a bad value never stops it: it is logged once
 and its default used.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -36,6 +43,7 @@ from typing import Final
 from urllib.parse import unquote, urlsplit
 
 from tokentrace.agent import semconv
+from tokentrace.agent.bootstrap import EXPORTER_VARIABLE_PREFIX, PINNED_EXPORTER_ENV
 from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO
 from tokentrace.agent.identity import kubernetes_resource, visible_gpu_uuids
 from tokentrace.agent.otlp_config import PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF, OtlpExporterConfig
@@ -87,6 +95,26 @@ class AgentConfig:
         return resource
 
 
+def _exporter_environment(env: Mapping[str, str]) -> Mapping[str, str]:
+    """``env`` with its ``OTEL_EXPORTER_OTLP_*`` variables as pinned, when they were."""
+    raw = env.get(PINNED_EXPORTER_ENV)
+    if not raw:
+        return env
+    try:
+        pinned = json.loads(raw)
+        if not isinstance(pinned, dict) or not all(
+            isinstance(k, str) and k.startswith(EXPORTER_VARIABLE_PREFIX) and isinstance(v, str)
+            for k, v in pinned.items()
+        ):
+            raise ValueError("not an object of OTEL_EXPORTER_OTLP_* strings")
+    except ValueError as error:
+        _log.warning("tokentrace: %s is ignored (%s)", PINNED_EXPORTER_ENV, error)
+        return env
+    merged = {k: v for k, v in env.items() if not k.startswith(EXPORTER_VARIABLE_PREFIX)}
+    merged.update(pinned)
+    return merged
+
+
 def load_agent_config(environ: Mapping[str, str] | None = None) -> AgentConfig:
     env = os.environ if environ is None else environ
     enabled = _flag(env, "TOKENTRACE_ENABLED", True) and not _flag(env, "OTEL_SDK_DISABLED", False)
@@ -102,7 +130,7 @@ def load_agent_config(environ: Mapping[str, str] | None = None) -> AgentConfig:
     )
     exporter = OtlpExporterConfig(endpoint=_DEFAULT_ENDPOINT, protocol=PROTOCOL_GRPC)
     try:
-        from_env = OtlpExporterConfig.from_env(env, signal="traces")
+        from_env = OtlpExporterConfig.from_env(_exporter_environment(env), signal="traces")
         if from_env is not None:
             from_env.validate()
             exporter = from_env

@@ -5,7 +5,8 @@ The standard ``OTEL_EXPORTER_OTLP_*`` variables describe the upstream as for any
 
 The receivers take the collector's receiver options: a bearer token (read from a file, a
 Secret mount, and never printed) and TLS. A receiver on a non-loopback address without a token
-is refused unless ``--allow-unauthenticated`` says so.
+is refused unless ``--allow-unauthenticated`` says so. ``--admin-endpoint`` serves ``/healthz``,
+``/readyz`` and Prometheus ``/metrics`` (unauthenticated, off unless set).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ TOKEN_VARIABLE = "TOKENTRACE_NODE_AUTH_TOKEN"
 TLS_CERT_VARIABLE = "TOKENTRACE_NODE_TLS_CERT_FILE"
 TLS_KEY_VARIABLE = "TOKENTRACE_NODE_TLS_KEY_FILE"
 ALLOW_UNAUTHENTICATED_VARIABLE = "TOKENTRACE_NODE_ALLOW_UNAUTHENTICATED"
+ADMIN_ENDPOINT_VARIABLE = "TOKENTRACE_NODE_ADMIN_ENDPOINT"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -114,6 +116,13 @@ class NodeAgentCommand:
             f"reaches it can relay spans to the collector ({ALLOW_UNAUTHENTICATED_VARIABLE}=true)",
         )
         parser.add_argument(
+            "--admin-endpoint",
+            metavar="HOST:PORT",
+            help="serve /healthz, /readyz and Prometheus /metrics here, unauthenticated: bind it "
+            f"where only the kubelet and the scraper reach it ({ADMIN_ENDPOINT_VARIABLE}; "
+            "deploy/ uses $(POD_IP):13133; default: off)",
+        )
+        parser.add_argument(
             "--stats-interval",
             type=float,
             default=60.0,
@@ -154,7 +163,12 @@ class NodeAgentCommand:
                 if agent.sampler.available
                 else "no NVML on this node, relaying spans unchanged"
             )
-            + f"; relaying to {config.exporter.endpoint_for('traces')}",
+            + f"; relaying to {config.exporter.endpoint_for('traces')}"
+            + (
+                f"; /healthz, /readyz, /metrics on port {agent.admin_port}"
+                if agent.admin_port is not None
+                else ""
+            ),
             flush=True,
         )
         stop = threading.Event()
@@ -231,6 +245,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> An
         tls_cert_file=tls_cert_file,
         tls_key_file=tls_key_file,
         allow_unauthenticated=_allow_unauthenticated(args, environ),
+        admin_endpoint=_admin_endpoint(args, environ),
     )
     config.validate()
     return config
@@ -306,6 +321,14 @@ def _tls_files(
             f"({reason})"
         ) from None
     return cert, key
+
+
+def _admin_endpoint(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """``--admin-endpoint``, else its variable; None (off) when unset, empty or ``off``."""
+    endpoint = _setting(args.admin_endpoint, environ, ADMIN_ENDPOINT_VARIABLE)
+    if endpoint is None or endpoint.strip().lower() in _OFF:
+        return None
+    return endpoint.strip()
 
 
 def _allow_unauthenticated(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:

@@ -4,12 +4,19 @@ the OTLP signals' endpoints.
 Separate from the sender (``otlp_export``) and its transports (``otlp_transport``) because every
 side that sends OTLP upstream (the in-process agent, the node agent, the collector's exporters,
 the load generator's export) configures it from here, and most of them only configure it.
+
+TLS material (the CA that signs the server's certificate, an mTLS client certificate and key) is
+given as PEM file paths, as the ``OTEL_EXPORTER_OTLP_*CERTIFICATE`` / ``*CLIENT_KEY`` variables
+give it. Both reading the variables and ``validate()`` open and parse the files, so that a wrong
+path or a file that is not PEM is one ``ValueError`` naming the setting at start-up, not a
+failed export later; the transports read them once more when they build their connection.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
@@ -55,6 +62,16 @@ _DEFAULT_RETRY_MAX_INTERVAL_S: Final = 5.0
 _DEFAULT_RETRY_MAX_ELAPSED_S: Final = 60.0
 
 _ENV_PREFIX: Final = "OTEL_EXPORTER_OTLP_"
+_TLS_FILE_VARIABLES: Final = (
+    ("certificate_file", "CERTIFICATE"),
+    ("client_key_file", "CLIENT_KEY"),
+    ("client_certificate_file", "CLIENT_CERTIFICATE"),
+)
+"""``OtlpExporterConfig`` field and the ``OTEL_EXPORTER_OTLP_[SIGNAL_]*`` variable naming it."""
+_PEM_LABEL: Final = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----")
+_CERTIFICATE_LABEL: Final = b"CERTIFICATE"
+_PRIVATE_KEY_LABELS: Final = frozenset({b"PRIVATE KEY", b"RSA PRIVATE KEY", b"EC PRIVATE KEY"})
+_ENCRYPTED_KEY_LABEL: Final = b"ENCRYPTED PRIVATE KEY"
 
 _ConfigT = TypeVar("_ConfigT", bound="OtlpExporterConfig")
 
@@ -105,6 +122,14 @@ class OtlpExporterConfig:
     insecure: bool | None = None
     """gRPC only: plaintext instead of TLS. None: from the endpoint scheme (``http://`` is
     plaintext; ``https://`` and scheme-less are TLS). OTLP/HTTP follows the URL scheme."""
+    certificate_file: str = ""
+    """PEM file of the CA certificates trusted to sign the server's certificate, instead of the
+    system's trust store; empty: the system's. Used only over TLS."""
+    client_key_file: str = ""
+    """PEM file of the unencrypted private key of ``client_certificate_file`` (mTLS); the two go
+    together. Empty: no client certificate."""
+    client_certificate_file: str = ""
+    """PEM file of the certificate (chain) presented to a server that asks for one (mTLS)."""
 
     def endpoint_for(self, signal: str) -> str | None:
         """The endpoint ``signal`` (``traces`` | ``metrics``) is sent to; None when unset."""
@@ -154,6 +179,11 @@ class OtlpExporterConfig:
                 raise ValueError(f"headers: {key!r} contains a control character")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        check_tls_files(
+            certificate=("certificate_file", self.certificate_file),
+            client_key=("client_key_file", self.client_key_file),
+            client_certificate=("client_certificate_file", self.client_certificate_file),
+        )
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression: {self.compression!r} is not one of {COMPRESSIONS}")
         if self.max_batch_spans < 1:
@@ -184,7 +214,8 @@ class OtlpExporterConfig:
 
         Read: ``ENDPOINT`` (for OTLP/HTTP the signal paths are appended), ``TRACES_ENDPOINT`` /
         ``METRICS_ENDPOINT`` (used as they are), ``PROTOCOL``, ``HEADERS`` (``k=v,k2=v2``,
-        URL-encoded), ``TIMEOUT`` (milliseconds), ``COMPRESSION``, ``INSECURE`` (gRPC). With
+        URL-encoded), ``TIMEOUT`` (milliseconds), ``COMPRESSION``, ``INSECURE`` (gRPC),
+        ``CERTIFICATE``, ``CLIENT_KEY`` and ``CLIENT_CERTIFICATE`` (PEM file paths). With
         ``signal``, that signal's own variables (``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` ...)
         override the general ones, and the result is meant for that signal's sender only. Empty
         values count as unset. Invalid values raise ValueError naming the variable: better no
@@ -265,7 +296,84 @@ def options_from_env(
         if insecure not in ("true", "false"):
             raise ValueError(f"{variable}: {insecure!r} is not true or false")
         options["insecure"] = insecure == "true"
+    tls_variables: dict[str, tuple[str, str]] = {}
+    for option, name in _TLS_FILE_VARIABLES:
+        path, variable = read(name)
+        tls_variables[option] = (variable, path)
+        if path:
+            options[option] = path
+    check_tls_files(
+        certificate=tls_variables["certificate_file"],
+        client_key=tls_variables["client_key_file"],
+        client_certificate=tls_variables["client_certificate_file"],
+    )
     return options
+
+
+def check_tls_files(
+    *,
+    certificate: tuple[str, str],
+    client_key: tuple[str, str],
+    client_certificate: tuple[str, str],
+) -> None:
+    """Raise ValueError, naming the setting, unless each given file (``(setting, path)``, an
+    empty path is unset) is readable PEM of its kind: certificates in ``certificate`` and
+    ``client_certificate``, the latter's unencrypted private key in ``client_key``, the two
+    given together. Reads the files; imports ``ssl`` only when a file is given."""
+    (key_setting, key_path), (chain_setting, chain_path) = client_key, client_certificate
+    if bool(key_path) != bool(chain_path):
+        given, missing = (key_setting, chain_setting) if key_path else (chain_setting, key_setting)
+        raise ValueError(f"{given}: given without {missing} (mTLS takes a certificate and its key)")
+    ca_setting, ca_path = certificate
+    if ca_path:
+        _check_certificates(ca_setting, ca_path)
+    if not chain_path:
+        return
+    _check_certificates(chain_setting, chain_path)
+    labels = _pem_labels(key_setting, key_path)
+    if _ENCRYPTED_KEY_LABEL in labels:
+        raise ValueError(
+            f"{key_setting}: {key_path!r} holds an encrypted private key; give an unencrypted one"
+        )
+    if not _PRIVATE_KEY_LABELS & set(labels):
+        raise ValueError(f"{key_setting}: {key_path!r} holds no PEM private key")
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        # A password callback, so that an encrypted key fails here instead of prompting.
+        context.load_cert_chain(chain_path, key_path, password=lambda: b"")
+    except (OSError, ValueError) as error:  # ssl.SSLError is an OSError
+        reason = getattr(error, "reason", None) or type(error).__name__
+        raise ValueError(
+            f"{key_setting}: {key_path!r} is not a readable unencrypted private key of the "
+            f"certificate in {chain_setting} ({reason})"
+        ) from None
+
+
+def _check_certificates(setting: str, path: str) -> None:
+    """``path`` holds PEM certificates, every one of which parses."""
+    labels = _pem_labels(setting, path)
+    if _CERTIFICATE_LABEL not in labels:
+        raise ValueError(f"{setting}: {path!r} holds no PEM certificate")
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(cafile=path)
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "reason", None) or type(error).__name__
+        raise ValueError(f"{setting}: {path!r} is not valid PEM certificates ({reason})") from None
+
+
+def _pem_labels(setting: str, path: str) -> list[bytes]:
+    """The labels of the PEM blocks in ``path`` (``CERTIFICATE``, ``PRIVATE KEY`` ...)."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as error:
+        raise ValueError(f"{setting}: cannot read {path!r} ({error.strerror or error})") from None
+    return _PEM_LABEL.findall(data)
 
 
 def _parse_headers(variable: str, value: str) -> dict[str, str]:

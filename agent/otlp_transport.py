@@ -8,8 +8,15 @@ OTLP specification's rules; what to do about it (retry, backoff, giving up) is t
 A transport also recognises a misconfigured endpoint from the first answer, and names it in
 ``SendOutcome.misconfiguration`` (a permanent outcome): OTLP/HTTP sent to a gRPC port (the server
 answers with an HTTP/2 frame), TLS spoken to a plain-text server and plain text to a TLS server,
-an HTTP 404 (no OTLP/HTTP receiver at that path), and gRPC sent to an HTTP/1.1 server or with
-TLS to a plain-text one.
+an HTTP 404 (no OTLP/HTTP receiver at that path), gRPC sent to an HTTP/1.1 server or with
+TLS to a plain-text one, and a server certificate that fails verification (not signed by a
+trusted CA, or not naming the endpoint's host).
+
+Over TLS a transport trusts the CA file of ``OtlpExporterConfig.certificate_file`` (else the
+system's trust store) and presents the client certificate and key it names (mTLS); it reads
+them once, when it is made. A server that requires a client certificate and gets none hangs up
+without saying why (gRPC: "Socket closed", Python's ssl: an EOF), which a passing network error
+looks the same as: that stays retryable.
 """
 
 from __future__ import annotations
@@ -72,6 +79,14 @@ _NOT_TLS_REASONS: Final = frozenset(
 _TLS_PROBE_TIMEOUT_S: Final = 3.0
 _GRPC_SAW_HTTP1: Final = ("Failed parsing HTTP/2", "http1.x server", "Expected SETTINGS frame")
 """What grpc's connection error says when the server answered HTTP/1.x."""
+_CERTIFICATE_UNTRUSTED: Final = "CERTIFICATE_VERIFY_FAILED"
+"""In grpc's connection error and ``ssl.SSLError.reason``: the server's certificate failed
+verification."""
+_GRPC_HOSTNAME_MISMATCH: Final = "Hostname Verification Check failed"
+_HOST_MISMATCH_CODES: Final = frozenset({62, 64})
+"""``X509_V_ERR_HOSTNAME_MISMATCH``, ``X509_V_ERR_IP_ADDRESS_MISMATCH``: the certificate names
+another host, as ``ssl.SSLCertVerificationError.verify_code``."""
+_VERIFY_REASON_MAX_CHARS: Final = 120
 
 
 # --- transports -------------------------------------------------------------------------------
@@ -118,6 +133,29 @@ class _Settings:
         )
         self.protocol = f"{_ENV_PREFIX}PROTOCOL"
         self.insecure = f"{_ENV_PREFIX}INSECURE"
+        self.certificate = f"{_ENV_PREFIX}CERTIFICATE"
+        self.certificate_file = config.certificate_file
+
+    def untrusted_certificate(self, why: str) -> str:
+        """The line for a server certificate that failed verification for reason ``why``."""
+        why = why.strip().rstrip(".")[:_VERIFY_REASON_MAX_CHARS]
+        trusted = (
+            f"the CA file {self.certificate_file!r}"
+            if self.certificate_file
+            else "the system's trust store"
+        )
+        return (
+            f"the server's TLS certificate is not trusted by {trusted} ({why}): set "
+            f"{self.certificate} to the PEM file of the CA that signed it"
+        )
+
+    def hostname_mismatch(self, why: str) -> str:
+        """The line for a server certificate that does not name the endpoint's host."""
+        why = why.strip().rstrip(".")[:_VERIFY_REASON_MAX_CHARS]
+        return (
+            f"the server's TLS certificate does not name the endpoint's host ({why}): use a "
+            f"host name the certificate names in {self.endpoint}"
+        )
 
 
 def _misconfigured(message: str, detail: str) -> SendOutcome:
@@ -160,8 +198,13 @@ class _GrpcTransport:
             else grpc.Compression.NoCompression
         )
         if self._tls:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read_optional(config.certificate_file),
+                private_key=_read_optional(config.client_key_file),
+                certificate_chain=_read_optional(config.client_certificate_file),
+            )
             self._channel = grpc.secure_channel(
-                target, grpc.ssl_channel_credentials(), options=options, compression=compression
+                target, credentials, options=options, compression=compression
             )
         else:
             self._channel = grpc.insecure_channel(target, options=options, compression=compression)
@@ -210,6 +253,12 @@ class _GrpcTransport:
                 f"the endpoint does not speak TLS (plain-text gRPC): use an http:// URL in "
                 f"{settings.endpoint}, or set {settings.insecure}=true"
             )
+        if self._tls and _CERTIFICATE_UNTRUSTED in details:
+            # "...CERTIFICATE_VERIFY_FAILED: self signed certificate: OK": the verify message.
+            why = details.split(_CERTIFICATE_UNTRUSTED, 1)[1].lstrip(": ").split(":", 1)[0]
+            return settings.untrusted_certificate(why or "certificate verify failed")
+        if self._tls and _GRPC_HOSTNAME_MISMATCH in details:
+            return settings.hostname_mismatch(_GRPC_HOSTNAME_MISMATCH)
         return ""
 
     def close(self) -> None:
@@ -261,7 +310,7 @@ class _HttpTransport:
         }
         if self._gzip:
             self._headers["Content-Encoding"] = "gzip"
-        self._ssl_context = ssl.create_default_context() if self._tls else None
+        self._ssl_context = _client_ssl_context(config) if self._tls else None
         self._lock = threading.Lock()
         self._connection: http.client.HTTPConnection | None = None
 
@@ -337,6 +386,11 @@ class _HttpTransport:
             if line[:1] in _TLS_RECORD_TYPES and line[1:2] == "\x03" and not self._tls:
                 return speaks_tls
             return ""
+        if isinstance(error, ssl.SSLCertVerificationError) and self._tls:
+            why = error.verify_message or str(error)
+            if error.verify_code in _HOST_MISMATCH_CODES:
+                return settings.hostname_mismatch(why)
+            return settings.untrusted_certificate(why)
         if isinstance(error, ssl.SSLError) and self._tls:
             if getattr(error, "reason", None) in _NOT_TLS_REASONS:
                 return (
@@ -418,6 +472,26 @@ class _HttpTransport:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         connection.close()
+
+
+def _read_optional(path: str) -> bytes | None:
+    """The bytes of the file at ``path``; None for an empty path (the setting is unset)."""
+    if not path:
+        return None
+    with open(path, "rb") as file:
+        return file.read()
+
+
+def _client_ssl_context(config: OtlpExporterConfig) -> ssl.SSLContext:
+    """Verifies the server against ``certificate_file`` (else the system's trust store) and
+    presents the client certificate, if the configuration names one."""
+    context = ssl.create_default_context(cafile=config.certificate_file or None)
+    if config.client_certificate_file:
+        # No prompt for a passphrase: validate() refused encrypted keys, this fails if one came.
+        context.load_cert_chain(
+            config.client_certificate_file, config.client_key_file, password=lambda: b""
+        )
+    return context
 
 
 def _is_http2_frame(line: str) -> bool:

@@ -462,9 +462,20 @@ SELF_METRIC_REFUSED_CONNECTIONS: Final = "tokentrace.collector.refused_connectio
 SELF_METRIC_WRITTEN_REQUESTS: Final = "tokentrace.collector.written_requests"
 """Store exporter: requests written."""
 SELF_METRIC_REJECTED_RECORDS: Final = "tokentrace.collector.rejected_records"
-"""Store exporter: requests the store left out (malformed records)."""
+"""Store exporter: requests the store left out (malformed records, and quarantined ones)."""
+SELF_METRIC_QUARANTINED_RECORDS: Final = "tokentrace.collector.quarantined_records"
+"""Store exporter: requests dropped because their trace could not be stored even alone (a write
+that raised for it, retried alone once); also counted in ``rejected_records``."""
+SELF_METRIC_DUPLICATE_SPANS: Final = "tokentrace.collector.duplicate_spans"
+"""Pipeline: spans left out because the trace already held a span with their id (a sender's
+retry of an export whose OK it never got, e.g. across a collector crash whose spool replayed it
+too)."""
+SELF_METRIC_RETRIED_BATCHES: Final = "tokentrace.collector.retried_batches"
+"""Pipeline: batch exports retried after an exporter failed on them (the store's database
+refused a write, say); held, with their spool records, until they go through."""
 SELF_METRIC_FAILED_BATCHES: Final = "tokentrace.collector.failed_batches"
-"""Store exporter: batches not stored at all."""
+"""Store exporter: batch writes that stored nothing (each attempt: a batch the database refused
+is held by the pipeline and written again, ``retried_batches``)."""
 SELF_METRIC_CHECKPOINTS: Final = "tokentrace.collector.checkpoints"
 """Store exporter: WAL checkpoints run."""
 SELF_METRIC_FAILED_CHECKPOINTS: Final = "tokentrace.collector.failed_checkpoints"
@@ -487,10 +498,174 @@ SELF_METRIC_RETRIES: Final = "tokentrace.collector.retries"
 """OTLP exporters: export attempts retried."""
 SELF_METRIC_QUEUE_LEN: Final = "tokentrace.collector.queue_len"
 """OTLP exporters, gauge: items waiting to be sent."""
+SELF_METRIC_EXPORT_DURATION: Final = "tokentrace.collector.export_duration"
+"""Exporters, histogram (s): handing one batch to an exporter (the store: its write
+transaction; an OTLP exporter: queueing the spans); the component id names the exporter."""
+
+# --- Prometheus /metrics (the admin endpoint of the collector and the node agent) ----------------
+# Served by ``prometheus-client`` from a registry of each process's own, never the global one.
+# Names follow Prometheus conventions: base units in the name (``_seconds``, ``_bytes``,
+# ``_ratio``, ``_hertz``, ``_watts``), counters end in ``_total``, no dots. The self-telemetry
+# above is exposed under ``prometheus_name`` of each ``SELF_METRIC_*`` name (the one translation),
+# with ``prometheus_label`` of its attributes as labels.
+PROMETHEUS_UNIT_SUFFIXES: Final = {METRIC_UNIT_SECONDS: "seconds", METRIC_UNIT_BYTES: "bytes"}
+"""Self-telemetry unit -> the base-unit word its Prometheus name ends with."""
+PROM_LABEL_SERVICE: Final = "service"
+"""The request's ``service.name`` (label sets capped, the overflow is ``_other``)."""
+PROM_LABEL_MODEL: Final = "model"
+"""The request's model (``gen_ai.request.model``)."""
+PROM_LABEL_OPERATION: Final = "operation"
+"""The request's operation (``gen_ai.operation.name``: ``chat``, ``text_completion``...), the
+route of an inference server."""
+PROM_LABEL_TARGET: Final = "target"
+"""An SLO target's name."""
+PROM_LABEL_METRIC: Final = "metric"
+"""A latency metric (``ttft``, ``tpot``, ``itl``, ``e2e``...)."""
+PROM_LABEL_OUTCOME: Final = "outcome"
+"""``good`` (inside the target's threshold) or ``bad``."""
+PROM_LABEL_SEGMENT: Final = "segment"
+"""A budget segment (``queue``, ``prefill``, ``decode``...)."""
+PROM_LABEL_CAUSE: Final = "cause"
+"""The verdict's cause (``causes.CAUSES``)."""
+PROM_LABEL_GPU: Final = "gpu_uuid"
+"""Node agent: the GPU's UUID (``hw.id`` in the OTLP metrics)."""
+PROM_LABEL_GPU_NAME: Final = "gpu_name"
+"""Node agent: the GPU's product name."""
+PROM_LABEL_REASON: Final = "reason"
+"""Node agent: why spans were dropped or refused."""
+PROM_OUTCOME_GOOD: Final = "good"
+PROM_OUTCOME_BAD: Final = "bad"
+PROM_OVERFLOW_LABEL_VALUE: Final = "_other"
+"""The label value of every label set past the cap (``max_label_sets``)."""
+PROM_METRIC_TTFT: Final = "tokentrace_request_ttft_seconds"
+"""Collector, histogram: time to first token of each request (server clock)."""
+PROM_METRIC_TPOT: Final = "tokentrace_request_tpot_seconds"
+"""Collector, histogram: time per output token of each request (after the first)."""
+PROM_METRIC_ITL: Final = "tokentrace_request_itl_seconds"
+"""Collector, histogram: every inter-token gap (one observation per gap, not per request)."""
+PROM_METRIC_E2E: Final = "tokentrace_request_e2e_seconds"
+"""Collector, histogram: end-to-end latency of each request (its count: requests derived)."""
+PROM_METRIC_SLO_REQUESTS: Final = "tokentrace_slo_requests_total"
+"""Collector, counter: requests an SLO target judged, by outcome. Compliance over a range is
+``good / (good + bad)``; the burn rate is ``(1 - compliance) / (1 - objective)``."""
+PROM_METRIC_SLO_OBJECTIVE: Final = "tokentrace_slo_objective_ratio"
+"""Collector, gauge: the share of requests a target wants inside its threshold (its percentile
+/ 100)."""
+PROM_METRIC_SLO_THRESHOLD: Final = "tokentrace_slo_threshold_seconds"
+"""Collector, gauge: a target's latency threshold."""
+PROM_METRIC_DOMINANT_SEGMENT: Final = "tokentrace_requests_dominant_segment_total"
+"""Collector, counter: requests by the dominant cost of their verdict (the segment and cause,
+about the metric of the first target they breached, else E2E)."""
+PROM_METRIC_SEGMENT_SECONDS: Final = "tokentrace_request_segment_seconds_total"
+"""Collector, counter: seconds requests spent in each budget segment (the E2E partition, so the
+segments of one request sum to its E2E). Divided by the request rate, the mean budget of a
+request by segment over time."""
+PROM_METRIC_LABEL_SETS_OVERFLOWED: Final = "tokentrace_label_sets_overflowed_total"
+"""Collector, counter: requests counted under ``_other`` because ``max_label_sets`` (service,
+model, operation) label sets were already in use."""
+PROM_METRIC_NODE_RECEIVED_SPANS: Final = "tokentrace_node_received_spans_total"
+"""Node agent, counter: spans its receivers handed on and it took."""
+PROM_METRIC_NODE_RELAYED_SPANS: Final = "tokentrace_node_relayed_spans_total"
+"""Node agent, counter: spans queued for the collector."""
+PROM_METRIC_NODE_SENT_SPANS: Final = "tokentrace_node_sent_spans_total"
+"""Node agent, counter: spans the collector accepted."""
+PROM_METRIC_NODE_DROPPED_SPANS: Final = "tokentrace_node_dropped_spans_total"
+"""Node agent, counter: spans dropped or refused, by ``reason``: ``invalid`` (its receivers
+dropped them), ``hold_queue_full`` (refused, the sender retries), ``upstream`` (the sender gave
+up: queue full, retries exhausted), ``upstream_rejected`` (the collector refused them)."""
+PROM_METRIC_NODE_HELD_SPANS: Final = "tokentrace_node_held_spans"
+"""Node agent, gauge: spans in the hold queue, waiting for their GPU samples."""
+PROM_METRIC_NODE_HOLD_CAPACITY: Final = "tokentrace_node_hold_capacity_spans"
+"""Node agent, gauge: the hold queue's capacity (``max_held_spans``)."""
+PROM_METRIC_NODE_QUEUE_LEN: Final = "tokentrace_node_upstream_queue_spans"
+"""Node agent, gauge: spans waiting to be sent to the collector."""
+PROM_METRIC_NODE_QUEUE_CAPACITY: Final = "tokentrace_node_upstream_queue_capacity_spans"
+"""Node agent, gauge: the upstream send queue's capacity."""
+PROM_METRIC_NODE_RELEASED_UNSAMPLED: Final = "tokentrace_node_released_unsampled_total"
+"""Node agent, counter: requests sent on at ``max_hold`` before the sampler covered them."""
+PROM_METRIC_NODE_SAMPLES: Final = "tokentrace_node_gpu_samples_total"
+"""Node agent, counter: GPU sampling passes (one sample per GPU each)."""
+PROM_METRIC_GPU_UTILIZATION: Final = "tokentrace_node_gpu_utilization_ratio"
+"""Node agent, gauge: the latest sample's share of time a kernel ran (0..1), per GPU."""
+PROM_METRIC_GPU_MEMORY_USED: Final = "tokentrace_node_gpu_memory_used_bytes"
+"""Node agent, gauge: GPU memory in use at the latest sample, per GPU."""
+PROM_METRIC_GPU_MEMORY_TOTAL: Final = "tokentrace_node_gpu_memory_total_bytes"
+"""Node agent, gauge: the GPU's memory, per GPU."""
+PROM_METRIC_GPU_POWER: Final = "tokentrace_node_gpu_power_watts"
+"""Node agent, gauge: power draw at the latest sample, per GPU."""
+PROM_METRIC_GPU_SM_CLOCK: Final = "tokentrace_node_gpu_sm_clock_hertz"
+"""Node agent, gauge: SM clock at the latest sample, per GPU."""
+PROM_METRIC_GPU_MEMORY_BANDWIDTH_UTILIZATION: Final = (
+    "tokentrace_node_gpu_memory_bandwidth_utilization_ratio"
+)
+"""Node agent, gauge: DRAM bandwidth at the latest sample as a share of the GPU's peak (0..1),
+per GPU (GPM on Hopper and newer, else the memory controller's busy share)."""
+PROMETHEUS_METRICS: Final = (
+    (PROM_METRIC_TTFT, (PROM_LABEL_SERVICE, PROM_LABEL_MODEL, PROM_LABEL_OPERATION)),
+    (PROM_METRIC_TPOT, (PROM_LABEL_SERVICE, PROM_LABEL_MODEL, PROM_LABEL_OPERATION)),
+    (PROM_METRIC_ITL, (PROM_LABEL_SERVICE, PROM_LABEL_MODEL, PROM_LABEL_OPERATION)),
+    (PROM_METRIC_E2E, (PROM_LABEL_SERVICE, PROM_LABEL_MODEL, PROM_LABEL_OPERATION)),
+    (PROM_METRIC_SLO_REQUESTS, (PROM_LABEL_TARGET, PROM_LABEL_METRIC, PROM_LABEL_OUTCOME)),
+    (PROM_METRIC_SLO_OBJECTIVE, (PROM_LABEL_TARGET, PROM_LABEL_METRIC)),
+    (PROM_METRIC_SLO_THRESHOLD, (PROM_LABEL_TARGET, PROM_LABEL_METRIC)),
+    (
+        PROM_METRIC_DOMINANT_SEGMENT,
+        (
+            PROM_LABEL_SERVICE,
+            PROM_LABEL_MODEL,
+            PROM_LABEL_OPERATION,
+            PROM_LABEL_METRIC,
+            PROM_LABEL_SEGMENT,
+            PROM_LABEL_CAUSE,
+        ),
+    ),
+    (
+        PROM_METRIC_SEGMENT_SECONDS,
+        (PROM_LABEL_SERVICE, PROM_LABEL_MODEL, PROM_LABEL_OPERATION, PROM_LABEL_SEGMENT),
+    ),
+    (PROM_METRIC_LABEL_SETS_OVERFLOWED, ()),
+    (PROM_METRIC_NODE_RECEIVED_SPANS, ()),
+    (PROM_METRIC_NODE_RELAYED_SPANS, ()),
+    (PROM_METRIC_NODE_SENT_SPANS, ()),
+    (PROM_METRIC_NODE_DROPPED_SPANS, (PROM_LABEL_REASON,)),
+    (PROM_METRIC_NODE_HELD_SPANS, ()),
+    (PROM_METRIC_NODE_HOLD_CAPACITY, ()),
+    (PROM_METRIC_NODE_QUEUE_LEN, ()),
+    (PROM_METRIC_NODE_QUEUE_CAPACITY, ()),
+    (PROM_METRIC_NODE_RELEASED_UNSAMPLED, ()),
+    (PROM_METRIC_NODE_SAMPLES, ()),
+    (PROM_METRIC_GPU_UTILIZATION, (PROM_LABEL_GPU, PROM_LABEL_GPU_NAME)),
+    (PROM_METRIC_GPU_MEMORY_USED, (PROM_LABEL_GPU, PROM_LABEL_GPU_NAME)),
+    (PROM_METRIC_GPU_MEMORY_TOTAL, (PROM_LABEL_GPU, PROM_LABEL_GPU_NAME)),
+    (PROM_METRIC_GPU_POWER, (PROM_LABEL_GPU, PROM_LABEL_GPU_NAME)),
+    (PROM_METRIC_GPU_SM_CLOCK, (PROM_LABEL_GPU, PROM_LABEL_GPU_NAME)),
+    (PROM_METRIC_GPU_MEMORY_BANDWIDTH_UTILIZATION, (PROM_LABEL_GPU, PROM_LABEL_GPU_NAME)),
+)
+"""Every Prometheus metric beyond the self-telemetry: (name, labels); the type and meaning are
+the constant's documentation (``Collector, histogram: ...``)."""
 
 
-def contract_markdown() -> str:
-    """``docs/telemetry.md``: every public constant of this module with its value and meaning."""
+def prometheus_name(name: str, *, unit: str, counter: bool) -> str:
+    """A self-telemetry metric's Prometheus name (the one translation): dots become
+    underscores, the unit's base-unit word is appended unless the name already ends with it,
+    and a counter ends in ``_total`` (``tokentrace.collector.received_spans`` ->
+    ``tokentrace_collector_received_spans_total``, ``...batch_duration`` in ``s`` ->
+    ``tokentrace_collector_batch_duration_seconds``)."""
+    base = name.replace(".", "_")
+    suffix = PROMETHEUS_UNIT_SUFFIXES.get(unit)
+    if suffix is not None and not base.endswith(f"_{suffix}"):
+        base = f"{base}_{suffix}"
+    return f"{base}_total" if counter else base
+
+
+def prometheus_label(attribute: str) -> str:
+    """A self-telemetry attribute's Prometheus label: ``tokentrace.collector.component.id`` ->
+    ``component_id``."""
+    return attribute.removeprefix(SELF_METRIC_PREFIX).replace(".", "_")
+
+
+def _constant_docs() -> dict[str, str]:
+    """Each constant's documentation (the string after it), by constant name."""
     import ast
     import inspect
     import sys
@@ -507,6 +682,46 @@ def contract_markdown() -> str:
             and isinstance(following.value.value, str)
         ):
             docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+_SELF_LABELS: Final = (
+    "component_id, component_kind (receivers: + transport; OTLP exporters: + signal)"
+)
+_KEYED_SELF_METRICS: Final = ("SELF_METRIC_PROCESSOR_ERRORS", "SELF_METRIC_EXPORTER_ERRORS")
+
+
+def prometheus_metrics() -> list[tuple[str, str, str, str]]:
+    """Every Prometheus metric the admin endpoints expose: (name, type, labels, meaning), the
+    self-telemetry's from its constants (the type and unit their documentation opens with:
+    ``Pipeline, histogram (s): ...``; none named: a counter), then ``PROMETHEUS_METRICS``."""
+    docs = _constant_docs()
+    module = globals()
+    rows: list[tuple[str, str, str, str]] = []
+    for constant in sorted(docs):
+        if not constant.startswith("SELF_METRIC_") or constant == "SELF_METRIC_PREFIX":
+            continue
+        head, _, meaning = docs[constant].partition(": ")
+        kind = next((k for k in ("histogram", "gauge") if k in head), "counter")
+        unit = next((u for u in PROMETHEUS_UNIT_SUFFIXES if f"({u})" in head), "1")
+        name = prometheus_name(module[constant], unit=unit, counter=kind == "counter")
+        labels = _SELF_LABELS
+        if constant in _KEYED_SELF_METRICS:
+            labels = "component_id, component_kind (of the component that failed)"
+        rows.append((name, kind, labels, f"{head}: {meaning}"))
+    names = {value: constant for constant, value in module.items() if constant.startswith("PROM_")}
+    for metric, label_names in PROMETHEUS_METRICS:
+        head, _, meaning = docs[names[metric]].partition(": ")
+        owner, _, kind = head.partition(", ")
+        rows.append((metric, kind, ", ".join(label_names), f"{owner}: {meaning}"))
+    return rows
+
+
+def contract_markdown() -> str:
+    """``docs/telemetry.md``: every public constant of this module with its value and meaning."""
+    import sys
+
+    docs = _constant_docs()
     rows = [
         "# The tokentrace telemetry contract",
         "",
@@ -532,6 +747,22 @@ def contract_markdown() -> str:
         "|---|---|",
     ]
     rows += [f"| `{metric}` | `{name}` |" for metric, name in OTLP_METRIC_NAMES.items()]
+    rows += [
+        "",
+        "## Prometheus `/metrics`",
+        "",
+        "The collector's `admin` extension and the node agent's `--admin-endpoint` serve these",
+        "(unauthenticated; see docs/configuration.md and docs/node-agent.md). The collector's",
+        "self-telemetry is exposed under `prometheus_name` of each `SELF_METRIC_*` name; a",
+        "counter's samples end in `_total`, a histogram's in `_bucket`, `_sum` and `_count`.",
+        "",
+        "| name | type | labels | meaning |",
+        "|---|---|---|---|",
+    ]
+    rows += [
+        f"| `{name}` | {kind} | {labels or '-'} | {meaning} |"
+        for name, kind, labels, meaning in prometheus_metrics()
+    ]
     return "\n".join(rows) + "\n"
 
 

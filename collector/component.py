@@ -46,6 +46,13 @@ class ConfigError(ValueError):
     """A configuration problem, with the path of the offending key in the message."""
 
 
+class ExportRetryable(Exception):
+    """An exporter could not take a batch now but may later (the store's database refused it:
+    full, locked, an I/O error): the pipeline holds the batch for that exporter, keeps its
+    spooled requests, and hands it over again (``pipeline``). Any other exception from
+    ``export_traces`` is counted and the batch goes on without that exporter."""
+
+
 # --- configs ------------------------------------------------------------------------------------
 class ValidatedConfig(Protocol):
     def validate(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
@@ -22,6 +22,7 @@ from tokentrace.collector.component import (
     check_tls_pair,
 )
 from tokentrace.collector.exporters.otlp import OtlpExporterConfig
+from tokentrace.collector.receivers.validate import DEFAULT_SPAN_LIMITS, SpanLimits
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.percentiles import PercentileConfig
 from tokentrace.processors.slo import SloTarget, parse_targets, read_slo_file
@@ -47,6 +48,9 @@ _DEFAULT_RETENTION_S: Final = 7 * 24 * 3600.0
 _DEFAULT_MAX_REQUESTS: Final = 1_000_000
 _DEFAULT_METRICS_INTERVAL_S: Final = 15.0
 _DEFAULT_UI_ENDPOINT: Final = "127.0.0.1:8700"
+_DEFAULT_ADMIN_ENDPOINT: Final = "127.0.0.1:13133"
+_DEFAULT_MAX_LABEL_SETS: Final = 100
+_MAX_LABEL_SETS: Final = 10_000
 _MAX_PERCENTILE_SLICES: Final = 3600
 
 
@@ -64,6 +68,14 @@ class ReceiverConfig:
 
 
 # (protocol, default endpoint, YAML key of the size limit, its default in MiB)
+_SPAN_LIMIT_KEYS: Final = (
+    "max_attributes",
+    "max_events",
+    "max_links",
+    "max_string_length",
+    "max_array_length",
+)
+"""The ``SpanLimits`` a configuration may set (the time bounds are sanity bounds, not policy)."""
 _PROTOCOLS: Final = (
     ("grpc", _DEFAULT_GRPC_ENDPOINT, "max_recv_msg_size_mib", _DEFAULT_MAX_MSG_MIB),
     ("http", _DEFAULT_HTTP_ENDPOINT, "max_request_body_size_mib", _DEFAULT_MAX_BODY_MIB),
@@ -83,9 +95,15 @@ class OtlpReceiverConfig:
 
     grpc: ReceiverConfig | None = field(default_factory=lambda: _default_receiver("grpc"))
     http: ReceiverConfig | None = field(default_factory=lambda: _default_receiver("http"))
+    span_limits: SpanLimits = DEFAULT_SPAN_LIMITS
+    """What each span may hold (``span_limits``: ``max_attributes``, ``max_events``,
+    ``max_links``, ``max_string_length``, ``max_array_length``); a span past one is rejected
+    through ``partial_success``, the rest of its request kept."""
 
     def validate(self) -> None:
         check(self.grpc is not None or self.http is not None, "protocols", "name one at least")
+        for key in _SPAN_LIMIT_KEYS:
+            check(getattr(self.span_limits, key) > 0, f"span_limits.{key}", "must be > 0")
         for protocol, _, size_key, _ in _PROTOCOLS:
             receiver: ReceiverConfig | None = getattr(self, protocol)
             if receiver is None:
@@ -98,7 +116,16 @@ class OtlpReceiverConfig:
 
     @classmethod
     def from_section(cls, section: ConfigSection) -> OtlpReceiverConfig:
-        section.allow_keys("protocols")
+        section.allow_keys("protocols", "span_limits")
+        limits = section.section("span_limits")
+        limits.allow_keys(*_SPAN_LIMIT_KEYS)
+        span_limits = replace(
+            DEFAULT_SPAN_LIMITS,
+            **{
+                key: limits.integer(key, getattr(DEFAULT_SPAN_LIMITS, key))
+                for key in _SPAN_LIMIT_KEYS
+            },
+        )
         protocols = section.section("protocols")
         protocols.allow_keys("grpc", "http")
         receivers: dict[str, ReceiverConfig | None] = {}
@@ -118,7 +145,7 @@ class OtlpReceiverConfig:
                 tls_cert_file=tls.optional_str("cert_file"),
                 tls_key_file=tls.optional_str("key_file"),
             )
-        return cls(grpc=receivers["grpc"], http=receivers["http"])
+        return cls(grpc=receivers["grpc"], http=receivers["http"], span_limits=span_limits)
 
 
 # --- processors -----------------------------------------------------------------------------------
@@ -482,4 +509,28 @@ class UiConfig:
             trace_link=section.optional_str("trace_link"),
             tls_cert_file=tls.optional_str("cert_file"),
             tls_key_file=tls.optional_str("key_file"),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdminConfig:
+    """The ``admin`` extension: ``/healthz``, ``/readyz`` and Prometheus ``/metrics`` on one
+    listener (``collector/admin.py``). Unauthenticated: bind it where only the scraper and the
+    kubelet reach it (loopback by default; ``deploy/`` binds the pod IP behind a NetworkPolicy)."""
+
+    endpoint: str = _DEFAULT_ADMIN_ENDPOINT
+    max_label_sets: int = _DEFAULT_MAX_LABEL_SETS
+    """Request metrics keep at most this many (service, model, operation) label sets; requests
+    of later ones are counted under ``_other``."""
+
+    def validate(self) -> None:
+        check_endpoint("endpoint", self.endpoint)
+        check_range("max_label_sets", self.max_label_sets, low=1, high=_MAX_LABEL_SETS)
+
+    @classmethod
+    def from_section(cls, section: ConfigSection) -> AdminConfig:
+        section.allow_keys("endpoint", "max_label_sets")
+        return cls(
+            endpoint=section.string("endpoint", _DEFAULT_ADMIN_ENDPOINT),
+            max_label_sets=section.integer("max_label_sets", _DEFAULT_MAX_LABEL_SETS),
         )

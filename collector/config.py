@@ -17,6 +17,7 @@ exporters:
   otlp: {endpoint: http://tempo:4317}
 extensions:
   ui: {endpoint: 127.0.0.1:8700, trace_link: "http://tempo:3200/trace/{trace_id}"}
+  admin: {endpoint: 127.0.0.1:13133}    # /healthz, /readyz, Prometheus /metrics
 service:
   pipelines:
     traces: {receivers: [otlp], processors: [assembly, slo, diagnosis, percentiles],
@@ -35,7 +36,9 @@ answer "retry later" while the process is near it (``collector/memory_limiter.py
 
 Every section is optional: with no file at all the collector listens on the standard OTLP ports on
 loopback, keeps its store in ``./tokentrace.db`` and exports upstream only when
-``OTEL_EXPORTER_OTLP_ENDPOINT`` (or an ``otlp`` exporter) says where.
+``OTEL_EXPORTER_OTLP_ENDPOINT`` (or an ``otlp`` exporter) says where. The ``admin`` extension
+(health, readiness, Prometheus metrics) runs only when configured: a fixed default port would
+make two collectors on one host (tests, the demo beside a deployed one) refuse to start.
 
 Components are named by id, ``type`` or ``type/name``; the factories' table (``factories.py``)
 says which types exist and how each reads its section (``component.py``). ``parse_config`` reads
@@ -74,6 +77,7 @@ from tokentrace.collector.component_configs import (
     DURABILITY_FSYNC,
     DURABILITY_NONE,
     SPOOL_DIRECTORY_SUFFIX,
+    AdminConfig,
     AssemblyConfig,
     DiagnosisProcessorConfig,
     DurabilityConfig,
@@ -93,6 +97,7 @@ from tokentrace.processors.percentiles import PercentileConfig
 from tokentrace.processors.slo import SloTarget
 
 __all__ = [
+    "AdminConfig",
     "AssemblyConfig",
     "CollectorConfig",
     "ConfigError",
@@ -117,6 +122,7 @@ _ASSEMBLY: Final = "assembly"
 _STORE: Final = "store"
 _OTLP: Final = "otlp"
 _UI: Final = "ui"
+_ADMIN: Final = "admin"
 _SAME_RANK: Final = {"diagnosis": "slo"}
 """Configurations written before the verdict followed the SLO marks list diagnosis first: still
 valid, and run in the table's order whatever the list says."""
@@ -201,6 +207,10 @@ class CollectorConfig:
     @property
     def ui(self) -> UiConfig | None:
         return _config_of(self.extensions, _UI)
+
+    @property
+    def admin(self) -> AdminConfig | None:
+        return _config_of(self.extensions, _ADMIN)
 
     def with_store_path(self, path: str) -> CollectorConfig:
         store = self.store

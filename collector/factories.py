@@ -10,11 +10,15 @@
 | exporter  | ``store``     | ``StoreSink``: the request store (SQLite)                    |
 | exporter  | ``otlp``      | ``UpstreamSink``: enriched spans and metrics, upstream       |
 | extension | ``ui``        | ``ApiServer``: the drill-down API and web UI over the store  |
+| extension | ``admin``     | ``AdminExtension``: /healthz, /readyz, Prometheus /metrics   |
 
 Processors are listed in the order they run (each uses what the earlier ones derived). Each
 config (defaults, ``validate()``, ``from_section``) is in ``component_configs.py``. A factory
 imports what it makes only when it makes it, so reading a configuration loads neither gRPC nor
 the store.
+
+The ``admin`` extension is also fed by the pipeline: the collector hands its ``pipeline_sink``
+every batch, as it hands the exporters (``service.py``), and injects its readiness checks.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from tokentrace.collector.component import (
     Factory,
 )
 from tokentrace.collector.component_configs import (
+    AdminConfig,
     AssemblyConfig,
     DiagnosisProcessorConfig,
     OtlpReceiverConfig,
@@ -50,6 +55,7 @@ from tokentrace.collector.record_processors import (
 from tokentrace.processors.percentiles import PercentileStore
 
 if TYPE_CHECKING:
+    from tokentrace.collector.admin import AdminExtension
     from tokentrace.collector.api.server import ApiServer
     from tokentrace.collector.exporters.store_sink import StoreSink
     from tokentrace.collector.exporters.upstream_sink import UpstreamSink
@@ -148,6 +154,16 @@ def _ui(config: UiConfig, settings: CreateSettings) -> ApiServer:
     )
 
 
+def _admin(config: AdminConfig, settings: CreateSettings) -> AdminExtension:
+    from tokentrace.collector.admin import AdminExtension
+
+    return AdminExtension(
+        config,
+        telemetry=settings.telemetry,
+        slo_targets=settings.collector_config.slo_targets,
+    )
+
+
 FACTORIES: Final[tuple[Factory[Any], ...]] = (
     Factory(
         type="otlp",
@@ -204,5 +220,12 @@ FACTORIES: Final[tuple[Factory[Any], ...]] = (
         default_config=UiConfig,
         read_config=UiConfig.from_section,
         create=_ui,
+    ),
+    Factory(
+        type="admin",
+        kind=KIND_EXTENSION,
+        default_config=AdminConfig,
+        read_config=AdminConfig.from_section,
+        create=_admin,
     ),
 )

@@ -46,6 +46,13 @@ After each exported batch the pipeline tells the spool the lowest sequence numbe
 (the spool's appends not yet handed on, then the assembler's pending traces: read in that
 order, nothing slips between them), and segments below it are deleted. ``replay`` (the
 collector calls it before the receivers start) feeds what survived a crash back into assembly.
+An exporter that cannot take a batch now (the store's database full or locked: it raises
+``ExportRetryable``) gets it again later: the batch is held for that exporter alone (the
+others took it), retried with backoff, and its requests' spool segments are kept until it
+goes through; while too many traces are held no new batch is taken, so the receivers refuse
+with retry hints instead of anything being dropped. After ``_HELD_RETRY_MAX_ELAPSED_S`` it is
+given up, counted and logged. Batches are sized to take about ``_BATCH_TIME_BUDGET_S`` each,
+so the tick is never starved however far behind the worker is.
 A replayed trace is first compared with the store through the same look-up as late spans:
 spans already stored are left out, a trace stored whole is not processed again
 (``spool_replayed_traces_stored``), one stored in part goes on as a late fragment. So a replay
@@ -74,6 +81,7 @@ from tokentrace.collector.component import (
     KIND_EXPORTER,
     KIND_PIPELINE,
     KIND_PROCESSOR,
+    ExportRetryable,
     Factories,
     create_component,
 )
@@ -106,6 +114,20 @@ _MAX_BATCH_TRACES: Final = 1024
 """Traces one batch takes at most: what a batch holds while it is processed (records, encoded
 spans, the store's rows) stays bounded when the pipeline is behind; the worker takes the next
 batch at once."""
+_MIN_BATCH_TRACES: Final = 16
+_BATCH_TIME_BUDGET_S: Final = 0.2
+"""What one batch should take at most: the batch size follows the measured cost per trace, so
+the once-a-second tick (self-telemetry, percentile slices) is never more than this late, however
+far behind the pipeline is (with 1,024 large traces a batch took ~2 s under a flood)."""
+_HELD_MAX_TRACES: Final = 4 * _MAX_BATCH_TRACES
+"""Traces held for exporters that asked for a retry (``ExportRetryable``); while this many are
+held, no new batch is taken: assembly fills and the receivers answer RESOURCE_EXHAUSTED / 429
+(back-pressure to the senders, nothing dropped)."""
+_HELD_RETRY_INITIAL_S: Final = 0.5
+_HELD_RETRY_MAX_INTERVAL_S: Final = 30.0
+_HELD_RETRY_MAX_ELAPSED_S: Final = 300.0
+"""Give a held batch up (counted under ``exporter_errors``, one log line) once it has been
+retried for this long, as the OpenTelemetry Collector's ``retry_on_failure`` does."""
 _DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 10.0
 _UNKNOWN_SERVICE: Final = "unknown_service"
 _PIPELINE_ID: Final = "traces"
@@ -167,6 +189,20 @@ class TraceSink(Protocol):
 
     def tick(self, tick: PipelineTick) -> None:
         """Periodic work (about once a second; ``tick.final`` at shutdown)."""
+
+
+@dataclass(slots=True)
+class _HeldBatch:
+    """A batch some exporters asked to get again (``ExportRetryable``)."""
+
+    batch: list[ProcessedTrace]
+    sink_ids: list[str]
+    """The exporters still to take it, in the pipeline's order."""
+    low_seq: int | None
+    """No spooled request of the batch is below this (its segments are kept meanwhile)."""
+    first_failed: float
+    next_attempt: float
+    interval_s: float = _HELD_RETRY_INITIAL_S
 
 
 @dataclass(slots=True)
@@ -310,6 +346,18 @@ class Pipeline:
             if spool is not None
             else Counter()
         )
+        self._duplicate_spans = own.counter(
+            semconv.SELF_METRIC_DUPLICATE_SPANS,
+            description="spans received again (a retried export) and left out",
+        )
+        self._retried_batches = own.counter(
+            semconv.SELF_METRIC_RETRIED_BATCHES,
+            description="batch exports retried after an exporter asked to get them again",
+        )
+        self._held: list[_HeldBatch] = []
+        self._held_traces = 0
+        self._batch_traces = _MAX_BATCH_TRACES
+        """The size of the next batch (``_BATCH_TIME_BUDGET_S``)."""
         self._stop = threading.Event()
         self._accepting = True
         self._worker: threading.Thread | None = None
@@ -318,7 +366,15 @@ class Pipeline:
         self._process_lock = threading.Lock()
 
     # --- TraceConsumer -------------------------------------------------------------------------
-    def consume_traces(self, request: ExportTraceServiceRequest) -> None:
+    @property
+    def never_blocks(self) -> bool:
+        """Without a spool, ``consume_traces`` takes only short locks (no fsync to wait for):
+        the HTTP receiver may call it on its event loop."""
+        return self._spool is None
+
+    def consume_traces(
+        self, request: ExportTraceServiceRequest, *, encoded: bytes | None = None
+    ) -> None:
         if not self._accepting:
             raise Unavailable("the collector is shutting down")
         if self._memory_limiter is not None:
@@ -340,7 +396,8 @@ class Pipeline:
         # Refuse before spooling what assembly would refuse: nothing refused is ever replayed.
         self.assembler.check_room(count)
         try:
-            seq = spool.append(request.SerializeToString())
+            # The received bytes when validation left them as they were: no re-serialising.
+            seq = spool.append(request.SerializeToString() if encoded is None else encoded)
         except SpoolError as error:  # the disk failed: the sender retries, here or elsewhere
             raise Unavailable(str(error)) from None
         try:
@@ -396,12 +453,18 @@ class Pipeline:
         spool = self._spool
         if spool is None:
             return
+        low = self._lowest_needed_seq(spool)
+        for held in self._held:
+            if held.low_seq is not None:
+                low = min(low, held.low_seq)
+        spool.release(low, active_too=final)
+
+    def _lowest_needed_seq(self, spool: Spool) -> int:
+        """No request that is still to be handed to the exporters has a lower sequence number."""
         # The spool first: a request it no longer counts as unfinished is in the assembler.
         low = spool.lowest_unfinished()
         pending = self.assembler.lowest_seq()
-        if pending is not None:
-            low = min(low, pending)
-        spool.release(low, active_too=final)
+        return low if pending is None else min(low, pending)
 
     def _unstored_part(self, trace: AssembledTrace) -> AssembledTrace | None:
         """A replayed trace without the spans the store already holds: None when it holds them
@@ -418,9 +481,14 @@ class Pipeline:
         return AssembledTrace(trace.trace_id, rest, late=True)
 
     # --- processing ------------------------------------------------------------------------------
-    def process_trace(self, trace: AssembledTrace) -> ProcessedTrace:
+    def process_trace(self, trace: AssembledTrace) -> ProcessedTrace | None:
         """Derive the request records of one trace and enrich its request spans; a late
-        fragment joins its trace's stored spans when they are found (module docstring)."""
+        fragment joins its trace's stored spans when they are found (module docstring). None
+        when it holds only spans the store already has."""
+        unique = unique_spans(trace.spans)
+        if len(unique) < len(trace.spans):  # both copies of a retried export met in assembly
+            self._duplicate_spans.add(len(trace.spans) - len(unique))
+            trace = AssembledTrace(trace.trace_id, unique, late=trace.late)
         if trace.late:
             earlier_spans = self._look_up_earlier_spans(trace.trace_id)
             if earlier_spans:
@@ -479,10 +547,22 @@ class Pipeline:
             )
             return None
 
-    def _rederive(self, fragment: AssembledTrace, earlier_spans: list[SpanRef]) -> ProcessedTrace:
+    def _rederive(
+        self, fragment: AssembledTrace, earlier_spans: list[SpanRef]
+    ) -> ProcessedTrace | None:
         """The records of a late fragment's whole trace (its stored spans, then the fragment's),
-        replacing the stored ones; only the fragment's spans are enriched and encoded."""
+        replacing the stored ones; only the fragment's spans the store does not hold yet are
+        enriched and encoded (a sender's retry of an export whose OK it never got brings spans
+        the store has: they are not appended twice). None when it brings nothing new."""
         trace_id = fragment.trace_id
+        stored_ids = {ref.span.span_id for ref in earlier_spans}
+        new_spans = [ref for ref in fragment.spans if ref.span.span_id not in stored_ids]
+        if not new_spans:
+            self._duplicate_spans.add(len(fragment.spans))
+            return None
+        if len(new_spans) < len(fragment.spans):
+            self._duplicate_spans.add(len(fragment.spans) - len(new_spans))
+            fragment = AssembledTrace(trace_id, new_spans, late=True)
         whole = AssembledTrace(trace_id, unique_spans([*earlier_spans, *fragment.spans]))
         try:
             earlier_timelines = normalize(AssembledTrace(trace_id, earlier_spans))
@@ -526,8 +606,14 @@ class Pipeline:
             return self._process_finished(flush_all=flush_all)
 
     def _process_finished(self, *, flush_all: bool) -> int:
+        if self._held:
+            self._retry_held(force=flush_all)
+            if self._held_traces >= _HELD_MAX_TRACES and not flush_all:
+                return 0  # back-pressure: assembly fills, receivers refuse (module docstring)
+        # Read before popping: every trace popped below holds no request below it.
+        low_seq = self._lowest_needed_seq(self._spool) if self._spool is not None else None
         traces = self.assembler.pop_finished(
-            flush_all=flush_all, max_traces=None if flush_all else _MAX_BATCH_TRACES
+            flush_all=flush_all, max_traces=None if flush_all else self._batch_traces
         )
         if not traces:
             return 0
@@ -537,22 +623,83 @@ class Pipeline:
                 self._unstored_part(t) if t.trace_id in self._replayed else t for t in traces
             )
             traces = [trace for trace in unstored if trace is not None]
-        batch = [self.process_trace(trace) for trace in traces]
+        processed = (self.process_trace(trace) for trace in traces)
+        batch = [item for item in processed if item is not None]
         self._traces.add(len(batch))
         # A re-derived trace's records replace stored ones: only the requests it adds count.
         self._requests.add(
             sum(max(0, len(item.records) - len(item.replaces_stored)) for item in batch)
         )
-        for sink_id, sink in self._sinks.items() if batch else ():
+        if batch:
+            refused = self._export(batch, list(self._sinks))
+            if refused:
+                now = self._monotonic()
+                self._held.append(
+                    _HeldBatch(batch, refused, low_seq, now, now + _HELD_RETRY_INITIAL_S)
+                )
+                self._held_traces += len(batch)
+        # Every trace popped above is with the exporters now (the store committed it), or held.
+        self.release_spool()
+        elapsed = self._monotonic() - started
+        self._batch_duration.record(elapsed)
+        if not flush_all:
+            self._size_next_batch(len(traces), elapsed)
+        return len(batch)
+
+    def _size_next_batch(self, traces: int, elapsed_s: float) -> None:
+        """As many traces as fit ``_BATCH_TIME_BUDGET_S`` at the cost just measured (halfway
+        there from the current size, so one slow batch does not swing it)."""
+        if elapsed_s <= 0:
+            fitting = _MAX_BATCH_TRACES
+        else:
+            fitting = int(traces * _BATCH_TIME_BUDGET_S / elapsed_s)
+        target = min(_MAX_BATCH_TRACES, max(_MIN_BATCH_TRACES, fitting))
+        self._batch_traces = max(_MIN_BATCH_TRACES, (self._batch_traces + target) // 2)
+
+    def _export(self, batch: list[ProcessedTrace], sink_ids: Sequence[str]) -> list[str]:
+        """Hand ``batch`` to each of ``sink_ids``; returns those that asked to get it again."""
+        refused: list[str] = []
+        for sink_id in sink_ids:
             try:
-                sink.export_traces(batch)
+                self._sinks[sink_id].export_traces(batch)
+            except ExportRetryable as error:
+                refused.append(sink_id)
+                _log.warning(
+                    "exporter %s could not take a batch of %d traces now; held for a retry: %s",
+                    sink_id,
+                    len(batch),
+                    error,
+                )
             except Exception:
                 self._exporter_errors.add(sink_id)
                 _log.exception("exporter %s failed on a batch of %d traces", sink_id, len(batch))
-        # Every trace popped above is with the exporters now (the store committed it).
-        self.release_spool()
-        self._batch_duration.record(self._monotonic() - started)
-        return len(batch)
+        return refused
+
+    def _retry_held(self, *, force: bool = False) -> None:
+        """Hand the held batches that are due (all with ``force``, at shutdown) to the
+        exporters that refused them; oldest first, and the rest waits while one still fails."""
+        now = self._monotonic()
+        while self._held:
+            held = self._held[0]
+            if not force and now < held.next_attempt:
+                return
+            self._retried_batches.add()
+            held.sink_ids = self._export(held.batch, held.sink_ids)
+            now = self._monotonic()
+            if held.sink_ids and now - held.first_failed < _HELD_RETRY_MAX_ELAPSED_S:
+                held.interval_s = min(held.interval_s * 2, _HELD_RETRY_MAX_INTERVAL_S)
+                held.next_attempt = now + held.interval_s
+                return
+            for sink_id in held.sink_ids:  # retried for too long: given up
+                self._exporter_errors.add(sink_id)
+                _log.error(
+                    "exporter %s: gave up a batch of %d traces after %.0f s of retries",
+                    sink_id,
+                    len(held.batch),
+                    now - held.first_failed,
+                )
+            self._held.pop(0)
+            self._held_traces -= len(held.batch)
 
     def make_tick(self, *, final: bool = False) -> PipelineTick:
         """The tick the exporters get now; drains the percentile slices closed since the last."""
@@ -613,6 +760,14 @@ class Pipeline:
             self._worker.join(timeout_s)
         self.process_once(flush_all=True)
         self.housekeeping(final=True)
+        if self._held:
+            kept = "kept in the spool for the next start" if self._spool else "lost"
+            _log.error(
+                "%d traces an exporter could not take before shutdown (%s): %s",
+                self._held_traces,
+                kept,
+                ", ".join(sorted({sink_id for held in self._held for sink_id in held.sink_ids})),
+            )
         if self._spool is not None:
             with self._process_lock:
                 self.release_spool(final=True)

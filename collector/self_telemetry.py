@@ -25,6 +25,9 @@ Every name comes from ``semconv`` (``SELF_METRIC_*``); a source's keys are the n
   with the same key are summed (two ``otlp`` exporters). Histograms are left out (OTLP only).
 - ``to_otlp_metrics()``: cumulative monotonic Sums for counters, Gauges, explicit-bucket
   Histograms, each data point attributed with the component's id and kind.
+- ``readings()``: every series' value with its name, instrument, unit and attributes (one per
+  key for keyed counters), for other encodings: the admin extension's Prometheus ``/metrics``
+  (``collector/admin.py``) reads it at each scrape, so nothing is counted twice.
 
 The registry's lock guards only its list of series: a collection copies the list under it, then
 reads each value (under the instrument's own lock) and encodes after releasing it. Memory is
@@ -166,6 +169,26 @@ class Histogram:
             )
 
 
+INSTRUMENT_COUNTER: Final = "counter"
+INSTRUMENT_GAUGE: Final = "gauge"
+INSTRUMENT_HISTOGRAM: Final = "histogram"
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One series' value at a collection (``SelfTelemetry.readings``)."""
+
+    name: str
+    instrument: str
+    """``INSTRUMENT_COUNTER`` (keyed counters too), ``INSTRUMENT_GAUGE`` or
+    ``INSTRUMENT_HISTOGRAM``."""
+    description: str
+    unit: str
+    attributes: tuple[tuple[str, str], ...]
+    """The component's id and kind (for a keyed counter: the key's), then its own attributes."""
+    value: float | HistogramState
+
+
 @dataclass(frozen=True, slots=True)
 class _Component:
     id: str
@@ -276,6 +299,45 @@ class SelfTelemetry:
             key = series.component.snapshot_prefix + series.key
             snapshot[key] = snapshot.get(key, 0) + value
         return snapshot
+
+    def readings(self) -> list[Reading]:
+        """Every series' current value (module docstring), in registration order."""
+        instruments = {
+            _SUM: INSTRUMENT_COUNTER,
+            _KEYED_SUM: INSTRUMENT_COUNTER,
+            _GAUGE: INSTRUMENT_GAUGE,
+            _HISTOGRAM: INSTRUMENT_HISTOGRAM,
+        }
+        readings: list[Reading] = []
+        for series, value in self._readings():
+            instrument = instruments[series.instrument]
+            component = series.component
+            if series.instrument == _KEYED_SUM:
+                for key, count in sorted(value.items()):
+                    attributes = (
+                        (semconv.SELF_ATTR_COMPONENT_ID, key),
+                        (semconv.SELF_ATTR_COMPONENT_KIND, series.key_kind),
+                    )
+                    readings.append(
+                        Reading(
+                            series.name,
+                            instrument,
+                            series.description,
+                            series.unit,
+                            attributes,
+                            count,
+                        )
+                    )
+                continue
+            own = (
+                (semconv.SELF_ATTR_COMPONENT_ID, component.id),
+                (semconv.SELF_ATTR_COMPONENT_KIND, component.kind),
+                *component.attributes,
+            )
+            readings.append(
+                Reading(series.name, instrument, series.description, series.unit, own, value)
+            )
+        return readings
 
     def to_otlp_metrics(self, *, start_time_unix_nano: int, time_unix_nano: int) -> list[Metric]:
         """Every series as OTLP: one Metric per name, one data point per series (per key for

@@ -9,6 +9,14 @@ extensions stop, the pipeline finishes every pending trace and hands the exporte
 tick, the exporters flush. Nothing accepted is lost on a clean stop, nor (durability ``fsync``)
 on a crash: what was acknowledged is in the spool until stored. A start that fails shuts down
 what had started.
+
+The ``admin`` extension (``collector/admin.py``) is made before the pipeline and started before
+the replay, so ``/healthz`` answers during a long replay (a liveness probe must not kill a
+collector that is catching up) while ``/readyz`` says "not ready" until the receivers listen.
+The pipeline hands its ``pipeline_sink`` every batch, as it hands the exporters, and its
+readiness is this module's ``Collector.readiness``. Every exporter is handed to the pipeline
+wrapped in ``_TimedExporter``: each batch's export is timed (the self-telemetry histogram
+``export_duration``: the store's write latency) and its last outcome kept for readiness.
 """
 
 from __future__ import annotations
@@ -21,9 +29,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, cast
 
+from tokentrace.agent import semconv
+from tokentrace.agent.admin_http import ReadinessCheck
+from tokentrace.agent.otlp_config import SIGNAL_TRACES
 from tokentrace.collector.component import (
     KIND_EXPORTER,
     KIND_EXTENSION,
@@ -38,13 +49,14 @@ from tokentrace.collector.config import CollectorConfig, ConfigError, load_confi
 from tokentrace.collector.factories import FACTORIES
 from tokentrace.collector.memory_limiter import MemoryLimiter
 from tokentrace.collector.receivers import join_endpoint, split_endpoint
-from tokentrace.collector.self_telemetry import SelfTelemetry
+from tokentrace.collector.self_telemetry import Histogram, SelfTelemetry
 
 if TYPE_CHECKING:
     from typing import Protocol
 
+    from tokentrace.collector.admin import AdminExtension
     from tokentrace.collector.consumer import TraceConsumer
-    from tokentrace.collector.pipeline import Pipeline, TraceSink
+    from tokentrace.collector.pipeline import Pipeline, PipelineTick, ProcessedTrace, TraceSink
     from tokentrace.collector.receivers.otlp import OtlpReceiver
     from tokentrace.collector.spool import Spool
 
@@ -62,6 +74,41 @@ _MEMORY_LIMITER_ID: Final = "memory_limiter"
 # Each request allocates a few hundred short-lived containers; with CPython's default gen-0
 # threshold (700) the collector spent ~15% of its time in the cyclic GC scanning live traces.
 _GC_THRESHOLDS = (50_000, 20, 20)
+_EXPORT_DURATION_BOUNDS_S: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+"""Up to the store's busy timeout (5 s) and beyond: a locked database shows."""
+_ADMIN: Final = "admin"
+_MIB: Final = 2**20
+
+
+class _TimedExporter:
+    """An exporter as the pipeline gets it: each batch's export timed, its outcome kept (for
+    readiness); everything else is the exporter's own (attributes pass through)."""
+
+    def __init__(self, exporter: Exporter, duration: Histogram) -> None:
+        self.exporter = exporter
+        self._duration = duration
+        self.last_error: str | None = None
+        """What the last batch's export raised (one line); None when it went through."""
+
+    def export_traces(self, batch: Sequence[ProcessedTrace]) -> None:
+        started = time.perf_counter()
+        try:
+            self.exporter.export_traces(batch)
+        except Exception as error:
+            self.last_error = f"{type(error).__name__}: {error}".splitlines()[0]
+            raise
+        else:
+            self.last_error = None
+        finally:
+            self._duration.record(time.perf_counter() - started)
+
+    def tick(self, tick: PipelineTick) -> None:
+        self.exporter.tick(tick)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.exporter, name)
 
 
 def tune_gc_for_throughput() -> None:
@@ -92,6 +139,8 @@ class Collector:
         self.memory_limiter: MemoryLimiter | None = None
         self.extensions: dict[str, Component] = {}
         self.receivers: dict[str, Component] = {}
+        self._timed_exporters: dict[str, _TimedExporter] = {}
+        self._stopping = False
 
     @property
     def grpc_port(self) -> int | None:
@@ -112,6 +161,15 @@ class Collector:
                 return str(extension.url)
         return None
 
+    @property
+    def admin(self) -> AdminExtension | None:
+        """The running ``admin`` extension, if configured."""
+        for component in self.config.extensions:
+            if component.type == _ADMIN:
+                extension: Any = self.extensions.get(component.id)
+                return cast("AdminExtension | None", extension)
+        return None
+
     def _otlp_receiver(self) -> OtlpReceiver | None:
         from tokentrace.collector.receivers.otlp import OtlpReceiver
 
@@ -125,11 +183,26 @@ class Collector:
         from tokentrace.collector.pipeline import Pipeline
 
         config = self.config
+        self._stopping = False
         try:
             for component in config.exporters:
                 exporter = self._create(component)
                 exporter.start()
                 self.exporters[component.id] = exporter
+            sinks: dict[str, TraceSink] = {}
+            for exporter_id, exporter in self.exporters.items():
+                timed = _TimedExporter(exporter, self._export_duration(exporter_id))
+                self._timed_exporters[exporter_id] = timed
+                sinks[exporter_id] = timed
+            # Extensions are made now, so that the admin one can be fed by the pipeline and
+            # serve /healthz during the replay; the others start where they always did.
+            extensions = [(component, self._create(component)) for component in config.extensions]
+            for component, extension in extensions:
+                if component.type == _ADMIN:
+                    extension.readiness = self.readiness
+                    extension.start()
+                    self.extensions[component.id] = extension
+                    sinks[component.id] = extension.pipeline_sink
             # Late spans join their request through the spans the store holds for its trace.
             stores = [e for e in self.exporters.values() if isinstance(e, StoreSink)]
             spool = self._open_spool()
@@ -141,7 +214,7 @@ class Collector:
                 self.memory_limiter.start()
             self.pipeline = Pipeline(
                 config,
-                sinks=self.exporters,
+                sinks=sinks,
                 earlier_spans=stores[0].stored_spans if stores else None,
                 telemetry=self.telemetry,
                 monotonic=self._clock,
@@ -152,10 +225,10 @@ class Collector:
             )
             self.pipeline.replay()  # before any receiver takes new data
             self.pipeline.start()
-            for component in config.extensions:
-                extension = self._create(component)
-                extension.start()
-                self.extensions[component.id] = extension
+            for component, extension in extensions:
+                if component.id not in self.extensions:
+                    extension.start()
+                    self.extensions[component.id] = extension
             for component in config.receivers:
                 receiver = self._create(component, consumer=self.pipeline)
                 receiver.start()
@@ -163,6 +236,94 @@ class Collector:
         except Exception:
             self.shutdown(timeout_s=_FAILED_START_SHUTDOWN_S)
             raise
+
+    def _export_duration(self, exporter_id: str) -> Histogram:
+        return self.telemetry.component(exporter_id, KIND_EXPORTER).histogram(
+            semconv.SELF_METRIC_EXPORT_DURATION,
+            _EXPORT_DURATION_BOUNDS_S,
+            description="handing one batch to the exporter",
+            unit=semconv.METRIC_UNIT_SECONDS,
+        )
+
+    def readiness(self) -> list[ReadinessCheck]:
+        """What ``/readyz`` reports: receivers listening, each store writable (its directory
+        and file, and its last batch stored), each upstream reachable or buffering (its send
+        queue has room for a batch), memory below the limiter's soft limit. Not ready while
+        starting (the replay included) and once shutting down."""
+        if self._stopping:
+            return [ReadinessCheck("collector", False, "shutting down")]
+        if self.pipeline is None or not self.receivers:
+            return [ReadinessCheck("receivers", False, "not listening yet (starting)")]
+        checks = [self._receivers_check()]
+        # Copies: the admin thread asks while start() or shutdown() may change them.
+        checks += [self._store_check(i) for i, e in list(self.exporters.items()) if _is_store(e)]
+        checks += [self._upstream_check(component) for component in self.config.upstream]
+        limiter = self.memory_limiter
+        if limiter is not None:
+            rss, soft = limiter.rss_bytes, limiter.soft_limit_bytes
+            checks.append(
+                ReadinessCheck(
+                    "memory_limiter",
+                    rss <= soft,
+                    f"{rss / _MIB:.0f} MiB in use, refusing data above {soft / _MIB:.0f} MiB",
+                )
+            )
+        return checks
+
+    def _receivers_check(self) -> ReadinessCheck:
+        from tokentrace.collector.receivers.otlp import OtlpReceiver
+
+        listening = []
+        for receiver_id, receiver in list(self.receivers.items()):
+            if not isinstance(receiver, OtlpReceiver):
+                listening.append(receiver_id)
+                continue
+            for protocol, server in (("grpc", receiver.grpc), ("http", receiver.http)):
+                if server is None:
+                    continue
+                try:
+                    listening.append(f"{receiver_id} {protocol} :{server.port}")
+                except RuntimeError:  # not bound
+                    return ReadinessCheck("receivers", False, f"{receiver_id} {protocol}: down")
+        return ReadinessCheck("receivers", True, ", ".join(listening))
+
+    def _store_check(self, exporter_id: str) -> ReadinessCheck:
+        name = f"exporter {exporter_id}"
+        store = self.config.store
+        assert store is not None, "a store exporter has a store config"
+        path = os.path.abspath(store.path)
+        directory = os.path.dirname(path)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return ReadinessCheck(name, False, f"directory {directory} is not writable")
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            return ReadinessCheck(name, False, f"{path} is not writable")
+        timed = self._timed_exporters.get(exporter_id)
+        last_error = None if timed is None else timed.last_error
+        if last_error is not None:
+            return ReadinessCheck(name, False, f"the last batch was not stored: {last_error}")
+        return ReadinessCheck(name, True, path)
+
+    def _upstream_check(self, component: ComponentConfig) -> ReadinessCheck:
+        """Reachable or buffering: the send queue has room for one more batch (a queue that
+        filled up means the upstream has not taken spans for a while)."""
+        name = f"exporter {component.id}"
+        exporter = component.config.exporter
+        queued = 0
+        for reading in self.telemetry.readings():
+            attributes = dict(reading.attributes)
+            if (
+                reading.name == semconv.SELF_METRIC_QUEUE_LEN
+                and attributes.get(semconv.SELF_ATTR_COMPONENT_ID) == component.id
+                and attributes.get(semconv.SELF_ATTR_SIGNAL) == SIGNAL_TRACES
+                and isinstance(reading.value, int | float)
+            ):
+                queued = int(reading.value)
+        room = exporter.queue_size - queued
+        target = exporter.endpoint_for(SIGNAL_TRACES) or exporter.endpoint
+        detail = f"{queued} of {exporter.queue_size} spans queued for {target}"
+        if room < exporter.max_batch_spans:
+            return ReadinessCheck(name, False, f"send queue full ({detail}): upstream unreachable?")
+        return ReadinessCheck(name, True, detail)
 
     def _open_spool(self) -> Spool | None:
         from tokentrace.collector.spool import Spool
@@ -204,6 +365,8 @@ class Collector:
         def left() -> float:
             return max(_MIN_STEP_TIMEOUT_S, deadline - self._clock())
 
+        self._stopping = True  # /readyz says so at once: the load balancer stops sending
+
         pipeline, self.pipeline = self.pipeline, None
         if pipeline is not None:
             pipeline.stop_accepting()
@@ -228,10 +391,17 @@ class Collector:
             except Exception:
                 _log.exception("stopping the %s %s failed", KIND_EXPORTER, component_id)
         self.exporters.clear()
+        self._timed_exporters.clear()
 
     def stats(self) -> dict[str, Any]:
         """The self-telemetry snapshot (what ``tokentrace top`` shows, and the benchmark)."""
         return self.telemetry.snapshot()
+
+
+def _is_store(exporter: Any) -> bool:
+    from tokentrace.collector.exporters.store_sink import StoreSink
+
+    return isinstance(exporter, StoreSink)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -315,6 +485,12 @@ def describe_config(
         lines.append(f"{upstream.id}: enriched spans and metrics to {target} ({protocol})")
     if not config.upstream:
         lines.append("no upstream export (set OTEL_EXPORTER_OTLP_ENDPOINT or an otlp exporter)")
+    if config.admin is not None:
+        admin = (ports or {}).get("admin") or f"http://{config.admin.endpoint}"
+        lines.append(
+            f"health, readiness and Prometheus metrics {'at' if ports else 'on'} {admin}"
+            "/healthz, /readyz, /metrics (unauthenticated)"
+        )
     if config.ui is not None:
         ui = config.ui
         address = (ports or {}).get(
@@ -329,4 +505,6 @@ def describe(collector: Collector) -> list[str]:
     ports: dict[str, Any] = {"gRPC": collector.grpc_port, "HTTP": collector.http_port}
     if collector.ui_url is not None:
         ports["UI"] = collector.ui_url
+    if collector.admin is not None:
+        ports["admin"] = collector.admin.url
     return describe_config(collector.config, ports=ports)

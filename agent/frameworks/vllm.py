@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +38,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from tokentrace.agent import semconv
+from tokentrace.agent.bootstrap import pin_exporter_environment
 from tokentrace.agent.frameworks.asgi import HOOK_HTTP_SERVER, HttpServerTracer
 from tokentrace.agent.frameworks.vllm_cold_start import (
     HOOK_COLD_START_ENGINE,
@@ -550,6 +552,8 @@ def register() -> None:
     Instruments the frontend (API server / offline engine), EngineCore and the workers.
     """
     try:
+        # Without ``tokentrace run`` (the plugin alone) the first vLLM process pins them here.
+        pin_exporter_environment(os.environ)
         _share_vllm_log_handlers()
         instrumentor = VllmInstrumentor()
         if not instrumentor.is_instrumented_by_opentelemetry:

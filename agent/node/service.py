@@ -16,6 +16,10 @@ because what it takes goes on to the collector under the node agent's own creden
 sending is the agent's ``OtlpSender`` (bounded queue, retry with backoff and jitter, drop
 counters). Components start downstream first (sender, sampler, enricher, then receivers) and
 stop upstream first.
+
+With ``admin_endpoint`` set, an admin listener serves ``/healthz``, ``/readyz`` and a Prometheus
+``/metrics`` (``agent/node/admin.py``, imported only then): it starts before the receivers (alive
+while starting, ready once they listen) and stops last.
 """
 
 from __future__ import annotations
@@ -90,6 +94,9 @@ class NodeAgentConfig:
     allow_unauthenticated: bool = False
     """Permit a receiver on a non-loopback address without ``auth_token``: whoever reaches it
     could then put spans into the collector under the node agent's upstream credentials."""
+    admin_endpoint: str | None = None
+    """``/healthz``, ``/readyz`` and Prometheus ``/metrics`` (unauthenticated: scraped inside the
+    cluster, a NetworkPolicy limits who reaches it). None: off."""
 
     def validate(self) -> None:
         if not self.grpc_endpoint and not self.http_endpoint:
@@ -115,6 +122,8 @@ class NodeAgentConfig:
                     "anyone who reaches it can relay spans to the collector; set a token "
                     "(--auth-token-file) or allow it explicitly (--allow-unauthenticated)"
                 )
+        if self.admin_endpoint is not None:
+            is_loopback_endpoint(self.admin_endpoint, "admin_endpoint")  # HOST:PORT, or raise
         for name in ("sample_interval_s", "metrics_interval_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -171,6 +180,9 @@ class _Held:
 class NodeAgent:
     """The consumer behind the receivers, and the owner of sampler, enricher and senders."""
 
+    never_blocks = True
+    """TraceConsumer: ``consume_traces`` takes a short lock and notifies the relay thread."""
+
     def __init__(
         self,
         config: NodeAgentConfig,
@@ -213,9 +225,28 @@ class NodeAgent:
         """Requests sent on at ``max_hold_s`` before the sampler covered their windows."""
         self.failed_requests = 0
         self.relayed_spans = 0
+        self._shutting_down = False
+        self._admin: Any = None
+        """The admin listener (``agent/node/admin.py``) when ``admin_endpoint`` is set."""
+
+    @property
+    def config(self) -> NodeAgentConfig:
+        return self._config
+
+    @property
+    def shutting_down(self) -> bool:
+        """Set when ``shutdown`` begins (``/readyz`` says not ready from then on)."""
+        return self._shutting_down
+
+    @property
+    def admin_port(self) -> int | None:
+        """The admin listener's port (None: not running)."""
+        return None if self._admin is None else int(self._admin.server.port)
 
     # --- consumer (receiver threads) -------------------------------------------------------------
-    def consume_traces(self, request: ExportTraceServiceRequest) -> None:
+    def consume_traces(
+        self, request: ExportTraceServiceRequest, *, encoded: bytes | None = None
+    ) -> None:
         spans = 0
         end_ns = 0
         for resource_spans in request.resource_spans:
@@ -324,6 +355,8 @@ class NodeAgent:
             self._spawn("tokentrace-node-metrics", self._metrics_loop)
         config = self._config
         try:
+            if config.admin_endpoint:
+                self._start_admin(config.admin_endpoint)
             # The collector's receivers, with the same auth and TLS options as its config.
             if config.grpc_endpoint:
                 receiver: Any = OtlpGrpcReceiver(
@@ -349,6 +382,19 @@ class NodeAgent:
             self.shutdown()
             raise
 
+    def _start_admin(self, endpoint: str) -> None:
+        from tokentrace.agent.node.admin import NodeAdmin
+        from tokentrace.collector.receivers import ReceiverStartError
+
+        admin = NodeAdmin(self, bind_endpoint(endpoint))
+        try:
+            admin.start()
+        except OSError as error:
+            raise ReceiverStartError(
+                f"admin listener cannot bind {endpoint}: {error.strerror or error}"
+            ) from None
+        self._admin = admin
+
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
@@ -359,7 +405,9 @@ class NodeAgent:
         return list(self._receivers)
 
     def shutdown(self, timeout_s: float = _DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
-        """Stop upstream first: receivers, then relay what is held, then sampler and senders."""
+        """Stop upstream first: receivers, then relay what is held, then sampler and senders;
+        the admin listener last."""
+        self._shutting_down = True
         for receiver in self._receivers:
             receiver.shutdown(min(timeout_s, 2.0))
         self._receivers.clear()
@@ -374,6 +422,9 @@ class NodeAgent:
         self.trace_sender.shutdown(timeout_s)
         if self.metric_sender is not None:
             self.metric_sender.shutdown(timeout_s)
+        admin, self._admin = self._admin, None
+        if admin is not None:
+            admin.shutdown(min(timeout_s, 2.0))
 
     def stats(self) -> dict[str, int]:
         with self._lock:

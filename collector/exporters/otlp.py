@@ -38,6 +38,7 @@ from tokentrace.agent.otlp_config import (
     TOKENTRACE_VERSION,
     RetryConfig,
     Signal,
+    check_tls_files,
     options_from_env,
 )
 from tokentrace.agent.otlp_export import OtlpSender
@@ -82,7 +83,9 @@ class OtlpExporterConfig(otlp_config.OtlpExporterConfig):
 
         Keys: ``endpoint``, ``traces_endpoint``, ``metrics_endpoint``, ``protocol``, ``headers``
         (mapping), ``timeout`` (duration such as ``"5s"`` or seconds), ``compression``,
-        ``tls: {insecure}``, ``sending_queue: {queue_size}``, ``max_batch_spans``,
+        ``tls: {insecure, ca_file, cert_file, key_file}`` (the CA to trust instead of the
+        system's, and a client certificate and key for mTLS: PEM files, read and checked here),
+        ``sending_queue: {queue_size}``, ``max_batch_spans``,
         ``retry_on_failure: {initial_interval, max_interval, max_elapsed_time}``.
         A section that names an endpoint ignores the environment entirely (its headers may be
         credentials for another backend) and defaults to gRPC, as the Collector's ``otlp``
@@ -121,11 +124,23 @@ class OtlpExporterConfig(otlp_config.OtlpExporterConfig):
                 settings["max_batch_spans"], "max_batch_spans"
             )
         if "tls" in settings:
-            tls = _setting_section(settings, "tls", ("insecure",))
+            tls = _setting_section(settings, "tls", ("insecure", *_TLS_FILE_KEYS))
             if "insecure" in tls:
                 if not isinstance(tls["insecure"], bool):
                     raise ValueError("tls.insecure: must be true or false")
                 options["insecure"] = tls["insecure"]
+            files = {
+                key: _setting_str(tls, key, prefix="tls.") for key in _TLS_FILE_KEYS if key in tls
+            }
+            check_tls_files(
+                **{
+                    argument: (f"tls.{key}", files.get(key, ""))
+                    for key, (argument, _field) in _TLS_FILE_KEYS.items()
+                }
+            )
+            for key, (_argument, field_name) in _TLS_FILE_KEYS.items():
+                if key in files:
+                    options[field_name] = files[key]
         if "sending_queue" in settings:
             queue = _setting_section(settings, "sending_queue", ("queue_size",))
             if "queue_size" in queue:
@@ -155,6 +170,12 @@ class OtlpExporterConfig(otlp_config.OtlpExporterConfig):
 
 
 _ENDPOINT_KEYS: Final = ("endpoint", "traces_endpoint", "metrics_endpoint")
+_TLS_FILE_KEYS: Final = {
+    # the OpenTelemetry Collector's key: (check_tls_files's argument, OtlpExporterConfig field)
+    "ca_file": ("certificate", "certificate_file"),
+    "key_file": ("client_key", "client_key_file"),
+    "cert_file": ("client_certificate", "client_certificate_file"),
+}
 _SETTINGS_KEYS: Final = frozenset(
     {
         *_ENDPOINT_KEYS,
@@ -170,10 +191,10 @@ _SETTINGS_KEYS: Final = frozenset(
 )
 
 
-def _setting_str(settings: Mapping[str, Any], key: str) -> str:
+def _setting_str(settings: Mapping[str, Any], key: str, *, prefix: str = "") -> str:
     value = settings[key]
     if not isinstance(value, str):
-        raise ValueError(f"{key}: must be a string, got {value!r}")
+        raise ValueError(f"{prefix}{key}: must be a string, got {value!r}")
     return value
 
 

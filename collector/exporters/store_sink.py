@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from tokentrace.agent import semconv
+from tokentrace.collector.component import ExportRetryable
 from tokentrace.collector.component_configs import StoreConfig
 from tokentrace.collector.self_telemetry import ComponentTelemetry, metric_key
 from tokentrace.collector.store import (
@@ -46,7 +47,8 @@ SNAPSHOT_PREFIX: Final = "StoreSink."
 _COUNTERS: Final = {
     semconv.SELF_METRIC_WRITTEN_REQUESTS: "requests written",
     semconv.SELF_METRIC_REJECTED_RECORDS: "requests the store left out",
-    semconv.SELF_METRIC_FAILED_BATCHES: "batches not stored at all",
+    semconv.SELF_METRIC_QUARANTINED_RECORDS: "requests dropped: their trace could not be stored",
+    semconv.SELF_METRIC_FAILED_BATCHES: "batch writes that stored nothing (each attempt)",
     semconv.SELF_METRIC_CHECKPOINTS: "WAL checkpoints run",
     semconv.SELF_METRIC_FAILED_CHECKPOINTS: "WAL checkpoints failed",
     semconv.SELF_METRIC_REPLACED_TRACES: "trace writes that replaced the stored spans",
@@ -95,8 +97,9 @@ class StoreSink:
         store (dropped), the rest of the batch is stored, and nothing is raised; it is counted
         (``quarantined_records``, and in ``rejected_records`` with malformed records) and logged
         in one line at most every ``_DEFAULT_REJECT_LOG_INTERVAL_S``. A batch the database
-        refused (rolled back whole), or with nothing storable in it, is counted as failed and
-        re-raised for the pipeline's error counters.
+        refused whole (full, locked, an I/O error) raises ``ExportRetryable``: the pipeline
+        holds it and hands it over again. One with nothing storable in it, or refused part-way,
+        is counted as failed and re-raised for the pipeline's error counters.
         """
         store = self._store
         failed_before = store.failed_batches
@@ -112,6 +115,9 @@ class StoreSink:
                 },
             )
         except StoreWriteError as error:
+            if error.retryable:
+                self._failed_batches += 1
+                raise ExportRetryable(str(error)) from error
             self._written_requests += error.written
             self._rejected_records += error.rejected
             self._quarantined_records += store.quarantined_records - quarantined_before
@@ -189,6 +195,7 @@ class StoreSink:
         values = (
             self._written_requests,
             self._rejected_records,
+            self._quarantined_records,
             self._failed_batches,
             store.checkpoints,
             store.failed_checkpoints,

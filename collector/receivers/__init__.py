@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+from dataclasses import dataclass
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -16,16 +17,19 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from tokentrace.collector.consumer import Overloaded, TraceConsumer, Unavailable
-from tokentrace.collector.receivers.validate import sanitize
+from tokentrace.collector.receivers.validate import DEFAULT_SPAN_LIMITS, SpanLimits, sanitize
 
 __all__ = [
     "ConsumerFailed",
     "ReceiverCounters",
     "ReceiverStartError",
+    "ValidExport",
     "bearer_token_matches",
     "deliver",
+    "hand_over",
     "join_endpoint",
     "split_endpoint",
+    "validate_export",
 ]
 
 _log = logging.getLogger(__name__)
@@ -124,6 +128,7 @@ class OtlpReceiverBase:
         auth_token: str | None,
         tls_cert_file: str | None,
         tls_key_file: str | None,
+        span_limits: SpanLimits = DEFAULT_SPAN_LIMITS,
     ) -> None:
         if (tls_cert_file is None) != (tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file must be given together")
@@ -134,6 +139,7 @@ class OtlpReceiverBase:
         self._auth_token = auth_token
         self._tls_cert_file = tls_cert_file
         self._tls_key_file = tls_key_file
+        self._span_limits = span_limits
         self._counters = ReceiverCounters()
         self._port: int | None = None
 
@@ -167,21 +173,56 @@ def _count_spans(request: ExportTraceServiceRequest) -> int:
     )
 
 
-def deliver(
-    consumer: TraceConsumer,
+@dataclass(frozen=True, slots=True)
+class ValidExport:
+    """A decoded export request after validation: what goes to the consumer, and the reply."""
+
+    request: ExportTraceServiceRequest
+    """The valid spans (validation removed the others in place)."""
+    encoded: bytes | None
+    """``request`` serialised, when it is still exactly what was received (see
+    ``TraceConsumer.consume_traces``); None when validation changed it or it came as JSON."""
+    accepted_spans: int
+    response: ExportTraceServiceResponse
+    """OK, with ``partial_success`` when spans were rejected."""
+
+
+def validate_export(
     request: ExportTraceServiceRequest,
-    counters: ReceiverCounters,
+    *,
+    encoded: bytes | None = None,
+    limits: SpanLimits = DEFAULT_SPAN_LIMITS,
+) -> ValidExport:
+    """Validate ``request`` (decoded from the protobuf bytes ``encoded``, when given) against
+    ``limits``."""
+    sanitized = sanitize(request, limits)
+    rejected_spans, error_message = sanitized
+    # A stand-in for sanitize (the tests' bypass) may return a plain pair: assume a change.
+    modified = getattr(sanitized, "modified", True)
+    response = ExportTraceServiceResponse()
+    if rejected_spans:
+        response.partial_success.rejected_spans = rejected_spans
+        response.partial_success.error_message = error_message
+    return ValidExport(
+        request,
+        None if modified else encoded,
+        _count_spans(request),
+        response,
+    )
+
+
+def hand_over(
+    consumer: TraceConsumer, export: ValidExport, counters: ReceiverCounters
 ) -> ExportTraceServiceResponse:
-    """Validate ``request``, hand it to ``consumer`` and build the OTLP response.
+    """Hand a validated export's spans to ``consumer`` (none: no call); count; the response.
 
     Raises Overloaded / Unavailable from the consumer unchanged (counted as refused) and
     ConsumerFailed for anything else the consumer raised (logged and counted here).
     """
-    rejected_spans, error_message = sanitize(request)
-    accepted_spans = _count_spans(request)
+    accepted_spans = export.accepted_spans
     if accepted_spans:
         try:
-            consumer.consume_traces(request)
+            consumer.consume_traces(export.request, encoded=export.encoded)
         except (Overloaded, Unavailable):
             counters.add("refused_requests")
             raise
@@ -190,9 +231,20 @@ def deliver(
             _log.error("trace consumer failed on a %d-span export", accepted_spans, exc_info=True)
             raise ConsumerFailed(f"consumer error: {type(error).__name__}") from error
         counters.add("accepted_spans", accepted_spans)
-    response = ExportTraceServiceResponse()
+    rejected_spans = export.response.partial_success.rejected_spans
     if rejected_spans:
         counters.add("rejected_spans", rejected_spans)
-        response.partial_success.rejected_spans = rejected_spans
-        response.partial_success.error_message = error_message
-    return response
+    return export.response
+
+
+def deliver(
+    consumer: TraceConsumer,
+    request: ExportTraceServiceRequest,
+    counters: ReceiverCounters,
+    *,
+    encoded: bytes | None = None,
+    limits: SpanLimits = DEFAULT_SPAN_LIMITS,
+) -> ExportTraceServiceResponse:
+    """Validate ``request`` (decoded from the protobuf bytes ``encoded``, when given), hand it
+    to ``consumer`` and build the OTLP response: ``validate_export`` then ``hand_over``."""
+    return hand_over(consumer, validate_export(request, encoded=encoded, limits=limits), counters)

@@ -45,6 +45,7 @@ class OtlpReceiver:
                 auth_token=grpc.auth_token,
                 tls_cert_file=grpc.tls_cert_file,
                 tls_key_file=grpc.tls_key_file,
+                span_limits=config.span_limits,
             )
         if config.http is not None:
             http = config.http
@@ -55,6 +56,7 @@ class OtlpReceiver:
                 auth_token=http.auth_token,
                 tls_cert_file=http.tls_cert_file,
                 tls_key_file=http.tls_key_file,
+                span_limits=config.span_limits,
             )
         for transport, receiver in self._protocols():
             telemetry = settings.component_telemetry(

@@ -41,6 +41,7 @@ from tokentrace.collector.receivers import (
     bearer_token_matches,
     deliver,
 )
+from tokentrace.collector.receivers.validate import DEFAULT_SPAN_LIMITS, SpanLimits
 
 __all__ = ["OtlpGrpcReceiver", "ReceiverStartError"]
 
@@ -117,11 +118,13 @@ class _TraceServicer:
         counters: ReceiverCounters,
         auth_token: str | None,
         log: _RateLimitedLog,
+        span_limits: SpanLimits,
     ) -> None:
         self._consumer = consumer
         self._counters = counters
         self._auth_token = auth_token
         self._log = log
+        self._span_limits = span_limits
 
     def Export(self, data: bytes, context: grpc.ServicerContext) -> ExportTraceServiceResponse:
         if self._auth_token is not None and not self._authorized(context):
@@ -146,7 +149,14 @@ class _TraceServicer:
                 "request is not a valid ExportTraceServiceRequest protobuf",
             )
         try:
-            return deliver(self._consumer, request, self._counters)
+            # The bytes as received: the spool keeps them when validation changed nothing.
+            return deliver(
+                self._consumer,
+                request,
+                self._counters,
+                encoded=data,
+                limits=self._span_limits,
+            )
         except Overloaded as refusal:
             message = str(refusal) or "collector overloaded"
             context.set_trailing_metadata(_retry_info_trailers(message, refusal.retry_after_s))
@@ -195,6 +205,7 @@ class OtlpGrpcReceiver(OtlpReceiverBase):
         tls_key_file: str | None = None,
         auth_token: str | None = None,
         max_concurrent_rpcs: int = _DEFAULT_MAX_CONCURRENT_RPCS,
+        span_limits: SpanLimits = DEFAULT_SPAN_LIMITS,
     ) -> None:
         super().__init__(
             consumer,
@@ -202,6 +213,7 @@ class OtlpGrpcReceiver(OtlpReceiverBase):
             auth_token=auth_token,
             tls_cert_file=tls_cert_file,
             tls_key_file=tls_key_file,
+            span_limits=span_limits,
         )
         if max_recv_msg_size <= 0 or max_workers <= 0 or max_concurrent_rpcs < max_workers:
             raise ValueError(
@@ -232,7 +244,9 @@ class OtlpGrpcReceiver(OtlpReceiverBase):
             ],
             maximum_concurrent_rpcs=self._max_concurrent_rpcs,
         )
-        servicer = _TraceServicer(self._consumer, self._counters, self._auth_token, self._log)
+        servicer = _TraceServicer(
+            self._consumer, self._counters, self._auth_token, self._log, self._span_limits
+        )
         export = grpc.unary_unary_rpc_method_handler(
             servicer.Export,
             request_deserializer=None,  # raw bytes: Export parses them, INVALID_ARGUMENT if bad

@@ -31,7 +31,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans, Span
 
-__all__ = ["DEFAULT_SPAN_LIMITS", "REJECTION_REASONS", "SpanLimits", "sanitize"]
+__all__ = ["DEFAULT_SPAN_LIMITS", "REJECTION_REASONS", "Sanitized", "SpanLimits", "sanitize"]
 
 _TRACE_ID_LEN = 16
 _SPAN_ID_LEN = 8
@@ -286,10 +286,24 @@ def _describe(reason_counts: list[int]) -> tuple[int, str]:
     return rejected, f"rejected {rejected} {noun}: {parts}"
 
 
+class Sanitized(tuple[int, str]):
+    """What ``sanitize`` returns: the pair ``(rejected_spans, error_message)``, and
+    ``modified``: whether the request changed at all (spans removed, or an all-zero parent
+    rewritten). When it did not, the bytes it was decoded from are still its serialisation."""
+
+    modified: bool
+
+    def __new__(cls, rejected_spans: int, error_message: str, *, modified: bool) -> Sanitized:
+        sanitized = super().__new__(cls, (rejected_spans, error_message))
+        sanitized.modified = modified
+        return sanitized
+
+
 def sanitize(
     request: ExportTraceServiceRequest, limits: SpanLimits = DEFAULT_SPAN_LIMITS
-) -> tuple[int, str]:
-    """Remove invalid spans from ``request`` in place; return (rejected_spans, error_message).
+) -> Sanitized:
+    """Remove invalid spans from ``request`` in place; return (rejected_spans, error_message),
+    which also says whether the request was ``modified``.
 
     Invalid: trace_id not 16 bytes or all zero; span_id not 8 bytes or all zero; parent_span_id
     neither empty nor 8 bytes; start_time_unix_nano 0; end_time_unix_nano before the start; a
@@ -332,7 +346,7 @@ def sanitize(
                     dirty_scopes.append((resource_index, scope_index))
                     break
     if not dirty_scopes:
-        return 0, ""
+        return Sanitized(0, "", modified=False)
 
     reason_counts = [0] * len(REJECTION_REASONS)
     emptied: dict[int, list[int]] = {}
@@ -349,5 +363,5 @@ def sanitize(
         if not all_scope_spans:
             del request.resource_spans[resource_index]
     if not any(reason_counts):  # only all-zero parents were fixed
-        return 0, ""
-    return _describe(reason_counts)
+        return Sanitized(0, "", modified=True)
+    return Sanitized(*_describe(reason_counts), modified=True)

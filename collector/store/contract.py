@@ -50,14 +50,20 @@ class StoreNotFoundError(StoreError):
 class StoreWriteError(StoreError):
     """Part or all of a ``write`` batch was not stored.
 
-    ``rejected``: request records not stored (malformed records, or every record of the batch
-    when the transaction failed and rolled back). ``written``: records stored despite the error.
+    ``rejected``: request records not stored and given up (malformed or quarantined records,
+    or the rest of a batch the database refused part-way). ``written``: records stored despite
+    the error. ``retryable``: the database refused the whole batch (full, locked, an I/O error)
+    and nothing of it was written: the same batch may be written again later (its records are
+    not counted in ``rejected``).
     """
 
-    def __init__(self, message: str, *, rejected: int, written: int) -> None:
+    def __init__(
+        self, message: str, *, rejected: int, written: int, retryable: bool = False
+    ) -> None:
         super().__init__(message)
         self.rejected = rejected
         self.written = written
+        self.retryable = retryable
 
 
 def diagnosis_to_json(config: DiagnosisConfig) -> str:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.agent.tls_material import make_certificate, make_encrypted_key
 from tokentrace.agent.otlp_config import OtlpExporterConfig, RetryConfig, options_from_env
 from tokentrace.agent.otlp_export import OtlpSender
 
@@ -175,3 +177,143 @@ def test_unknown_signal_is_refused() -> None:
     logs: Any = "logs"
     with pytest.raises(ValueError, match=r"^signal:"):
         OtlpSender(config, signal=logs)
+
+
+# --- TLS material: OTEL_EXPORTER_OTLP_[SIGNAL_]CERTIFICATE, CLIENT_KEY, CLIENT_CERTIFICATE --------
+@pytest.fixture(scope="module")
+def pem_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Named PEM (and not-PEM) files: a CA, a client certificate and key, a key of another
+    certificate, an encrypted key, a corrupt certificate, plain text."""
+    directory = tmp_path_factory.mktemp("pem")
+    ca, _ = make_certificate(directory, "ca")
+    client_cert, client_key = make_certificate(directory, "client")
+    _, other_key = make_certificate(directory, "other")
+    corrupt = directory / "corrupt.pem"
+    corrupt.write_text("-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n")
+    text = directory / "notes.txt"
+    text.write_text("not PEM at all\n")
+    return {
+        "ca": ca,
+        "client_cert": client_cert,
+        "client_key": client_key,
+        "other_key": other_key,
+        "encrypted_key": make_encrypted_key(directory),
+        "corrupt": str(corrupt),
+        "text": str(text),
+        "missing": str(directory / "missing.pem"),
+        "directory": str(directory),
+    }
+
+
+def test_from_env_reads_the_tls_files_signal_variables_first(pem_files: dict[str, str]) -> None:
+    environ = {
+        f"{ENV}ENDPOINT": "https://h:4318",
+        f"{ENV}CERTIFICATE": pem_files["client_cert"],
+        f"{ENV}TRACES_CERTIFICATE": pem_files["ca"],
+        f"{ENV}CLIENT_KEY": pem_files["client_key"],
+        f"{ENV}METRICS_CLIENT_CERTIFICATE": pem_files["client_cert"],
+    }
+    traces = OtlpExporterConfig.from_env(
+        {**environ, f"{ENV}TRACES_CLIENT_CERTIFICATE": pem_files["client_cert"]}, signal="traces"
+    )
+    metrics = OtlpExporterConfig.from_env(environ, signal="metrics")
+    assert traces is not None and metrics is not None
+    assert (traces.certificate_file, traces.client_key_file, traces.client_certificate_file) == (
+        pem_files["ca"],
+        pem_files["client_key"],
+        pem_files["client_cert"],
+    )
+    assert (metrics.certificate_file, metrics.client_certificate_file) == (
+        pem_files["client_cert"],
+        pem_files["client_cert"],
+    )
+    # Without a signal the per-signal variables do not count (and unset stays empty).
+    general = OtlpExporterConfig.from_env(
+        {f"{ENV}ENDPOINT": "https://h:4318", f"{ENV}TRACES_CERTIFICATE": pem_files["ca"]}
+    )
+    assert general is not None
+    assert (general.certificate_file, general.client_key_file) == ("", "")
+
+
+@pytest.mark.parametrize(
+    ("variables", "variable", "phrase"),
+    [
+        ({"CERTIFICATE": "missing"}, "CERTIFICATE", "No such file"),
+        ({"CERTIFICATE": "directory"}, "CERTIFICATE", "cannot read"),
+        ({"CERTIFICATE": "text"}, "CERTIFICATE", "holds no PEM certificate"),
+        ({"TRACES_CERTIFICATE": "client_key"}, "TRACES_CERTIFICATE", "holds no PEM certificate"),
+        ({"CERTIFICATE": "corrupt"}, "CERTIFICATE", "not valid PEM certificates"),
+        ({"CLIENT_KEY": "client_key"}, "CLIENT_KEY", "without OTEL_EXPORTER_OTLP_CLIENT_CERT"),
+        (
+            {"TRACES_CLIENT_CERTIFICATE": "client_cert"},
+            "TRACES_CLIENT_CERTIFICATE",
+            "without OTEL_EXPORTER_OTLP_CLIENT_KEY",
+        ),
+        (
+            {"CLIENT_CERTIFICATE": "client_cert", "CLIENT_KEY": "other_key"},
+            "CLIENT_KEY",
+            "not a readable unencrypted private key of the certificate",
+        ),
+        (
+            {"CLIENT_CERTIFICATE": "client_cert", "CLIENT_KEY": "encrypted_key"},
+            "CLIENT_KEY",
+            "encrypted private key",
+        ),
+        (
+            {"CLIENT_CERTIFICATE": "client_cert", "CLIENT_KEY": "ca"},
+            "CLIENT_KEY",
+            "holds no PEM private key",
+        ),
+        (
+            {"CLIENT_CERTIFICATE": "client_key", "CLIENT_KEY": "client_key"},
+            "CLIENT_CERTIFICATE",
+            "holds no PEM certificate",
+        ),
+    ],
+)
+def test_from_env_rejects_bad_tls_files_naming_the_variable(
+    pem_files: dict[str, str], variables: dict[str, str], variable: str, phrase: str
+) -> None:
+    environ = {f"{ENV}ENDPOINT": "https://h:4318"}
+    environ.update({f"{ENV}{name}": pem_files[file] for name, file in variables.items()})
+    with pytest.raises(ValueError, match=f"^{ENV}{variable}: ") as raised:
+        OtlpExporterConfig.from_env(environ, signal="traces")
+    assert phrase in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_validate_checks_the_tls_files_naming_the_field(pem_files: dict[str, str]) -> None:
+    base = OtlpExporterConfig(endpoint="https://h:4318")
+    good = OtlpExporterConfig(
+        endpoint="https://h:4318",
+        certificate_file=pem_files["ca"],
+        client_key_file=pem_files["client_key"],
+        client_certificate_file=pem_files["client_cert"],
+    )
+    good.validate()
+    base.validate()
+    for options, field in [
+        ({"certificate_file": pem_files["missing"]}, "certificate_file"),
+        ({"client_key_file": pem_files["client_key"]}, "client_key_file"),
+        ({"client_certificate_file": pem_files["client_cert"]}, "client_certificate_file"),
+        (
+            {
+                "client_certificate_file": pem_files["client_cert"],
+                "client_key_file": "/nonexistent",
+            },
+            "client_key_file",
+        ),
+    ]:
+        config = OtlpExporterConfig(endpoint="https://h:4318", **options)
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            config.validate()
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            OtlpSender(config, signal="traces")
+
+
+def test_a_bad_tls_file_is_named_even_for_a_plain_text_endpoint(tmp_path: Path) -> None:
+    # The variable is set, so it was meant: a typo surfaces now, not once TLS is switched on.
+    with pytest.raises(ValueError, match=f"^{ENV}CERTIFICATE: "):
+        OtlpExporterConfig.from_env(
+            {f"{ENV}ENDPOINT": "http://h:4318", f"{ENV}CERTIFICATE": str(tmp_path / "ca.pem")}
+        )

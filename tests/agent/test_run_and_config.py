@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tokentrace.agent import semconv
+from tokentrace.agent.bootstrap import PINNED_EXPORTER_ENV, pin_exporter_environment
 from tokentrace.agent.config import load_agent_config
 
 TOKENTRACE = [sys.executable, "-m", "tokentrace.agent.cli"]
@@ -183,3 +186,79 @@ def test_runtime_shares_one_monotonic_to_unix_mapping_and_checks_sender_room() -
         assert stats["emitter.handed_to_sender_requests"] == 0
     finally:
         runtime.shutdown(1.0)
+
+
+# --- the exporter variables the first process saw --------------------------------------------
+_CHILD_READS_ITS_ENDPOINT = (
+    "from tokentrace.agent.config import load_agent_config; "
+    "print(load_agent_config().exporter.endpoint_for('traces'))"
+)
+_PARENT_PINS_THEN_THE_ENGINE_REWRITES = (
+    "import os, subprocess, sys\n"
+    "from tokentrace.agent.bootstrap import pin_exporter_environment\n"
+    "pin_exporter_environment(os.environ)\n"
+    # what vLLM does for --otlp-traces-endpoint, in the API server, before spawning EngineCore
+    "os.environ['OTEL_EXPORTER_OTLP_TRACES_ENDPOINT'] = 'grpc://vllm-tracing:4317'\n"
+    "subprocess.run([sys.executable, '-c', sys.argv[1]], check=True)\n"
+)
+
+
+def test_child_processes_export_where_the_first_process_was_told_to() -> None:
+    """An engine that sets OTEL_EXPORTER_OTLP_TRACES_ENDPOINT for its own tracing once running
+    does not redirect tokentrace's spans in the processes it starts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TOKENTRACE_"))}
+    env["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://node-agent:4317"
+    env["OTEL_EXPORTER_OTLP_PROTOCOL"] = "grpc"
+    child = subprocess.run(
+        [sys.executable, "-c", _PARENT_PINS_THEN_THE_ENGINE_REWRITES, _CHILD_READS_ITS_ENDPOINT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "http://node-agent:4317"
+    # Without the pin, the child would follow the engine's variable.
+    unpinned = load_agent_config(
+        {**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "grpc://vllm-tracing:4317"}
+    )
+    assert unpinned.exporter.endpoint_for("traces") == "http://vllm-tracing:4317"
+
+
+def test_a_pin_is_kept_by_the_process_that_inherits_it() -> None:
+    environ = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://first:4317",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_SERVICE_NAME": "x",
+    }
+    pin_exporter_environment(environ)
+    pinned = environ[PINNED_EXPORTER_ENV]
+    environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://second:4318"
+    pin_exporter_environment(environ)
+    assert environ[PINNED_EXPORTER_ENV] == pinned
+    assert json.loads(pinned) == {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://first:4317",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+    }
+    config = load_agent_config(
+        {
+            **environ,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20later",
+        }
+    )
+    # Every exporter variable comes from the pin: changed or added later, none is read.
+    assert config.exporter.endpoint == "http://first:4317"
+    assert (config.exporter.protocol, dict(config.exporter.headers)) == ("grpc", {})
+
+
+@pytest.mark.parametrize(
+    "bad", ["{not json", '["a"]', '{"PATH": "/bin"}', '{"OTEL_EXPORTER_OTLP_X": 1}']
+)
+def test_a_bad_pin_is_ignored_with_a_warning(bad: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        config = load_agent_config(
+            {PINNED_EXPORTER_ENV: bad, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://live:4317"}
+        )
+    assert config.exporter.endpoint == "http://live:4317"
+    assert PINNED_EXPORTER_ENV in caplog.text

@@ -10,23 +10,36 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 
 class RecordingConsumer:
-    """Records every request; can be told to refuse or fail the next N calls."""
+    """Records every request (and the bytes it came as, when the receiver passed them); can be
+    told to refuse or fail the next N calls.
 
-    def __init__(self) -> None:
+    ``never_blocks`` (False unless set): whether it declares that it never blocks, which lets
+    the HTTP receiver call it on its event loop; a subclass that waits must leave it False.
+    """
+
+    def __init__(self, *, never_blocks: bool = False) -> None:
+        self.never_blocks = never_blocks
         self.requests: list[ExportTraceServiceRequest] = []
+        self.encoded: list[bytes | None] = []
         self.calls = 0
+        self.threads: list[str] = []
+        """The name of the thread each call ran on."""
         self._lock = threading.Lock()
         self.failures: list[Exception] = []
 
     def fail_next(self, *errors: Exception) -> None:
         self.failures.extend(errors)
 
-    def consume_traces(self, request: ExportTraceServiceRequest) -> None:
+    def consume_traces(
+        self, request: ExportTraceServiceRequest, *, encoded: bytes | None = None
+    ) -> None:
         with self._lock:
             self.calls += 1
+            self.threads.append(threading.current_thread().name)
             if self.failures:
                 raise self.failures.pop(0)
             self.requests.append(request)
+            self.encoded.append(encoded)
 
     def spans(self) -> list[Span]:
         return [

@@ -18,6 +18,7 @@ from tests.collector.test_store import assembled, make_record
 from tests.collector.upstream import FLUSH_S, UpstreamOtlp, exporter_options
 from tests.spanbuild import request_spans
 from tokentrace.agent import semconv
+from tokentrace.collector.admin import AdminExtension
 from tokentrace.collector.api.server import ApiServer
 from tokentrace.collector.assembly import TraceAssembler
 from tokentrace.collector.component import (
@@ -82,6 +83,7 @@ def test_the_table_holds_one_factory_per_kind_and_type() -> None:
         (KIND_EXPORTER, "store"),
         (KIND_EXPORTER, "otlp"),
         (KIND_EXTENSION, "ui"),
+        (KIND_EXTENSION, "admin"),
     ]
 
 
@@ -94,6 +96,7 @@ _MADE: dict[tuple[str, str], type] = {
     (KIND_EXPORTER, "store"): StoreSink,
     (KIND_EXPORTER, "otlp"): UpstreamSink,
     (KIND_EXTENSION, "ui"): ApiServer,
+    (KIND_EXTENSION, "admin"): AdminExtension,
 }
 """What each factory must make."""
 
@@ -584,6 +587,8 @@ _PIPELINE_KEYS = {
     "late_traces_rederived",
     "late_traces_unmatched",
     "refused_batches",
+    "retried_batches",
+    "duplicate_spans",
     "processor_errors",
     "exporter_errors",
     "percentile_keys_evicted",
@@ -609,6 +614,7 @@ _RECEIVER_KEYS = (
 _STORE_KEYS = (
     "written_requests",
     "rejected_records",
+    "quarantined_records",
     "failed_batches",
     "checkpoints",
     "failed_checkpoints",

@@ -5,6 +5,7 @@ environment in tests/agent/test_otlp_config.py."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,8 +30,11 @@ from tokentrace.collector.exporters.otlp import (
     OtlpMetricExporter,
     OtlpTraceExporter,
 )
+from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
+from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
 from tokentrace.processors.model import SpanRef
 
+from .consumers import RecordingConsumer
 from .upstream import (
     FLUSH_S,
     PROTOCOLS,
@@ -360,3 +364,81 @@ def test_from_settings_without_an_endpoint_starts_from_the_environment() -> None
 def test_from_settings_errors_name_the_key(settings: Mapping[str, Any], key: str) -> None:
     with pytest.raises(ValueError, match=f"^{key}"):
         OtlpExporterConfig.from_settings(settings, environ={})
+
+
+# --- TLS files (the OpenTelemetry Collector's tls keys) ------------------------------------------
+def test_from_settings_takes_the_ca_and_client_certificate_files(
+    tls_files: tuple[str, str],
+) -> None:
+    cert, key = tls_files
+    config = OtlpExporterConfig.from_settings(
+        {
+            "endpoint": "https://h:4317",
+            "tls": {"ca_file": cert, "cert_file": cert, "key_file": key},
+        },
+        environ={},
+    )
+    assert (config.certificate_file, config.client_certificate_file, config.client_key_file) == (
+        cert,
+        cert,
+        key,
+    )
+
+
+@pytest.mark.parametrize(
+    ("tls", "message"),
+    [
+        ({"ca_file": "/nonexistent/ca.pem"}, "^tls.ca_file: "),
+        ({"ca_file": 3}, "^tls.ca_file: must be a string"),
+        ({"key_file": "KEY"}, "^tls.key_file: given without tls.cert_file"),
+        ({"cert_file": "CERT"}, "^tls.cert_file: given without tls.key_file"),
+        ({"ca_file": "KEY"}, "^tls.ca_file: .*(certificate|PEM)"),
+    ],
+)
+def test_tls_file_errors_name_the_key(
+    tls: dict[str, Any], message: str, tls_files: tuple[str, str]
+) -> None:
+    cert, key = tls_files
+    files = {
+        k: {"CERT": cert, "KEY": key}.get(v, v) if isinstance(v, str) else v for k, v in tls.items()
+    }
+    with pytest.raises(ValueError, match=message):
+        OtlpExporterConfig.from_settings({"endpoint": "https://h:4317", "tls": files}, environ={})
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_exporter_reaches_a_private_ca_upstream_with_ca_file(
+    protocol: str, tls_files: tuple[str, str]
+) -> None:
+    cert, key = tls_files
+    consumer = RecordingConsumer()
+    receiver_type = OtlpGrpcReceiver if protocol == PROTOCOL_GRPC else OtlpHttpReceiver
+    receiver = receiver_type(consumer, endpoint="127.0.0.1:0", tls_cert_file=cert, tls_key_file=key)
+    receiver.start()
+    try:
+        config = OtlpExporterConfig.from_settings(
+            {
+                "endpoint": f"https://127.0.0.1:{receiver.port}",
+                "protocol": protocol,
+                "tls": {"ca_file": cert},  # the self-signed certificate is its own CA
+            },
+            environ={},
+        )
+        exporter = OtlpTraceExporter(config)
+        try:
+            now_ns = time.time_ns()
+            span = Span(
+                trace_id=b"\x01" * 16,
+                span_id=b"\x02" * 8,
+                name="over-tls",
+                start_time_unix_nano=now_ns - 10**6,
+                end_time_unix_nano=now_ns,
+            )
+            ref = SpanRef(span=span, resource=Resource(), scope=InstrumentationScope(), service="s")
+            exporter.export_encoded([(encode_trace_request([ref]), 1)])
+            assert exporter.force_flush(FLUSH_S)
+        finally:
+            exporter.shutdown(FLUSH_S)
+    finally:
+        receiver.shutdown(grace_s=0)
+    assert consumer.span_names() == ["over-tls"]

@@ -396,7 +396,7 @@ def test_replacing_deletes_named_rows_only_and_inserts_in_one_transaction(tmp_pa
     )
     assert request_span_ids(store) == [sid(1), sid(3)]
 
-    # A failing insert rolls the delete back with it.
+    # A failing insert rolls the delete back with it (the item fails alone too: quarantined).
     with sqlite3.connect(store.path) as db:
         db.execute(
             "CREATE TRIGGER refuse BEFORE INSERT ON requests WHEN NEW.model = 'poison' "
@@ -404,7 +404,7 @@ def test_replacing_deletes_named_rows_only_and_inserts_in_one_transaction(tmp_pa
         )
     poison = make_record(1, span=4, model="poison")
     before = store.trace_otlp(fragment.trace_id)
-    with pytest.raises(StoreWriteError, match="rolled back"):
+    with pytest.raises(StoreWriteError, match="quarantined"):
         store.write(
             [(fragment, [poison])],
             replacing={fragment.trace_id: [sid(1), sid(3)]},
@@ -541,3 +541,42 @@ def test_sdk_client_spans_exported_late_join_their_requests(
         (s.trace_id, s.span_id) for request in upstream.trace_requests for s in spans_of(request)
     ]
     assert len(sent) == len(set(sent)) == requests * spans_per_request
+
+
+# --- a retried export: the same spans again ------------------------------------------------------
+def test_an_export_received_again_after_its_trace_was_stored_adds_nothing(
+    collecting: Collecting,
+) -> None:
+    """A sender retries an export whose OK it never got (the collector died after spooling it;
+    the spool replayed it too): the copy comes after the trace was stored."""
+    server = server_spans(tid(21))
+    collecting.send(server, "vllm")
+    collecting.send(server, "vllm")
+    ids = collecting.stored_span_ids(tid(21))
+    assert sorted(ids) == sorted(s.span_id for s in server)  # each once
+    assert len(collecting.rows()) == 1
+    snapshot = collecting.pipeline.telemetry.snapshot()
+    assert snapshot["duplicate_spans"] == len(server)
+    assert snapshot["requests"] == 1
+
+
+def test_a_retry_carrying_old_and_new_spans_appends_only_the_new(collecting: Collecting) -> None:
+    server = server_spans(tid(22))
+    collecting.send(server, "vllm")
+    client = client_span(server)
+    collecting.send([*server[:2], client], "app")  # a retried batch that also holds a new span
+    ids = collecting.stored_span_ids(tid(22))
+    assert sorted(ids) == sorted([*(s.span_id for s in server), CLIENT_ID])
+    (row,) = collecting.rows()
+    assert row["network_ns"] == NETWORK_NS  # the new client span joined its request
+    assert collecting.pipeline.telemetry.snapshot()["duplicate_spans"] == 2
+
+
+def test_both_copies_of_an_export_in_one_assembly_are_processed_once(
+    collecting: Collecting,
+) -> None:
+    server = server_spans(tid(23))
+    collecting.pipeline.consume_traces(export(server, "vllm"))
+    collecting.send(server, "vllm")  # the copy arrives before the trace is finished
+    assert sorted(collecting.stored_span_ids(tid(23))) == sorted(s.span_id for s in server)
+    assert collecting.pipeline.telemetry.snapshot()["duplicate_spans"] == len(server)

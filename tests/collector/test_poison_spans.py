@@ -5,7 +5,9 @@ costs only its own trace, and the store never stays inside a broken transaction.
 from __future__ import annotations
 
 import logging
+import re
 import sqlite3
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyVa
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from tests.collector.test_store import assembled, make_record, trace_id
-from tokentrace.collector.config import StoreConfig, parse_config
+from tokentrace.collector.config import ConfigError, StoreConfig, parse_config
 from tokentrace.collector.exporters.store_sink import StoreSink
 from tokentrace.collector.pipeline import ProcessedTrace
 from tokentrace.collector.receivers.validate import (
@@ -278,6 +280,60 @@ def test_custom_limits_are_honoured() -> None:
     assert kept_names(request) == ["ok"]
 
 
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_configured_span_limits_are_honoured_by_the_running_receivers(
+    transport: str, tmp_path: Path
+) -> None:
+    raw: dict[str, Any] = {
+        "receivers": {
+            "otlp": {
+                "protocols": {transport: {"endpoint": "127.0.0.1:0"}},
+                "span_limits": {"max_attributes": 2, "max_string_length": 8},
+            }
+        },
+        "exporters": {"store": {"path": str(tmp_path / "requests.db")}},
+    }
+    running = Collector(parse_config(raw, environ={}))
+    running.start()
+    try:
+        request = request_of(
+            make_span("ok", attributes=attrs(2)),
+            make_span("three", attributes=attrs(3)),
+            make_span("long-name-here"),
+        )
+        if transport == "grpc":
+            with grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
+                response = TraceServiceStub(channel).Export(request, timeout=10)
+        else:
+            http_request = urllib.request.Request(
+                f"http://127.0.0.1:{running.http_port}/v1/traces",
+                data=request.SerializeToString(),
+                headers={"Content-Type": "application/x-protobuf"},
+            )
+            with urllib.request.urlopen(http_request, timeout=10) as reply:
+                response = ExportTraceServiceResponse.FromString(reply.read())
+    finally:
+        running.shutdown()
+    assert response.partial_success.rejected_spans == 2
+    assert response.partial_success.error_message == (
+        "rejected 2 spans: 1 too many attributes, 1 value too long"
+    )
+
+
+@pytest.mark.parametrize(
+    ("span_limits", "message"),
+    [
+        ({"max_events": 0}, "receivers.otlp.span_limits.max_events: must be > 0"),
+        ({"max_links": "many"}, "receivers.otlp.span_limits.max_links: expected an integer"),
+        ({"max_time": 1}, "receivers.otlp.span_limits.max_time: unknown key"),
+    ],
+)
+def test_span_limit_errors_name_the_key(span_limits: dict[str, Any], message: str) -> None:
+    raw = {"receivers": {"otlp": {"span_limits": span_limits}}}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(raw, environ={})
+
+
 # --- the issue's case through the real gRPC receiver --------------------------------------------
 
 
@@ -345,7 +401,7 @@ def test_with_validation_bypassed_the_store_alone_keeps_the_ten_traces(
     """Defence in depth: a hostile value that got past the receiver costs only its trace."""
     import tokentrace.collector.receivers as receivers
 
-    monkeypatch.setattr(receivers, "sanitize", lambda request: (0, ""))
+    monkeypatch.setattr(receivers, "sanitize", lambda request, limits: (0, ""))
     [export] = to_otlp_requests(simulate("mixed", requests=10, seed=17), batch_spans=10_000)
     export.resource_spans[0].scope_spans[0].spans.append(
         make_span("llm.request", start=2**63, end=2**63, trace_id=b"\xee" * 16, span_id=b"\xef" * 8)

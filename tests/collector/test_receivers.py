@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from email.message import Message
 from pathlib import Path
 
 import grpc
@@ -45,10 +46,36 @@ from tokentrace.collector.receivers import (
     split_endpoint,
 )
 from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
-from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
+from tokentrace.collector.receivers.otlp_http import (
+    HTTP_PARSERS,
+    OtlpHttpReceiver,
+    default_http_parser,
+)
 
 SERVICE_NAME = "receiver-test-service"
 TOKEN = "s3cret-token"
+HTTP_PARSER_PARAMS = [
+    pytest.param(
+        parser,
+        marks=pytest.mark.skipif(
+            parser == "httptools" and default_http_parser() != "httptools",
+            reason="httptools is not installed",
+        ),
+    )
+    for parser in HTTP_PARSERS
+]
+# Each HTTP test runs twice: httptools with a consumer called on the event loop, and h11 with
+# one called on the thread pool (the two parsers, and both places the consumer runs).
+HTTP_SETUPS = [
+    pytest.param(
+        ("httptools", True),
+        id="httptools-consumer-on-loop",
+        marks=pytest.mark.skipif(
+            default_http_parser() != "httptools", reason="httptools is not installed"
+        ),
+    ),
+    pytest.param(("h11", False), id="h11-consumer-on-pool"),
+]
 
 
 @pytest.fixture
@@ -59,12 +86,19 @@ def grpc_receiver(consumer: RecordingConsumer) -> Iterator[OtlpGrpcReceiver]:
     receiver.shutdown(grace_s=0)
 
 
-@pytest.fixture
-def http_receiver(consumer: RecordingConsumer) -> Iterator[OtlpHttpReceiver]:
-    receiver = OtlpHttpReceiver(consumer, endpoint="127.0.0.1:0")
+@pytest.fixture(params=HTTP_SETUPS)
+def http_receiver(
+    request: pytest.FixtureRequest, consumer: RecordingConsumer
+) -> Iterator[OtlpHttpReceiver]:
+    http_parser, consumer.never_blocks = request.param
+    receiver = OtlpHttpReceiver(consumer, endpoint="127.0.0.1:0", http_parser=http_parser)
     receiver.start()
     yield receiver
     receiver.shutdown(grace_s=1)
+
+
+def http_parser_of(receiver: OtlpHttpReceiver) -> str:
+    return receiver._http_parser or default_http_parser()
 
 
 def make_sdk_spans() -> list[ReadableSpan]:
@@ -120,7 +154,7 @@ def post(
     content_type: str = "application/x-protobuf",
     headers: dict[str, str] | None = None,
     path: str = "/v1/traces",
-) -> tuple[int, dict[str, str], bytes]:
+) -> tuple[int, Message, bytes]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}",
         data=body,
@@ -129,9 +163,9 @@ def post(
     )
     try:
         with _NO_PROXY_OPENER.open(request, timeout=5) as response:
-            return response.status, dict(response.headers), response.read()
+            return response.status, response.headers, response.read()
     except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
+        return error.code, error.headers, error.read()
 
 
 def grpc_export(
@@ -604,9 +638,11 @@ def test_http_conflicting_framing_is_400_and_closes(
     assert post(http_receiver.port, one_span_request("after").SerializeToString())[0] == 200
 
 
-def test_http_same_content_length_twice_is_one_length(
+def test_http_same_content_length_twice_is_one_length_or_refused(
     http_receiver: OtlpHttpReceiver, consumer: RecordingConsumer
 ) -> None:
+    # RFC 9110 lets a recipient either refuse it or read it as one length: h11 reads one,
+    # httptools refuses every repeated Content-Length. Never two readings.
     body = one_span_request("twice").SerializeToString()
     length = str(len(body)).encode()
     answer = raw_exchange(
@@ -615,8 +651,13 @@ def test_http_same_content_length_twice_is_one_length(
         b"Content-Length: " + length + b"\r\nContent-Length: " + length + b"\r\n"
         b"Connection: close\r\n\r\n" + body,
     )
-    assert answer.startswith(b"HTTP/1.1 200 ")
-    assert consumer.span_names() == ["twice"]
+    if http_parser_of(http_receiver) == "h11":
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        assert consumer.span_names() == ["twice"]
+    else:
+        assert answer.startswith(b"HTTP/1.1 400 ")
+        assert consumer.span_names() == []
+        assert http_receiver.stats()["malformed_requests"] == 1
 
 
 class _RecordingTransport(asyncio.Transport):
@@ -648,7 +689,9 @@ class _RecordingTransport(asyncio.Transport):
         pass
 
 
-def _writes_of_one_exchange(consumer: RecordingConsumer, request: bytes) -> list[bytes]:
+def _writes_of_one_exchange(
+    consumer: RecordingConsumer, request: bytes, http_parser: str
+) -> list[bytes]:
     """Drive the receiver's uvicorn protocol over a recording transport: what it writes."""
     import uvicorn
     from uvicorn.server import ServerState
@@ -669,7 +712,7 @@ def _writes_of_one_exchange(consumer: RecordingConsumer, request: bytes) -> list
             )
             config = uvicorn.Config(
                 app,
-                http=_protocol_class(4, ReceiverCounters()),
+                http=_protocol_class(4, ReceiverCounters(), http_parser=http_parser),
                 interface="asgi3",
                 lifespan="off",
                 log_config=None,
@@ -692,10 +735,15 @@ def _writes_of_one_exchange(consumer: RecordingConsumer, request: bytes) -> list
     return asyncio.run(exchange())
 
 
+@pytest.mark.parametrize("consumer_never_blocks", [True, False], ids=["on-loop", "on-pool"])
+@pytest.mark.parametrize("http_parser", HTTP_PARSER_PARAMS)
 @pytest.mark.parametrize("case", ["partial-success", "bad-request", "empty-ok"])
-def test_http_reply_leaves_in_one_write(consumer: RecordingConsumer, case: str) -> None:
+def test_http_reply_leaves_in_one_write(
+    consumer: RecordingConsumer, case: str, http_parser: str, consumer_never_blocks: bool
+) -> None:
     # Status line, headers and body in one send: no second small segment waiting for the
     # client's delayed ACK on a kept-alive connection.
+    consumer.never_blocks = consumer_never_blocks
     request = one_span_request("kept")
     if case == "partial-success":
         request.resource_spans[0].scope_spans[0].spans.add(name="no-ids", start_time_unix_nano=1)
@@ -705,29 +753,33 @@ def test_http_reply_leaves_in_one_write(consumer: RecordingConsumer, case: str) 
         b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body,
+        http_parser,
     )
     assert len(writes) == 1, writes
     head, _, payload = writes[0].partition(b"\r\n\r\n")
     expected = {"partial-success": b" 200 ", "bad-request": b" 400 ", "empty-ok": b" 200 "}[case]
     assert expected in head.split(b"\r\n")[0]
-    assert f"Content-Length: {len(payload)}".encode() in head
+    assert f"content-length: {len(payload)}".encode() in head.lower()  # httptools: lower case
     if case == "partial-success":
         assert ExportTraceServiceResponse.FromString(payload).partial_success.rejected_spans == 1
 
 
-def test_http_slow_consumer_does_not_stall_other_connections(consumer: RecordingConsumer) -> None:
+@pytest.mark.parametrize("http_parser", HTTP_PARSER_PARAMS)
+def test_http_slow_consumer_does_not_stall_other_connections(http_parser: str) -> None:
     release = threading.Event()
     entered = threading.Event()
 
-    class SlowFirst(RecordingConsumer):
-        def consume_traces(self, request: ExportTraceServiceRequest) -> None:
+    class SlowFirst(RecordingConsumer):  # may block (never_blocks stays False)
+        def consume_traces(
+            self, request: ExportTraceServiceRequest, *, encoded: bytes | None = None
+        ) -> None:
             if request.resource_spans[0].scope_spans[0].spans[0].name == "slow":
                 entered.set()
                 release.wait(10)
-            super().consume_traces(request)
+            super().consume_traces(request, encoded=encoded)
 
     slow_consumer = SlowFirst()
-    receiver = OtlpHttpReceiver(slow_consumer, endpoint="127.0.0.1:0")
+    receiver = OtlpHttpReceiver(slow_consumer, endpoint="127.0.0.1:0", http_parser=http_parser)
     receiver.start()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -751,10 +803,12 @@ def test_http_shutdown_ends_the_server_thread_even_with_a_request_in_flight(
     entered = threading.Event()
 
     class Stuck(RecordingConsumer):
-        def consume_traces(self, request: ExportTraceServiceRequest) -> None:
+        def consume_traces(
+            self, request: ExportTraceServiceRequest, *, encoded: bytes | None = None
+        ) -> None:
             entered.set()
             release.wait(10)
-            super().consume_traces(request)
+            super().consume_traces(request, encoded=encoded)
 
     receiver = OtlpHttpReceiver(Stuck(), endpoint="127.0.0.1:0")
     receiver.start()
@@ -772,6 +826,120 @@ def test_http_shutdown_ends_the_server_thread_even_with_a_request_in_flight(
     finally:
         release.set()
         receiver.shutdown()
+
+
+def many_spans_request(spans: int, *, name_length: int = 200) -> ExportTraceServiceRequest:
+    """Valid spans with long names: about ``spans * (name_length + 50)`` bytes encoded."""
+    request = ExportTraceServiceRequest()
+    scope_spans = request.resource_spans.add().scope_spans.add()
+    for index in range(spans):
+        span = scope_spans.spans.add()
+        span.trace_id = bytes(range(1, 17))
+        span.span_id = (index + 1).to_bytes(8, "big")
+        span.name = f"span-{index}-".ljust(name_length, "x")
+        span.start_time_unix_nano = 1_700_000_000_000_000_000
+        span.end_time_unix_nano = 1_700_000_000_500_000_000
+    return request
+
+
+def unknown_field_first(request: ExportTraceServiceRequest) -> bytes:
+    """``request`` encoded with a field this version does not know (15, varint) ahead of the
+    known ones: it parses to the same message, but re-serialising moves that field last."""
+    body = b"\x78\x01" + request.SerializeToString()
+    assert ExportTraceServiceRequest.FromString(body).SerializeToString() != body
+    return body
+
+
+@pytest.mark.parametrize("never_blocks", [True, False], ids=["never-blocks", "may-block"])
+@pytest.mark.parametrize("http_parser", HTTP_PARSER_PARAMS)
+def test_http_consumer_runs_on_the_event_loop_only_when_it_never_blocks_and_the_body_is_small(
+    http_parser: str, never_blocks: bool
+) -> None:
+    consumer = RecordingConsumer(never_blocks=never_blocks)
+    receiver = OtlpHttpReceiver(consumer, endpoint="127.0.0.1:0", http_parser=http_parser)
+    receiver.start()
+    try:
+        small = one_span_request("small").SerializeToString()
+        large = many_spans_request(400).SerializeToString()
+        assert len(large) > 64 * 1024  # the receiver's inline limit
+        # Small on the wire, large once inflated: first tried on the loop, then on the pool.
+        inflating = gzip.compress(large)
+        assert len(inflating) < 64 * 1024
+        json_body = json.dumps(
+            {"resourceSpans": [{"scopeSpans": [{"spans": [json_span("json")]}]}]}
+        ).encode()
+        assert post(receiver.port, small)[0] == 200
+        assert post(receiver.port, large)[0] == 200
+        assert post(receiver.port, inflating, headers={"Content-Encoding": "gzip"})[0] == 200
+        assert post(receiver.port, json_body, content_type="application/json")[0] == 200
+        port = receiver.port
+    finally:
+        receiver.shutdown()
+    loop_thread = f"otlp-http-{port}"
+    small_thread, large_thread, inflating_thread, json_thread = consumer.threads
+    assert (small_thread == loop_thread) is never_blocks
+    for thread in (large_thread, inflating_thread, json_thread):
+        assert thread.startswith("otlp-http-export"), thread
+    assert len(consumer.spans()) == 1 + 400 + 400 + 1
+    assert receiver.stats()["malformed_requests"] == 0
+
+
+def json_span(name: str) -> dict[str, object]:
+    return {
+        "traceId": bytes(range(1, 17)).hex(),
+        "spanId": bytes(range(1, 9)).hex(),
+        "name": name,
+        "startTimeUnixNano": "1700000000000000000",
+        "endTimeUnixNano": "1700000000500000000",
+    }
+
+
+def test_http_hands_the_consumer_the_received_bytes_when_validation_changed_nothing(
+    http_receiver: OtlpHttpReceiver, consumer: RecordingConsumer
+) -> None:
+    port = http_receiver.port
+    unchanged = unknown_field_first(one_span_request("as-received"))
+    large = unknown_field_first(many_spans_request(400))  # decoded on a pool thread
+    assert post(port, unchanged)[0] == 200
+    assert post(port, gzip.compress(unchanged), headers={"Content-Encoding": "gzip"})[0] == 200
+    assert post(port, large)[0] == 200
+    assert consumer.encoded == [unchanged, unchanged, large]
+
+    # A rejected span: the consumer gets no bytes (the request it gets lacks that span) ...
+    rejected = one_span_request("kept")
+    rejected.resource_spans[0].scope_spans[0].spans.add(name="no-ids", start_time_unix_nano=1)
+    status, _, payload = post(port, unknown_field_first(rejected))
+    assert status == 200
+    assert ExportTraceServiceResponse.FromString(payload).partial_success.rejected_spans == 1
+    # ... nor when validation rewrote an all-zero parent id, nor for OTLP/JSON.
+    zero_parent = one_span_request("zero-parent")
+    zero_parent.resource_spans[0].scope_spans[0].spans[0].parent_span_id = bytes(8)
+    assert post(port, zero_parent.SerializeToString())[0] == 200
+    json_body = json.dumps(
+        {"resourceSpans": [{"scopeSpans": [{"spans": [json_span("json")]}]}]}
+    ).encode()
+    assert post(port, json_body, content_type="application/json")[0] == 200
+    assert consumer.encoded[3:] == [None, None, None]
+    assert consumer.span_names()[-3:] == ["kept", "zero-parent", "json"]
+
+
+def test_grpc_hands_the_consumer_the_received_bytes_when_validation_changed_nothing(
+    grpc_receiver: OtlpGrpcReceiver, consumer: RecordingConsumer
+) -> None:
+    unchanged = unknown_field_first(one_span_request("as-received"))
+    rejected = one_span_request("kept")
+    rejected.resource_spans[0].scope_spans[0].spans.add(name="no-ids", start_time_unix_nano=1)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_receiver.port}") as channel:
+        # Bytes in, bytes out: the body goes as built.
+        export = channel.unary_unary(
+            "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+            request_serializer=None,
+            response_deserializer=None,
+        )
+        export(unchanged, timeout=5)
+        export(unknown_field_first(rejected), timeout=5)
+    assert consumer.encoded == [unchanged, None]
+    assert consumer.span_names() == ["as-received", "kept"]
 
 
 # -- TLS -----------------------------------------------------------------------------------

@@ -387,6 +387,68 @@ def test_a_full_spool_refuses_the_export(tmp_path: Path) -> None:
     assert spool.lowest_unfinished() == spool.next_seq  # nothing left in flight
 
 
+def test_the_spool_keeps_the_received_bytes_unless_validation_changed_the_request(
+    tmp_path: Path,
+) -> None:
+    """Through the real receivers: an export that validation left as it was is spooled as the
+    bytes that came (not serialised again); one that lost a rejected span is spooled as what
+    the pipeline got, serialised."""
+    import urllib.request
+
+    import grpc
+
+    from tokentrace.collector.receivers.otlp_grpc import OtlpGrpcReceiver
+    from tokentrace.collector.receivers.otlp_http import OtlpHttpReceiver
+
+    def unknown_field_first(request: ExportTraceServiceRequest) -> bytes:
+        # Field 15 is unknown to this version: parsing keeps it, re-serialising moves it last,
+        # so bytes that were re-serialised cannot pass for the received ones.
+        body = b"\x78\x01" + request.SerializeToString()
+        assert ExportTraceServiceRequest.FromString(body).SerializeToString() != body
+        return body
+
+    pipeline = Pipeline(parse_config({}, environ={}), spool=make_spool(tmp_path))
+    http_receiver = OtlpHttpReceiver(pipeline, endpoint="127.0.0.1:0")
+    grpc_receiver = OtlpGrpcReceiver(pipeline, endpoint="127.0.0.1:0")
+    http_receiver.start()
+    grpc_receiver.start()
+    unchanged_http = unknown_field_first(trace_request(1))
+    unchanged_grpc = unknown_field_first(trace_request(2))
+    with_rejected = trace_request(3)
+    with_rejected.resource_spans[0].scope_spans[0].spans.add(name="no-ids", start_time_unix_nano=1)
+    rejected_body = unknown_field_first(with_rejected)
+    try:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        for body in (unchanged_http, rejected_body):
+            post = urllib.request.Request(
+                f"http://127.0.0.1:{http_receiver.port}/v1/traces",
+                data=body,
+                headers={"Content-Type": "application/x-protobuf"},
+            )
+            with opener.open(post, timeout=5) as response:
+                assert response.status == 200
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_receiver.port}") as channel:
+            # Bytes in, bytes out: the body goes as built.
+            export = channel.unary_unary(
+                "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+                request_serializer=None,
+                response_deserializer=None,
+            )
+            export(unchanged_grpc, timeout=5)
+    finally:
+        http_receiver.shutdown(0)
+        grpc_receiver.shutdown(0)
+    # The process dies here: what survives is what the next start replays.
+    payloads = [payload for _, payload in make_spool(tmp_path).replay()]
+    assert payloads[0] == unchanged_http
+    assert payloads[2] == unchanged_grpc
+    # What the pipeline got: the received request less the rejected span, serialised.
+    valid_part = ExportTraceServiceRequest.FromString(rejected_body)
+    del valid_part.resource_spans[0].scope_spans[0].spans[-1]
+    assert payloads[1] == valid_part.SerializeToString()
+    assert len(payloads) == 3
+
+
 # --- configuration -----------------------------------------------------------------------------
 def store_config(tmp_path: Path, **durability: Any) -> dict[str, Any]:
     raw: dict[str, Any] = {"exporters": {"store": {"path": str(tmp_path / "requests.db")}}}

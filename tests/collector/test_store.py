@@ -21,7 +21,9 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationSc
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from tests.collector.full_disk import fill_the_disk, free_the_disk
 from tokentrace.agent import semconv
+from tokentrace.collector.component import ExportRetryable
 from tokentrace.collector.config import StoreConfig
 from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.collector.exporters.store_sink import StoreSink
@@ -424,14 +426,16 @@ def test_replacements_within_one_batch_are_counted_and_rolled_back_ones_are_not(
     assert store.trace_otlp(trace_id(7)) == part + part
     assert store.replaced_traces == 1
 
-    # A batch that rolls back leaves the counter as it was, though its first rows replaced.
+    # A batch that rolls back counts only what was committed: its first rows replaced, then
+    # the last item failed it; written again item by item, three replacements are committed.
     store.max_trace_bytes = len(part)
     other = make_record(8)
     unbindable: Any = ["not", "bytes"]  # SQLite cannot bind it: the transaction fails last
-    with pytest.raises(StoreWriteError, match="rolled back"):
+    with pytest.raises(StoreWriteError, match="quarantined"):
         store.write([(trace, [record], part)] * 3 + [(assembled(other), [other], unbindable)])
-    assert store.replaced_traces == 1
-    assert store.trace_otlp(trace_id(7)) == part + part
+    assert store.replaced_traces == 1 + 3
+    assert store.quarantined_traces == 1
+    assert store.trace_otlp(trace_id(7)) == part
     store.close()
 
 
@@ -475,7 +479,7 @@ def test_malformed_record_is_left_out_and_reported(store: RequestStore) -> None:
     assert store.count() == 2
 
 
-def test_database_error_rolls_the_whole_batch_back(store: RequestStore) -> None:
+def test_a_constraint_one_item_breaks_costs_only_that_item(store: RequestStore) -> None:
     with sqlite3.connect(store.path) as raw:
         raw.execute(
             "CREATE TRIGGER refuse BEFORE INSERT ON requests WHEN NEW.model = 'poison' "
@@ -483,14 +487,29 @@ def test_database_error_rolls_the_whole_batch_back(store: RequestStore) -> None:
         )
     first = make_record(1)
     poison = make_record(2, model="poison")
-    with pytest.raises(StoreWriteError, match="rolled back") as caught:
+    with pytest.raises(StoreWriteError, match="quarantined") as caught:
         store.write([(assembled(first), [first]), (assembled(poison), [poison])])
-    assert (caught.value.rejected, caught.value.written) == (2, 0)
-    assert store.failed_batches == 1
-    assert store.count() == 0
-    assert store.trace_otlp(trace_id(1)) is None
-    write_records(store, make_record(4))
+    assert (caught.value.rejected, caught.value.written, caught.value.retryable) == (1, 1, False)
+    assert (store.failed_batches, store.quarantined_traces) == (0, 1)
     assert store.count() == 1
+    assert store.trace_otlp(trace_id(2)) is None
+    write_records(store, make_record(4))
+    assert store.count() == 2
+
+
+def test_a_database_that_refuses_the_write_rolls_the_batch_back_for_a_retry(
+    store: RequestStore,
+) -> None:
+    fill_the_disk(store)
+    records = [make_record(n) for n in range(1, 40)]
+    with pytest.raises(StoreWriteError, match="rolled back") as caught:
+        store.write([(assembled(record), [record]) for record in records])
+    assert (caught.value.rejected, caught.value.written, caught.value.retryable) == (0, 0, True)
+    assert (store.failed_batches, store.rejected_records) == (1, 0)
+    assert store.count() == 0
+    free_the_disk(store)
+    store.write([(assembled(record), [record]) for record in records])  # the same batch again
+    assert store.count() == 39
 
 
 def test_readonly_store_refuses_writes_and_missing_store_says_what_to_do(
@@ -736,15 +755,12 @@ def test_store_sink_counts_written_and_rejected_records(tmp_path: Path) -> None:
     stats = sink.stats()
     assert (stats["written_requests"], stats["rejected_records"]) == (1, 1)
     assert stats["failed_batches"] == 0
-    with sqlite3.connect(sink.store.path) as raw:
-        raw.execute(
-            "CREATE TRIGGER refuse BEFORE INSERT ON requests "
-            "BEGIN SELECT RAISE(ABORT, 'disk trouble'); END"
-        )
-    with pytest.raises(StoreWriteError, match="rolled back"):
-        sink.export_traces([ProcessedTrace(assembled(make_record(3)), [make_record(3)])])
+    fill_the_disk(sink.store)
+    big = [make_record(n) for n in range(3, 60)]
+    with pytest.raises(ExportRetryable, match="rolled back"):
+        sink.export_traces([ProcessedTrace(assembled(record), [record]) for record in big])
     stats = sink.stats()
-    assert (stats["written_requests"], stats["rejected_records"]) == (1, 2)
+    assert (stats["written_requests"], stats["rejected_records"]) == (1, 1)  # held, not lost
     assert stats["failed_batches"] == 1
     sink.shutdown(1.0)
 

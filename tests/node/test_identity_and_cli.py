@@ -141,7 +141,7 @@ def test_bad_configuration_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
-_DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "node-agent"
+_DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "base" / "node-agent"
 
 
 def _expand(value: str, environ: dict[str, str]) -> str:
@@ -183,6 +183,8 @@ def test_the_shipped_daemonset_runs_a_valid_node_agent(tmp_path: Path) -> None:
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
     mounted: dict[str, str] = {}
     for mount in container["volumeMounts"]:
+        if "secret" not in volumes[mount["name"]]:
+            continue  # /tmp, an emptyDir
         secret = volumes[mount["name"]]["secret"]["secretName"]
         directory = tmp_path / secret
         directory.mkdir()
@@ -206,6 +208,7 @@ def test_the_shipped_daemonset_runs_a_valid_node_agent(tmp_path: Path) -> None:
     assert not config.allow_unauthenticated
     assert config.exporter.headers == {"authorization": "Bearer secret-token"}
     assert config.exporter.endpoint_for("traces").startswith("http://tokentrace-collector")
+    assert config.admin_endpoint == "10.1.2.3:13133"
     assert host_resource(environ)[semconv.K8S_NODE_NAME] == "gpu-node-1"
     # Without its token the same configuration is refused: the pod IP is not loopback.
     without_token = [arg for arg in args if not arg.startswith("--auth-token-file")]
@@ -213,7 +216,9 @@ def test_the_shipped_daemonset_runs_a_valid_node_agent(tmp_path: Path) -> None:
         config_from_args(parser.parse_args(without_token), environ)
     ports = {p["containerPort"] for p in container["ports"]}
     service_ports = {p["port"] for p in documents["Service"]["spec"]["ports"]}
-    assert ports == service_ports == {4317, 4318}
+    # The admin port (probes, Prometheus) is scraped on the pod, not through the Service.
+    assert ports == service_ports | {13133}
+    assert service_ports == {4317, 4318}
     assert documents["Service"]["spec"]["internalTrafficPolicy"] == "Local"
 
 
@@ -230,7 +235,7 @@ def test_the_node_agent_kustomization_renders() -> None:
         pytest.skip("neither kustomize nor kubectl is installed")
     rendered = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
     documents = {doc["kind"]: doc for doc in yaml.safe_load_all(rendered.stdout)}
-    assert set(documents) == {"DaemonSet", "Service"}
+    assert set(documents) == {"DaemonSet", "Service", "ServiceAccount", "NetworkPolicy"}
     pod = documents["DaemonSet"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert "--grpc-endpoint=$(POD_IP):4317" in container["args"]

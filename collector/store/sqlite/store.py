@@ -308,9 +308,15 @@ class RequestStore(RequestStoreReader):
         than ``sqlite3.Error``, e.g. ``OverflowError`` for an integer past 2**63) rolls the
         batch back, and each item is written again alone, once: the items that fail alone are
         quarantined (``quarantined_records``, ``quarantined_traces``; their records also count
-        in ``rejected_records``), the rest is stored, and StoreWriteError reports it. A
-        database error (``sqlite3.Error``) rolls the whole batch back and raises
-        StoreWriteError with every record counted as rejected (``failed_batches``).
+        in ``rejected_records``), the rest is stored, and StoreWriteError reports it. So does a
+        constraint an item breaks (``sqlite3.IntegrityError``): the item, not the database.
+
+        The database refusing the write (``sqlite3.OperationalError``: full, locked, an I/O
+        error) rolls the whole batch back and raises StoreWriteError with ``retryable`` set:
+        nothing of it was written and the same batch may go through later, so its records are
+        not counted as rejected (whoever retries it owns them; ``failed_batches`` counts the
+        attempt). If that happens part-way through writing items alone, what was written stays
+        and the rest is counted as rejected (not retryable: the batch would be written twice).
         """
         items: list[_PreparedItem] = []
         rejected = 0
@@ -365,11 +371,11 @@ class RequestStore(RequestStoreReader):
                             _UPSERT_TRACE, [p.trace_row for p in items if p.trace_row]
                         )
                     written = items
-                except sqlite3.Error as error:
-                    self._fail_batch(error, rejected + _request_rows_in(items))
+                except sqlite3.OperationalError as error:  # the database, not an item
+                    self._fail_batch(error, 0, retryable=True)
                 except Exception as error:
-                    # A value of one item (most likely) the database cannot take: each item
-                    # alone, so that it costs only its own trace.
+                    # A value of one item (most likely) the database cannot take, or a
+                    # constraint it breaks: each item alone, so that it costs only its trace.
                     first_problem = first_problem or f"{type(error).__name__}: {error}"
                     self._replaced_in_batch = 0
                     for index, prepared in enumerate(items):
@@ -377,7 +383,7 @@ class RequestStore(RequestStoreReader):
                         try:
                             with _transaction(connection):
                                 _execute_item(connection, prepared)
-                        except sqlite3.Error as item_error:  # the database, not the item
+                        except sqlite3.OperationalError as item_error:  # not the item
                             self._replaced_in_batch = replaced_before
                             self._count_written(written)
                             lost = _request_rows_in(items[index:]) + _request_rows_in(quarantined)
@@ -424,12 +430,17 @@ class RequestStore(RequestStoreReader):
         self.quarantined_records += _request_rows_in(quarantined)
         self.quarantined_traces += len(quarantined)
 
-    def _fail_batch(self, error: sqlite3.Error, lost: int, *, written: int = 0) -> NoReturn:
+    def _fail_batch(
+        self, error: sqlite3.Error, lost: int, *, written: int = 0, retryable: bool = False
+    ) -> NoReturn:
         """Count a batch the database refused (rolled back) and raise StoreWriteError."""
         self.failed_batches += 1
         self.rejected_records += lost
         raise StoreWriteError(
-            f"store {self.path}: batch rolled back: {error}", rejected=lost, written=written
+            f"store {self.path}: batch rolled back: {error}",
+            rejected=lost,
+            written=written,
+            retryable=retryable,
         ) from error
 
     def _wrote(self, payload_bytes: int) -> None:
