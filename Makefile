@@ -17,7 +17,7 @@ PY := $(VENV)/bin/python
 MYPY_CACHE ?= $(HOME)/.cache/tokentrace/mypy/$(DEPS_HASH)
 PYTEST_ARGS ?=
 
-.PHONY: venv install browser prometheus test test-fast lint typecheck pytest demo bench docs clean
+.PHONY: venv install browser deploy-tools test test-fast lint typecheck pytest demo bench docs clean
 
 # No prerequisites: the path already carries the hash of the dependency files' content, and a
 # fresh clone's newer mtimes must not force a rebuild of an identical environment.
@@ -58,11 +58,12 @@ typecheck: install
 browser:
 	@bash tests/ui/install_browser.sh
 
-# The Grafana dashboard's test queries a real Prometheus (Debian's package) scraping tokentrace.
-prometheus:
-	@sh tests/deploy/install_prometheus.sh
+# The deploy tests drive Debian's prometheus (the Grafana dashboard's queries), buildah and
+# debootstrap (the images, built for real without a Docker daemon).
+deploy-tools:
+	@sh tests/deploy/install_debian_tools.sh
 
-pytest: install browser prometheus
+pytest: install browser deploy-tools
 	"$(PY)" -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest

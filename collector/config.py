@@ -249,7 +249,9 @@ def load_config(
     return config if store_path is None else config.with_store_path(store_path)
 
 
-_ENV_REFERENCE = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")
+_REFERENCE = re.compile(r"\$\{(env|file):([^}]+)\}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MAX_FILE_REFERENCE_BYTES = 64 * 1024
 
 
 def _read_yaml(path: Path, environ: Mapping[str, str]) -> Any:
@@ -263,29 +265,54 @@ def _read_yaml(path: Path, environ: Mapping[str, str]) -> Any:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from None
-    return _expand_env(raw, environ, "")
+    return _expand_references(raw, environ, path.parent, "")
 
 
-def _expand_env(value: Any, environ: Mapping[str, str], path: str) -> Any:
-    """``${env:NAME}`` in string values, as the OTel Collector does, so secrets stay out of files.
-    Substituted after parsing, so a value can never change the YAML's structure."""
+def _expand_references(value: Any, environ: Mapping[str, str], base_dir: Path, path: str) -> Any:
+    """``${env:NAME}`` and ``${file:PATH}`` in string values, as the OTel Collector's providers
+    do, so secrets stay out of the file: a variable's value, or a file's content without its
+    trailing newline (a token mounted from a Kubernetes Secret; a relative path is read from the
+    config file's folder). Substituted after parsing, so a value can never change the YAML's
+    structure."""
     if isinstance(value, dict):
         return {
-            key: _expand_env(item, environ, f"{path}.{key}" if path else str(key))
+            key: _expand_references(item, environ, base_dir, f"{path}.{key}" if path else str(key))
             for key, item in value.items()
         }
     if isinstance(value, list):
-        return [_expand_env(item, environ, f"{path}[{i}]") for i, item in enumerate(value)]
+        return [
+            _expand_references(item, environ, base_dir, f"{path}[{i}]")
+            for i, item in enumerate(value)
+        ]
     if isinstance(value, str):
 
         def lookup(match: re.Match[str]) -> str:
-            name = match.group(1)
-            if name not in environ:
-                raise ConfigError(f"{path}: environment variable {name} is not set")
-            return environ[name]
+            provider, reference = match.group(1), match.group(2)
+            if provider == "file":
+                return _file_reference(base_dir / reference, path)
+            if not _ENV_NAME.fullmatch(reference):
+                raise ConfigError(f"{path}: ${{env:{reference}}} is not a variable name")
+            if reference not in environ:
+                raise ConfigError(f"{path}: environment variable {reference} is not set")
+            return environ[reference]
 
-        return _ENV_REFERENCE.sub(lookup, value)
+        return _REFERENCE.sub(lookup, value)
     return value
+
+
+def _file_reference(file: Path, path: str) -> str:
+    try:
+        with file.open("rb") as opened:
+            content = opened.read(_MAX_FILE_REFERENCE_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read {file}: {error.strerror or error}") from None
+    if len(content) > _MAX_FILE_REFERENCE_BYTES:
+        raise ConfigError(f"{path}: {file} is larger than {_MAX_FILE_REFERENCE_BYTES} bytes")
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: {file} is not UTF-8 text") from None
+    return text.removesuffix("\n").removesuffix("\r")
 
 
 def parse_config(

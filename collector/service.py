@@ -48,7 +48,12 @@ from tokentrace.collector.component import (
 from tokentrace.collector.config import CollectorConfig, ConfigError, load_config
 from tokentrace.collector.factories import FACTORIES
 from tokentrace.collector.memory_limiter import MemoryLimiter
-from tokentrace.collector.receivers import join_endpoint, split_endpoint
+from tokentrace.collector.receivers import (
+    is_loopback_endpoint,
+    is_wildcard_endpoint,
+    join_endpoint,
+    split_endpoint,
+)
 from tokentrace.collector.self_telemetry import Histogram, SelfTelemetry
 
 if TYPE_CHECKING:
@@ -442,6 +447,17 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exposure(endpoint: str, auth_token: str | None, what: str) -> str:
+    """What a listener beyond loopback exposes, said where the collector says what it runs:
+    on every interface, and without a token to anyone who reaches it."""
+    if is_loopback_endpoint(endpoint):
+        return ""
+    where = " (ALL interfaces)" if is_wildcard_endpoint(endpoint) else " (not loopback)"
+    if auth_token:
+        return where
+    return f"{where}: NO bearer token, anyone who reaches it can {what}"
+
+
 def describe_config(
     config: CollectorConfig, *, ports: Mapping[str, Any] | None = None
 ) -> list[str]:
@@ -458,7 +474,8 @@ def describe_config(
         auth = ", bearer token required" if receiver.auth_token else ""
         tls = ", TLS" if receiver.tls_cert_file else ""
         verb = "listening on" if ports else "on"
-        lines.append(f"OTLP/{protocol} receiver {verb} {address}{tls}{auth}")
+        exposure = _exposure(receiver.endpoint, receiver.auth_token, "send spans")
+        lines.append(f"OTLP/{protocol} receiver {verb} {address}{tls}{auth}{exposure}")
     lines.append(f"processors: {', '.join(config.processor_ids)}")
     if config.slo_targets:
         lines.append(f"SLO targets: {', '.join(target.name for target in config.slo_targets)}")
@@ -497,7 +514,8 @@ def describe_config(
             "UI"
         ) or f"{'https' if ui.tls_cert_file else 'http'}://{ui.endpoint}"
         auth = ", bearer token required" if ui.auth_token else ""
-        lines.append(f"web UI and API {'at' if ports else 'on'} {address}/{auth}")
+        exposure = _exposure(ui.endpoint, ui.auth_token, "read every stored request")
+        lines.append(f"web UI and API {'at' if ports else 'on'} {address}/{auth}{exposure}")
     return lines
 
 

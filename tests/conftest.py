@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from tests.collector.upstream import UpstreamOtlp
+from tests.node.nvml_fixtures import nvml, nvml_library_dir, nvml_stand_in_lib
 from tests.vllm.shared_server import traced_server, vllm_server
 
-__all__ = ["traced_server", "vllm_server"]  # fixtures, registered for the whole tree
+# Fixtures, registered for the whole tree.
+__all__ = ["nvml", "nvml_library_dir", "nvml_stand_in_lib", "traced_server", "vllm_server"]
 
 
 @pytest.fixture

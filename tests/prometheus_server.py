@@ -1,5 +1,5 @@
 """A real Prometheus server for the tests (Debian's package; ``make test`` installs it through
-``tests/deploy/install_prometheus.sh``): started on 127.0.0.1 with port 0 (the port read back from
+``tests/deploy/install_debian_tools.sh``): started on 127.0.0.1 with port 0 (the port read back from
 its log), a temporary storage directory, and a scrape configuration naming the test's targets.
 """
 
@@ -78,7 +78,7 @@ def running_prometheus(
     if shutil.which(PROMETHEUS) is None:
         pytest.fail(
             f"{PROMETHEUS} is missing: `make test` installs it "
-            "(sh tests/deploy/install_prometheus.sh)"
+            "(sh tests/deploy/install_debian_tools.sh)"
         )
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "prometheus.yml"

@@ -24,7 +24,6 @@ while starting, ready once they listen) and stops last.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import os
@@ -45,6 +44,7 @@ from tokentrace.agent.node.sampler import NvmlSampler
 from tokentrace.agent.otlp_config import PROTOCOL_GRPC, TOKENTRACE_VERSION, OtlpExporterConfig
 from tokentrace.agent.otlp_export import OtlpSender
 from tokentrace.collector.consumer import Overloaded, Unavailable
+from tokentrace.collector.receivers import is_loopback_endpoint
 
 _log = logging.getLogger(__name__)
 
@@ -137,24 +137,6 @@ class NodeAgentConfig:
         self.exporter.validate()
         if self.metrics_exporter is not None:
             self.metrics_exporter.validate()
-
-
-def is_loopback_endpoint(endpoint: str, name: str = "endpoint") -> bool:
-    """Whether ``HOST:PORT`` listens on loopback only (``localhost`` or a loopback IP); a
-    wildcard, another address or any other host name is not. ValueError naming ``name`` when
-    ``endpoint`` is not ``HOST:PORT``."""
-    from tokentrace.collector.receivers import split_endpoint
-
-    try:
-        host, _ = split_endpoint(endpoint)
-    except ValueError as error:
-        raise ValueError(f"{name}: {error}") from None
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to any address
 
 
 def bind_endpoint(endpoint: str) -> str:

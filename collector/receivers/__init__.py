@@ -7,6 +7,7 @@ The receivers themselves live in :mod:`.otlp_grpc` and :mod:`.otlp_http`; this m
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import threading
 from dataclasses import dataclass
@@ -57,6 +58,31 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
+
+
+def is_loopback_endpoint(endpoint: str, name: str = "endpoint") -> bool:
+    """Whether ``HOST:PORT`` listens on loopback only (``localhost`` or a loopback IP); a
+    wildcard, another address or any other host name is not. ValueError naming ``name`` when
+    ``endpoint`` is not ``HOST:PORT``."""
+    try:
+        host, _ = split_endpoint(endpoint)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any address
+
+
+def is_wildcard_endpoint(endpoint: str) -> bool:
+    """Whether ``HOST:PORT`` listens on every interface (``0.0.0.0`` or ``::``)."""
+    host, _ = split_endpoint(endpoint)
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def join_endpoint(host: str, port: int) -> str:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tokentrace.collector.config import ConfigError, load_config, parse_config
+from tokentrace.collector.service import describe_config
 
 
 def parse(raw: object, **environ: str):  # type: ignore[no-untyped-def]
@@ -185,6 +187,44 @@ def test_env_references_are_substituted_and_missing_ones_named(tmp_path: Path) -
         load_config(path, environ={})
 
 
+def test_file_references_read_a_mounted_secret(tmp_path: Path) -> None:
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets" / "token").write_text("s3cret-from-a-file\n", encoding="utf-8")
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "receivers:\n  otlp:\n    protocols:\n      grpc:\n"
+        "        endpoint: 127.0.0.1:4317\n        auth_token: ${file:secrets/token}\n"
+        f"      http:\n        auth_token: ${{file:{tmp_path}/secrets/token}}\n",
+        encoding="utf-8",
+    )
+    config = load_config(path, environ={})
+    assert config.grpc is not None and config.grpc.auth_token == "s3cret-from-a-file"
+    assert config.http is not None and config.http.auth_token == "s3cret-from-a-file"
+    (tmp_path / "secrets" / "token").unlink()
+    with pytest.raises(ConfigError, match=r"protocols.grpc.auth_token: cannot read .*token"):
+        load_config(path, environ={})
+
+
+@pytest.mark.parametrize(
+    ("reference", "message"),
+    [
+        ("${env:NOT A NAME}", r"\$\{env:NOT A NAME\} is not a variable name"),
+        ("${file:big}", r"big is larger than 65536 bytes"),
+        ("${file:binary}", r"binary is not UTF-8 text"),
+    ],
+)
+def test_bad_references_are_named(tmp_path: Path, reference: str, message: str) -> None:
+    (tmp_path / "big").write_bytes(b"x" * (64 * 1024 + 1))
+    (tmp_path / "binary").write_bytes(b"\xff\xfe")
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"receivers:\n  otlp:\n    protocols:\n      grpc:\n        auth_token: '{reference}'\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(ConfigError, match=f"receivers.otlp.protocols.grpc.auth_token: .*{message}"):
+        load_config(path, environ={})
+
+
 def test_the_shipped_deploy_config_is_valid() -> None:
     """deploy/base/collector/collector.yaml (the Kubernetes ConfigMap's content) with the
     variables the StatefulSet sets; tests/deploy/test_kustomize.py checks the rendered one."""
@@ -222,3 +262,28 @@ def test_percentiles_before_the_verdict_is_still_refused() -> None:
                 }
             }
         )
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "token", "said"),
+    [
+        ("127.0.0.1:4317", None, ""),
+        ("localhost:4317", None, ""),
+        ("10.0.0.7:4317", "s3cret", " (not loopback)"),
+        ("0.0.0.0:4317", "s3cret", " (ALL interfaces)"),
+        ("[::]:4317", None, " (ALL interfaces): NO bearer token, anyone who reaches it can send"),
+        ("10.0.0.7:4317", None, " (not loopback): NO bearer token, anyone who reaches it can send"),
+    ],
+)
+def test_a_receiver_beyond_loopback_is_said_so_where_the_collector_says_what_it_runs(
+    endpoint: str, token: str | None, said: str
+) -> None:
+    grpc: dict[str, Any] = {"endpoint": endpoint}
+    if token:
+        grpc["auth_token"] = token
+    config = parse_config({"receivers": {"otlp": {"protocols": {"grpc": grpc}}}}, environ={})
+    (line,) = [line for line in describe_config(config) if line.startswith("OTLP/gRPC")]
+    if said:
+        assert said in line
+    else:
+        assert "loopback" not in line and "interfaces" not in line and "NO bearer" not in line

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from tests.collector.upstream import UpstreamOtlp
-from tests.node.conftest import nvml, nvml_library_dir, nvml_stand_in_lib  # noqa: F401
 from tests.node.nvml_stand_in import NvmlStandIn
 from tests.prometheus_server import running_prometheus
 from tests.spanbuild import export_request, request_spans, tid
@@ -170,7 +169,7 @@ def collector(tmp_path: Path, upstream: UpstreamOtlp) -> Iterator[Collector]:
 
 
 @pytest.fixture
-def node_agent(collector: Collector, nvml: NvmlStandIn) -> Iterator[NodeAgent]:  # noqa: F811
+def node_agent(collector: Collector, nvml: NvmlStandIn) -> Iterator[NodeAgent]:
     nvml.set(0, "gpu_util", 70)
     nvml.set(1, "gpu_util", 20)
     sampler = NvmlSampler(interval_s=0.1)  # not opened here: the node agent starts it

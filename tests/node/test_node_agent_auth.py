@@ -40,15 +40,11 @@ from tests.node.node_agent_process import listening_ports, start_node_agent
 from tests.node.test_node_agent import _request, _span, relayed
 from tokentrace.agent import semconv
 from tokentrace.agent.node.sampler import NvmlSampler
-from tokentrace.agent.node.service import (
-    NodeAgent,
-    NodeAgentConfig,
-    bind_endpoint,
-    is_loopback_endpoint,
-)
+from tokentrace.agent.node.service import NodeAgent, NodeAgentConfig, bind_endpoint
 from tokentrace.agent.node_cli import NodeAgentCommand, config_from_args
 from tokentrace.agent.otlp_config import OtlpExporterConfig
 from tokentrace.agent.otlp_export import OtlpSender
+from tokentrace.collector.receivers import is_loopback_endpoint
 
 TOKEN = "node-agent-token-0123456789"
 

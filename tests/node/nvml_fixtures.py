@@ -1,4 +1,6 @@
-"""Fixtures of the node agent tests: the NVML stand-in, loaded where the real pynvml finds it.
+"""The NVML stand-in's fixtures, loaded where the real pynvml finds it: registered once for the
+whole tree by tests/conftest.py (a second registration would build and load a second library,
+and a process can hold only one), for the node agent's tests and the dashboard's.
 
 The stand-in library is built once per test session and loaded once per process (a process can
 hold only one `libnvidia-ml.so.1`). `nvml` resets it before and after each test: reset zeroes the
