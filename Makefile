@@ -16,8 +16,15 @@ PY := $(VENV)/bin/python
 # content differs from what the cache saw.
 MYPY_CACHE ?= $(HOME)/.cache/tokentrace/mypy/$(DEPS_HASH)
 PYTEST_ARGS ?=
+# Real SGLang (tests/sglang/) lives in a venv of its own (its torch pin differs from vLLM's),
+# keyed on its requirements file alone and cached like the project's; the tests run it as a child
+# process through the interpreter path exported here.
+SGLANG_VENV_ROOT ?= $(HOME)/.cache/tokentrace/sglang-venvs
+SGLANG_HASH := $(shell cat requirements-sglang-test.txt | sha256sum | cut -c1-16)
+SGLANG_VENV ?= $(SGLANG_VENV_ROOT)/$(SGLANG_HASH)
+export TOKENTRACE_SGLANG_PYTHON := $(SGLANG_VENV)/bin/python
 
-.PHONY: venv install browser deploy-tools test test-fast lint typecheck pytest demo bench docs clean
+.PHONY: venv sglang-venv install browser deploy-tools test test-fast lint typecheck pytest demo bench docs clean
 
 # No prerequisites: the path already carries the hash of the dependency files' content, and a
 # fresh clone's newer mtimes must not force a rebuild of an identical environment.
@@ -35,6 +42,17 @@ $(VENV)/.ready:
 	touch "$@"
 
 venv: $(VENV)/.ready
+
+# As above: no prerequisites, the path carries the requirements' hash (first time ~6 min, 11 GB).
+$(SGLANG_VENV)/.ready:
+	@echo "==> creating SGLang's virtual environment $(SGLANG_VENV) (first time: ~6 minutes)"
+	rm -rf "$(SGLANG_VENV)"
+	$(PYTHON) -m venv "$(SGLANG_VENV)"
+	"$(SGLANG_VENV)/bin/python" -m pip install --quiet --upgrade pip
+	"$(SGLANG_VENV)/bin/python" -m pip install --quiet -r requirements-sglang-test.txt
+	touch "$@"
+
+sglang-venv: $(SGLANG_VENV)/.ready
 
 install: venv
 	@"$(PY)" -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null
@@ -63,7 +81,7 @@ browser:
 deploy-tools:
 	@sh tests/deploy/install_debian_tools.sh
 
-pytest: install browser deploy-tools
+pytest: install browser deploy-tools sglang-venv
 	"$(PY)" -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest

@@ -46,6 +46,21 @@ REPLAY_SCOPE: Final = "tokentrace.replay"
 VLLM_SPAN_REQUEST: Final = "llm_request"
 """vLLM's built-in per-request span (``--otlp-traces-endpoint``, scope ``vllm.tracing.otel``)."""
 VLLM_TRACING_SCOPE: Final = "vllm.tracing.otel"
+SGLANG_TRACING_SCOPE: Final = "sglang server"
+"""Instrumentation scope of SGLang's built-in tracing (``--enable-trace``, SGLang 0.5)."""
+SGLANG_SPAN_REQUEST_MARK: Final = " Req "
+"""In the name of SGLang's per-request root span, ``"<role> Req <first 8 of the request id>"``
+(role empty unless prefill/decode are disaggregated, hence the usual leading space)."""
+SGLANG_SPAN_REQUEST_PROCESS: Final = "request_process"
+"""SGLang: the scheduler taking the request in (its start: engine arrival)."""
+SGLANG_SPAN_PREFILL_WAITING: Final = "prefill_waiting"
+"""SGLang: the request waiting in the scheduler's queue for its prefill."""
+SGLANG_SPAN_PREFILL_FORWARD: Final = "prefill_forward"
+"""SGLang: the prefill (its start: first scheduled; its end: the first token, scheduler-side)."""
+SGLANG_SPAN_DECODE_FORWARD: Final = "decode_forward"
+"""SGLang: the decode phase; parent of the ``decode_loop`` spans."""
+SGLANG_SPAN_DECODE_LOOP: Final = "decode_loop"
+"""SGLang: one decode step of the request; its end is one output token (after the first)."""
 
 # --- OpenTelemetry resource / general attributes ------------------------------------------------
 SERVICE_NAME: Final = "service.name"
@@ -93,6 +108,10 @@ VLLM_USAGE_PROMPT_TOKENS: Final = "gen_ai.usage.prompt_tokens"
 VLLM_USAGE_COMPLETION_TOKENS: Final = "gen_ai.usage.completion_tokens"
 VLLM_REQUEST_ID: Final = "gen_ai.request.id"
 VLLM_REQUEST_N: Final = "gen_ai.request.n"
+# SGLang's root span carries the same older names (latencies in seconds, counts as strings),
+# and one of its own:
+SGLANG_USAGE_CACHED_TOKENS: Final = "gen_ai.usage.cached_tokens"
+"""SGLang: prompt tokens served from its prefix cache (a string holding the count)."""
 
 # --- tokentrace attributes set by the agent -------------------------------------------------------
 REQUEST_ID: Final = "tokentrace.request.id"

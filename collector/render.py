@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Final
 
 from tokentrace.agent import semconv
 from tokentrace.processors.causes import NETWORK_NOT_MEASURED
+from tokentrace.processors.timeline import NOT_REPORTED
 
 if TYPE_CHECKING:
     from tokentrace.collector.store.document import (
@@ -455,6 +456,11 @@ def render_explain(
         lines.append(f"{'others':<10}" + glyphs.separator.join(others) + "  (explain --metric)")
     if verdict is not None and verdict["numbers"].get("network_measured") == 0:
         lines.append(f"{'note':<10}{NETWORK_NOT_MEASURED}")
+    not_reported = NOT_REPORTED.get(doc["dialect"])
+    if not_reported:
+        lines.append(
+            f"{'missing':<10}{doc['dialect']}'s own spans do not report " + ", ".join(not_reported)
+        )
     lines.append(f"{'latency':<10}{_metrics_line(doc, glyphs)}")
     lines.append(f"{'tokens':<10}{_tokens_line(doc, glyphs)}")
     if doc["slo"]:

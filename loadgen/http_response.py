@@ -201,6 +201,12 @@ class Response:
         if self._conn is not None and not self._done:
             self._abort()
 
+    @property
+    def body_end_ns(self) -> int | None:
+        """The clock reading of the read that completed the body (the response's end as the
+        client saw it); None while the body is not complete."""
+        return self._end_ns if self._done else None
+
     def tcp_facts(self) -> TcpFacts | None:
         """TCP_INFO of the connection that carried this response, now; None when the kernel
         cannot tell (closed, not TCP, not Linux). Ask right after a read of this response and

@@ -312,6 +312,7 @@ class LoadRunner:
             end_ns=start,
             stream=self._config.stream,
         )
+        response: Response | None = None
         try:
             response = await client.post(plan.path, plan.body, headers=headers)
             async with response:
@@ -331,7 +332,11 @@ class LoadRunner:
             result.error = f"connection: {error}"
         except (ValueError, KeyError, TypeError, AttributeError) as error:  # not the API's JSON
             result.error = f"invalid response: {_excerpt(str(error).encode())}"
-        result.end_ns = self._unix_ns()
+        # The request ends with the read that completed its body: what the client did after
+        # it (its last event's parsing, returning the connection) is not the request's, and a
+        # starved event loop there would otherwise read as time outside the server (network).
+        body_end_ns = response.body_end_ns if response is not None else None
+        result.end_ns = body_end_ns if body_end_ns is not None else self._unix_ns()
         if result.error is None and self._config.stream and result.first_token_ns is None:
             result.error = "invalid response: the stream carried no token"
         return result

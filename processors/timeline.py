@@ -13,6 +13,19 @@ Dialects, read straight from the OTLP protobuf spans:
     boundaries are reconstructed from the span start (vLLM's arrival) and clamped into the span.
     When a trace holds both dialects for the same request (same request id or same parent span),
     tokentrace's richer spans win and the vLLM span is skipped.
+``sglang``
+    SGLang's built-in tracing (``--enable-trace``): a root span ``" Req <id>"`` (scope
+    ``sglang server``) with the older GenAI attributes (latencies in seconds, counts as strings),
+    a ``Tokenizer(...)`` and a ``Scheduler [TP n] ...`` thread span under it and, under the
+    scheduler's, ``request_process`` (engine arrival), ``prefill_waiting``, ``prefill_forward``
+    (first scheduled at its start), ``decode_waiting``, ``decode_forward`` and one
+    ``decode_loop`` per output token after the first. First and last token are on the frontend's
+    clock, as SGLang's own latencies and the client's stream see them: the root's start plus
+    SGLang's TTFT, plus its decode time (without them: the end of ``prefill_forward`` and of the
+    last ``decode_loop``). The per-token times are the ``decode_loop`` ends after the end of
+    ``prefill_forward`` (one clock: the scheduler's). A phase that appears more than once
+    (tensor-parallel ranks, retraction) counts from its earliest span. What these spans cannot
+    say is in ``NOT_REPORTED``.
 ``genai_client``
     A GenAI semantic-convention client span (kind CLIENT with ``gen_ai.operation.name``, or
     tokentrace's ``llm.client.request``) with no server-side request span beneath it: a
@@ -31,9 +44,12 @@ depth bound.
 from __future__ import annotations
 
 import contextlib
+import json
+from collections.abc import Iterable, Mapping
 from typing import Final, TypeAlias
 
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
@@ -54,7 +70,22 @@ from tokentrace.processors.span_attributes import (
 
 DIALECT_TOKENTRACE: Final = "tokentrace"
 DIALECT_VLLM: Final = "vllm"
+DIALECT_SGLANG: Final = "sglang"
 DIALECT_GENAI_CLIENT: Final = "genai_client"
+NOT_REPORTED: Final[Mapping[str, tuple[str, ...]]] = {
+    DIALECT_SGLANG: (
+        "the HTTP server span",
+        "the client and network side",
+        "engine steps",
+        "preemption",
+        "GPU samples",
+        "cold start",
+        "the operation",
+    ),
+}
+"""Per dialect: what its spans cannot tell, so every budget of such a request lacks it (the
+time it took sits in a neighbouring segment or is not there at all); ``tokentrace explain``
+names it."""
 UNKNOWN: Final = "unknown"
 """Model or operation name when no span says."""
 
@@ -107,6 +138,7 @@ _REQUEST_KEYS: Final = (
     semconv.VLLM_USAGE_PROMPT_TOKENS,
     semconv.VLLM_USAGE_COMPLETION_TOKENS,
     semconv.VLLM_REQUEST_ID,
+    semconv.SGLANG_USAGE_CACHED_TOKENS,
 )
 _REQUEST_SLOT: Final = {key: slot for slot, key in enumerate(_REQUEST_KEYS)}
 (
@@ -141,6 +173,7 @@ _REQUEST_SLOT: Final = {key: slot for slot, key in enumerate(_REQUEST_KEYS)}
     _VLLM_PROMPT_TOKENS,
     _VLLM_COMPLETION_TOKENS,
     _VLLM_REQUEST_ID,
+    _SGLANG_CACHED_TOKENS,
 ) = range(len(_REQUEST_KEYS))
 _VLLM_MARKER_SLOTS: Final = (_VLLM_TTFT, _VLLM_QUEUE, _VLLM_PREFILL, _VLLM_DECODE, _VLLM_REQUEST_ID)
 
@@ -172,7 +205,15 @@ def _model_and_operation(slots: _Slots, client_slots: _Slots | None) -> tuple[st
 class _TraceIndex:
     """One pass over a trace: spans by id, request spans by dialect, phase spans by parent."""
 
-    __slots__ = ("by_id", "client_candidates", "phases_by_parent", "tokentrace", "vllm")
+    __slots__ = (
+        "by_id",
+        "client_candidates",
+        "phases_by_parent",
+        "sglang",
+        "sglang_by_parent",
+        "tokentrace",
+        "vllm",
+    )
 
     def __init__(self, trace: AssembledTrace) -> None:
         self.by_id: dict[bytes, SpanRef] = {}
@@ -180,6 +221,8 @@ class _TraceIndex:
         self.vllm: list[SpanRef] = []
         self.client_candidates: list[SpanRef] = []
         self.phases_by_parent: dict[bytes, list[Span]] = {}
+        self.sglang: list[SpanRef] = []
+        self.sglang_by_parent: dict[bytes, list[Span]] = {}
         phase_names = _PHASE_SPANS
         for ref in trace.spans:
             span = ref.span
@@ -191,6 +234,11 @@ class _TraceIndex:
                 self.tokentrace.append(ref)
             elif name == semconv.VLLM_SPAN_REQUEST:
                 self.vllm.append(ref)
+            elif ref.scope.name == semconv.SGLANG_TRACING_SCOPE:
+                if semconv.SGLANG_SPAN_REQUEST_MARK in name:
+                    self.sglang.append(ref)
+                else:
+                    self.sglang_by_parent.setdefault(span.parent_span_id, []).append(span)
             elif span.kind == _KIND_CLIENT:
                 self.client_candidates.append(ref)
 
@@ -479,6 +527,168 @@ def _reconstruct_vllm(timeline: RequestTimeline, slots: _Slots, start: int, end:
         timeline.last_token = first_token
 
 
+def _count(value: AnyValue | None) -> int | None:
+    """A non-negative count, as an integer or (SGLang) a string of digits."""
+    number = as_int(value)
+    if number is not None:
+        return number
+    text = as_str(value)
+    return int(text) if text is not None and text.isdigit() else None
+
+
+def _sglang_finish_reason(value: AnyValue | None) -> str | None:
+    """SGLang writes the finish reasons as a JSON list in a string (``'["length"]'``)."""
+    text = first_str(value)
+    if text is None or not text.startswith("["):
+        return text
+    try:
+        reasons = json.loads(text)
+    except ValueError:
+        return None
+    first = reasons[0] if isinstance(reasons, list) and reasons else None
+    return first if isinstance(first, str) else None
+
+
+class _SglangPhases:
+    """The earliest span of each phase SGLang reports under a request's thread spans, and the
+    ``decode_loop`` spans under the earliest ``decode_forward``."""
+
+    __slots__ = ("decode", "decode_loops", "prefill", "request_process", "waiting")
+
+    def __init__(self, index: _TraceIndex, root: Span) -> None:
+        self.request_process: Span | None = None
+        self.waiting: Span | None = None
+        self.prefill: Span | None = None
+        self.decode: Span | None = None
+        by_parent = index.sglang_by_parent
+        for thread in by_parent.get(root.span_id, ()):
+            for child in by_parent.get(thread.span_id, ()):
+                if span_times(child) is None:
+                    continue  # unset or negative duration: malformed
+                name = child.name
+                if name == semconv.SGLANG_SPAN_REQUEST_PROCESS:
+                    self.request_process = _earlier(self.request_process, child)
+                elif name == semconv.SGLANG_SPAN_PREFILL_WAITING:
+                    self.waiting = _earlier(self.waiting, child)
+                elif name == semconv.SGLANG_SPAN_PREFILL_FORWARD:
+                    self.prefill = _earlier(self.prefill, child)
+                elif name == semconv.SGLANG_SPAN_DECODE_FORWARD:
+                    self.decode = _earlier(self.decode, child)
+        loops: list[Span] = []
+        if self.decode is not None:
+            loops = [
+                child
+                for child in by_parent.get(self.decode.span_id, ())
+                if child.name == semconv.SGLANG_SPAN_DECODE_LOOP and span_times(child) is not None
+            ]
+            loops.sort(key=lambda loop: loop.start_time_unix_nano)
+        self.decode_loops = loops
+
+    def token_offsets_us(self) -> list[int]:
+        """Each output token's time after the first, in µs, on one clock (the scheduler's): the
+        prefill's end is the first token, each loop's end one more; a loop that ends before the
+        prefill does is malformed and counts as 0. Empty without a prefill or decode loops."""
+        prefill = self.prefill
+        if prefill is None or not self.decode_loops:
+            return []
+        first = prefill.end_time_unix_nano
+        return [0] + [max(0, loop.end_time_unix_nano - first) // 1000 for loop in self.decode_loops]
+
+
+def sglang_token_offsets_us(
+    spans: Iterable[tuple[InstrumentationScope, Span]], request_span_id: bytes
+) -> list[int] | None:
+    """The token offsets of the SGLang request whose root span is ``request_span_id``, read
+    from its trace's spans as ``normalize`` reads them (for readers of stored traces); None when
+    that span is not an SGLang request."""
+    refs = [SpanRef(span, _NO_RESOURCE, scope, "") for scope, span in spans]
+    index = _TraceIndex(AssembledTrace(b"", refs))
+    for ref in index.sglang:
+        if ref.span.span_id == request_span_id:
+            return _SglangPhases(index, ref.span).token_offsets_us()
+    return None
+
+
+_NO_RESOURCE: Final = Resource()
+
+
+def _earlier(current: Span | None, candidate: Span) -> Span:
+    if current is None or candidate.start_time_unix_nano < current.start_time_unix_nano:
+        return candidate
+    return current
+
+
+def _sglang_timeline(trace_id: bytes, index: _TraceIndex, ref: SpanRef) -> RequestTimeline:
+    span = ref.span
+    slots = _read_request_slots(span)
+    context = _Context(index.ancestors(span))
+    model, operation = _model_and_operation(slots, context.slots_of_client())
+    start = span.start_time_unix_nano or None
+    end = span.end_time_unix_nano or None
+    input_tokens = _count(slots[_VLLM_PROMPT_TOKENS])
+    cached_tokens = _count(slots[_SGLANG_CACHED_TOKENS])
+    timeline = RequestTimeline(
+        trace_id=trace_id,
+        span_id=span.span_id,
+        dialect=DIALECT_SGLANG,
+        service=ref.service,
+        model=model,
+        operation=operation,
+        end=end,
+        input_tokens=input_tokens,
+        output_tokens=_count(slots[_VLLM_COMPLETION_TOKENS]),
+        cached_tokens=cached_tokens,
+        finish_reason=_sglang_finish_reason(slots[_FINISH_REASONS]),
+        request_id=as_str(slots[_VLLM_REQUEST_ID]),
+        status_error=error_of(span),
+    )
+    if start is not None and end is not None and end >= start:
+        _place_sglang_phases(timeline, _SglangPhases(index, span), slots, start, end)
+    context.apply(timeline, request_start=start)
+    return timeline
+
+
+def _place_sglang_phases(
+    timeline: RequestTimeline, phases: _SglangPhases, slots: _Slots, start: int, end: int
+) -> None:
+    """Boundaries from the phase spans and SGLang's own TTFT and decode time, each clamped into
+    the root span."""
+
+    def clamp(value: int) -> int:
+        return min(max(value, start), end)
+
+    arrival = phases.request_process or phases.waiting or phases.prefill
+    timeline.engine_arrival = start if arrival is None else clamp(arrival.start_time_unix_nano)
+    prefill = phases.prefill
+    if prefill is not None:
+        timeline.first_scheduled = clamp(prefill.start_time_unix_nano)
+        computed = max(0, (timeline.input_tokens or 0) - (timeline.cached_tokens or 0))
+        timeline.prefill_chunks = [
+            (prefill.start_time_unix_nano, prefill.end_time_unix_nano, computed)
+        ]
+    ttft_ns = as_seconds_ns(slots[_VLLM_TTFT])
+    if ttft_ns is not None:
+        timeline.first_token = clamp(start + ttft_ns)
+    elif prefill is not None:
+        timeline.first_token = clamp(prefill.end_time_unix_nano)
+    first_token = timeline.first_token
+    loops = phases.decode_loops
+    decode_ns = as_seconds_ns(slots[_VLLM_DECODE])
+    if first_token is not None:
+        if ttft_ns is not None and decode_ns is not None:
+            # The frontend's clock, as for the first token: the last token arrives with the
+            # finished output (SGLang's decode time is the finish minus the first token).
+            timeline.last_token = clamp(first_token + decode_ns)
+        elif loops:
+            last_loop_end = max(loop.end_time_unix_nano for loop in loops)
+            timeline.last_token = max(first_token, clamp(last_loop_end))
+        elif phases.decode is not None:
+            timeline.last_token = max(first_token, clamp(phases.decode.end_time_unix_nano))
+        elif timeline.output_tokens == 1:
+            timeline.last_token = first_token
+    timeline.token_offsets_us = phases.token_offsets_us()
+
+
 def _client_timeline(trace_id: bytes, ref: SpanRef, slots: _Slots) -> RequestTimeline:
     span = ref.span
     model, operation = _model_and_operation(slots, None)
@@ -541,6 +751,13 @@ def normalize(trace: AssembledTrace) -> list[RequestTimeline]:
             if request_id is not None and request_id in tokentrace_ids:
                 continue
             timelines.append(_vllm_timeline(trace_id, index, ref, slots))
+        except Exception:  # defensive, as above
+            continue
+
+    for ref in index.sglang:
+        try:
+            server_request_spans.append(ref.span)
+            timelines.append(_sglang_timeline(trace_id, index, ref))
         except Exception:  # defensive, as above
             continue
 

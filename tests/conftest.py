@@ -13,10 +13,18 @@ import pytest
 
 from tests.collector.upstream import UpstreamOtlp
 from tests.node.nvml_fixtures import nvml, nvml_library_dir, nvml_stand_in_lib
+from tests.sglang.shared_server import sglang_server
 from tests.vllm.shared_server import traced_server, vllm_server
 
 # Fixtures, registered for the whole tree.
-__all__ = ["nvml", "nvml_library_dir", "nvml_stand_in_lib", "traced_server", "vllm_server"]
+__all__ = [
+    "nvml",
+    "nvml_library_dir",
+    "nvml_stand_in_lib",
+    "sglang_server",
+    "traced_server",
+    "vllm_server",
+]
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any, Final, NamedTuple
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
@@ -36,6 +37,7 @@ from tokentrace.processors.model import (
     RequestRecord,
     RequestTimeline,
 )
+from tokentrace.processors.timeline import sglang_token_offsets_us
 
 TIMELINE_BOUNDARIES: Final = (
     "client_start",
@@ -293,13 +295,16 @@ def decode_from_otlp(otlp: bytes, request_span_id: bytes) -> DecodeSpans:
     """The token offsets on the decode span of a request and its engine steps, read from a
     stored serialised ``ExportTraceServiceRequest`` the way ``processors.timeline`` reads them:
     the earliest ``llm.decode`` child of the request span, integer elements only; every valid
-    ``llm.engine.step`` child, in start order."""
+    ``llm.engine.step`` child, in start order. Without a decode span, an SGLang request's token
+    times from its ``decode_loop`` spans (``timeline.sglang_token_offsets_us``)."""
     request = ExportTraceServiceRequest.FromString(otlp)
     decode = None
     steps: list[tuple[int, int, int]] = []
+    scoped: list[tuple[InstrumentationScope, Span]] = []
     for resource_spans in request.resource_spans:
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
+                scoped.append((scope_spans.scope, span))
                 if span.parent_span_id != request_span_id:
                     continue
                 start = span.start_time_unix_nano
@@ -313,7 +318,7 @@ def decode_from_otlp(otlp: bytes, request_span_id: bytes) -> DecodeSpans:
                     decode = span
     steps.sort()
     if decode is None:
-        return DecodeSpans(None, steps)
+        return DecodeSpans(sglang_token_offsets_us(scoped, request_span_id), steps)
     for attribute in decode.attributes:
         if attribute.key == semconv.DECODE_TOKEN_OFFSETS:
             offsets = [

@@ -878,3 +878,32 @@ def test_a_refused_key_exits_1_saying_how_to_give_one(
     assert "401" in err and "--api-key" in err and "OPENAI_API_KEY" in err
     assert "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_request_ends_with_the_read_that_completed_its_body(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's own work after the last byte (here: its event loop blocked while it returns
+    the connection, as a starved load generator would be) is not part of the request, so it
+    cannot pose as time outside the server (network)."""
+    from tokentrace.loadgen import http_response
+
+    blocked_s = 1.0
+    original = http_response.Response.aclose
+
+    async def blocking_aclose(self: http_response.Response) -> None:
+        time.sleep(blocked_s)  # the loop cannot run
+        await original(self)
+
+    monkeypatch.setattr(http_response.Response, "aclose", blocking_aclose)
+    out = tmp_path / "run.json"
+    code = _load(served.url, out, "--concurrency", "1", "--requests", "2", "--output-tokens", "4")
+    assert code == 0
+    results = run_record.load(out).results
+    assert len(results) == 2 and all(result.ok for result in results)
+    for result in results:
+        assert result.last_token_ns is not None
+        # Without the body's end as the request's end, each would end >= blocked_s later.
+        assert result.end_ns - result.last_token_ns < blocked_s * 1e9
+    # The second request started after the first one's blocked close: the block was real.
+    assert results[1].start_ns - results[0].end_ns >= blocked_s * 1e9

@@ -1,0 +1,278 @@
+"""One real SGLang server shared by the whole session, tracing into a real tokentrace collector.
+
+SGLang lives in a virtual environment of its own (its torch pin differs from vLLM's): ``make
+sglang-venv`` builds it outside the clone and ``make pytest`` hands its interpreter to the tests
+in ``TOKENTRACE_SGLANG_PYTHON`` (`sglang_python`); a test that needs it and finds it unset fails
+with one line saying so. The server runs that interpreter as a child process with
+``tests/sglang/support`` on its ``PYTHONPATH`` (a pure-torch stand-in for the one ``vllm``
+function SGLang imports without a GPU; see its docstring), on the tiny random Llama of
+``tests/conftest.py``'s `tiny_model_dir`, with the CPU flags that make it start in about a minute
+here (``SERVER_FLAGS``).
+
+`sglang_server` starts it once per session (CI time) with SGLang's own tracing
+(``--enable-trace``) exporting to a ``tokentrace collector`` process that only this server sends
+to; the collector stores what it makes of the spans in a test-owned SQLite store, which tests read
+with the ``tokentrace`` commands as an operator would. Tests never assume the store is fresh: they
+find their own requests by the trace ids they sent in ``traceparent`` (SGLang continues the
+caller's trace).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from tokentrace.loadgen.local_vllm import free_loopback_port, log_tail, stop_server
+
+SGLANG_PYTHON_ENV = "TOKENTRACE_SGLANG_PYTHON"
+SGLANG_PYTHON_HINT = (
+    f"{SGLANG_PYTHON_ENV} is not set: run `make sglang-venv` and export "
+    f"{SGLANG_PYTHON_ENV}=<that venv>/bin/python (`make pytest` does both)"
+)
+SERVED_MODEL_NAME = "tiny-llama"
+SUPPORT_DIR = Path(__file__).parent / "support"
+"""On the server's ``PYTHONPATH``: the ``vllm`` stand-in."""
+SERVER_FLAGS: tuple[str, ...] = (
+    *("--device", "cpu"),
+    *("--attention-backend", "torch_native"),
+    "--disable-overlap-schedule",
+    "--sleep-on-idle",
+    # Without a bound the KV pool takes ~15 GB of RAM and start-up is 20 s slower.
+    *("--max-total-tokens", "32768"),
+)
+_DEFAULT_READY_TIMEOUT_S = 240.0
+_HEALTH_POLL_INTERVAL_S = 0.5
+_COLLECTOR_START_TIMEOUT_S = 60.0
+_DEFAULT_SERVER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "DO_NOT_TRACK": "1",
+    # Spans leave the server within 100 ms of their end (SGLang's default waits 500 ms).
+    "SGLANG_OTLP_EXPORTER_SCHEDULE_DELAY_MILLIS": "100",
+}
+COLLECTOR_CONFIG = """
+receivers:
+  otlp:
+    protocols:
+      grpc: {endpoint: "127.0.0.1:0"}
+processors:
+  assembly: {quiet_period: 1s, root_grace: 50ms}
+exporters:
+  store: {path: STORE}
+"""
+"""A short quiet period: a request is stored about a second after its last span arrives."""
+
+
+class SglangServerError(RuntimeError):
+    """The server exited or did not become healthy; the message carries its log's tail."""
+
+
+def sglang_python() -> str:
+    """The SGLang venv's interpreter; fails the calling test with one line when it is not set."""
+    python = os.environ.get(SGLANG_PYTHON_ENV)
+    if not python:
+        pytest.fail(SGLANG_PYTHON_HINT, pytrace=False)
+    if not Path(python).exists():
+        pytest.fail(
+            f"{SGLANG_PYTHON_ENV}={python} does not exist: run `make sglang-venv`", pytrace=False
+        )
+    return python
+
+
+@dataclass(frozen=True)
+class SglangServer:
+    base_url: str
+    model_name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    started_in_s: float
+
+    def log_tail(self) -> str:
+        return log_tail(self.log_path)
+
+
+def server_command(
+    python: str, model_dir: Path, *, port: int, otlp_endpoint: str | None
+) -> list[str]:
+    """``sglang.launch_server`` with ``SERVER_FLAGS``; ``--enable-trace`` to ``otlp_endpoint``
+    (``host:port``, OTLP/gRPC) when given."""
+    tracing = ("--enable-trace", "--otlp-traces-endpoint", otlp_endpoint) if otlp_endpoint else ()
+    return [
+        python,
+        *("-m", "sglang.launch_server"),
+        *("--model-path", str(model_dir)),
+        *("--served-model-name", SERVED_MODEL_NAME),
+        *SERVER_FLAGS,
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *tracing,
+    ]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@contextmanager
+def running_sglang_server(
+    python: str,
+    model_dir: Path,
+    *,
+    log_path: Path,
+    otlp_endpoint: str | None = None,
+    env: Mapping[str, str] | None = None,
+    ready_timeout_s: float = _DEFAULT_READY_TIMEOUT_S,
+) -> Iterator[SglangServer]:
+    """Start SGLang on a free loopback port, wait for ``/health``, yield it, stop it afterwards
+    (its whole process group: scheduler and detokenizer included)."""
+    port = free_loopback_port()
+    child_env = {**_DEFAULT_SERVER_ENV, **os.environ, **(env or {})}
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        [str(SUPPORT_DIR), *filter(None, [child_env.get("PYTHONPATH")])]
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            server_command(python, model_dir, port=port, otlp_endpoint=otlp_endpoint),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            start_new_session=True,
+        )
+    try:
+        deadline = started + ready_timeout_s
+        while not _healthy(f"{base_url}/health"):
+            if process.poll() is not None:
+                raise SglangServerError(
+                    f"SGLang exited with {process.returncode} before it was ready; "
+                    f"log tail ({log_path}):\n{log_tail(log_path)}"
+                )
+            if time.monotonic() > deadline:
+                raise SglangServerError(
+                    f"SGLang not healthy after {ready_timeout_s:.0f} s; "
+                    f"log tail ({log_path}):\n{log_tail(log_path)}"
+                )
+            time.sleep(_HEALTH_POLL_INTERVAL_S)
+        yield SglangServer(
+            base_url=base_url,
+            model_name=SERVED_MODEL_NAME,
+            process=process,
+            log_path=log_path,
+            started_in_s=time.monotonic() - started,
+        )
+    finally:
+        stop_server(process)
+
+
+def tokentrace_command(*args: str) -> list[str]:
+    """The ``tokentrace`` command of this interpreter (the project's environment)."""
+    return [sys.executable, "-m", "tokentrace.agent.cli", *args]
+
+
+@dataclass(frozen=True)
+class CollectorProcess:
+    port: int
+    """Its OTLP/gRPC receiver on 127.0.0.1."""
+    store: Path
+    log_path: Path
+
+    def log_tail(self) -> str:
+        return log_tail(self.log_path)
+
+
+@contextmanager
+def running_collector(directory: Path) -> Iterator[CollectorProcess]:
+    """A ``tokentrace collector`` storing into ``directory / "requests.db"``; its output goes to
+    ``directory / "collector.log"``. Stopped with SIGTERM (it stores what it holds)."""
+    store = directory / "requests.db"
+    config = directory / "collector.yaml"
+    config.write_text(COLLECTOR_CONFIG.replace("STORE", str(store)), encoding="utf-8")
+    log_path = directory / "collector.log"
+    process = subprocess.Popen(
+        tokentrace_command("collector", "--config", str(config)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    port = None
+    lines: list[str] = []
+    deadline = time.monotonic() + _COLLECTOR_START_TIMEOUT_S
+    for line in process.stdout:
+        lines.append(line)
+        match = re.search(r"OTLP/gRPC receiver listening on 127\.0\.0\.1:(\d+)", line)
+        if match:
+            port = int(match.group(1))
+            break
+        if time.monotonic() > deadline:
+            break
+    log_path.write_text("".join(lines), encoding="utf-8")
+    if port is None:
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"the collector did not report its port:\n{''.join(lines)}")
+
+    def copy_output(stdout: IO[str]) -> None:
+        with log_path.open("a", encoding="utf-8") as log:
+            for text in stdout:  # also keeps the pipe from filling up
+                log.write(text)
+                log.flush()
+
+    copier = threading.Thread(target=copy_output, args=(process.stdout,), daemon=True)
+    copier.start()
+    try:
+        yield CollectorProcess(port, store, log_path)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        copier.join(timeout=5)
+
+
+@dataclass(frozen=True)
+class TracedSglang:
+    server: SglangServer
+    collector: CollectorProcess
+    """Receives SGLang's spans from this server alone, since its start."""
+
+    def log_tail(self) -> str:
+        return f"{self.server.log_tail()}\n--- collector ---\n{self.collector.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def sglang_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TracedSglang]:
+    """The shared SGLang server, its own tracing on, exporting to a test-owned collector."""
+    python = sglang_python()
+    with (
+        running_collector(tmp_path_factory.mktemp("sglang-collector")) as collector,
+        running_sglang_server(
+            python,
+            tiny_model_dir,
+            log_path=tmp_path_factory.mktemp("sglang") / "server.log",
+            otlp_endpoint=f"127.0.0.1:{collector.port}",
+        ) as server,
+    ):
+        yield TracedSglang(server, collector)
