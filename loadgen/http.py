@@ -288,8 +288,8 @@ class HttpClient:
         self, conn: _Connection, request: bytes, close_requested: bool, *, reused: bool
     ) -> Response:
         try:
-            sent_ns = self._clock()
             await conn.send(request)
+            sent_ns = conn.last_write_ns
             version, status, reason, headers, first_byte_ns = await self._read_head(conn)
             # Interim responses (100 Continue, 103 Early Hints) precede the real one.
             while 100 <= status < 200 and status != 101:

@@ -86,7 +86,7 @@ class _Counters:
 
 class _Connection:
     """One TCP (or TLS) connection with a read buffer (``buf`` from offset ``pos``) and the clock
-    reading of its latest read. Every failure closes it and raises HttpError."""
+    readings of its latest read and write. Every failure closes it and raises HttpError."""
 
     __slots__ = (
         "_clock",
@@ -97,6 +97,7 @@ class _Connection:
         "closed",
         "connect_ns",
         "last_read_ns",
+        "last_write_ns",
         "pos",
         "sock",
         "where",
@@ -125,6 +126,10 @@ class _Connection:
         self.buf = b""
         self.pos = 0
         self.last_read_ns = 0
+        self.last_write_ns = 0
+        """Read right after the latest ``send`` handed its bytes to the transport (which writes
+        to the socket at once when nothing is queued): the request left then, not when the
+        client meant to send it (a process descheduled in between was late, not the network)."""
         self.closed = False
 
     @classmethod
@@ -182,6 +187,7 @@ class _Connection:
     async def send(self, data: bytes) -> None:
         try:
             self._writer.write(data)
+            self.last_write_ns = self._clock()
             await _within(self._writer.drain(), self._timeout_s)
         except BaseException as exc:
             error = self._fail(exc, "sending request to")

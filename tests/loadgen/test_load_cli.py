@@ -907,3 +907,26 @@ def test_a_request_ends_with_the_read_that_completed_its_body(
         assert result.end_ns - result.last_token_ns < blocked_s * 1e9
     # The second request started after the first one's blocked close: the block was real.
     assert results[1].start_ns - results[0].end_ns >= blocked_s * 1e9
+
+
+def test_a_request_is_stamped_sent_when_its_bytes_left(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client descheduled between deciding to send and writing (a starved process) was late
+    itself: the wait is its own (send wait), not time the request spent travelling (network).
+    Seen in CI: a request stamped sent 2 s before its bytes reached the server on loopback."""
+    blocked_s = 0.5
+    original = asyncio.StreamWriter.write
+
+    def late_write(self: asyncio.StreamWriter, data: bytes | bytearray | memoryview) -> None:
+        time.sleep(blocked_s)  # nothing runs: the bytes leave this much later
+        original(self, data)
+
+    monkeypatch.setattr(asyncio.StreamWriter, "write", late_write)
+    out = tmp_path / "run.json"
+    code = _load(served.url, out, "--concurrency", "1", "--requests", "2", "--output-tokens", "4")
+    assert code == 0
+    results = run_record.load(out).results
+    assert len(results) == 2 and all(result.ok for result in results)
+    for result in results:
+        assert result.send_wait_ns is not None and result.send_wait_ns >= blocked_s * 1e9
