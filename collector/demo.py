@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tokentrace.collector.service import GRPC_LISTENING_LINE
 
 DEMO_CONFIG = """\
 receivers:
@@ -44,7 +45,6 @@ exporters:
 
 RUN_RECORD_NAME = "demo-run.json"
 """The load's run record, in the demo's working directory."""
-_PORT_LINE = re.compile(r"OTLP/gRPC receiver listening on ([\d.]+):(\d+)")
 _DEFAULT_VLLM_REQUESTS = 96
 _DEFAULT_REPLAY_REQUESTS = 600
 _STARTUP_TIMEOUT_S = 30.0
@@ -69,7 +69,7 @@ def start_collector(config_path: Path) -> tuple[subprocess.Popen[str], int]:
         if not line:
             break
         print(f"  collector | {line.rstrip()}")
-        match = _PORT_LINE.search(line)
+        match = GRPC_LISTENING_LINE.search(line)
         if match:
             # Keep reading its lines in the background so its pipe never fills.
             import threading

@@ -25,6 +25,7 @@ import argparse
 import gc
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -445,6 +446,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     print("tokentrace collector: shutting down (finishing pending traces)", flush=True)
     collector.shutdown()
     return 0
+
+
+GRPC_LISTENING_LINE: Final = re.compile(r"OTLP/gRPC receiver listening on (\S+):(\d+)")
+"""What ``tokentrace collector`` prints once its gRPC receiver listens (``describe_config``):
+the demo and the tests read the host and port it bound from it."""
 
 
 def _exposure(endpoint: str, auth_token: str | None, what: str) -> str:

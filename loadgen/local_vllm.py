@@ -129,6 +129,44 @@ def stop_server(
         process.wait(timeout=10.0)
 
 
+def spawn_until_healthy(
+    command: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    log_path: Path,
+    health_url: str,
+    ready_timeout_s: float,
+    name: str,
+    error: type[Exception],
+) -> subprocess.Popen[bytes]:
+    """Start an inference server, its output into ``log_path``, in a process group of its own
+    (so that ``stop_server`` reaches every process it starts), and return it once ``health_url``
+    answers 200. Raises ``error`` (naming ``name``, with the log's tail) when it exits first or
+    is not healthy within ``ready_timeout_s``; it is stopped then."""
+    started = time.monotonic()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        while not _healthy(health_url):
+            if process.poll() is not None:
+                raise error(
+                    f"{name} exited with {process.returncode} before it was ready; "
+                    f"log tail ({log_path}):\n{log_tail(log_path)}"
+                )
+            if time.monotonic() > started + ready_timeout_s:
+                raise error(
+                    f"{name} not healthy after {ready_timeout_s:.0f} s; "
+                    f"log tail ({log_path}):\n{log_tail(log_path)}"
+                )
+            time.sleep(_HEALTH_POLL_INTERVAL_S)
+    except BaseException:
+        stop_server(process)
+        raise
+    return process
+
+
 @contextmanager
 def running_vllm_server(
     model_dir: Path,
@@ -161,29 +199,17 @@ def running_vllm_server(
     ]
     base_url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
-    with log_path.open("wb") as log:
-        # Own process group, so that stopping it also reaches EngineCore and the CPU worker.
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=child_env,
-            start_new_session=True,
-        )
+    # Its process group also holds EngineCore and the CPU worker.
+    process = spawn_until_healthy(
+        command,
+        env=child_env,
+        log_path=log_path,
+        health_url=f"{base_url}/health",
+        ready_timeout_s=ready_timeout_s,
+        name="vLLM server",
+        error=VllmServerError,
+    )
     try:
-        deadline = started + ready_timeout_s
-        while not _healthy(f"{base_url}/health"):
-            if process.poll() is not None:
-                raise VllmServerError(
-                    f"vLLM server exited with {process.returncode} before it was ready; "
-                    f"log tail ({log_path}):\n{log_tail(log_path)}"
-                )
-            if time.monotonic() > deadline:
-                raise VllmServerError(
-                    f"vLLM server not healthy after {ready_timeout_s:.0f} s; "
-                    f"log tail ({log_path}):\n{log_tail(log_path)}"
-                )
-            time.sleep(_HEALTH_POLL_INTERVAL_S)
         yield VllmServer(
             base_url=base_url,
             model_dir=model_dir,

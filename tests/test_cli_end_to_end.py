@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.collector_process import start_collector_process
 
 pytestmark = pytest.mark.slow
 
@@ -36,21 +36,9 @@ def test_collector_replay_explain_top(tmp_path: Path) -> None:
     store = tmp_path / "requests.db"
     config = tmp_path / "collector.yaml"
     config.write_text(CONFIG.replace("STORE", str(store)), encoding="utf-8")
-    collector = subprocess.Popen(
-        tokentrace("collector", "--config", str(config)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    collector = start_collector_process(config, tmp_path / "collector.log")
+    port = collector.grpc_port
     try:
-        assert collector.stdout is not None
-        port = None
-        for line in collector.stdout:
-            match = re.search(r"OTLP/gRPC receiver listening on 127\.0\.0\.1:(\d+)", line)
-            if match:
-                port = int(match.group(1))
-                break
-        assert port, "the collector did not report its port"
         replay = subprocess.run(
             tokentrace(
                 "replay",
@@ -72,9 +60,9 @@ def test_collector_replay_explain_top(tmp_path: Path) -> None:
         assert replay.returncode == 0, replay.stderr
     finally:
         # SIGTERM: the quiet period has not passed, so only a clean shutdown stores the traces.
-        collector.send_signal(signal.SIGTERM)
-        output, _ = collector.communicate(timeout=60)
-    assert collector.returncode == 0, output
+        exit_status = collector.stop(timeout_s=60)
+    output = collector.output
+    assert exit_status == 0, output
     assert "Traceback" not in output
 
     explain = subprocess.run(

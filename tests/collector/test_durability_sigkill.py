@@ -7,12 +7,7 @@ and record each trace id whose export returned OK. docs/reliability.md cites thi
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,49 +18,17 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 
+from tests.collector_process import start_collector_process
 from tests.spanbuild import request_spans
 from tokentrace.agent import semconv
 
 pytestmark = pytest.mark.slow
 
-_PORT_LINE = re.compile(r"OTLP/gRPC receiver listening on [\d.]+:(\d+)")
+_INFO_LOGS = {"TOKENTRACE_LOG_LEVEL": "INFO"}
+"""The collector process logs its spool replay at INFO: the test prints those lines."""
 _SENDERS = 8
 _SEND_BEFORE_KILL_S = 2.5
-_STARTUP_TIMEOUT_S = 20.0
 _STORED_TIMEOUT_S = 15.0
-
-
-def _start(config: Path) -> tuple[subprocess.Popen[str], int]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tokentrace.agent.cli", "collector", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "TOKENTRACE_LOG_LEVEL": "INFO"},
-    )
-    assert process.stdout is not None
-    deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-    lines = []
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        match = _PORT_LINE.search(line)
-        if "spool:" in line:
-            print(f"  collector | {line.rstrip()}")
-        if match:
-            threading.Thread(target=_drain, args=(process, lines), daemon=True).start()
-            return process, int(match.group(1))
-    process.kill()
-    raise AssertionError("the collector did not start:\n" + "".join(lines))
-
-
-def _drain(process: subprocess.Popen[str], lines: list[str]) -> None:
-    assert process.stdout is not None
-    for line in process.stdout:
-        if "spool" in line:
-            print(f"  collector | {line.rstrip()}")
 
 
 def _export(number: int) -> tuple[bytes, ExportTraceServiceRequest]:
@@ -126,7 +89,9 @@ def _stored(store: Path) -> tuple[set[bytes], list[bytes], list[bytes]]:
 
 
 def test_sigkill_loses_no_acknowledged_trace(config: Path, tmp_path: Path) -> None:
-    process, port = _start(config)
+    log_path = tmp_path / "collector.log"
+    collector = start_collector_process(config, log_path, env=_INFO_LOGS)
+    port = collector.grpc_port
     acknowledged: set[bytes] = set()
     lock = threading.Lock()
     stop = threading.Event()
@@ -152,8 +117,7 @@ def test_sigkill_loses_no_acknowledged_trace(config: Path, tmp_path: Path) -> No
     for thread in threads:
         thread.start()
     time.sleep(_SEND_BEFORE_KILL_S)
-    process.send_signal(signal.SIGKILL)
-    process.wait(10)
+    collector.kill()
     stop.set()
     for thread in threads:
         thread.join(10)
@@ -163,7 +127,7 @@ def test_sigkill_loses_no_acknowledged_trace(config: Path, tmp_path: Path) -> No
     stored_at_kill = _stored(store)[0] if store.exists() else set()
     assert len(before_kill) > 50, "the senders barely ran"
 
-    restarted, _ = _start(config)
+    restarted = start_collector_process(config, log_path, env=_INFO_LOGS)
     try:
         deadline = time.monotonic() + _STORED_TIMEOUT_S
         present: set[bytes] = set()
@@ -174,8 +138,9 @@ def test_sigkill_loses_no_acknowledged_trace(config: Path, tmp_path: Path) -> No
             time.sleep(0.25)
         _, doubled, spans_twice = _stored(store)
     finally:
-        restarted.send_signal(signal.SIGTERM)
-        restarted.wait(20)
+        exit_status = restarted.stop()
+    replayed = [line for line in restarted.output.splitlines() if "spool:" in line]
+    print("\n" + "\n".join(f"  collector | {line}" for line in replayed))
     missing = before_kill - present
     print(
         f"\nacknowledged before the kill: {len(before_kill)}; stored at the kill: "
@@ -186,5 +151,5 @@ def test_sigkill_loses_no_acknowledged_trace(config: Path, tmp_path: Path) -> No
     assert not missing, f"{len(missing)} acknowledged traces lost"
     assert not doubled
     assert not spans_twice
-    assert restarted.returncode == 0
+    assert exit_status == 0
     assert not list((tmp_path / "store.db.spool").glob("segment-*")), "clean stop: spool empty"

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from tests.collector.full_disk import fill_the_disk, free_the_disk
+from tests.collector.test_spool import FakeClock, segment_files
+from tests.collector.test_spool import make_spool as spool_of
 from tests.spanbuild import export_request, request_spans, tid
 from tokentrace.collector import pipeline as pipeline_module
 from tokentrace.collector.component import ExportRetryable
@@ -21,14 +23,6 @@ from tokentrace.collector.spool import Spool
 from tokentrace.collector.store import RequestStore
 
 _MIB = 1024 * 1024
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class RecordingSink:
@@ -55,17 +49,7 @@ class RecordingSink:
 
 
 def make_spool(directory: Path, clock: FakeClock) -> Spool:
-    return Spool(
-        directory,
-        max_bytes=64 * _MIB,
-        segment_bytes=64 * 1024,
-        segment_age_s=1.0,
-        clock=clock,
-    )
-
-
-def segment_files(directory: Path) -> list[Path]:
-    return sorted(directory.glob("segment-*.spool"))
+    return spool_of(directory, segment_bytes=64 * 1024, segment_age_s=1.0, clock=clock)
 
 
 def stored_trace_ids(store: RequestStore, count: int) -> list[bytes]:

@@ -6,12 +6,8 @@ during the flood, and it serves again once the flood stops."""
 from __future__ import annotations
 
 import itertools
-import os
 import random
-import re
-import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -25,6 +21,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from tests.collector.upstream import UpstreamOtlp
+from tests.collector_process import running_collector_process
 from tests.spanbuild import export_request, request_spans
 from tokentrace.agent import semconv
 
@@ -36,7 +33,6 @@ _FLOOD_S = 10.0
 _SENDERS = 8
 _TRACES_PER_REQUEST = 200
 _EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
-_PORT_LINE = re.compile(r"OTLP/gRPC receiver listening on [\d.]+:(\d+)")
 _MIB = 1024 * 1024
 _METRICS_INTERVAL = "1s"
 _STALE_S = 2.0
@@ -68,7 +64,7 @@ def one_request(rng: random.Random) -> bytes:
 @pytest.fixture
 def collector(
     tmp_path: Path, upstream: UpstreamOtlp
-) -> Iterator[tuple[subprocess.Popen[str], int]]:
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     config = tmp_path / "collector.yaml"
     config.write_text(
         "receivers: {otlp: {protocols: {grpc: {endpoint: '127.0.0.1:0'}}}}\n"
@@ -79,31 +75,8 @@ def collector(
         f"spike_limit_mib: {_SPIKE_MIB}}}}}\n",
         encoding="utf-8",
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tokentrace.agent.cli", "collector", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    assert process.stdout is not None
-    port = None
-    for line in process.stdout:
-        if match := _PORT_LINE.search(line):
-            port = int(match.group(1))
-            break
-    assert port is not None, "the collector did not start"
-    threading.Thread(target=lambda: [None for _ in process.stdout or ()], daemon=True).start()
-    try:
-        yield process, port
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with running_collector_process(config, tmp_path / "collector.log") as running:
+        yield running.process, running.grpc_port
 
 
 def refused_by_memory(request: ExportMetricsServiceRequest) -> int | None:
@@ -117,7 +90,7 @@ def refused_by_memory(request: ExportMetricsServiceRequest) -> int | None:
 
 
 def test_resident_memory_stays_under_the_limit_and_the_overflow_is_refused(
-    collector: tuple[subprocess.Popen[str], int], upstream: UpstreamOtlp
+    collector: tuple[subprocess.Popen[bytes], int], upstream: UpstreamOtlp
 ) -> None:
     process, port = collector
     rng = random.Random(7)

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import sqlite3
 import statistics
 import subprocess
@@ -39,6 +37,7 @@ from typing import Any
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from tests.collector_process import CollectorProcess, start_collector_process
 from tests.loadgen.delay_proxy import DelayProxy
 from tests.loadgen.support import frontend_delay
 from tests.vllm.shared_server import require_vllm
@@ -638,9 +637,8 @@ def test_a_collector_restart_under_load_fails_no_inference_request(
 
 
 # --- a collector process SIGKILLed under the real load (issue 15) -------------------------------
-_LISTENING = re.compile(r"OTLP/gRPC receiver listening on [\d.]+:\d+")
-_COLLECTOR_START_TIMEOUT_S = 30.0
-_COLLECTOR_STOP_TIMEOUT_S = 20.0
+_INFO_LOGS = {"TOKENTRACE_LOG_LEVEL": "INFO"}
+"""The collector process logs its spool replay at INFO: the test prints those lines."""
 _KILL_LOAD = 200
 _KILL_RATE = 20
 """Requests/s, open loop (at most ``_KILL_CONCURRENCY`` in flight): the load lasts about 10 s on
@@ -655,42 +653,6 @@ _DOWN_S = 1.5
 """How long the port stays closed before the new collector process starts. Its start-up (0.5 s on
 an idle machine, 1-4 s beside the busy server on 2 cores) adds to it: the senders find the port
 closed 2-5 s."""
-
-
-def start_collector_process(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
-    """``tokentrace collector --config config``, its output appended to ``log_path``; returns
-    once its gRPC receiver listens (after replaying what its spool held)."""
-    offset = log_path.stat().st_size if log_path.exists() else 0
-    # Nothing exported upstream whatever the environment names.
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tokentrace.agent.cli", "collector", "--config", str(config)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**environment, "TOKENTRACE_LOG_LEVEL": "INFO"},
-        )
-    deadline = time.monotonic() + _COLLECTOR_START_TIMEOUT_S
-    while True:
-        output = log_path.read_bytes()[offset:].decode(errors="replace")
-        if _LISTENING.search(output):
-            return process
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            process.wait()
-            raise AssertionError(f"the collector process did not start:\n{output}")
-        time.sleep(0.05)
-
-
-def stop_collector_process(process: subprocess.Popen[bytes]) -> int:
-    """SIGTERM (it finishes its pending traces); SIGKILL past the timeout. The exit status."""
-    process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(timeout=_COLLECTOR_STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        raise
 
 
 def wait_for_stored_since(loop: Loop, since_ns: int, at_least: int) -> None:
@@ -806,11 +768,11 @@ def test_a_collector_process_sigkilled_under_load_loses_no_request_and_fails_non
     load_environment = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
 
     loop.collector.shutdown()
-    collector: subprocess.Popen[bytes] | None = None
+    collector: CollectorProcess | None = None
     traffic: subprocess.Popen[str] | None = None
     exit_status: int | None = None
     try:
-        collector = start_collector_process(config, log_path)
+        collector = start_collector_process(config, log_path, env=_INFO_LOGS)
         load_started_ns = time.time_ns()
         traffic = subprocess.Popen(
             command,
@@ -822,13 +784,12 @@ def test_a_collector_process_sigkilled_under_load_loses_no_request_and_fails_non
         wait_for_stored_since(loop, load_started_ns, _STORED_BEFORE_KILL)
         assert traffic.poll() is None, "the load ended before the kill"
         killed_ns = time.time_ns()
-        os.kill(collector.pid, signal.SIGKILL)
-        collector.wait()
+        collector.kill()
         # What the killed collector had stored: the rest of the run comes back from its spool
         # (acknowledged) or from its senders' retries (not acknowledged).
         at_kill = snapshot_store(loop, "store-at-kill.db")
         time.sleep(max(0.0, _DOWN_S - (time.time_ns() - killed_ns) / 1e9))
-        collector = start_collector_process(config, log_path)
+        collector = start_collector_process(config, log_path, env=_INFO_LOGS)
         restarted_ns = time.time_ns()
         output, _ = traffic.communicate(timeout=_STORE_WAIT_S * 4)
         assert traffic.returncode == 0, output
@@ -845,7 +806,7 @@ def test_a_collector_process_sigkilled_under_load_loses_no_request_and_fails_non
             traffic.wait()
         try:
             if collector is not None:
-                exit_status = stop_collector_process(collector)
+                exit_status = collector.stop()
         finally:
             # Later tests export to the same port, as the server's agent does.
             restored = Collector(parse_config(raw, environ={}))

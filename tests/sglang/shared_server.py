@@ -20,23 +20,23 @@ caller's trace).
 from __future__ import annotations
 
 import os
-import re
-import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import pytest
 
-from tokentrace.loadgen.local_vllm import free_loopback_port, log_tail, stop_server
+from tests.collector_process import running_collector_process
+from tokentrace.loadgen.local_vllm import (
+    free_loopback_port,
+    log_tail,
+    spawn_until_healthy,
+    stop_server,
+)
 
 SGLANG_PYTHON_ENV = "TOKENTRACE_SGLANG_PYTHON"
 SGLANG_PYTHON_HINT = (
@@ -55,8 +55,6 @@ SERVER_FLAGS: tuple[str, ...] = (
     *("--max-total-tokens", "32768"),
 )
 _DEFAULT_READY_TIMEOUT_S = 240.0
-_HEALTH_POLL_INTERVAL_S = 0.5
-_COLLECTOR_START_TIMEOUT_S = 60.0
 _DEFAULT_SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -122,14 +120,6 @@ def server_command(
     ]
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @contextmanager
 def running_sglang_server(
     python: str,
@@ -149,28 +139,16 @@ def running_sglang_server(
     )
     base_url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            server_command(python, model_dir, port=port, otlp_endpoint=otlp_endpoint),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=child_env,
-            start_new_session=True,
-        )
+    process = spawn_until_healthy(
+        server_command(python, model_dir, port=port, otlp_endpoint=otlp_endpoint),
+        env=child_env,
+        log_path=log_path,
+        health_url=f"{base_url}/health",
+        ready_timeout_s=ready_timeout_s,
+        name="SGLang",
+        error=SglangServerError,
+    )
     try:
-        deadline = started + ready_timeout_s
-        while not _healthy(f"{base_url}/health"):
-            if process.poll() is not None:
-                raise SglangServerError(
-                    f"SGLang exited with {process.returncode} before it was ready; "
-                    f"log tail ({log_path}):\n{log_tail(log_path)}"
-                )
-            if time.monotonic() > deadline:
-                raise SglangServerError(
-                    f"SGLang not healthy after {ready_timeout_s:.0f} s; "
-                    f"log tail ({log_path}):\n{log_tail(log_path)}"
-                )
-            time.sleep(_HEALTH_POLL_INTERVAL_S)
         yield SglangServer(
             base_url=base_url,
             model_name=SERVED_MODEL_NAME,
@@ -206,48 +184,8 @@ def running_collector(directory: Path) -> Iterator[CollectorProcess]:
     config = directory / "collector.yaml"
     config.write_text(COLLECTOR_CONFIG.replace("STORE", str(store)), encoding="utf-8")
     log_path = directory / "collector.log"
-    process = subprocess.Popen(
-        tokentrace_command("collector", "--config", str(config)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert process.stdout is not None
-    port = None
-    lines: list[str] = []
-    deadline = time.monotonic() + _COLLECTOR_START_TIMEOUT_S
-    for line in process.stdout:
-        lines.append(line)
-        match = re.search(r"OTLP/gRPC receiver listening on 127\.0\.0\.1:(\d+)", line)
-        if match:
-            port = int(match.group(1))
-            break
-        if time.monotonic() > deadline:
-            break
-    log_path.write_text("".join(lines), encoding="utf-8")
-    if port is None:
-        process.kill()
-        process.wait()
-        raise RuntimeError(f"the collector did not report its port:\n{''.join(lines)}")
-
-    def copy_output(stdout: IO[str]) -> None:
-        with log_path.open("a", encoding="utf-8") as log:
-            for text in stdout:  # also keeps the pipe from filling up
-                log.write(text)
-                log.flush()
-
-    copier = threading.Thread(target=copy_output, args=(process.stdout,), daemon=True)
-    copier.start()
-    try:
-        yield CollectorProcess(port, store, log_path)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        copier.join(timeout=5)
+    with running_collector_process(config, log_path) as collector:
+        yield CollectorProcess(collector.grpc_port, store, log_path)
 
 
 @dataclass(frozen=True)
