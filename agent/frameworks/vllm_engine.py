@@ -40,7 +40,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final, NamedTuple
@@ -122,6 +122,10 @@ class _TrackedRequest:
     prefill_steps: list[tuple[int, int]] = field(default_factory=list)
     """(step index, prompt tokens) per step that computed part of the prompt."""
     decode_steps: list[int] = field(default_factory=list)
+    preempted: list[tuple[int, int]] = field(default_factory=list)
+    """Intervals the engine had evicted the request, from engines whose frontend cannot see them
+    (SGLang's retractions); vLLM's frontend reads its preemptions from the scheduler events."""
+    preempted_since_ns: int | None = None
 
 
 def engine_parent_header(trace_id: bytes, request_span_id: bytes, prefill_span_id: bytes) -> str:
@@ -265,7 +269,74 @@ class EngineStepTracer:
             running,
             ids,
         )
-        self._ring[index % self._ring_steps] = step
+        self._store(step, finished)
+        if not (index + 1) % _SWEEP_EVERY_STEPS:
+            self._sweep(scheduler.requests)
+
+    # --- the same for engines whose steps are one call (SGLang's scheduler) -----------------------
+    def track(self, request_id: str, parent: tuple[bytes, bytes, bytes]) -> None:
+        """Follow ``request_id``'s steps under (trace id, request span id, prefill span id)."""
+        self._requests[request_id] = _TrackedRequest(*parent, None)
+
+    def preempt(self, request_id: str, now_ns: int) -> None:
+        """The engine evicted the request; its next prefill step resumes it."""
+        tracked = self._requests.get(request_id)
+        if tracked is not None and tracked.preempted_since_ns is None:
+            tracked.preempted_since_ns = now_ns
+
+    def record_step(
+        self,
+        start_ns: int,
+        end_ns: int,
+        prefill: Sequence[tuple[str, int]],
+        decode: Sequence[str],
+        finished: Sequence[str],
+        *,
+        kv_cache_usage: float,
+        waiting: int,
+        running: int,
+    ) -> int:
+        """One engine step that ran ``prefill`` ((request id, prompt tokens) each) and
+        ``decode`` (one token each); ``finished``: the requests it finished. Returns its index."""
+        index = self._next_index
+        self._next_index = index + 1
+        requests = self._requests
+        prefill_tokens = 0
+        for request_id, tokens in prefill:
+            prefill_tokens += tokens
+            tracked = requests.get(request_id)
+            if tracked is not None:
+                if tracked.first_scheduled_ns is None:
+                    tracked.first_scheduled_ns = start_ns
+                if tracked.preempted_since_ns is not None:  # recomputed after an eviction
+                    tracked.preempted.append((tracked.preempted_since_ns, start_ns))
+                    tracked.preempted_since_ns = None
+                if tracked.preempted or tracked.decode_steps:
+                    # The recompute of a request that had tokens: not a chunk of its first
+                    # prefill (``llm.prefill`` ended at its first token) but a step that gives
+                    # it its next token, for its inter-token gaps.
+                    tracked.decode_steps.append(index)
+                else:
+                    tracked.prefill_steps.append((index, tokens))
+        for request_id in decode:
+            tracked = requests.get(request_id)
+            if tracked is not None:
+                tracked.decode_steps.append(index)
+        ids = tuple(request_id for request_id, _ in prefill) + tuple(decode)
+        step = StepRecord(
+            index, start_ns, max(end_ns, start_ns), len(prefill), len(decode),
+            prefill_tokens, len(decode), kv_cache_usage, waiting, running, ids,
+        )  # fmt: skip
+        self._store(step, finished)
+        return index
+
+    def sweep_unless_held(self, index: int, held: Callable[[], Collection[str]]) -> None:
+        """Every ``_SWEEP_EVERY_STEPS`` steps, forget the requests the engine no longer holds."""
+        if not (index + 1) % _SWEEP_EVERY_STEPS:
+            self._sweep(held())
+
+    def _store(self, step: StepRecord, finished: Sequence[str]) -> None:
+        self._ring[step.number % self._ring_steps] = step
         self.steps += 1
         if self._sample_rate and self._random() < self._sample_rate:
             self.sampled_steps += 1
@@ -275,8 +346,6 @@ class EngineStepTracer:
             tracked = requests.pop(request_id, None)
             if tracked is not None:
                 self._submit(partial(self.plan_request, tracked))
-        if not (index + 1) % _SWEEP_EVERY_STEPS:
-            self._sweep(scheduler.requests)
 
     def _sweep(self, held: Any) -> None:
         gone = [request_id for request_id in self._requests if request_id not in held]
@@ -315,6 +384,27 @@ class EngineStepTracer:
                 previous_end = step.end_ns
             if planned:
                 jobs.append(SpanJob(tracked.trace_id, tracked.prefill_span_id, planned))
+        if tracked.preempted_since_ns is not None:  # finished while evicted (aborted)
+            tracked.preempted.append((tracked.preempted_since_ns, self.clock()))
+        if tracked.preempted:
+            jobs.append(
+                SpanJob(
+                    tracked.trace_id,
+                    tracked.request_span_id,
+                    [
+                        PlannedSpan(
+                            i,
+                            -1,
+                            semconv.SPAN_PREEMPTED,
+                            KIND_INTERNAL,
+                            unix(start),
+                            unix(max(end, start)),
+                            {},
+                        )
+                        for i, (start, end) in enumerate(tracked.preempted)
+                    ],
+                )
+            )
         steps = self._outlier_steps(tracked)
         if steps:
             self.requests_with_outliers += 1
@@ -330,8 +420,9 @@ class EngineStepTracer:
 
     def _outlier_steps(self, tracked: _TrackedRequest) -> list[StepRecord]:
         token_steps = tracked.decode_steps
-        if tracked.prefill_steps:  # the last prefill step gives the first token
-            token_steps = [tracked.prefill_steps[-1][0], *token_steps]
+        if tracked.prefill_steps:  # the last prefill step gives the first token (after a
+            # retraction, the recompute's, which follows earlier decode steps: keep step order)
+            token_steps = sorted([tracked.prefill_steps[-1][0], *token_steps])
         ends: list[tuple[int, int]] = []
         for index in token_steps:
             step = self._step_at(index)

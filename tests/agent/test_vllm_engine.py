@@ -29,9 +29,11 @@ from tests.agent.vllm_stand_ins import (
 )
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks.vllm_engine import (
+    _SWEEP_EVERY_STEPS,
     ENGINE_PARENT_HEADER,
     HOOK_STEP_DONE,
     EngineStepTracer,
+    StepRecord,
     engine_parent_header,
     outlier_gap_ends,
     parse_engine_parent,
@@ -344,3 +346,188 @@ def test_scheduled_event_is_read_from_the_request() -> None:
     (chunk_job,) = planned_jobs(jobs)
     # The latest SCHEDULED event (the stand-in appended one at 1000.0) starts the first chunk.
     assert chunk_job.spans[0].start_ns == CLOCK.to_unix_ns(1000 * NS)
+
+
+# --- the entry points for engines whose steps are one call (SGLang's scheduler) -----------------
+PARENT = (TRACE, REQUEST_SPAN, PREFILL_SPAN)
+
+
+def record(
+    tracer: EngineStepTracer,
+    start_ns: int,
+    end_ns: int,
+    prefill: list[tuple[str, int]] | None = None,
+    decode: list[str] | None = None,
+    finished: list[str] | None = None,
+) -> int:
+    return tracer.record_step(
+        start_ns,
+        end_ns,
+        prefill or [],
+        decode or [],
+        finished or [],
+        kv_cache_usage=0.5,
+        waiting=2,
+        running=3,
+    )
+
+
+def test_record_step_stores_one_step_per_call_with_its_prefill_and_decode_split() -> None:
+    jobs: list[Any] = []
+    tracer = direct_tracer(jobs, sample_rate=0.0)
+    tracer.track("a", PARENT)
+    assert record(tracer, 100, 200, prefill=[("a", 7), ("untraced", 3)]) == 0
+    assert record(tracer, 200, 150, prefill=[("b", 2)], decode=["a", "untraced"]) == 1
+    first, second = tracer._step_at(0), tracer._step_at(1)
+    assert first == StepRecord(0, 100, 200, 2, 0, 10, 0, 0.5, 2, 3, ("a", "untraced"))
+    assert second is not None
+    assert (second.start_ns, second.end_ns) == (200, 200)  # never ends before it starts
+    assert (second.prefill_requests, second.decode_requests, second.decode_tokens) == (1, 2, 2)
+    assert second.request_ids == ("b", "a", "untraced")
+    tracked = tracer._requests["a"]
+    assert tracked is not None
+    assert tracked.prefill_steps == [(0, 7)] and tracked.decode_steps == [1]
+    assert tracked.first_scheduled_ns == 100  # the start of its first prefill step
+    assert "untraced" not in tracer._requests and "b" not in tracer._requests
+    assert tracer.steps == 2 and jobs == []
+
+
+def test_record_step_hands_finished_tracked_requests_to_the_emitter() -> None:
+    jobs: list[Any] = []
+    tracer = direct_tracer(jobs, sample_rate=0.0)
+    tracer.track("a", PARENT)
+    record(tracer, 0, 10, prefill=[("a", 4)], finished=["a", "untraced"])
+    assert len(jobs) == 1 and tracer.stats()["engine.tracked_requests"] == 0
+    assert planned_jobs(jobs) == []  # one prefill step, no gaps, no eviction: no spans
+
+
+def test_track_starts_over_for_a_request_id_seen_again() -> None:
+    tracer = direct_tracer([], sample_rate=0.0)
+    tracer.track("a", PARENT)
+    record(tracer, 0, 10, prefill=[("a", 4)])
+    other = (bytes([9]) * 16, bytes([8]) * 8, bytes([7]) * 8)
+    tracer.track("a", other)
+    tracked = tracer._requests["a"]
+    assert tracked is not None and tracked.trace_id == other[0] and tracked.prefill_steps == []
+
+
+def test_preempt_opens_an_interval_that_the_next_prefill_step_closes() -> None:
+    jobs: list[Any] = []
+    tracer = direct_tracer(jobs, sample_rate=0.0)
+    tracer.track("a", PARENT)
+    record(tracer, 0, 10, prefill=[("a", 4)])
+    tracer.preempt("a", 15)
+    tracer.preempt("a", 18)  # already evicted: the first time stands
+    tracer.preempt("untracked", 15)  # ignored
+    record(tracer, 20, 30, decode=["b"])  # a step without it: still evicted
+    tracked = tracer._requests["a"]
+    assert tracked is not None and tracked.preempted_since_ns == 15
+    record(tracer, 40, 50, prefill=[("a", 5)])  # the recompute
+    assert tracked.preempted == [(15, 40)] and tracked.preempted_since_ns is None
+    assert tracked.first_scheduled_ns == 0
+    tracer.preempt("a", 60)
+    record(tracer, 70, 80, prefill=[("a", 6)])
+    # The recomputes give the request its next tokens: decode steps, not chunks of its prefill.
+    assert tracked.prefill_steps == [(0, 4)] and tracked.decode_steps == [2, 3]
+    record(tracer, 80, 90, decode=["a"], finished=["a"])
+    (preempted,) = planned_jobs(jobs)  # one prefill step: no chunk spans
+    assert (preempted.trace_id, preempted.parent_span_id) == (TRACE, REQUEST_SPAN)
+    assert [s.name for s in preempted.spans] == [semconv.SPAN_PREEMPTED] * 2
+    assert [s.local_id for s in preempted.spans] == [0, 1]
+    assert {s.parent_local_id for s in preempted.spans} == {-1}
+    assert [(s.start_ns, s.end_ns) for s in preempted.spans] == [
+        (CLOCK.to_unix_ns(15), CLOCK.to_unix_ns(40)),
+        (CLOCK.to_unix_ns(60), CLOCK.to_unix_ns(70)),
+    ]
+
+
+def test_a_request_finished_while_evicted_is_preempted_until_planned() -> None:
+    jobs: list[Any] = []
+    tracer = direct_tracer(jobs, sample_rate=0.0)
+    tracer.track("a", PARENT)
+    record(tracer, 0, 10, prefill=[("a", 4)])
+    tracer.preempt("a", 15)
+    record(tracer, 20, 30, finished=["a"])  # aborted while waiting to be recomputed
+    (job,) = planned_jobs(jobs)
+    (span,) = job.spans
+    assert span.name == semconv.SPAN_PREEMPTED
+    assert (span.start_ns, span.end_ns) == (
+        CLOCK.to_unix_ns(15),
+        CLOCK.to_unix_ns(engine_monotonic_ns()),
+    )
+
+
+def test_record_step_finds_outlier_gaps_like_the_vllm_path() -> None:
+    jobs: list[Any] = []
+    tracer = direct_tracer(jobs, sample_rate=0.0)
+    tracer.track("a", PARENT)
+    ms = 1_000_000
+    record(tracer, 0, 10 * ms, prefill=[("a", 4)])
+    end = 10 * ms
+    for duration in (10, 10, 100, 10, 10):
+        start, end = end, end + duration * ms
+        record(tracer, start, end, decode=["a"])
+    record(tracer, end, end + 10 * ms, decode=["a"], finished=["a"])
+    (job,) = planned_jobs(jobs)
+    assert job.parent_span_id == REQUEST_SPAN
+    (step,) = job.spans
+    assert step.name == semconv.SPAN_ENGINE_STEP
+    assert step.end_ns - step.start_ns == 100 * ms
+    assert step.attributes[semconv.ENGINE_STEP_REQUEST_IDS] == ("a",)
+    assert tracer.stats()["engine.outlier_steps"] == 1
+
+
+def test_sampled_steps_from_record_step_are_roots_of_their_own_traces() -> None:
+    jobs: list[Any] = []
+    tracer = direct_tracer(jobs, sample_rate=1.0)
+    record(tracer, 0, 10, prefill=[("x", 3)])
+    record(tracer, 10, 20, decode=["x"], finished=["x"])
+    spans = encoded_spans(planned_jobs(jobs))
+    assert len(spans) == tracer.sampled_steps == 2
+    assert all(span.parent_span_id == b"" for span in spans)
+
+
+def test_sweep_unless_held_forgets_requests_the_engine_dropped_every_so_many_steps() -> None:
+    tracer = direct_tracer([], sample_rate=0.0)
+    tracer.track("held", PARENT)
+    tracer.track("dropped", PARENT)
+    asked: list[int] = []
+
+    def held() -> set[str]:
+        asked.append(tracer.steps)
+        return {"held"}
+
+    for _ in range(_SWEEP_EVERY_STEPS - 1):
+        tracer.sweep_unless_held(record(tracer, 0, 1), held)
+    assert asked == [] and set(tracer._requests) == {"held", "dropped"}
+    tracer.sweep_unless_held(record(tracer, 0, 1), held)
+    assert asked == [_SWEEP_EVERY_STEPS]
+    assert set(tracer._requests) == {"held"} and tracer.swept_requests == 1
+    tracer.sweep_unless_held(record(tracer, 0, 1), held)  # the next step: not asked again
+    assert asked == [_SWEEP_EVERY_STEPS]
+
+
+def test_the_token_steps_of_a_retracted_request_stay_in_order_for_the_outlier_rule() -> None:
+    """Prefill (first token), one decode, a retraction (a long wait), the recompute (a prefill
+    step that gives a token), then decodes: only the gap that spans the wait is an outlier, and
+    only the recompute step lies inside it."""
+    jobs: list[Any] = []
+    tracer = direct_tracer(jobs, sample_rate=0.0)
+    tracer.track("a", PARENT)
+    ms = 1_000_000
+    record(tracer, 0, 10 * ms, prefill=[("a", 4)])  # step 0
+    record(tracer, 10 * ms, 20 * ms, decode=["a"])  # step 1
+    tracer.preempt("a", 20 * ms)
+    record(tracer, 120 * ms, 130 * ms, prefill=[("a", 5)])  # step 2: the recompute
+    record(tracer, 130 * ms, 140 * ms, decode=["a"])  # step 3
+    record(tracer, 140 * ms, 150 * ms, decode=["a"])  # step 4
+    record(tracer, 150 * ms, 160 * ms, decode=["a"], finished=["a"])  # step 5
+    steps = [
+        job
+        for job in planned_jobs(jobs)
+        if job.spans and job.spans[0].name == semconv.SPAN_ENGINE_STEP
+    ]
+    (job,) = steps
+    assert [(s.start_ns, s.end_ns) for s in job.spans] == [
+        (CLOCK.to_unix_ns(120 * ms), CLOCK.to_unix_ns(130 * ms))
+    ]

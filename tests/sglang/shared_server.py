@@ -20,10 +20,11 @@ caller's trace).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,12 @@ SGLANG_PYTHON_HINT = (
 )
 SERVED_MODEL_NAME = "tiny-llama"
 SUPPORT_DIR = Path(__file__).parent / "support"
+REPOSITORY = Path(__file__).resolve().parents[2]
+_PACKAGE_ENTRIES = ("pyproject.toml", "README.md", "agent", "collector", "processors", "loadgen")
+"""What the tokentrace distribution is built from (as deploy/images/install.sh copies it)."""
+_AGENT_ONLY_REQUIREMENTS = ("wrapt", "opentelemetry-instrumentation")
+"""``tokentrace[agent]``'s requirements that SGLang's environment lacks (versions: constraints)."""
+_SITE_BUILD_TIMEOUT_S = 300
 """On the server's ``PYTHONPATH``: the ``vllm`` stand-in."""
 SERVER_FLAGS: tuple[str, ...] = (
     *("--device", "cpu"),
@@ -104,7 +111,12 @@ class SglangServer:
 
 
 def server_command(
-    python: str, model_dir: Path, *, port: int, otlp_endpoint: str | None
+    python: str,
+    model_dir: Path,
+    *,
+    port: int,
+    otlp_endpoint: str | None,
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
     """``sglang.launch_server`` with ``SERVER_FLAGS``; ``--enable-trace`` to ``otlp_endpoint``
     (``host:port``, OTLP/gRPC) when given."""
@@ -117,7 +129,36 @@ def server_command(
         *SERVER_FLAGS,
         *("--host", "127.0.0.1", "--port", str(port)),
         *tracing,
+        *extra_args,
     ]
+
+
+def tokentrace_site(python: str, directory: Path) -> Path:
+    """tokentrace installed for SGLang's interpreter into ``directory`` (``pip install
+    --target``, as a user would install ``tokentrace[agent]`` into SGLang's environment, less
+    what SGLang's environment already has: the OpenTelemetry SDK, protobuf and grpcio), built
+    from a copy of the sources so that the build leaves nothing in the clone. A few seconds."""
+    source = directory / "source"
+    for entry in _PACKAGE_ENTRIES:
+        origin = REPOSITORY / entry
+        if origin.is_dir():
+            shutil.copytree(origin, source / entry, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            source.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(origin, source / entry)
+    site = directory / "site"
+    completed = subprocess.run(
+        [
+            python, *("-m", "pip", "install", "--quiet", "--disable-pip-version-check"),
+            *("--no-deps", "--target", str(site)),
+            *("--constraint", str(REPOSITORY / "constraints.txt")),
+            str(source), *_AGENT_ONLY_REQUIREMENTS,
+        ],
+        capture_output=True, text=True, check=False, timeout=_SITE_BUILD_TIMEOUT_S,
+    )  # fmt: skip
+    if completed.returncode != 0:
+        raise SglangServerError(f"installing tokentrace for SGLang failed:\n{completed.stderr}")
+    return site
 
 
 @contextmanager
@@ -129,9 +170,12 @@ def running_sglang_server(
     otlp_endpoint: str | None = None,
     env: Mapping[str, str] | None = None,
     ready_timeout_s: float = _DEFAULT_READY_TIMEOUT_S,
+    extra_args: Sequence[str] = (),
+    command_prefix: Sequence[str] = (),
 ) -> Iterator[SglangServer]:
     """Start SGLang on a free loopback port, wait for ``/health``, yield it, stop it afterwards
-    (its whole process group: scheduler and detokenizer included)."""
+    (its whole process group: scheduler and detokenizer included). ``command_prefix`` runs the
+    server under another command (``tokentrace run --``)."""
     port = free_loopback_port()
     child_env = {**_DEFAULT_SERVER_ENV, **os.environ, **(env or {})}
     child_env["PYTHONPATH"] = os.pathsep.join(
@@ -140,7 +184,12 @@ def running_sglang_server(
     base_url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     process = spawn_until_healthy(
-        server_command(python, model_dir, port=port, otlp_endpoint=otlp_endpoint),
+        [
+            *command_prefix,
+            *server_command(
+                python, model_dir, port=port, otlp_endpoint=otlp_endpoint, extra_args=extra_args
+            ),
+        ],
         env=child_env,
         log_path=log_path,
         health_url=f"{base_url}/health",
