@@ -3,16 +3,20 @@
 Runs the real sampler (real ``pynvml``) against the stand-in NVML library the tests build
 (``tests/node/fake_nvml.c``, compiled here with ``cc``): the NVML calls themselves are cheap
 in the stand-in, so this measures the sampler's Python side (about 10 NVML calls per GPU per
-tick, one tuple per sample, the process list once a second). On a real GPU each NVML call adds
-its driver time (microseconds).
+tick, one tuple per sample; PCIe throughput and the process list once a second on the slow
+thread). On a real GPU each NVML call adds its driver time: microseconds for the fast fields,
+~21 ms per PCIe throughput call on an H100 (``--pcie-delay-us 21000`` makes the stand-in's PCIe
+calls that slow, to show that they stay off the fast tick).
 
-1. Sampling: the sampler thread runs for ``--seconds`` at ``--interval``; its thread CPU time
-   over wall time is the share of one core it used (goal: <= 1%).
+1. Sampling: the sampler's threads run for ``--seconds`` at ``--interval``; their CPU time over
+   wall time is the share of one core they used (goal: <= 1%). Prints per fast tick its CPU and
+   wall time, and the slow thread's CPU.
 2. Enrichment: ``--requests`` requests of 4 phase spans each (request, prefill, decode, one
    engine step), each window spanning 2-20 samples of 2 of the 8 GPUs, enriched in one
    ``ExportTraceServiceRequest``, rounds interleaved; prints spans per second.
 
     python bench/nvml_sampler.py [--gpus 8] [--interval 0.1] [--seconds 10] [--requests 2000]
+        [--pcie-delay-us 0]
 """
 
 from __future__ import annotations
@@ -45,11 +49,16 @@ def measure_sampling(gpus: int, interval_s: float, seconds: float) -> float:
     wall = time.monotonic() - started
     stats = sampler.stats()
     sampler.stop()
-    share = stats["tick_cpu_ns"] / 1e9 / wall
+    ticks = max(1, stats["ticks"])
+    share = (stats["tick_cpu_ns"] + stats["slow_cpu_ns"]) / 1e9 / wall
     print(
         f"sampling {gpus} GPUs every {interval_s * 1000:.0f} ms for {wall:.1f} s: "
-        f"{stats['ticks']} ticks, {stats['tick_cpu_ns'] / max(1, stats['ticks']) / 1000:.0f} µs "
-        f"CPU per tick, {share * 100:.3f}% of one core (goal <= 1%)"
+        f"{stats['ticks']} ticks (expected {wall / interval_s:.0f}); fast tick "
+        f"{stats['tick_cpu_ns'] / ticks / 1000:.0f} µs CPU, "
+        f"{stats['tick_wall_ns'] / ticks / 1000:.0f} µs wall (max "
+        f"{stats['max_tick_wall_ns'] / 1000:.0f}); slow thread {stats['slow_passes']} passes, "
+        f"{stats['slow_cpu_ns'] / ticks / 1000:.0f} µs CPU per tick; both threads "
+        f"{share * 100:.3f}% of one core (goal <= 1%)"
     )
     return share
 
@@ -119,6 +128,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--pcie-delay-us", type=int, default=0, help="an H100: ~21000")
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="tokentrace-nvml-"))
     stand_in = load_for_pynvml(build_stand_in(directory))
@@ -126,6 +136,7 @@ def main() -> int:
     for device in range(args.gpus):
         stand_in.set_ramp(device, "gpu_util", 10, 1)
         stand_in.add_process(device, pid=1000 + device, used_memory_bytes=8 << 30)
+    stand_in.set_call_delay_us("nvmlDeviceGetPcieThroughput", args.pcie_delay_us)
     measure_sampling(args.gpus, args.interval, args.seconds)
     stand_in.reset(args.gpus)
     measure_enrichment(args.requests, args.rounds)

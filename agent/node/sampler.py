@@ -3,10 +3,19 @@
 Every ``interval_s`` (default 100 ms) the sampler thread reads, per GPU: utilisation and memory
 controller utilisation, DRAM bandwidth (GPM ``DRAM_BW_UTIL`` on GPUs that support GPM, Hopper and
 newer; else the memory controller's busy share as an upper-bound estimate), memory used, power,
-SM and memory clocks, temperature and PCIe throughput. Each sample lands in a bounded ring per GPU
-with its Unix ns timestamp, so the enricher can aggregate exactly the samples inside a span's
-window. Peak bandwidth is derived once per GPU: bus width (bits) / 8 x max memory clock x 2
-(double data rate), which gives the datasheet figure (H100 SXM: 5120 bits, 2619 MHz -> 3.35 TB/s).
+SM and memory clocks and temperature (the fast fields, microseconds per call). Each sample lands
+in a bounded ring per GPU with its Unix ns timestamp, so the enricher can aggregate exactly the
+samples inside a span's window. Peak bandwidth is derived once per GPU: bus width (bits) / 8 x
+max memory clock x 2 (double data rate), which gives the datasheet figure (H100 SXM: 5120 bits,
+2619 MHz -> 3.35 TB/s).
+
+Slow reads never run inside that tick: on an H100 (driver 580) one ``nvmlDeviceGetPcieThroughput``
+call blocks for ~21 ms (the driver measures over a window) and ``nvmlDeviceGetProcessUtilization``
+takes ~2.5 ms, so reading them in the tick made one GPU's tick 42 ms and 8 GPUs' ~340 ms. A second,
+low-priority thread reads the slow fields (``_SLOW_FIELDS``: PCIe TX/RX, every ``pcie_interval_s``)
+and refreshes the process list (every ``process_refresh_s``); the fast tick copies each slow field's
+latest value into its sample, or None once that value is older than ``_SLOW_MAX_AGE_INTERVALS``
+of its interval (the slow reader stopped producing: never a stale value).
 
 NVML errors are handled per field: a field a GPU does not support (or that needs privileges) is
 reported once and never read again on that GPU; a lost GPU is reported once and no longer sampled;
@@ -18,7 +27,9 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +44,12 @@ _DEFAULT_RING_SAMPLES: Final = 6000
 """Ten minutes at the default interval: spans older than that find no samples."""
 _DEFAULT_PROCESS_REFRESH_S: Final = 1.0
 _DEFAULT_MAX_PROCESSES: Final = 1024
+_DEFAULT_PCIE_INTERVAL_S: Final = 1.0
+_SLOW_MAX_AGE_INTERVALS: Final = 3
+"""A slow field's value older than this many of its intervals is reported as None."""
+_SLOW_THREAD_NICE: Final = 10
+"""Added to the slow thread's nice value (Linux: per thread), best effort."""
+_SLOW_MIN_WAIT_S: Final = 0.005
 _BYTES_PER_KB: Final = 1000  # NVML's PCIe throughput unit is KB/s
 _MHZ: Final = 1_000_000
 _DDR: Final = 2  # two transfers per memory clock
@@ -42,6 +59,24 @@ _NOT_SUPPORTED_CODES: Final = frozenset(
     {3, 4, 13}
 )  # NOT_SUPPORTED, NO_PERMISSION, FUNCTION_NOT_FOUND
 _GPU_IS_LOST: Final = 15
+
+
+class _SlowField(NamedTuple):
+    """A field read off the fast tick, by the slow thread, every ``interval_s`` of its cadence."""
+
+    name: str
+    """The field's name in errors and the disabled set (as the fast fields')."""
+    cadence: str
+    """Which interval option paces it (``NvmlSampler(<cadence>_interval_s=...)``)."""
+    read: Callable[[Any, Any], Any]
+    """(pynvml, handle) -> the raw value."""
+
+
+# NVML_PCIE_UTIL_TX_BYTES = 0, NVML_PCIE_UTIL_RX_BYTES = 1; ~21 ms per call on an H100.
+_SLOW_FIELDS: Final = (
+    _SlowField("pcie_tx", "pcie", lambda nvml, handle: nvml.nvmlDeviceGetPcieThroughput(handle, 0)),
+    _SlowField("pcie_rx", "pcie", lambda nvml, handle: nvml.nvmlDeviceGetPcieThroughput(handle, 1)),
+)
 
 
 class GpuSample(NamedTuple):
@@ -125,7 +160,7 @@ class SampleRing:
 class _DeviceState:
     """What the sampler keeps per GPU besides its ring: handle, GPM samples, disabled fields."""
 
-    __slots__ = ("device", "disabled", "gpm_samples", "handle", "lost", "ring")
+    __slots__ = ("device", "disabled", "gpm_samples", "handle", "lost", "ring", "slow")
 
     def __init__(self, device: GpuDevice, handle: Any, ring: SampleRing) -> None:
         self.device = device
@@ -134,6 +169,8 @@ class _DeviceState:
         self.disabled: set[str] = set()
         self.lost = False
         self.gpm_samples: list[Any] = []
+        self.slow: dict[str, tuple[int, Any]] = {}
+        """Slow field -> (clock ns when read, raw value); written by the slow thread."""
 
 
 class _FieldUnavailable(Exception):
@@ -158,15 +195,24 @@ class NvmlSampler:
         ring_samples: int = _DEFAULT_RING_SAMPLES,
         process_refresh_s: float = _DEFAULT_PROCESS_REFRESH_S,
         max_processes: int = _DEFAULT_MAX_PROCESSES,
+        pcie_interval_s: float = _DEFAULT_PCIE_INTERVAL_S,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
+        if pcie_interval_s <= 0:
+            raise ValueError("pcie_interval_s must be positive")
         if ring_samples < 1:
             raise ValueError("ring_samples must be at least 1")
         self._interval_s = interval_s
         self._ring_samples = ring_samples
         self._process_refresh_ns = int(process_refresh_s * 1e9)
+        self._cadence_ns = {"pcie": int(pcie_interval_s * 1e9)}
+        self._next_slow_ns = dict.fromkeys(self._cadence_ns, 0)
+        self._slow_max_age_ns = {
+            field.name: _SLOW_MAX_AGE_INTERVALS * self._cadence_ns[field.cadence]
+            for field in _SLOW_FIELDS
+        }
         self._max_processes = max_processes
         self._clock = clock
         self._nvml: Any = None
@@ -178,6 +224,9 @@ class NvmlSampler:
         self._next_process_refresh_ns = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._slow_thread: threading.Thread | None = None
+        self._error_lock = threading.Lock()
+        """The fast and the slow thread both report errors (and may both see a GPU lost)."""
         self.unavailable_reason: str | None = None
         self.ticks = 0
         self.read_errors = 0
@@ -186,7 +235,14 @@ class NvmlSampler:
         self.lost_gpus = 0
         self.dropped_processes = 0
         self.tick_cpu_ns = 0
-        """Thread CPU time spent sampling, for the overhead report."""
+        """Fast thread CPU time spent sampling, for the overhead report."""
+        self.tick_wall_ns = 0
+        """Wall time of the fast ticks (what stamps a sample late if it grows)."""
+        self.max_tick_wall_ns = 0
+        self.slow_passes = 0
+        self.slow_cpu_ns = 0
+        """Slow thread CPU time (slow fields and the process list)."""
+        self.slow_wall_ns = 0
 
     # --- lifecycle -------------------------------------------------------------------------------
     def open(self) -> bool:
@@ -277,14 +333,19 @@ class NvmlSampler:
             return False
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="tokentrace-nvml", daemon=True)
+        self._slow_thread = threading.Thread(
+            target=self._run_slow, name="tokentrace-nvml-slow", daemon=True
+        )
         self._thread.start()
+        self._slow_thread.start()
         return True
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
-            self._thread = None
+        for thread in (self._thread, self._slow_thread):
+            if thread is not None:
+                thread.join(5.0)
+        self._thread = self._slow_thread = None
         nvml, self._nvml = self._nvml, None
         if nvml is not None:
             for state in self._states:
@@ -298,12 +359,16 @@ class NvmlSampler:
         deadline = time.monotonic()
         while not self._stop.is_set():
             started = time.thread_time_ns()
+            started_wall = time.perf_counter_ns()
             try:
-                self.sample_once()
+                self.tick()
             except Exception:  # never let the thread die: the next tick tries again
-                self.read_errors += 1
+                self._count_error()
                 _log.exception("tokentrace node agent: GPU sampling failed")
             self.tick_cpu_ns += time.thread_time_ns() - started
+            wall = time.perf_counter_ns() - started_wall
+            self.tick_wall_ns += wall
+            self.max_tick_wall_ns = max(self.max_tick_wall_ns, wall)
             # Fixed rate, not fixed delay: a slow tick does not shift every later sample. Ticks
             # missed in a stall are skipped, not caught up (two samples of one period are noise).
             deadline += self._interval_s
@@ -312,20 +377,86 @@ class NvmlSampler:
                 deadline = now + self._interval_s
             self._stop.wait(deadline - now)
 
+    def _run_slow(self) -> None:
+        """The slow thread: slow fields and the process list, each on its own cadence."""
+        with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _SLOW_THREAD_NICE)
+        while not self._stop.is_set():
+            started = time.thread_time_ns()
+            started_wall = time.perf_counter_ns()
+            try:
+                self.read_slow()
+            except Exception:  # never let the thread die
+                self._count_error()
+                _log.exception("tokentrace node agent: slow GPU sampling failed")
+            self.slow_cpu_ns += time.thread_time_ns() - started
+            self.slow_wall_ns += time.perf_counter_ns() - started_wall
+            self.slow_passes += 1
+            due = min(self._next_process_refresh_ns, *self._next_slow_ns.values())
+            longest_s = max(self._process_refresh_ns, *self._cadence_ns.values()) / 1e9
+            wait_s = (due - self._clock()) / 1e9
+            self._stop.wait(min(longest_s, max(_SLOW_MIN_WAIT_S, wait_s)))
+
     # --- sampling --------------------------------------------------------------------------------
     def sample_once(self) -> None:
-        """Take one sample of every GPU (the thread's tick; tests call it directly). One clock
-        read stamps every GPU's sample of the tick (the reads take microseconds)."""
+        """``read_slow()`` then ``tick()``: every field, in this thread (tests, one-off reads).
+        The sampler's threads call the two separately, so slow reads never delay a tick. One clock
+        read serves both."""
         now = self._clock()
+        self.read_slow(now)
+        self.tick(now)
+
+    def tick(self, now_ns: int | None = None) -> None:
+        """Take one sample of every GPU: the fast fields read now, the slow fields' latest values
+        (None past their age bound). One clock read stamps every GPU's sample of the tick (the
+        fast reads take microseconds). ``now_ns``: the stamp, else the clock now."""
+        now = self._clock() if now_ns is None else now_ns
         for state in self._states:
             if not state.lost:
                 sample = self._sample_device(state, now)
                 if sample is not None:
                     state.ring.append(sample)
-        if now >= self._next_process_refresh_ns:
+        self.ticks += 1
+
+    def read_slow(self, now_ns: int | None = None) -> None:
+        """Read the slow fields and refresh the process list where their cadence is due; the
+        values read are stamped ``now_ns`` (else the clock now), the start of the pass, so their
+        age errs on the old side."""
+        now = self._clock() if now_ns is None else now_ns
+        # Also due when the wall clock stepped back by more than an interval (NTP).
+        for cadence, next_ns in self._next_slow_ns.items():
+            if now >= next_ns or next_ns - now > self._cadence_ns[cadence]:
+                self._next_slow_ns[cadence] = now + self._cadence_ns[cadence]
+                self._read_slow_fields(cadence, now)
+        next_refresh = self._next_process_refresh_ns
+        if now >= next_refresh or next_refresh - now > self._process_refresh_ns:
             self._next_process_refresh_ns = now + self._process_refresh_ns
             self._refresh_processes()
-        self.ticks += 1
+
+    def _read_slow_fields(self, cadence: str, now_ns: int) -> None:
+        nvml = self._nvml
+        for state in self._states:
+            if state.lost:
+                continue
+            read = self._reader(state)
+            handle = state.handle
+            try:
+                for field in _SLOW_FIELDS:
+                    if field.cadence != cadence or field.name in state.disabled:
+                        continue
+                    value = read(field.name, functools.partial(field.read, nvml, handle))
+                    if value is not None:
+                        state.slow[field.name] = (now_ns, value)
+            except _FieldUnavailable:  # lost during this pass
+                continue
+
+    def _slow_value(self, state: _DeviceState, field: str, now_ns: int) -> Any:
+        """The slow field's latest value, or None when there is none younger than its bound."""
+        entry = state.slow.get(field)
+        if entry is None or field in state.disabled:
+            return None
+        read_ns, value = entry
+        return None if now_ns - read_ns > self._slow_max_age_ns[field] else value
 
     def _sample_device(self, state: _DeviceState, now_ns: int) -> GpuSample | None:
         nvml = self._nvml
@@ -338,8 +469,6 @@ class NvmlSampler:
             sm_clock = read("sm_clock", lambda: nvml.nvmlDeviceGetClockInfo(handle, 1))
             memory_clock = read("memory_clock", lambda: nvml.nvmlDeviceGetClockInfo(handle, 2))
             temperature = read("temperature", lambda: nvml.nvmlDeviceGetTemperature(handle, 0))
-            pcie_tx = read("pcie_tx", lambda: nvml.nvmlDeviceGetPcieThroughput(handle, 0))
-            pcie_rx = read("pcie_rx", lambda: nvml.nvmlDeviceGetPcieThroughput(handle, 1))
             dram_busy = (
                 read("gpm_dram_bandwidth", lambda: self._gpm_dram_utilization(state))
                 if state.gpm_samples
@@ -347,6 +476,8 @@ class NvmlSampler:
             )
         except _FieldUnavailable:  # the GPU was lost during this tick
             return None
+        pcie_tx = self._slow_value(state, "pcie_tx", now_ns)
+        pcie_rx = self._slow_value(state, "pcie_rx", now_ns)
         memory_busy = None if rates is None else rates.memory / 100
         peak = state.device.peak_bandwidth_bps
         busy_share = dram_busy / 100 if dram_busy is not None else memory_busy
@@ -397,10 +528,20 @@ class NvmlSampler:
 
         return read
 
+    def _count_error(self) -> None:
+        with self._error_lock:
+            self.read_errors += 1
+
     def _on_error(self, state: _DeviceState, field: str, error: Any) -> None:
+        with self._error_lock:
+            self._on_error_locked(state, field, error)
+
+    def _on_error_locked(self, state: _DeviceState, field: str, error: Any) -> None:
         code = getattr(error, "value", None)
         device = state.device
         if code == _GPU_IS_LOST:
+            if state.lost:  # the other thread saw it first
+                return
             state.lost = True
             self.lost_gpus += 1
             _log.error(
@@ -410,6 +551,8 @@ class NvmlSampler:
                 error,
             )
         elif code in _NOT_SUPPORTED_CODES:
+            if field in state.disabled:
+                return
             state.disabled.add(field)
             self.disabled_fields += 1
             _log.info(
@@ -532,6 +675,11 @@ class NvmlSampler:
             "lost_gpus": self.lost_gpus,
             "dropped_processes": self.dropped_processes,
             "tick_cpu_ns": self.tick_cpu_ns,
+            "tick_wall_ns": self.tick_wall_ns,
+            "max_tick_wall_ns": self.max_tick_wall_ns,
+            "slow_passes": self.slow_passes,
+            "slow_cpu_ns": self.slow_cpu_ns,
+            "slow_wall_ns": self.slow_wall_ns,
         }
 
 

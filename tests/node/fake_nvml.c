@@ -5,7 +5,7 @@
  * (nvidia-ml-py 13.615.71), with the exact argument and struct layouts that binding passes, and
  * serves scripted per-device values. A control API (functions prefixed `standin_`) lets a test
  * set values, make values ramp from read to read, inject NVML error codes per function and device,
- * lose a GPU, add processes, and count calls. tests/node/nvml_stand_in.py wraps it for Python.
+ * lose a GPU, add processes, count calls, and delay calls (a slow driver call). tests/node/nvml_stand_in.py wraps it for Python.
  *
  * Build: cc -shared -fPIC -O2 -Wall -Werror -Wl,-soname,libnvidia-ml.so.1 -pthread \
  *            -o DIR/libnvidia-ml.so.1 fake_nvml.c
@@ -261,6 +261,9 @@ static nvmlReturn_t g_global_errors[FN_COUNT];
 static unsigned long long g_calls[FN_COUNT];
 static long long g_gpm_samples_live;
 static unsigned long long g_last_process_sample_us;
+/* Per-function delay (µs) before the call takes the lock: a slow driver call (PCIe throughput
+ * takes ~21 ms on an H100) that does not block other threads' calls. Read without the lock. */
+static unsigned int g_delay_us[FN_COUNT];
 
 /* ---- Helpers (all called with g_lock held) --------------------------------------------- */
 
@@ -279,6 +282,7 @@ static void reset_all(int device_count) {
     g_init_error = NVML_SUCCESS;
     memset(g_global_errors, 0, sizeof(g_global_errors));
     memset(g_calls, 0, sizeof(g_calls));
+    for (int f = 0; f < FN_COUNT; f++) __atomic_store_n(&g_delay_us[f], 0, __ATOMIC_RELAXED);
     for (unsigned int i = 0; i < STANDIN_MAX_DEVICES; i++) {
         g_handles[i].index = i;
         reset_device(i);
@@ -312,8 +316,18 @@ static nvmlReturn_t leave(nvmlReturn_t ret) {
     return ret;
 }
 
+/* Sleeps for the function's scripted delay (with the lock free), as a slow driver call would. */
+static void delay(enum function_id fn) {
+    unsigned int us = __atomic_load_n(&g_delay_us[fn], __ATOMIC_RELAXED);
+    if (us == 0) return;
+    struct timespec wait = {.tv_sec = us / 1000000, .tv_nsec = (long)(us % 1000000) * 1000};
+    while (nanosleep(&wait, &wait) != 0) {
+    }
+}
+
 /* Locks, counts the call; then the failures shared by every entry point but the init ones. */
 static nvmlReturn_t enter(enum function_id fn, int needs_init) {
+    delay(fn);
     pthread_mutex_lock(&g_lock);
     g_calls[fn]++;
     if (needs_init && g_init_count == 0) return NVML_ERROR_UNINITIALIZED;
@@ -850,6 +864,14 @@ int standin_set_error(int device, const char *function_name, int nvml_return) {
     else
         g_devices[device].errors[fn] = (nvmlReturn_t)nvml_return;
     pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+
+/* Every later call of the function sleeps `us` microseconds first (0 clears; reset clears all). */
+int standin_set_call_delay_us(const char *function_name, unsigned int us) {
+    int fn = lookup(function_names, FN_COUNT, function_name);
+    if (fn < 0) return -1;
+    __atomic_store_n(&g_delay_us[fn], us, __ATOMIC_RELAXED);
     return 0;
 }
 

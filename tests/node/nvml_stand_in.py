@@ -152,6 +152,7 @@ class NvmlStandIn:
             "standin_set_ramp": ([c_int, c_char_p, c_double, c_double], c_int),
             "standin_set_error": ([c_int, c_char_p, c_int], c_int),
             "standin_set_gpm_supported": ([c_int, c_int], c_int),
+            "standin_set_call_delay_us": ([c_char_p, c_uint], c_int),
             "standin_lose_gpu": ([c_int], c_int),
             "standin_set_init_error": ([c_int], None),
             "standin_add_process": (
@@ -199,6 +200,17 @@ class NvmlStandIn:
         ALL_DEVICES also covers functions without a device (nvmlDeviceGetCount_v2, ...).
         """
         self._check(self._lib.standin_set_error(device, function.encode(), code), what=function)
+
+    def set_call_delay_us(self, function: str, us: int) -> None:
+        """Every call of NVML `function` on any device first sleeps `us` µs; 0 clears.
+
+        The sleep happens before the stand-in takes its lock, so other threads' calls go on (as
+        with a real driver's slow query: nvmlDeviceGetPcieThroughput takes ~21 ms on an H100).
+        Reset clears every delay.
+        """
+        if us < 0:
+            raise ValueError("us must not be negative")
+        self._check(self._lib.standin_set_call_delay_us(function.encode(), us), what=function)
 
     def set_gpm_supported(self, device: int, supported: bool) -> None:
         self._check(self._lib.standin_set_gpm_supported(device, int(supported)), what="gpm")

@@ -263,3 +263,20 @@ def test_process_utilization_returns_fresh_samples(nvml_up: NvmlStandIn) -> None
     assert all(s.timeStamp > latest for s in later)
     with pytest.raises(pynvml.NVMLError_NotFound):
         pynvml.nvmlDeviceGetProcessUtilization(handle(0), latest + 3_600_000_000)
+
+
+def test_a_call_delay_slows_that_function_only_until_cleared(nvml_up: NvmlStandIn) -> None:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    nvml_up.set_call_delay_us("nvmlDeviceGetPcieThroughput", 20_000)
+
+    def seconds(call: Callable[[], Any]) -> float:
+        started = time.perf_counter()
+        call()
+        return time.perf_counter() - started
+
+    assert seconds(lambda: pynvml.nvmlDeviceGetPcieThroughput(handle, 0)) >= 0.02
+    assert seconds(lambda: pynvml.nvmlDeviceGetPowerUsage(handle)) < 0.02
+    nvml_up.set_call_delay_us("nvmlDeviceGetPcieThroughput", 0)
+    assert seconds(lambda: pynvml.nvmlDeviceGetPcieThroughput(handle, 0)) < 0.02
+    with pytest.raises(ValueError):
+        nvml_up.set_call_delay_us("nvmlNoSuchFunction", 1)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import statistics
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -195,8 +198,6 @@ def test_the_sampling_thread_runs_at_its_interval(nvml: NvmlStandIn) -> None:
     try:
         ring = sampler.ring(sampler.devices[0].uuid)
         assert ring is not None
-        import time
-
         deadline = time.monotonic() + 5
         while len(ring.snapshot()) < 5 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -204,5 +205,195 @@ def test_the_sampling_thread_runs_at_its_interval(nvml: NvmlStandIn) -> None:
         assert len(times) >= 5
         gaps = [b - a for a, b in itertools.pairwise(times)]
         assert min(gaps) > 5_000_000  # paced, not a busy loop
+    finally:
+        sampler.stop()
+
+
+# --- slow fields (PCIe throughput ~21 ms per call on an H100): off the fast tick -------------
+
+
+def _stepping_clock() -> tuple[list[int], Callable[[], int]]:
+    """A clock the test moves by hand (now[0])."""
+    now = [1_000_000_000]
+
+    def clock() -> int:
+        return now[0]
+
+    return now, clock
+
+
+def test_slow_pcie_reads_do_not_stall_the_fast_tick(nvml: NvmlStandIn) -> None:
+    gpus, pcie_delay_us, interval_s = 8, 20_000, 0.1
+    nvml.reset(gpus)
+    nvml.set_call_delay_us("nvmlDeviceGetPcieThroughput", pcie_delay_us)
+    sampler = NvmlSampler(interval_s=interval_s, pcie_interval_s=0.5)
+    assert sampler.open()
+    started_ns = time.time_ns()
+    assert sampler.start()
+    try:
+        time.sleep(1.5)
+        wall_s = (time.time_ns() - started_ns) / 1e9
+        stats = sampler.stats()
+        rings = [sampler.ring(d.uuid) for d in sampler.devices]
+    finally:
+        sampler.stop()
+    # In the tick, 8 GPUs x 2 PCIe reads x 20 ms would take 320 ms: 3-4 ticks in 1.5 s.
+    expected = wall_s / interval_s
+    assert 0.8 * expected <= stats["ticks"] <= 1.2 * expected + 1, (stats, expected)
+    # The PCIe reads did happen, on the slow thread (one read of both counters takes 40 ms).
+    assert nvml.calls("nvmlDeviceGetPcieThroughput") >= 2 * gpus
+    assert stats["slow_passes"] >= 1
+    assert stats["slow_wall_ns"] >= 2 * gpus * pcie_delay_us * 1000  # the delay knob works
+    # No tick waited for a PCIe call: the tick's wall time (what a sample's stamp can be late
+    # by) stays below even one PCIe call per GPU.
+    assert stats["max_tick_wall_ns"] < gpus * pcie_delay_us * 1000, stats
+    for ring in rings:
+        assert ring is not None
+        times = [s.time_ns for s in ring.snapshot()]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert gaps and statistics.median(gaps) < 1.2 * interval_s * 1e9, gaps
+        # The PCIe value arrived in the fast samples (after the first slow pass).
+        assert ring.latest().pcie_tx_bytes_per_s == 1_000_000  # type: ignore[union-attr]
+        assert ring.latest().pcie_rx_bytes_per_s == 2_000_000  # type: ignore[union-attr]
+
+
+def test_a_slow_value_goes_none_when_it_is_older_than_three_intervals(
+    nvml: NvmlStandIn,
+) -> None:
+    now, clock = _stepping_clock()
+    sampler = NvmlSampler(pcie_interval_s=1.0, process_refresh_s=1.0, clock=clock)
+    assert sampler.open()
+    try:
+        uuid = sampler.devices[0].uuid
+        sampler.read_slow()  # the slow reader produces once, at t0 ...
+        nvml.set(0, "pcie_tx_kbps", 7)
+        tx = []
+        for _ in range(40):  # ... then stops: only fast ticks, 100 ms apart, for 4 s
+            sampler.tick()
+            tx.append(sampler.ring(uuid).latest().pcie_tx_bytes_per_s)  # type: ignore[union-attr]
+            now[0] += 100_000_000
+        # Up to 3 x 1 s old it is reported (the value read at t0), after that None, not stale.
+        assert tx[:31] == [1_000_000] * 31
+        assert tx[31:] == [None] * 9
+        # The slow reader produces again: the new value is back in the next tick.
+        sampler.read_slow()
+        sampler.tick()
+        assert sampler.ring(uuid).latest().pcie_tx_bytes_per_s == 7_000  # type: ignore[union-attr]
+        # read_slow() follows its cadence: not due again within the interval.
+        calls = nvml.calls("nvmlDeviceGetPcieThroughput")
+        now[0] += 500_000_000
+        sampler.read_slow()
+        assert nvml.calls("nvmlDeviceGetPcieThroughput") == calls
+    finally:
+        sampler.stop()
+
+
+def test_the_fast_tick_makes_no_slow_call(nvml: NvmlStandIn) -> None:
+    nvml.add_process(0, pid=4242, used_memory_bytes=1 << 30, sm_util=10)
+    sampler = _opened()
+    try:
+        for _ in range(5):
+            sampler.tick()
+        for function in (
+            "nvmlDeviceGetPcieThroughput",
+            "nvmlDeviceGetProcessUtilization",
+            "nvmlDeviceGetComputeRunningProcesses_v3",
+        ):
+            assert nvml.calls(function) == 0, function
+        assert nvml.calls("nvmlDeviceGetUtilizationRates") == 2 * 5
+        # With no slow value yet, the fast samples say None, not 0.
+        sample = sampler.ring(sampler.devices[0].uuid).latest()  # type: ignore[union-attr]
+        assert sample is not None and sample.pcie_tx_bytes_per_s is None
+        sampler.read_slow()
+        assert sampler.gpus_of_pid(4242) == (sampler.devices[0].uuid,)
+    finally:
+        sampler.stop()
+
+
+def test_an_unsupported_slow_field_is_reported_once_and_not_read_again(
+    nvml: NvmlStandIn, caplog: pytest.LogCaptureFixture
+) -> None:
+    now, clock = _stepping_clock()
+    nvml.set_error(0, "nvmlDeviceGetPcieThroughput", NVML_ERROR_NOT_SUPPORTED)
+    sampler = NvmlSampler(pcie_interval_s=1.0, clock=clock)
+    assert sampler.open()
+    try:
+        with caplog.at_level(logging.INFO):
+            for _ in range(3):
+                sampler.sample_once()
+                now[0] += 1_000_000_000
+        # GPU 0: TX and RX asked once each; GPU 1: both, every pass.
+        assert nvml.calls("nvmlDeviceGetPcieThroughput") == 2 + 2 * 3
+        reports = [
+            r.getMessage() for r in caplog.records if "does not report pcie" in r.getMessage()
+        ]
+        assert len(reports) == 2  # pcie_tx, pcie_rx
+        unsupported, supported = (sampler.ring(d.uuid) for d in sampler.devices)
+        assert unsupported is not None and supported is not None
+        assert all(s.pcie_tx_bytes_per_s is None for s in unsupported.snapshot())
+        assert all(s.pcie_rx_bytes_per_s == 2_000_000 for s in supported.snapshot())
+        assert all(s.utilization == 0.5 for s in unsupported.snapshot())
+        assert sampler.stats()["disabled_fields"] == 2
+    finally:
+        sampler.stop()
+
+
+def test_a_gpu_lost_in_a_slow_read_is_reported_once_and_no_longer_sampled(
+    nvml: NvmlStandIn, caplog: pytest.LogCaptureFixture
+) -> None:
+    now, clock = _stepping_clock()
+    sampler = NvmlSampler(pcie_interval_s=1.0, clock=clock)
+    assert sampler.open()
+    try:
+        sampler.sample_once()
+        nvml.lose_gpu(1)
+        now[0] += 1_000_000_000
+        with caplog.at_level(logging.ERROR):
+            sampler.read_slow()  # the slow reader finds it lost first
+            for _ in range(3):
+                sampler.sample_once()
+                now[0] += 1_000_000_000
+        healthy, lost = (sampler.ring(d.uuid) for d in sampler.devices)
+        assert healthy is not None and lost is not None
+        assert len(healthy.snapshot()) == 4 and len(lost.snapshot()) == 1
+        assert sum("is lost" in r.getMessage() for r in caplog.records) == 1
+        assert sampler.stats()["lost_gpus"] == 1
+        assert sampler.sampled_until_ns() == healthy.latest_time_ns()
+    finally:
+        sampler.stop()
+
+
+def test_a_gpu_lost_under_both_threads_is_counted_once(nvml: NvmlStandIn) -> None:
+    nvml.set_call_delay_us("nvmlDeviceGetPcieThroughput", 5_000)
+    sampler = NvmlSampler(interval_s=0.01, pcie_interval_s=0.01)
+    assert sampler.start()
+    try:
+        time.sleep(0.1)
+        nvml.lose_gpu(1)
+        deadline = time.monotonic() + 5
+        while sampler.sampled_gpus != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert sampler.sampled_gpus == 1
+        assert sampler.stats()["lost_gpus"] == 1
+    finally:
+        sampler.stop()
+
+
+def test_slow_reads_resume_when_the_wall_clock_steps_back(nvml: NvmlStandIn) -> None:
+    now, clock = _stepping_clock()
+    sampler = NvmlSampler(pcie_interval_s=1.0, process_refresh_s=1.0, clock=clock)
+    assert sampler.open()
+    try:
+        sampler.read_slow()
+        calls = nvml.calls("nvmlDeviceGetPcieThroughput")
+        processes = nvml.calls("nvmlDeviceGetComputeRunningProcesses_v3")
+        now[0] -= 3_600_000_000_000  # NTP steps the clock back an hour
+        sampler.read_slow()
+        assert nvml.calls("nvmlDeviceGetPcieThroughput") == calls + 4  # 2 GPUs x TX, RX
+        assert nvml.calls("nvmlDeviceGetComputeRunningProcesses_v3") > processes
+        sampler.tick()
+        sample = sampler.ring(sampler.devices[0].uuid).latest()  # type: ignore[union-attr]
+        assert sample is not None and sample.pcie_tx_bytes_per_s == 1_000_000
     finally:
         sampler.stop()
