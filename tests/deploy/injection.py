@@ -22,9 +22,10 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Iterable
-from importlib.metadata import distribution
+from importlib.metadata import distributions
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -122,18 +123,18 @@ def _prune(*, keep: Path) -> None:
 
 
 def _hidden_files(names: Iterable[str]) -> tuple[Path, set[Path]]:
-    """The project's site-packages and the files there of the distributions `names`."""
-    site_packages: Path | None = None
+    """The project's site-packages and the files there of the distributions `names`.
+
+    Looked up in site-packages alone: on sys.path a checkout's own ``tokentrace.egg-info`` (left
+    by the editable install) can come first, and its root is the checkout, not site-packages."""
+    site_packages = Path(sysconfig.get_paths()["purelib"]).resolve()
     hidden: set[Path] = set()
     for name in names:
-        dist = distribution(name)
-        root = Path(str(dist.locate_file(""))).resolve()
-        site_packages = site_packages or root
+        (dist,) = distributions(name=name, path=[str(site_packages)])
         for file in dist.files or ():
-            path = Path(os.path.normpath(root / file))
-            if path.is_relative_to(root):
+            path = Path(os.path.normpath(site_packages / file))
+            if path.is_relative_to(site_packages):
                 hidden.add(path)
-    assert site_packages is not None
     return site_packages, hidden
 
 

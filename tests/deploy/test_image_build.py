@@ -204,4 +204,4 @@ def test_the_injection_image_holds_the_operator_layout_and_activates_the_agent(
         env=[f"PYTHONPATH={operator_path}"],
     )
     assert activated.returncode == 0, activated.stderr
-    assert activated.stdout.strip() == "['vllm']"
+    assert activated.stdout.strip() == "['sglang', 'vllm']"
