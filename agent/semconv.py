@@ -167,6 +167,13 @@ resolution), ns: the accept queue and a busy event loop, which happen before the
 HTTP_FIRST_BODY_TIME: Final = "tokentrace.http.first_body_time"
 """On the HTTP server span: Unix ns at which the app handed the response's first body bytes to
 the server (for a stream, the first token's delivery)."""
+PROXY_ENGINE: Final = "tokentrace.proxy.engine"
+"""On ``tokentrace proxy``'s HTTP server span: whose timing report the proxy folded into the
+request's spans (``llama-server``, ``tgi``, ``ollama``, or ``openai``: only what the stream
+shows)."""
+PROXY_NOT_REPORTED: Final = "tokentrace.proxy.not_reported"
+"""On ``tokentrace proxy``'s HTTP server span: what the engine's report cannot tell (string
+array), so the request's budget lacks it; docs/proxy.md has the same table."""
 ENGINE_STEP_BATCH_SIZE: Final = "tokentrace.step.batch_size"
 ENGINE_STEP_PREFILL_REQUESTS: Final = "tokentrace.step.prefill_requests"
 ENGINE_STEP_DECODE_REQUESTS: Final = "tokentrace.step.decode_requests"

@@ -1,0 +1,217 @@
+"""``tokentrace proxy`` as users run it: a real subprocess in front of the stand-in engine
+(recorded payloads of the documented llama-server shapes with real delays: ``stand_in.py``; no
+real engine here), exporting to a real OTLP receiver, and, end to end, to a real collector
+with ``tokentrace load`` as the client."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.collector.upstream import UpstreamOtlp
+from tests.loadgen.load_loop import outside_ns, run_load, stored_records
+from tests.proxy.harness import received_spans
+from tests.proxy.stand_in import StandInEngine
+from tokentrace.agent import semconv
+from tokentrace.collector.config import parse_config
+from tokentrace.collector.service import Collector
+
+_LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+) ")
+_SLO_FILE = """\
+targets:
+  - {name: ttft-p95, metric: ttft, percentile: 95, threshold: 300ms}
+"""
+
+
+def _proxy_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tokentrace.agent.cli", "proxy", *args]
+
+
+def _clean_environment(extra: Mapping[str, str]) -> dict[str, str]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    environment.update(extra)
+    return environment
+
+
+@dataclass(frozen=True)
+class ProxyProcess:
+    process: subprocess.Popen[str]
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def proxy_process(upstream_url: str, endpoint: str, *args: str) -> Iterator[ProxyProcess]:
+    process = subprocess.Popen(
+        _proxy_command("--upstream", upstream_url, "--listen", "127.0.0.1:0", *args),
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_clean_environment(
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+        ),
+    )
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline()
+        match = _LISTENING.search(line)
+        assert match, line + process.stderr.read()
+        yield ProxyProcess(process, int(match.group(1)))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise AssertionError("the proxy did not stop on SIGTERM") from None
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((), "the following arguments are required: --upstream"),
+        (("--upstream", "https://x:1"), "--upstream must be an http:// URL"),
+        (("--upstream", "http://x:1", "--listen", "x"), "--listen must be HOST:PORT"),
+        (("--upstream", "http://x:1", "--engine", "vllm"), "invalid choice: 'vllm'"),
+        (("--upstream", "http://x:1", "--listen", "192.0.2.1:1"), "cannot listen on"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args: tuple[str, ...], expected: str) -> None:
+    completed = subprocess.run(
+        _proxy_command(*args), capture_output=True, text=True, timeout=30, check=False
+    )
+    assert completed.returncode == 2
+    assert completed.stderr.count("\n") == 1 and "Traceback" not in completed.stderr
+    assert completed.stderr.startswith("tokentrace proxy: ") and expected in completed.stderr
+
+
+def test_the_proxy_process_traces_a_stream_and_stops_on_sigterm() -> None:
+    with (
+        UpstreamOtlp() as upstream,
+        StandInEngine("llama-server", queue_s=0.01, prefill_s=0.02, gap_s=0.005) as engine,
+        proxy_process(engine.url, upstream.grpc_endpoint, "--engine", "llama-server") as proxy,
+    ):
+        trace_id = os.urandom(16)
+        traceparent = f"00-{trace_id.hex()}-{os.urandom(8).hex()}-01"
+        response = httpx.post(
+            proxy.base_url + "/v1/chat/completions",
+            json={"model": "m", "messages": [], "stream": True, "max_tokens": 4},
+            headers={"traceparent": traceparent},
+            timeout=10,
+        )
+        assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+        # The emitter exports within its interval; SIGTERM (below) flushes whatever is left.
+        assert upstream.wait_for(
+            lambda: any(
+                s.name == semconv.SPAN_DECODE and s.trace_id == trace_id
+                for s in received_spans(upstream)
+            ),
+            timeout_s=10,
+        )
+        spans = [s for s in received_spans(upstream) if s.trace_id == trace_id]
+        names = sorted(s.name for s in spans)
+        assert names == sorted(
+            [
+                "POST /v1/chat/completions",
+                semconv.SPAN_REQUEST,
+                semconv.SPAN_QUEUE,
+                semconv.SPAN_PREFILL,
+                semconv.SPAN_DECODE,
+                semconv.SPAN_POSTPROCESS,
+            ]
+        )
+    assert proxy.process.returncode == 0
+    assert proxy.process.stderr is not None and "Traceback" not in proxy.process.stderr.read()
+
+
+@dataclass(frozen=True)
+class _Loop:
+    """A ``tests.loadgen.load_loop.LoadLoop``: the proxy is the server."""
+
+    server: ProxyProcess
+    otlp_endpoint: str
+    store_path: Path
+    slo_path: Path
+    workdir: Path
+
+
+def test_end_to_end_the_budget_sums_to_the_clients_e2e_and_ttft_itl_agree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    slo_path = tmp_path / "slo.yaml"
+    slo_path.write_text(_SLO_FILE, encoding="utf-8")
+    store_path = tmp_path / "store.db"
+    raw = {
+        "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "127.0.0.1:0"}}}},
+        "processors": {
+            "assembly": {"quiet_period": "1s", "root_grace": "500ms"},
+            "slo": {"file": str(slo_path)},
+        },
+        "exporters": {"store": {"path": str(store_path)}},
+    }
+    collector = Collector(parse_config(raw, environ={}))
+    collector.start()
+    endpoint = f"http://127.0.0.1:{collector.grpc_port}"
+    try:
+        with (
+            StandInEngine("llama-server", queue_s=0.02, prefill_s=0.03, gap_s=0.01) as engine,
+            proxy_process(engine.url, endpoint) as proxy,
+        ):
+            loop = _Loop(proxy, endpoint, store_path, slo_path, tmp_path)
+            record = run_load(
+                loop,
+                "proxy",
+                "--model", "tiny",
+                "--concurrency", "2",
+                "--requests", "12",
+                "--prompt-tokens", "uniform:16:32",
+                "--output-tokens", "uniform:8:16",
+                "--api", "completions",
+                "--seed", "7",
+                capsys=capsys,
+            )  # fmt: skip
+            stored = stored_records(loop, record)
+    finally:
+        collector.shutdown()
+    client_ttft, server_ttft, client_itl, server_itl = [], [], [], []
+    queues: list[int] = []
+    for result in record.results:
+        collected = stored[result.trace_id]
+        client_e2e = result.end_ns - result.start_ns
+        assert abs(sum(collected.budget.segments.values()) - client_e2e) <= 0.02 * client_e2e
+        assert outside_ns(collected) >= 0
+        assert collected.timeline.output_tokens == result.output_tokens
+        segments = collected.budget.segments
+        # Where the stand-in's delays went: its queue wait (20 ms, plus the hop) and prefill.
+        assert segments[semconv.SEGMENT_PREFILL] == 30_000_000
+        assert segments[semconv.SEGMENT_QUEUE] >= 20_000_000
+        queues.append(segments[semconv.SEGMENT_QUEUE])
+        assert result.ttft_ns is not None and collected.budget.client_ttft_ns is not None
+        client_ttft.append(result.ttft_ns)
+        server_ttft.append(
+            sum(
+                ns
+                for segment, ns in collected.budget.client_ttft_segments.items()
+                if segment not in semconv.CLIENT_SIDE_SEGMENTS
+            )
+        )
+        client_itl.extend(result.chunk_gaps_ns)
+        server_itl.extend(collected.metrics.itl)
+    assert statistics.median(queues) <= 35_000_000  # a busy machine may stretch a few
+    for client, server in ((client_ttft, server_ttft), (client_itl, server_itl)):
+        client_p50, server_p50 = statistics.median(client), statistics.median(server)
+        assert abs(client_p50 - server_p50) <= 0.05 * client_p50, (client_p50, server_p50)
