@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Final
 
 from tokentrace.agent import semconv
 from tokentrace.processors.causes import NETWORK_NOT_MEASURED
-from tokentrace.processors.timeline import NOT_REPORTED
 
 if TYPE_CHECKING:
     from tokentrace.collector.store.document import (
         MetricBudgetDoc,
         MetricsDoc,
+        NotReportedDoc,
         RequestDocument,
         VerdictDoc,
     )
@@ -56,6 +56,12 @@ UNICODE_GLYPHS: Final = Glyphs(
 ASCII_GLYPHS: Final = Glyphs(
     bar="#", tick="|", line="-", met="ok", breached="X", ellipsis="~", separator=" | "
 )
+
+
+def not_reported_text(not_reported: NotReportedDoc) -> str:
+    """One line: which source cannot tell what (the ``missing`` line; the API's warning)."""
+    source = not_reported["source"] or "this request's source"
+    return f"not reported by {source}: " + ", ".join(not_reported["items"])
 
 
 def glyphs_for(encoding: str | None) -> Glyphs:
@@ -456,11 +462,8 @@ def render_explain(
         lines.append(f"{'others':<10}" + glyphs.separator.join(others) + "  (explain --metric)")
     if verdict is not None and verdict["numbers"].get("network_measured") == 0:
         lines.append(f"{'note':<10}{NETWORK_NOT_MEASURED}")
-    not_reported = NOT_REPORTED.get(doc["dialect"])
-    if not_reported:
-        lines.append(
-            f"{'missing':<10}{doc['dialect']}'s own spans do not report " + ", ".join(not_reported)
-        )
+    if doc["not_reported"]:
+        lines.append(f"{'missing':<10}{not_reported_text(doc['not_reported'])}")
     lines.append(f"{'latency':<10}{_metrics_line(doc, glyphs)}")
     lines.append(f"{'tokens':<10}{_tokens_line(doc, glyphs)}")
     if doc["slo"]:

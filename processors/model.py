@@ -81,6 +81,10 @@ class RequestTimeline:
     accept queue, a busy event loop): time before ``server_start`` that only the server knows."""
     server_first_body: int | None = None
     """When the server handed the response's first body bytes over (a stream's first token)."""
+    not_reported: tuple[str, ...] = ()
+    """What the request's source cannot tell (a dialect's own spans, an engine's timing report
+    read by ``tokentrace proxy``), so its budgets lack it; ``not_reported_by`` names the source."""
+    not_reported_by: str | None = None
     engine_arrival: int | None = None
     """Engine arrival: when the engine queued the request - the start of ``llm.queue`` (else of
     ``llm.request``); for vLLM's span, first scheduled minus its queue time. Not the agent's

@@ -66,6 +66,18 @@ def as_str(value: AnyValue | None) -> str | None:
     return value.string_value
 
 
+def as_str_tuple(value: AnyValue | None) -> tuple[str, ...]:
+    """A string array's strings (a single string as one); () for anything else."""
+    if value is None:
+        return ()
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return tuple(v.string_value for v in value.array_value.values if v.string_value)
+    if kind == "string_value" and value.string_value:
+        return (value.string_value,)
+    return ()
+
+
 def as_bool(value: AnyValue | None) -> bool | None:
     if value is None or value.WhichOneof("value") != "bool_value":
         return None

@@ -60,6 +60,7 @@ from tokentrace.processors.span_attributes import (
     as_int,
     as_seconds_ns,
     as_str,
+    as_str_tuple,
     as_timestamp,
     error_of,
     first_str,
@@ -84,8 +85,16 @@ NOT_REPORTED: Final[Mapping[str, tuple[str, ...]]] = {
     ),
 }
 """Per dialect: what its spans cannot tell, so every budget of such a request lacks it (the
-time it took sits in a neighbouring segment or is not there at all); ``tokentrace explain``
-names it."""
+time it took sits in a neighbouring segment or is not there at all); the timeline carries it
+(``not_reported``) and ``tokentrace explain`` and the API name it."""
+
+
+def dialect_not_reported(dialect: str) -> tuple[str | None, tuple[str, ...]]:
+    """(source, what it cannot tell) for a request in ``dialect``'s spans (``NOT_REPORTED``)."""
+    missing = NOT_REPORTED.get(dialect, ())
+    return (f"{dialect}'s own spans" if missing else None), missing
+
+
 UNKNOWN: Final = "unknown"
 """Model or operation name when no span says."""
 
@@ -325,6 +334,10 @@ def _apply_http_server(timeline: RequestTimeline, server: Span) -> None:
             timeline.http_receive_wait_ns = as_int(kv.value)
         elif key == semconv.HTTP_FIRST_BODY_TIME:
             timeline.server_first_body = as_timestamp(kv.value)
+        elif key == semconv.PROXY_NOT_REPORTED:
+            timeline.not_reported = as_str_tuple(kv.value)
+        elif key == semconv.PROXY_ENGINE:
+            timeline.not_reported_by = f"{as_str(kv.value)}'s timing report (tokentrace proxy)"
 
 
 # --- dialects ------------------------------------------------------------------------------------
@@ -642,6 +655,7 @@ def _sglang_timeline(trace_id: bytes, index: _TraceIndex, ref: SpanRef) -> Reque
         request_id=as_str(slots[_VLLM_REQUEST_ID]),
         status_error=error_of(span),
     )
+    timeline.not_reported_by, timeline.not_reported = dialect_not_reported(DIALECT_SGLANG)
     if start is not None and end is not None and end >= start:
         _place_sglang_phases(timeline, _SglangPhases(index, span), slots, start, end)
     context.apply(timeline, request_start=start)

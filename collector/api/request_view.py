@@ -40,6 +40,7 @@ from tokentrace.agent import semconv
 from tokentrace.agent.finished_request import gap_median
 from tokentrace.collector.render import (
     chosen_verdict,
+    not_reported_text,
     verdict_heading,
     verdict_text,
     waterfall_rows,
@@ -161,6 +162,8 @@ def request_view(
         warnings.append(f"{spans_dropped} more span(s) of this request not listed (cap)")
     if steps_dropped:
         warnings.append(f"{steps_dropped} more engine step(s) not listed (cap)")
+    if doc["not_reported"]:
+        warnings.append(not_reported_text(doc["not_reported"]))
 
     verdict = chosen_verdict(doc, metric)
     highlighted = None if verdict is None else waterfall_segment(verdict["segment"])

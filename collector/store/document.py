@@ -213,6 +213,15 @@ class VerdictDoc(TypedDict):
     """The default verdict only: why this metric (e.g. the SLO target the request breached)."""
 
 
+class NotReportedDoc(TypedDict):
+    """What a request's source cannot tell (a dialect's own spans, an engine's timing report
+    read through ``tokentrace proxy``): the time it took sits in a neighbouring segment or is
+    not there at all."""
+
+    source: str | None
+    items: list[str]
+
+
 class RequestDocument(TypedDict):
     """One stored request as every reader sees it (``document_from_row``; ``tokentrace explain
     --json`` prints it, the API serves it as ``RequestDetail.request``)."""
@@ -230,6 +239,8 @@ class RequestDocument(TypedDict):
     tokens: TokenCountsDoc
     finish_reason: str | None
     status_error: str | None
+    not_reported: NotReportedDoc | None
+    """What the request's source cannot tell (its budgets lack it); None: nothing known."""
     metrics_ms: MetricsDoc
     budget: BudgetDoc
     ttft_budget: BudgetDoc | None
@@ -514,6 +525,11 @@ def document_from_row(
         },
         "finish_reason": detail.get(DETAIL_FINISH),
         "status_error": detail.get(DETAIL_ERROR),
+        "not_reported": (
+            {"source": record.timeline.not_reported_by, "items": list(record.timeline.not_reported)}
+            if record.timeline.not_reported
+            else None
+        ),
         "metrics_ms": {
             semconv.METRIC_TTFT: ns_to_ms(stored.ttft_ns),
             semconv.METRIC_TPOT: ns_to_ms(stored.tpot_ns),

@@ -37,7 +37,7 @@ from tokentrace.processors.model import (
     RequestRecord,
     RequestTimeline,
 )
-from tokentrace.processors.timeline import sglang_token_offsets_us
+from tokentrace.processors.timeline import dialect_not_reported, sglang_token_offsets_us
 
 TIMELINE_BOUNDARIES: Final = (
     "client_start",
@@ -171,6 +171,8 @@ DETAIL_PREFIX_SEEN: Final = "ps"
 DETAIL_CLIENT_TTFT: Final = "cttft"
 DETAIL_CLIENT_TTFT_SEGMENTS: Final = "ctseg"
 DETAIL_WIRE: Final = "wire"
+DETAIL_NOT_REPORTED: Final = "nr"
+"""[source, [what it cannot tell, ...]] (``RequestTimeline.not_reported``), when there is any."""
 
 
 def request_start_ns(timeline: RequestTimeline) -> int:
@@ -252,6 +254,8 @@ def request_row(record: RequestRecord) -> tuple[Any, ...]:
     wire = _wire_of(timeline)
     if any(value is not None for value in wire):
         detail[DETAIL_WIRE] = wire
+    if timeline.not_reported:
+        detail[DETAIL_NOT_REPORTED] = [timeline.not_reported_by, list(timeline.not_reported)]
     return (
         trace_id,
         span_id,
@@ -338,6 +342,17 @@ def _prefill_tokens(step: Span) -> int:
     return 0
 
 
+def not_reported_of(dialect: str, detail: Mapping[str, Any]) -> tuple[str | None, list[str]]:
+    """(source, what it cannot tell) of a stored request; rows stored before the detail held it
+    fall back on their dialect's (``timeline.dialect_not_reported``)."""
+    stored = detail.get(DETAIL_NOT_REPORTED)
+    if stored:
+        source, missing = stored
+        return (None if source is None else str(source)), [str(item) for item in missing]
+    source, missing = dialect_not_reported(dialect)
+    return source, list(missing)
+
+
 def record_from_row(
     stored: StoredRow,
     detail: Mapping[str, Any],
@@ -366,6 +381,8 @@ def record_from_row(
         request_id=stored.request_id,
         status_error=detail.get(DETAIL_ERROR),
     )
+    source, not_reported = not_reported_of(stored.dialect, detail)
+    timeline.not_reported, timeline.not_reported_by = tuple(not_reported), source
     for name, value in at.items():
         setattr(timeline, name, value)
     for names, values in (

@@ -24,8 +24,12 @@ from tests.loadgen.load_loop import outside_ns, run_load, stored_records
 from tests.proxy.harness import received_spans
 from tests.proxy.stand_in import StandInEngine
 from tokentrace.agent import semconv
+from tokentrace.agent.cli import main as tokentrace_main
+from tokentrace.agent.proxy_engines import NOT_REPORTED
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
+from tokentrace.collector.store.document import RequestDocument
+from tokentrace.collector.store.sqlite.store import RequestStore
 
 _LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+) ")
 _SLO_FILE = """\
@@ -211,7 +215,30 @@ def test_end_to_end_the_budget_sums_to_the_clients_e2e_and_ttft_itl_agree(
         )
         client_itl.extend(result.chunk_gaps_ns)
         server_itl.extend(collected.metrics.itl)
+        # What llama-server's report cannot tell reaches the stored request (explain's
+        # ``missing`` line, the API's warnings).
+        assert collected.timeline.not_reported == NOT_REPORTED["llama-server"]
+        assert collected.timeline.not_reported_by is not None
+        assert "llama-server" in collected.timeline.not_reported_by
+    document = _stored_document(store_path, record.results[0].trace_id)
+    assert document["not_reported"] is not None
+    assert document["not_reported"]["items"] == list(NOT_REPORTED["llama-server"])
+    capsys.readouterr()
+    assert tokentrace_main(["explain", record.results[0].trace_id, "--store", str(store_path)]) == 0
+    explained = capsys.readouterr().out.splitlines()
+    (missing,) = [line for line in explained if line.startswith("missing")]
+    assert "llama-server" in missing and "engine steps" in missing
     assert statistics.median(queues) <= 35_000_000  # a busy machine may stretch a few
     for client, server in ((client_ttft, server_ttft), (client_itl, server_itl)):
         client_p50, server_p50 = statistics.median(client), statistics.median(server)
         assert abs(client_p50 - server_p50) <= 0.05 * client_p50, (client_p50, server_p50)
+
+
+def _stored_document(store_path: Path, trace_id: str) -> RequestDocument:
+    store = RequestStore.open_readonly(store_path)
+    try:
+        document = store.get(trace_id)
+    finally:
+        store.close()
+    assert document is not None
+    return document
