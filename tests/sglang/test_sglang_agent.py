@@ -210,7 +210,7 @@ def test_requests_beyond_max_running_wait_in_the_queue_and_a_missed_ttft_target_
         "--concurrency", "6",
         "--requests", "18",
         "--prompt-tokens", "uniform:16:32",
-        "--output-tokens", "fixed:48",
+        "--output-tokens", "fixed:96",
         "--api", "completions",
         "--seed", "3",
         capsys=capsys,
@@ -221,14 +221,21 @@ def test_requests_beyond_max_running_wait_in_the_queue_and_a_missed_ttft_target_
         print(f"queue wait per request (ms): {sorted(round(q, 1) for q in queue_ms)}")
     # Two run at a time: most of the other four wait for a slot for whole generations.
     assert sum(1 for q in queue_ms if q > 50.0) >= len(documents) // 2
-    verdicts = [doc["verdict"] for doc in documents if doc["verdict"]["metric"] == "ttft"]
-    assert verdicts, "no request missed the 300 ms TTFT target"
-    # The queue, never the engine's work. (On this 2-core machine the load generator shares the
-    # cores with SGLang's busy scheduler: a request it was itself late to send or read is rightly
-    # the client's.)
-    segments = [verdict["segment"] for verdict in verdicts]
-    assert set(segments) <= {semconv.SEGMENT_QUEUE, semconv.SEGMENT_CLIENT}, verdicts
-    assert segments.count(semconv.SEGMENT_QUEUE) >= 0.75 * len(segments), verdicts
+    # Those that waited for two generations (96 tokens each) missed the 300 ms TTFT target.
+    breached = [doc for doc in documents if doc["verdict"]["metric"] == "ttft"]
+    assert breached, "no request missed the 300 ms TTFT target"
+    # Where the queue wait is most of the TTFT, the verdict names the queue, never the engine's
+    # work. (On this 2-core machine the load generator shares the cores with SGLang's busy
+    # scheduler: a request it was itself late to send or read is rightly the client's.)
+    queued = [
+        doc["verdict"]
+        for doc in breached
+        if doc["budget"].get(semconv.SEGMENT_QUEUE, 0.0) > 0.5 * (doc["metrics_ms"]["ttft"] or 0.0)
+    ]
+    assert queued, [doc["verdict"] for doc in breached]
+    segments = [verdict["segment"] for verdict in queued]
+    assert set(segments) <= {semconv.SEGMENT_QUEUE, semconv.SEGMENT_CLIENT}, queued
+    assert segments.count(semconv.SEGMENT_QUEUE) >= 0.75 * len(segments), queued
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_with_its_cached_prefix_reported(
