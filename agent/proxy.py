@@ -51,6 +51,7 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from tokentrace.agent import semconv
+from tokentrace.agent.frameworks.asgi import HttpServerSpan, plan_http_server_span
 from tokentrace.agent.otlp_export import RateLimitedWarning
 from tokentrace.agent.proxy_engines import (
     ENGINE_AUTO,
@@ -70,7 +71,6 @@ from tokentrace.agent.span_ids import (
     random_span_id_bytes,
     random_trace_id,
 )
-from tokentrace.agent.spans import KIND_SERVER, AttrValue, PlannedSpan, SpanJob
 from tokentrace.agent.tcp_info import read_tcp_info
 
 __all__ = ["GENERATION_PATHS", "ProxyError", "ProxyServer", "parse_listen", "parse_upstream"]
@@ -121,7 +121,6 @@ _REQUEST_FIELDS: Final = re.compile(
     rb'temperature|top_p)"\s*:\s*("(?:[^"\\]|\\.)*"|[-+0-9.eE]+)'
 )
 _MAX_TOKENS_FIELDS: Final = (b"max_tokens", b"max_completion_tokens", b"max_new_tokens")
-_SERVER_ERROR_STATUS: Final = 500
 _CLIENT_ERROR_STATUS: Final = 400
 
 
@@ -225,29 +224,10 @@ class _Chunked:
 
 
 @dataclass(slots=True)
-class _HttpSpan:
-    """The proxy's HTTP SERVER span, as monotonic-ns integers until the emitter plans it."""
-
-    trace_id: bytes
-    span_id: bytes
-    parent_span_id: bytes
-    method: str
-    route: str
-    start_ns: int
-    end_ns: int = 0
-    status_code: int = 0
-    first_body_ns: int = 0
-    receive_wait_ns: int | None = None
-    error: str | None = None
-    engine: str | None = None
-    not_reported: tuple[str, ...] = ()
-
-
-@dataclass(slots=True)
 class _Exchange:
     """One request/response through the proxy."""
 
-    span: _HttpSpan | None
+    span: HttpServerSpan | None
     timer: RequestTimer | None
     request_body: list[bytes] = field(default_factory=list)
     request_body_size: int = 0
@@ -357,39 +337,9 @@ class ProxyServer:
             self._connections.discard(task)
 
     # --- spans (off the data path: planned on the emitter's thread) ----------------------------
-    def submit_http_span(self, span: _HttpSpan) -> None:
+    def submit_http_span(self, span: HttpServerSpan) -> None:
         if self.runtime is not None:
-            self.runtime.emitter.submit(partial(self._plan_http_span, span))
-
-    def _plan_http_span(self, span: _HttpSpan) -> list[SpanJob]:
-        assert self.runtime is not None
-        unix = self.runtime.clock.to_unix_ns
-        start = unix(span.start_ns)
-        attributes: dict[str, AttrValue] = {semconv.HTTP_REQUEST_METHOD: span.method}
-        if span.route:
-            attributes[semconv.URL_PATH] = span.route
-            attributes[semconv.HTTP_ROUTE] = span.route
-        if span.status_code:
-            attributes[semconv.HTTP_RESPONSE_STATUS_CODE] = span.status_code
-        if span.receive_wait_ns is not None:
-            attributes[semconv.HTTP_RECEIVE_WAIT_NS] = span.receive_wait_ns
-        if span.first_body_ns:
-            attributes[semconv.HTTP_FIRST_BODY_TIME] = unix(span.first_body_ns)
-        if span.engine is not None:
-            attributes[semconv.PROXY_ENGINE] = span.engine
-        if span.not_reported:
-            attributes[semconv.PROXY_NOT_REPORTED] = span.not_reported
-        status_error = span.error
-        if status_error is None and span.status_code >= _SERVER_ERROR_STATUS:
-            status_error = f"HTTP {span.status_code}"
-        if status_error is not None:
-            attributes[semconv.ERROR_TYPE] = span.error or str(span.status_code)
-        name = f"{span.method} {span.route}" if span.route else span.method
-        planned = PlannedSpan(
-            0, -1, name, KIND_SERVER, start, max(unix(span.end_ns), start), attributes,
-            status_error,
-        )  # fmt: skip
-        return [SpanJob(span.trace_id, span.parent_span_id, [planned], {0: span.span_id})]
+            self.runtime.emitter.submit(partial(plan_http_server_span, span, self.runtime.clock))
 
 
 class _Connection:
@@ -491,7 +441,7 @@ class _Connection:
         if b"expect" in headers:  # answered here: the body is forwarded as it comes anyway
             self.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         path = target.split(b"?", 1)[0].decode("latin-1")
-        http_span: _HttpSpan | None = None
+        http_span: HttpServerSpan | None = None
         if method == b"POST" and proxy.runtime is not None:
             http_span = self._begin_span(headers, path, start_ns)
         trace = http_span
@@ -540,24 +490,28 @@ class _Connection:
                 return await self._fail(exchange, _ERROR_UPSTREAM_UNAVAILABLE, keep_alive=False)
         return await self._response_body(method, exchange, keep_alive)
 
-    def _begin_span(self, headers: Mapping[bytes, bytes], path: str, start_ns: int) -> _HttpSpan:
+    def _begin_span(
+        self, headers: Mapping[bytes, bytes], path: str, start_ns: int
+    ) -> HttpServerSpan:
         incoming = headers.get(b"traceparent")
         context = None if incoming is None else parse_traceparent(incoming.decode("latin-1"))
         trace_id, parent = context if context is not None else (random_trace_id(), b"")
         facts = read_tcp_info(self.writer.get_extra_info("socket"))
         self.proxy.traced_requests += 1
-        return _HttpSpan(
+        return HttpServerSpan(
             trace_id,
             random_span_id_bytes(),
             parent,
             "POST",
-            path if path in GENERATION_PATHS else "",
+            path,
             start_ns,
+            # A route names a template: the generation paths are, any other path is not.
+            route=path if path in GENERATION_PATHS else "",
             receive_wait_ns=None if facts is None else facts.last_data_recv_ns,
         )
 
     def _begin_timer(
-        self, span: _HttpSpan | None, path: str, headers: Mapping[bytes, bytes]
+        self, span: HttpServerSpan | None, path: str, headers: Mapping[bytes, bytes]
     ) -> RequestTimer | None:
         """``llm.request`` begins: the request was fully received."""
         recorder = self.proxy.recorder
@@ -885,11 +839,13 @@ class _Connection:
                 if value is not None:
                     attributes[name] = value
             if span is not None:
-                span.engine = report.engine
                 not_reported = NOT_REPORTED[report.engine]
                 if not exchange.streamed:
                     not_reported = (*not_reported, NOT_REPORTED_UNSTREAMED)
-                span.not_reported = not_reported
+                span.attributes = {
+                    semconv.PROXY_ENGINE: report.engine,
+                    semconv.PROXY_NOT_REPORTED: not_reported,
+                }
         recorder.finish(timer.request_id, status_error=error)
 
 

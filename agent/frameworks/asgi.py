@@ -91,6 +91,8 @@ class HttpServerSpan:
     ms resolution); None when the server's socket could not be read."""
     first_body_ns: int = 0
     """Read when the first non-empty ``http.response.body`` was sent (0 until then)."""
+    attributes: dict[str, AttrValue] | None = None
+    """More attributes for the span (``tokentrace proxy``: whose timing report it read)."""
 
 
 _current: contextvars.ContextVar[HttpServerSpan | None] = contextvars.ContextVar(
@@ -167,37 +169,42 @@ class HttpServerTracer:
         self._submit(partial(self._plan, span))
 
     def _plan(self, span: HttpServerSpan) -> list[SpanJob]:
-        """On the emitter's thread: the span in Unix time."""
-        unix = self._to_unix.to_unix_ns
-        start = unix(span.start_ns)
-        attributes: dict[str, AttrValue] = {
-            semconv.HTTP_REQUEST_METHOD: span.method,
-            semconv.URL_PATH: span.path,
-        }
-        status = span.status_code
-        if status:
-            attributes[semconv.HTTP_RESPONSE_STATUS_CODE] = status
-        if span.route:
-            attributes[semconv.HTTP_ROUTE] = span.route
-        if span.receive_wait_ns is not None:
-            attributes[semconv.HTTP_RECEIVE_WAIT_NS] = span.receive_wait_ns
-        if span.first_body_ns:
-            attributes[semconv.HTTP_FIRST_BODY_TIME] = unix(span.first_body_ns)
-        status_error = span.error
-        if status_error is None and status >= _SERVER_ERROR_STATUS:
-            status_error = f"HTTP {status}"  # 4xx is the client's error, not the server span's
-        if status_error is not None:
-            attributes[semconv.ERROR_TYPE] = span.error or str(status)
-        # Semantic conventions: "{method} {route}", the method alone without a route (a raw
-        # path would give every unknown URL a span name of its own).
-        name = f"{span.method} {span.route}" if span.route else span.method
-        planned = PlannedSpan(
-            _ROOT_LOCAL_ID, -1, name, KIND_SERVER, start, max(unix(span.end_ns), start),
-            attributes, status_error,
-        )  # fmt: skip
-        return [
-            SpanJob(span.trace_id, span.parent_span_id, [planned], {_ROOT_LOCAL_ID: span.span_id})
-        ]
+        return plan_http_server_span(span, self._to_unix)
+
+
+def plan_http_server_span(span: HttpServerSpan, to_unix: MonotonicToUnix) -> list[SpanJob]:
+    """On the emitter's thread: the HTTP SERVER span in Unix time (this middleware's, and
+    ``tokentrace proxy``'s)."""
+    unix = to_unix.to_unix_ns
+    start = unix(span.start_ns)
+    attributes: dict[str, AttrValue] = {
+        semconv.HTTP_REQUEST_METHOD: span.method,
+        semconv.URL_PATH: span.path,
+    }
+    status = span.status_code
+    if status:
+        attributes[semconv.HTTP_RESPONSE_STATUS_CODE] = status
+    if span.route:
+        attributes[semconv.HTTP_ROUTE] = span.route
+    if span.receive_wait_ns is not None:
+        attributes[semconv.HTTP_RECEIVE_WAIT_NS] = span.receive_wait_ns
+    if span.first_body_ns:
+        attributes[semconv.HTTP_FIRST_BODY_TIME] = unix(span.first_body_ns)
+    if span.attributes:
+        attributes.update(span.attributes)
+    status_error = span.error
+    if status_error is None and status >= _SERVER_ERROR_STATUS:
+        status_error = f"HTTP {status}"  # 4xx is the client's error, not the server span's
+    if status_error is not None:
+        attributes[semconv.ERROR_TYPE] = span.error or str(status)
+    # Semantic conventions: "{method} {route}", the method alone without a route (a raw
+    # path would give every unknown URL a span name of its own).
+    name = f"{span.method} {span.route}" if span.route else span.method
+    planned = PlannedSpan(
+        _ROOT_LOCAL_ID, -1, name, KIND_SERVER, start, max(unix(span.end_ns), start),
+        attributes, status_error,
+    )  # fmt: skip
+    return [SpanJob(span.trace_id, span.parent_span_id, [planned], {_ROOT_LOCAL_ID: span.span_id})]
 
 
 def _receive_wait_ns(send: Send) -> int | None:

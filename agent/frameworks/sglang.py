@@ -216,9 +216,9 @@ def _weight_attributes(runner: Any) -> dict[str, int]:
     return {semconv.MODEL_WEIGHT_BYTES: int(total)} if total > 0 else {}
 
 
-def _share_sglang_log_handlers() -> None:
-    """SGLang configures its own loggers; without a handler of ours a disabled hook's warning
-    would reach only Python's last-resort handler (stderr), which is where SGLang logs too."""
+def _warnings_only_in_sglangs_log() -> None:
+    """SGLang's logging setup gives the root logger its handler at INFO: tokentrace's warnings
+    (a disabled hook, drops) reach SGLang's log through it, its info lines stay out."""
     ours = logging.getLogger(_LOGGER_ROOT)
     if ours.level == logging.NOTSET:
         ours.setLevel(logging.WARNING)
@@ -228,7 +228,7 @@ def register() -> None:
     """The ``sglang.srt.plugins`` entry point: SGLang calls it once in each of its processes."""
     try:
         pin_exporter_environment(os.environ)
-        _share_sglang_log_handlers()
+        _warnings_only_in_sglangs_log()
         instrumentor = SglangInstrumentor()
         if not instrumentor.is_instrumented_by_opentelemetry:
             instrumentor.instrument()

@@ -23,13 +23,12 @@ from tests.collector.upstream import UpstreamOtlp
 from tests.loadgen.load_loop import outside_ns, run_load, stored_records
 from tests.proxy.harness import received_spans
 from tests.proxy.stand_in import StandInEngine
+from tests.stored_requests import stored_document
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
 from tokentrace.agent.proxy_engines import NOT_REPORTED
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
-from tokentrace.collector.store.document import RequestDocument
-from tokentrace.collector.store.sqlite.store import RequestStore
 
 _LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+) ")
 _SLO_FILE = """\
@@ -220,7 +219,7 @@ def test_end_to_end_the_budget_sums_to_the_clients_e2e_and_ttft_itl_agree(
         assert collected.timeline.not_reported == NOT_REPORTED["llama-server"]
         assert collected.timeline.not_reported_by is not None
         assert "llama-server" in collected.timeline.not_reported_by
-    document = _stored_document(store_path, record.results[0].trace_id)
+    document = stored_document(store_path, record.results[0].trace_id)
     assert document["not_reported"] is not None
     assert document["not_reported"]["items"] == list(NOT_REPORTED["llama-server"])
     capsys.readouterr()
@@ -232,13 +231,3 @@ def test_end_to_end_the_budget_sums_to_the_clients_e2e_and_ttft_itl_agree(
     for client, server in ((client_ttft, server_ttft), (client_itl, server_itl)):
         client_p50, server_p50 = statistics.median(client), statistics.median(server)
         assert abs(client_p50 - server_p50) <= 0.05 * client_p50, (client_p50, server_p50)
-
-
-def _stored_document(store_path: Path, trace_id: str) -> RequestDocument:
-    store = RequestStore.open_readonly(store_path)
-    try:
-        document = store.get(trace_id)
-    finally:
-        store.close()
-    assert document is not None
-    return document

@@ -31,6 +31,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from tests import stored_requests
 from tests.collector.upstream import UpstreamOtlp
 from tests.loadgen.load_loop import outside_ns, run_load, stored_documents, stored_records
 from tests.sglang.shared_server import (
@@ -46,7 +47,6 @@ from tokentrace.collector.api.app import API_PREFIX, ApiSettings, create_app
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
 from tokentrace.collector.store.document import RequestDocument
-from tokentrace.collector.store.sqlite.store import RequestStore
 
 pytestmark = pytest.mark.slow
 
@@ -122,18 +122,10 @@ def loop(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 def stored_document(loop: SglangLoop, trace_id: str) -> RequestDocument:
-    """The stored request of ``trace_id``, waiting (bounded) for the collector to store it."""
-    deadline = time.monotonic() + _SPAN_WAIT_S
-    while True:
-        store = RequestStore.open_readonly(loop.store_path)
-        try:
-            doc = store.get(trace_id)
-        finally:
-            store.close()
-        if doc is not None:
-            return doc
-        assert time.monotonic() < deadline, f"{trace_id} not stored\n{loop.server.log_tail()}"
-        time.sleep(0.5)
+    """The stored request of ``trace_id``, once the collector has stored it."""
+    return stored_requests.stored_document(
+        loop.store_path, trace_id, timeout_s=_SPAN_WAIT_S, context=loop.server.log_tail
+    )
 
 
 def upstream_spans(loop: SglangLoop, name: str) -> list[Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,9 +15,9 @@ import pytest
 
 from tests.sglang.shared_server import TracedSglang, tokentrace_command
 from tests.sglang.streaming import StreamResult, stream_completion
+from tests.stored_requests import stored_documents as wait_for_documents
 from tokentrace.agent import semconv
 from tokentrace.collector.store.document import RequestDocument, budget_segments
-from tokentrace.collector.store.sqlite.store import RequestStore
 from tokentrace.processors.timeline import DIALECT_SGLANG, NOT_REPORTED
 
 pytestmark = pytest.mark.slow
@@ -27,32 +26,13 @@ _CONCURRENT = 4
 _MAX_TOKENS = 16
 _WARM_UP_REQUESTS = 2
 _STORED_TIMEOUT_S = 60.0
-_POLL_S = 0.5
 _CLI_TIMEOUT_S = 60
 
 
 def stored_documents(traced: TracedSglang, trace_ids: list[str]) -> dict[str, RequestDocument]:
-    """The stored request of each trace, waiting (bounded) for the collector to store them."""
-    deadline = time.monotonic() + _STORED_TIMEOUT_S
-    found: dict[str, RequestDocument] = {}
-    while True:
-        if traced.collector.store.exists():
-            store = RequestStore.open_readonly(traced.collector.store)
-            try:
-                for trace_id in trace_ids:
-                    if trace_id not in found:
-                        doc = store.get(trace_id)
-                        if doc is not None:
-                            found[trace_id] = doc
-            finally:
-                store.close()
-        if len(found) == len(trace_ids):
-            return found
-        assert time.monotonic() < deadline, (
-            f"stored {len(found)} of {len(trace_ids)} requests after {_STORED_TIMEOUT_S:.0f} s\n"
-            f"{traced.log_tail()}"
-        )
-        time.sleep(_POLL_S)
+    return wait_for_documents(
+        traced.collector.store, trace_ids, timeout_s=_STORED_TIMEOUT_S, context=traced.log_tail
+    )
 
 
 def test_concurrent_streams_are_stored_with_sglangs_budget(sglang_server: TracedSglang) -> None:
