@@ -125,3 +125,7 @@ class FinishedRequest:
     max_running: int | None = None
     prefix_hash: str | None = None
     outlier_steps_with_prefill: int | None = None
+    not_reported: tuple[str, ...] = ()
+    """What this engine's instrumentation cannot measure (``semconv.NOT_REPORTED``)."""
+    not_reported_by: str | None = None
+    """Whose instrumentation that is (``semconv.NOT_REPORTED_BY``)."""

@@ -126,6 +126,12 @@ QUEUE_MAX_RUNNING: Final = "tokentrace.queue.max_running"
 """The engine's admission limit (e.g. vLLM ``max_num_seqs``): the batch is full at this count."""
 PROMPT_PREFIX_HASH: Final = "tokentrace.prompt.prefix_hash"
 """A hash of the prompt's first tokens (never the text): repeated prefixes are detectable."""
+NOT_REPORTED: Final = "tokentrace.not_reported"
+"""On ``llm.request``: what the engine's instrumentation cannot measure (string array, e.g.
+``engine steps``), so the request's budget lacks it; explain and the API name it."""
+NOT_REPORTED_BY: Final = "tokentrace.not_reported_by"
+"""On ``llm.request``, beside ``tokentrace.not_reported``: whose instrumentation it is (e.g.
+``llama-cpp-python's server``)."""
 PREFILL_CHUNK_TOKENS: Final = "tokentrace.prefill.tokens"
 """Prompt tokens computed in a prefill span or chunk."""
 DECODE_TOKEN_OFFSETS: Final = "tokentrace.decode.token_offsets_us"

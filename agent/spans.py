@@ -236,6 +236,10 @@ def _request_attributes(finished: FinishedRequest) -> dict[str, AttrValue]:
         attributes[semconv.PROMPT_PREFIX_HASH] = finished.prefix_hash
     if finished.ready_ns is not None:
         attributes[semconv.COLD_START_READY_TIME] = finished.ready_ns
+    if finished.not_reported:
+        attributes[semconv.NOT_REPORTED] = finished.not_reported
+        if finished.not_reported_by is not None:
+            attributes[semconv.NOT_REPORTED_BY] = finished.not_reported_by
     return attributes
 
 

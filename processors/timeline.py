@@ -89,6 +89,10 @@ time it took sits in a neighbouring segment or is not there at all); the timelin
 (``not_reported``) and ``tokentrace explain`` and the API name it."""
 
 
+_AGENT_SOURCE: Final = "the engine's instrumentation"
+"""Who could not tell, for an ``llm.request`` whose ``tokentrace.not_reported_by`` is absent."""
+
+
 def dialect_not_reported(dialect: str) -> tuple[str | None, tuple[str, ...]]:
     """(source, what it cannot tell) for a request in ``dialect``'s spans (``NOT_REPORTED``)."""
     missing = NOT_REPORTED.get(dialect, ())
@@ -148,6 +152,8 @@ _REQUEST_KEYS: Final = (
     semconv.VLLM_USAGE_COMPLETION_TOKENS,
     semconv.VLLM_REQUEST_ID,
     semconv.SGLANG_USAGE_CACHED_TOKENS,
+    semconv.NOT_REPORTED,
+    semconv.NOT_REPORTED_BY,
 )
 _REQUEST_SLOT: Final = {key: slot for slot, key in enumerate(_REQUEST_KEYS)}
 (
@@ -183,6 +189,8 @@ _REQUEST_SLOT: Final = {key: slot for slot, key in enumerate(_REQUEST_KEYS)}
     _VLLM_COMPLETION_TOKENS,
     _VLLM_REQUEST_ID,
     _SGLANG_CACHED_TOKENS,
+    _NOT_REPORTED,
+    _NOT_REPORTED_BY,
 ) = range(len(_REQUEST_KEYS))
 _VLLM_MARKER_SLOTS: Final = (_VLLM_TTFT, _VLLM_QUEUE, _VLLM_PREFILL, _VLLM_DECODE, _VLLM_REQUEST_ID)
 
@@ -369,6 +377,10 @@ def _tokentrace_timeline(trace_id: bytes, index: _TraceIndex, ref: SpanRef) -> R
         max_running=as_int(slots[_MAX_RUNNING]),
         prefix_hash=as_str(slots[_PREFIX_HASH]),
     )
+    not_reported = as_str_tuple(slots[_NOT_REPORTED])
+    if not_reported:
+        timeline.not_reported = not_reported
+        timeline.not_reported_by = as_str(slots[_NOT_REPORTED_BY]) or _AGENT_SOURCE
     _apply_phases(timeline, index, span.span_id)
     context.apply(timeline, request_start=start)
     return timeline

@@ -491,3 +491,24 @@ def test_boundaries_from_skewed_clocks_are_clamped_inside_the_request() -> None:
     request = spans[0]
     for span in spans[1:]:
         assert request.start_ns <= span.start_ns <= span.end_ns <= request.end_ns, span.name
+
+
+def test_what_the_instrumentation_cannot_measure_reaches_the_timeline() -> None:
+    """An engine instrumentation's ``not_reported`` rides on ``llm.request`` and the collector's
+    timeline names it with its source; without a source it says whose it is in general terms."""
+    said = dataclasses.replace(
+        full_finished_request(),
+        not_reported=("engine steps", "preemption"),
+        not_reported_by="llama-cpp-python's server",
+    )
+    timeline = timeline_of(encode([said])[0])
+    assert timeline.not_reported == ("engine steps", "preemption")
+    assert timeline.not_reported_by == "llama-cpp-python's server"
+
+    anonymous = dataclasses.replace(minimal_finished_request(), not_reported=("the queue",))
+    timeline = timeline_of(encode([anonymous])[0])
+    assert timeline.not_reported == ("the queue",)
+    assert timeline.not_reported_by == "the engine's instrumentation"
+
+    silent = timeline_of(encode([full_finished_request()])[0])
+    assert silent.not_reported == () and silent.not_reported_by is None
