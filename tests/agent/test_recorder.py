@@ -109,6 +109,22 @@ def test_preemption_intervals_and_an_abort_while_evicted() -> None:
     assert request.queued_ns is None  # never reported: llm.queue starts at arrival
 
 
+def test_an_end_read_before_the_bookkeeping_is_the_requests_end() -> None:
+    """``finish(end_ns=...)``: an instrumentation that reads the clock when the host's call
+    returned, then does its own work, ends the request at that reading, not later."""
+    ticks = Ticks()
+    finished: list[RequestTimer] = []
+    recorder = Recorder(finished.append, monotonic_ns=ticks)
+    recorder.begin("r")
+    returned_at = ticks.now + 7
+    ticks.now += 50  # the instrumentation's own work after the call
+    recorder.finish("r", end_ns=returned_at)
+    assert finished[0].end_ns == returned_at
+    recorder.begin("s")
+    recorder.finish("s")
+    assert finished[1].end_ns == ticks.now
+
+
 def test_in_flight_limit_leaves_requests_untraced_and_counts_them() -> None:
     recorder = Recorder(lambda timer: None, max_in_flight=2)
     assert recorder.begin("a") and recorder.begin("b")

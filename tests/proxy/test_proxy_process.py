@@ -6,14 +6,8 @@ with ``tokentrace load`` as the client."""
 from __future__ import annotations
 
 import os
-import re
-import signal
 import statistics
 import subprocess
-import sys
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,65 +16,17 @@ import pytest
 from tests.collector.upstream import UpstreamOtlp
 from tests.loadgen.load_loop import outside_ns, run_load, stored_records
 from tests.proxy.harness import received_spans
+from tests.proxy.process import ProxyLoop, proxy_command, proxy_process, storing_collector
 from tests.proxy.stand_in import StandInEngine
 from tests.stored_requests import stored_document
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
 from tokentrace.agent.proxy_engines import NOT_REPORTED
-from tokentrace.collector.config import parse_config
-from tokentrace.collector.service import Collector
 
-_LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+) ")
 _SLO_FILE = """\
 targets:
   - {name: ttft-p95, metric: ttft, percentile: 95, threshold: 300ms}
 """
-
-
-def _proxy_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tokentrace.agent.cli", "proxy", *args]
-
-
-def _clean_environment(extra: Mapping[str, str]) -> dict[str, str]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    environment.update(extra)
-    return environment
-
-
-@dataclass(frozen=True)
-class ProxyProcess:
-    process: subprocess.Popen[str]
-    port: int
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@contextmanager
-def proxy_process(upstream_url: str, endpoint: str, *args: str) -> Iterator[ProxyProcess]:
-    process = subprocess.Popen(
-        _proxy_command("--upstream", upstream_url, "--listen", "127.0.0.1:0", *args),
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_clean_environment(
-            {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
-        ),
-    )
-    try:
-        assert process.stderr is not None
-        line = process.stderr.readline()
-        match = _LISTENING.search(line)
-        assert match, line + process.stderr.read()
-        yield ProxyProcess(process, int(match.group(1)))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise AssertionError("the proxy did not stop on SIGTERM") from None
 
 
 @pytest.mark.parametrize(
@@ -95,7 +41,7 @@ def proxy_process(upstream_url: str, endpoint: str, *args: str) -> Iterator[Prox
 )
 def test_bad_arguments_exit_2_with_one_line(args: tuple[str, ...], expected: str) -> None:
     completed = subprocess.run(
-        _proxy_command(*args), capture_output=True, text=True, timeout=30, check=False
+        proxy_command(*args), capture_output=True, text=True, timeout=30, check=False
     )
     assert completed.returncode == 2
     assert completed.stderr.count("\n") == 1 and "Traceback" not in completed.stderr
@@ -141,55 +87,28 @@ def test_the_proxy_process_traces_a_stream_and_stops_on_sigterm() -> None:
     assert proxy.process.stderr is not None and "Traceback" not in proxy.process.stderr.read()
 
 
-@dataclass(frozen=True)
-class _Loop:
-    """A ``tests.loadgen.load_loop.LoadLoop``: the proxy is the server."""
-
-    server: ProxyProcess
-    otlp_endpoint: str
-    store_path: Path
-    slo_path: Path
-    workdir: Path
-
-
 def test_end_to_end_the_budget_sums_to_the_clients_e2e_and_ttft_itl_agree(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    slo_path = tmp_path / "slo.yaml"
-    slo_path.write_text(_SLO_FILE, encoding="utf-8")
-    store_path = tmp_path / "store.db"
-    raw = {
-        "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "127.0.0.1:0"}}}},
-        "processors": {
-            "assembly": {"quiet_period": "1s", "root_grace": "500ms"},
-            "slo": {"file": str(slo_path)},
-        },
-        "exporters": {"store": {"path": str(store_path)}},
-    }
-    collector = Collector(parse_config(raw, environ={}))
-    collector.start()
-    endpoint = f"http://127.0.0.1:{collector.grpc_port}"
-    try:
-        with (
-            StandInEngine("llama-server", queue_s=0.02, prefill_s=0.03, gap_s=0.01) as engine,
-            proxy_process(engine.url, endpoint) as proxy,
-        ):
-            loop = _Loop(proxy, endpoint, store_path, slo_path, tmp_path)
-            record = run_load(
-                loop,
-                "proxy",
-                "--model", "tiny",
-                "--concurrency", "2",
-                "--requests", "12",
-                "--prompt-tokens", "uniform:16:32",
-                "--output-tokens", "uniform:8:16",
-                "--api", "completions",
-                "--seed", "7",
-                capsys=capsys,
-            )  # fmt: skip
-            stored = stored_records(loop, record)
-    finally:
-        collector.shutdown()
+    with (
+        storing_collector(tmp_path, _SLO_FILE) as (endpoint, store_path, slo_path),
+        StandInEngine("llama-server", queue_s=0.02, prefill_s=0.03, gap_s=0.01) as engine,
+        proxy_process(engine.url, endpoint) as proxy,
+    ):
+        loop = ProxyLoop(proxy, endpoint, store_path, slo_path, tmp_path)
+        record = run_load(
+            loop,
+            "proxy",
+            "--model", "tiny",
+            "--concurrency", "2",
+            "--requests", "12",
+            "--prompt-tokens", "uniform:16:32",
+            "--output-tokens", "uniform:8:16",
+            "--api", "completions",
+            "--seed", "7",
+            capsys=capsys,
+        )  # fmt: skip
+        stored = stored_records(loop, record)
     client_ttft, server_ttft, client_itl, server_itl = [], [], [], []
     queues: list[int] = []
     for result in record.results:
