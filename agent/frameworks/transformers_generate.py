@@ -48,8 +48,8 @@ said in ``tokentrace.not_reported``. Not traced: continuous batching
 (``cache_implementation="paged"``) and Hub ``custom_generate`` recipes (both untouched, no
 spans), a generate() nested in a traced one (an assistant model's drafts belong to the outer
 call), and the calls of ``transformers serve`` (its own instrumentation traces those, with
-their HTTP server span: a call with one of its streamers, and every call in a process that
-imported ``transformers.cli.serving``, since its unstreamed calls pass no streamer). A model
+their HTTP server span: a call with one of its streamers, and every call on its inference thread,
+since its unstreamed calls pass no streamer). A model
 class whose ``generate`` does not reach ``GenerationMixin.generate`` is not traced.
 
 The per-step hot path is one clock read and one list append; the per-call work (row lengths
@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -150,6 +150,13 @@ request of its own."""
 def installed_transformers() -> tuple[str, str] | None:
     """(distribution name, version) of the installed transformers, without importing it."""
     return installed_distribution(_DISTRIBUTIONS)
+
+
+def _on_serve_inference_thread() -> bool:
+    """Whether this thread is transformers serve's ``InferenceThread``, which runs every
+    generate() of the server, streamed or not (the thread's target is its bound ``_run``)."""
+    owner = getattr(getattr(threading.current_thread(), "_target", None), "__self__", None)
+    return owner is not None and type(owner).__module__.startswith(_SERVE_PACKAGE)
 
 
 class TokenClock:
@@ -291,7 +298,7 @@ class TransformersGenerateInstrumentor(EngineInstrumentor):
         user_streamer = (
             args[_STREAMER_POSITION] if len(args) > _STREAMER_POSITION else kwargs.get("streamer")
         )
-        if _SERVE_PACKAGE in sys.modules or (
+        if _on_serve_inference_thread() or (
             user_streamer is not None and type(user_streamer).__module__.startswith(_SERVE_PACKAGE)
         ):
             return None  # transformers serve's own call (streamed or not)

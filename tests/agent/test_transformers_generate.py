@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +42,6 @@ from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import PROMPT_TOKEN_IDS, Recorder, RequestTimer
 
 ORIGINAL_GENERATE = vars(GenerationMixin)["generate"]
-SERVE_PACKAGE = "transformers.cli.serving"
 NEW_TOKENS = 6
 
 
@@ -72,10 +70,7 @@ def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
 
 
 @pytest.fixture
-def traced(monkeypatch: pytest.MonkeyPatch) -> Iterator[Setup]:
-    # A process that imported transformers serve's code is left to its instrumentation: make
-    # sure a test that imported it earlier in the session does not make this one such.
-    monkeypatch.delitem(sys.modules, SERVE_PACKAGE, raising=False)
+def traced() -> Iterator[Setup]:
     finished: list[RequestTimer] = []
     recorder, guard = Recorder(finished.append), HookGuard()
     instrumentor = TransformersGenerateInstrumentor()
@@ -491,16 +486,17 @@ def test_an_unsupported_version_is_refused_with_one_warning(
     assert finished == []
 
 
-def test_a_process_running_transformers_serve_is_left_to_its_instrumentation(
-    traced: Setup,
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    monkeypatch: pytest.MonkeyPatch,
+def test_calls_on_transformers_serves_inference_thread_are_left_to_its_instrumentation(
+    traced: Setup, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 ) -> None:
-    # transformers serve's unstreamed calls pass no streamer: its code being loaded says it all.
-    monkeypatch.setitem(sys.modules, SERVE_PACKAGE, types.ModuleType(SERVE_PACKAGE))
-    model.generate(**tokenizer("served", return_tensors="pt"), **greedy())
+    # transformers serve's unstreamed calls pass no streamer: the thread they run on says it.
+    from transformers.cli.serving.utils import InferenceThread
+
+    inputs = tokenizer("served", return_tensors="pt")
+    InferenceThread().submit(model.generate, **inputs, **greedy()).result(timeout=60)
     assert traced.finished == []
+    model.generate(**inputs, **greedy())  # the same call on the application's thread
+    assert len(traced.finished) == 1
 
 
 def test_transformers_serves_own_calls_are_left_to_its_instrumentation(
@@ -636,7 +632,6 @@ def test_opentelemetry_instrument_activates_it_through_the_entry_point(
     import os
     import shutil
     import subprocess
-    import sys
     from importlib.metadata import entry_points
 
     from tests.stored_requests import stored_documents
