@@ -37,10 +37,8 @@ from tokentrace.agent.frameworks.patching import (
     installed_distribution,
 )
 from tokentrace.agent.frameworks.vllm_cold_start import (
-    HOOK_COLD_START_IMPORT,
     HOOK_COLD_START_WEIGHT_LOAD,
     ColdStartTracer,
-    process_cold_start_tracer,
 )
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import Recorder
@@ -119,19 +117,9 @@ class LlamaCppInstrumentor(LlamaCppRequestHooks, EngineInstrumentor):
             if runtime is None:
                 return
             recorder, guard = runtime.recorder, runtime.guard
-            http_tracer = HttpServerTracer(
-                runtime.emitter.submit, guard=guard, to_unix=runtime.clock
-            )
-            runtime.add_stats_source(http_tracer.stats)
+            http_tracer = self._runtime_http_tracer(runtime)
             # One process: it starts its own cold start (any inherited ids are a parent's).
-            cold_start = guard.run(
-                HOOK_COLD_START_IMPORT,
-                lambda: process_cold_start_tracer(
-                    runtime.emitter.submit, frontend=True, inherit=False, to_unix=runtime.clock
-                ),
-            )
-            if cold_start is not None:
-                runtime.add_stats_source(cold_start.stats)
+            cold_start = self._runtime_cold_start(runtime, frontend=True, inherit=False)
         self._recorder = recorder
         self._guard = guard
         self._cold_start_tracer = cold_start

@@ -16,7 +16,7 @@ from functools import partial
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as distribution_version
 from types import ModuleType
-from typing import Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import wrapt
 from opentelemetry.instrumentation.dependencies import (
@@ -30,9 +30,17 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from tokentrace.agent.frameworks.asgi import HOOK_HTTP_SERVER, HttpServerTracer
-from tokentrace.agent.frameworks.vllm_cold_start import HOOK_COLD_START_ENGINE, ColdStartTracer
+from tokentrace.agent.frameworks.vllm_cold_start import (
+    HOOK_COLD_START_ENGINE,
+    HOOK_COLD_START_IMPORT,
+    ColdStartTracer,
+    process_cold_start_tracer,
+)
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.spans import AttrValue
+
+if TYPE_CHECKING:
+    from tokentrace.agent.runtime import AgentRuntime
 
 __all__ = [
     "USES_COLD_START",
@@ -124,10 +132,11 @@ def revert_patches(applied: list[AppliedPatch]) -> None:
 
 
 class EngineInstrumentor(BaseInstrumentor):
-    """What vLLM's and SGLang's instrumentors share: the version check (a version the patch
-    table was not verified against is refused with one warning, whatever the caller asks), the
-    patch table applied on import and reverted, the HTTP server span on the engine's ASGI app,
-    and the cold start's engine build and phases.
+    """What the engine instrumentors (vLLM, SGLang, transformers, llama-cpp-python) share: the
+    version check (a version the patch table was not verified against is refused with one
+    warning, whatever the caller asks), the patch table applied on import and reverted, the
+    HTTP server span on the engine's ASGI app, the cold start's engine build and phases, and
+    the tracers taken from the process's agent runtime.
 
     A subclass names its ``engine``, ``distributions``, ``supported_versions`` and ``patches``,
     returns the installed distribution from ``installed()`` and sets, in ``_instrument``, the
@@ -224,6 +233,33 @@ class EngineInstrumentor(BaseInstrumentor):
     def _apply(self, patch: Patch, generation: int, module: ModuleType) -> None:
         if generation == self._generation and self._active:
             apply_patch(self, patch, module, self._applied)
+
+    # --- the process's agent runtime --------------------------------------------------------------
+    @staticmethod
+    def _runtime_http_tracer(runtime: AgentRuntime) -> HttpServerTracer:
+        """The HTTP server span tracer of this process, exporting through its runtime."""
+        tracer = HttpServerTracer(
+            runtime.emitter.submit, guard=runtime.guard, to_unix=runtime.clock
+        )
+        runtime.add_stats_source(tracer.stats)
+        return tracer
+
+    @staticmethod
+    def _runtime_cold_start(
+        runtime: AgentRuntime, *, frontend: bool, inherit: bool
+    ) -> ColdStartTracer | None:
+        """This process's part of the cold start (``process_cold_start_tracer``): a new one in
+        the process the user started (``inherit=False``), joined by the engine's children."""
+        cold_start: ColdStartTracer | None = runtime.guard.run(
+            HOOK_COLD_START_IMPORT,
+            partial(
+                process_cold_start_tracer, frontend=frontend, inherit=inherit, to_unix=runtime.clock
+            ),
+            runtime.emitter.submit,
+        )
+        if cold_start is not None:
+            runtime.add_stats_source(cold_start.stats)
+        return cold_start
 
     # --- the HTTP server span ---------------------------------------------------------------------
     def _wrap_middleware_stack(

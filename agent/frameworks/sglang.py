@@ -46,7 +46,6 @@ from tokentrace.agent.frameworks.vllm_cold_start import (
     HOOK_COLD_START_IMPORT,
     HOOK_COLD_START_WEIGHT_LOAD,
     ColdStartTracer,
-    process_cold_start_tracer,
 )
 from tokentrace.agent.frameworks.vllm_engine import EngineStepTracer
 from tokentrace.agent.hooks import HookGuard
@@ -158,26 +157,14 @@ class SglangInstrumentor(SglangFrontendHooks, SglangSchedulerHooks, EngineInstru
                 return
             recorder, guard = runtime.recorder, runtime.guard
             step_tracer = runtime.engine_step_tracer()
-            http_tracer = HttpServerTracer(
-                runtime.emitter.submit, guard=guard, to_unix=runtime.clock
-            )
-            runtime.add_stats_source(http_tracer.stats)
+            http_tracer = self._runtime_http_tracer(runtime)
             # The process the user started begins a new cold start; SGLang's children join it.
             top_level = multiprocessing.current_process().name == _MAIN_PROCESS_NAME
-            cold_start = guard.run(
-                HOOK_COLD_START_IMPORT,
-                partial(
-                    process_cold_start_tracer,
-                    frontend=top_level,
-                    inherit=not top_level,
-                    to_unix=runtime.clock,
-                ),
-                runtime.emitter.submit,
+            cold_start = self._runtime_cold_start(
+                runtime, frontend=top_level, inherit=not top_level
             )
-            if cold_start is not None:
-                runtime.add_stats_source(cold_start.stats)
-                if not top_level:  # SGLang loads plugins after its imports
-                    guard.run(HOOK_COLD_START_IMPORT, cold_start.import_done)
+            if cold_start is not None and not top_level:  # SGLang loads plugins after its imports
+                guard.run(HOOK_COLD_START_IMPORT, cold_start.import_done)
         self._recorder = recorder
         self._guard = guard
         self._step_tracer = step_tracer

@@ -40,7 +40,6 @@ from tokentrace.agent.frameworks.vllm_cold_start import (
     HOOK_COLD_START_WARMUP_DISPATCH,
     HOOK_COLD_START_WEIGHT_LOAD,
     ColdStartTracer,
-    process_cold_start_tracer,
 )
 from tokentrace.agent.frameworks.vllm_engine import (
     HOOK_STEP_DONE,
@@ -232,26 +231,12 @@ class VllmInstrumentor(FrontendRequestHooks, EngineInstrumentor):
                 step_tracer = runtime.engine_step_tracer()
             frontend = ROLE_FRONTEND in roles
             if frontend:
-                http_tracer = HttpServerTracer(
-                    runtime.emitter.submit, guard=guard, to_unix=runtime.clock
-                )
-                runtime.add_stats_source(http_tracer.stats)
+                http_tracer = self._runtime_http_tracer(runtime)
             # The process the user started begins a new cold start; vLLM's children join it.
             top_level = multiprocessing.current_process().name == _MAIN_PROCESS_NAME
-            cold_start = guard.run(
-                HOOK_COLD_START_IMPORT,
-                partial(
-                    process_cold_start_tracer,
-                    frontend=frontend,
-                    inherit=not top_level,
-                    to_unix=runtime.clock,
-                ),
-                runtime.emitter.submit,
-            )
-            if cold_start is not None:
-                runtime.add_stats_source(cold_start.stats)
-                if not frontend:  # vLLM loads plugins after its imports
-                    guard.run(HOOK_COLD_START_IMPORT, cold_start.import_done)
+            cold_start = self._runtime_cold_start(runtime, frontend=frontend, inherit=not top_level)
+            if cold_start is not None and not frontend:  # vLLM loads plugins after its imports
+                guard.run(HOOK_COLD_START_IMPORT, cold_start.import_done)
         else:
             roles = frozenset({ROLE_FRONTEND, ROLE_ENGINE, ROLE_WORKER})
             clock = kwargs.get("clock") or MonotonicToUnix()
