@@ -35,6 +35,9 @@ PACKAGES_DIR = "tokentrace-packages"
 BOOTSTRAP_DIR = "bootstrap"
 OPERATOR_DIR = "opentelemetry/instrumentation/auto_instrumentation"
 """Where the OpenTelemetry Operator's PYTHONPATH looks first (pkg/instrumentation/python.go)."""
+AUTO_INSTRUMENTED = ["llama_cpp.server", "sglang", "transformers.cli.serving", "vllm"]
+"""The modules whose import instruments them (``bootstrap.registered``, sorted): every
+instrumentor but the opt-in in-process generate()."""
 ENGINE_ONLY_WITHOUT = ("tokentrace", "opentelemetry-instrumentation", "wrapt")
 """Distributions in the project's environment that an engine's own install does not have."""
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.injection import (
+    AUTO_INSTRUMENTED,
     BOOTSTRAP_DIR,
     DOCKERFILE,
     OPERATOR_DIR,
@@ -42,8 +43,6 @@ _BUILD_TOOLS = re.compile(
     r"\b(gcc|g\+\+|cc|clang|make|cmake|build-essential|apt-get|apt|pip install|python3?-dev)\b"
 )
 _PROBE_TIMEOUT_S = 60.0
-_AUTO_INSTRUMENTED = ["llama_cpp.server", "sglang", "transformers.cli.serving", "vllm"]
-"""The modules whose import instruments them: every instrumentor but the opt-in generate()."""
 _HOST_MODULES = (
     "google.protobuf",
     "grpc",
@@ -260,7 +259,7 @@ def test_injected_agent_activates_and_leaves_the_engines_packages_alone(
         assert Path(injected["files"][name]).is_relative_to(packages), name
     assert injected["last_path"] == str(packages)
     # Each engine instrumentor waits for its engine's import.
-    assert sorted(injected["registered"]) == _AUTO_INSTRUMENTED
+    assert sorted(injected["registered"]) == AUTO_INSTRUMENTED
 
 
 def test_a_python_without_any_of_the_packages_gets_them_all_from_the_tree(tree: Path) -> None:
@@ -269,7 +268,7 @@ def test_a_python_without_any_of_the_packages_gets_them_all_from_the_tree(tree: 
         python, kustomize_pythonpath(tree), "opentelemetry.trace", "tokentrace.agent.bootstrap"
     )
     assert "tokentrace" not in stderr, stderr
-    assert sorted(injected["registered"]) == _AUTO_INSTRUMENTED
+    assert sorted(injected["registered"]) == AUTO_INSTRUMENTED
     for file in injected["files"].values():
         assert Path(file).is_relative_to(tree / PACKAGES_DIR)
 
