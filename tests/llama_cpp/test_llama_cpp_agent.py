@@ -20,7 +20,6 @@ the cold start are recorded, and explain and the API show the requests like vLLM
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import statistics
 import sys
@@ -47,6 +46,7 @@ from tests.llama_cpp.shared_server import (
 from tests.loadgen.load_loop import outside_ns, run_load, stored_documents, stored_records
 from tests.sglang.shared_server import tokentrace_site
 from tests.sglang.streaming import stream_completion
+from tests.storing_collector import storing_collector
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
 from tokentrace.agent.frameworks.llama_cpp_requests import (
@@ -56,7 +56,6 @@ from tokentrace.agent.frameworks.llama_cpp_requests import (
     NOT_REPORTED_BY,
 )
 from tokentrace.collector.api.app import API_PREFIX, ApiSettings, create_app
-from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
 from tokentrace.collector.store.document import RequestDocument
 
@@ -94,42 +93,22 @@ def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaCppLoop]:
     workdir = tmp_path_factory.mktemp("llama-cpp-loop")
     site = tokentrace_site(python, workdir / "tokentrace")
     model_path = tiny_gguf(python, workdir / "tiny-llama.gguf")
-    slo_path = workdir / "slo.yaml"
-    slo_path.write_text(_SLO_FILE, encoding="utf-8")
-    store_path = workdir / "store.db"
-    with UpstreamOtlp() as upstream:
-        raw = {
-            "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "127.0.0.1:0"}}}},
-            "processors": {
-                "assembly": {"quiet_period": "1s", "root_grace": "500ms"},
-                "slo": {"file": str(slo_path)},
-            },
-            "exporters": {
-                "store": {"path": str(store_path)},
-                "otlp": {"endpoint": upstream.grpc_endpoint, "protocol": "grpc"},
-            },
-        }
-        collector = Collector(parse_config(raw, environ={}))
-        collector.start()
-        env = {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.grpc_port}",
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-            "OTEL_SERVICE_NAME": "llama-cpp-loop",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
-        }
-        try:
-            with running_llama_cpp_server(
-                python,
-                model_path,
-                log_path=workdir / "server.log",
-                env=env,
-                command_prefix=_TRACE_COMMAND,
-            ) as server:
-                yield LlamaCppLoop(
-                    server, collector, upstream, store_path, slo_path, workdir, model_path, env
-                )
-        finally:
-            collector.shutdown()
+    with (
+        UpstreamOtlp() as upstream,
+        storing_collector(workdir, _SLO_FILE, forward_to=upstream.grpc_endpoint) as stored,
+    ):
+        collector, store_path, slo_path = stored.collector, stored.store_path, stored.slo_path
+        env = stored.agent_environment(service_name="llama-cpp-loop", site=site)
+        with running_llama_cpp_server(
+            python,
+            model_path,
+            log_path=workdir / "server.log",
+            env=env,
+            command_prefix=_TRACE_COMMAND,
+        ) as server:
+            yield LlamaCppLoop(
+                server, collector, upstream, store_path, slo_path, workdir, model_path, env
+            )
 
 
 def stored_document(loop: LlamaCppLoop, trace_id: str) -> RequestDocument:

@@ -1,5 +1,5 @@
-"""``tokentrace proxy`` as a real subprocess, and an in-process collector storing what it sends:
-shared by the tests against the stand-in engine and against the real ``llama-server``."""
+"""``tokentrace proxy`` as a real subprocess: shared by the tests against the stand-in engine
+and against the real ``llama-server``."""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-from tokentrace.collector.config import parse_config
-from tokentrace.collector.service import Collector
 
 _LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+) ")
 _STOP_TIMEOUT_S = 10
@@ -77,26 +74,3 @@ class ProxyLoop:
     store_path: Path
     slo_path: Path
     workdir: Path
-
-
-@contextmanager
-def storing_collector(workdir: Path, slo_file: str) -> Iterator[tuple[str, Path, Path]]:
-    """An in-process collector on a free port storing into ``workdir``'s SQLite store, with the
-    targets of ``slo_file``: (its OTLP/gRPC endpoint, the store's path, the SLO file's path)."""
-    slo_path = workdir / "slo.yaml"
-    slo_path.write_text(slo_file, encoding="utf-8")
-    store_path = workdir / "store.db"
-    raw = {
-        "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "127.0.0.1:0"}}}},
-        "processors": {
-            "assembly": {"quiet_period": "1s", "root_grace": "500ms"},
-            "slo": {"file": str(slo_path)},
-        },
-        "exporters": {"store": {"path": str(store_path)}},
-    }
-    collector = Collector(parse_config(raw, environ={}))
-    collector.start()
-    try:
-        yield f"http://127.0.0.1:{collector.grpc_port}", store_path, slo_path
-    finally:
-        collector.shutdown()

@@ -20,7 +20,8 @@ import pytest
 from tests.llama_cpp.shared_server import llamacpp_python, tiny_gguf
 from tests.loadgen.load_loop import outside_ns, run_load, stored_records
 from tests.proxy.llama_server import LlamaServer, llama_server_binary, running_llama_server
-from tests.proxy.process import ProxyLoop, ProxyProcess, proxy_process, storing_collector
+from tests.proxy.process import ProxyLoop, ProxyProcess, proxy_process
+from tests.storing_collector import storing_collector
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
 from tokentrace.agent.proxy_engines import ENGINE_LLAMA_SERVER, NOT_REPORTED
@@ -57,11 +58,19 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Setup]:
     model = tiny_gguf(python, workdir / "tiny.gguf", hidden=_MODEL_WIDTH)
     binary = llama_server_binary(python)
     with (
-        storing_collector(workdir, _SLO_FILE) as (endpoint, store_path, slo_path),
+        storing_collector(workdir, _SLO_FILE) as collector,
         running_llama_server(binary, model, workdir=workdir, slots=_SLOTS) as server,
-        proxy_process(server.base_url, endpoint, "--engine", ENGINE_LLAMA_SERVER) as proxy,
+        proxy_process(
+            server.base_url, collector.otlp_endpoint, "--engine", ENGINE_LLAMA_SERVER
+        ) as proxy,
     ):
-        yield _Setup(server, proxy, ProxyLoop(proxy, endpoint, store_path, slo_path, workdir))
+        yield _Setup(
+            server,
+            proxy,
+            ProxyLoop(
+                proxy, collector.otlp_endpoint, collector.store_path, collector.slo_path, workdir
+            ),
+        )
 
 
 def _load(

@@ -16,9 +16,10 @@ import pytest
 from tests.collector.upstream import UpstreamOtlp
 from tests.loadgen.load_loop import outside_ns, run_load, stored_records
 from tests.proxy.harness import received_spans
-from tests.proxy.process import ProxyLoop, proxy_command, proxy_process, storing_collector
+from tests.proxy.process import ProxyLoop, proxy_command, proxy_process
 from tests.proxy.stand_in import StandInEngine
 from tests.stored_requests import stored_document
+from tests.storing_collector import storing_collector
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
 from tokentrace.agent.proxy_engines import NOT_REPORTED
@@ -91,11 +92,13 @@ def test_end_to_end_the_budget_sums_to_the_clients_e2e_and_ttft_itl_agree(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with (
-        storing_collector(tmp_path, _SLO_FILE) as (endpoint, store_path, slo_path),
+        storing_collector(tmp_path, _SLO_FILE) as collector,
         StandInEngine("llama-server", queue_s=0.02, prefill_s=0.03, gap_s=0.01) as engine,
-        proxy_process(engine.url, endpoint) as proxy,
+        proxy_process(engine.url, collector.otlp_endpoint) as proxy,
     ):
-        loop = ProxyLoop(proxy, endpoint, store_path, slo_path, tmp_path)
+        loop = ProxyLoop(
+            proxy, collector.otlp_endpoint, collector.store_path, collector.slo_path, tmp_path
+        )
         record = run_load(
             loop,
             "proxy",
@@ -138,11 +141,14 @@ def test_end_to_end_the_budget_sums_to_the_clients_e2e_and_ttft_itl_agree(
         assert collected.timeline.not_reported == NOT_REPORTED["llama-server"]
         assert collected.timeline.not_reported_by is not None
         assert "llama-server" in collected.timeline.not_reported_by
-    document = stored_document(store_path, record.results[0].trace_id)
+    document = stored_document(loop.store_path, record.results[0].trace_id)
     assert document["not_reported"] is not None
     assert document["not_reported"]["items"] == list(NOT_REPORTED["llama-server"])
     capsys.readouterr()
-    assert tokentrace_main(["explain", record.results[0].trace_id, "--store", str(store_path)]) == 0
+    assert (
+        tokentrace_main(["explain", record.results[0].trace_id, "--store", str(loop.store_path)])
+        == 0
+    )
     explained = capsys.readouterr().out.splitlines()
     (missing,) = [line for line in explained if line.startswith("missing")]
     assert "llama-server" in missing and "engine steps" in missing

@@ -41,10 +41,10 @@ from tests.sglang.shared_server import (
     tokentrace_site,
 )
 from tests.sglang.streaming import stream_completion
+from tests.storing_collector import storing_collector
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
 from tokentrace.collector.api.app import API_PREFIX, ApiSettings, create_app
-from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
 from tokentrace.collector.store.document import RequestDocument
 
@@ -81,44 +81,24 @@ def loop(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     python = sglang_python()
     workdir = tmp_path_factory.mktemp("sglang-loop")
     site = tokentrace_site(python, workdir / "tokentrace")
-    slo_path = workdir / "slo.yaml"
-    slo_path.write_text(_SLO_FILE, encoding="utf-8")
-    store_path = workdir / "store.db"
-    with UpstreamOtlp() as upstream:
-        raw = {
-            "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "127.0.0.1:0"}}}},
-            "processors": {
-                "assembly": {"quiet_period": "1s", "root_grace": "500ms"},
-                "slo": {"file": str(slo_path)},
-            },
-            "exporters": {
-                "store": {"path": str(store_path)},
-                "otlp": {"endpoint": upstream.grpc_endpoint, "protocol": "grpc"},
-            },
-        }
-        collector = Collector(parse_config(raw, environ={}))
-        collector.start()
-        env = {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.grpc_port}",
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-            "OTEL_SERVICE_NAME": "sglang-loop",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
-        }
-        try:
-            with running_sglang_server(
-                python,
-                tiny_model_dir,
-                log_path=workdir / "server.log",
-                env=env,
-                extra_args=[
-                    *("--max-running-requests", str(_MAX_RUNNING)),
-                    *("--chunked-prefill-size", str(_CHUNK_TOKENS)),
-                ],
-                command_prefix=[sys.executable, "-m", "tokentrace.agent.cli", "run", "--"],
-            ) as server:
-                yield SglangLoop(server, collector, upstream, store_path, slo_path, workdir, site)
-        finally:
-            collector.shutdown()
+    with (
+        UpstreamOtlp() as upstream,
+        storing_collector(workdir, _SLO_FILE, forward_to=upstream.grpc_endpoint) as stored,
+    ):
+        collector, store_path, slo_path = stored.collector, stored.store_path, stored.slo_path
+        env = stored.agent_environment(service_name="sglang-loop", site=site)
+        with running_sglang_server(
+            python,
+            tiny_model_dir,
+            log_path=workdir / "server.log",
+            env=env,
+            extra_args=[
+                *("--max-running-requests", str(_MAX_RUNNING)),
+                *("--chunked-prefill-size", str(_CHUNK_TOKENS)),
+            ],
+            command_prefix=[sys.executable, "-m", "tokentrace.agent.cli", "run", "--"],
+        ) as server:
+            yield SglangLoop(server, collector, upstream, store_path, slo_path, workdir, site)
 
 
 def stored_document(loop: SglangLoop, trace_id: str) -> RequestDocument:

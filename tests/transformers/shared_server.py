@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from tests.collector.upstream import UpstreamOtlp
-from tokentrace.collector.config import parse_config
+from tests.storing_collector import storing_collector
 from tokentrace.collector.service import Collector
 from tokentrace.loadgen.local_vllm import (
     free_loopback_port,
@@ -100,66 +100,49 @@ def running_traced_loop(
     """A collector and ``transformers serve`` under ``tokentrace run`` exporting to it;
     ``preload``: the model on the command line (loaded before the server listens), else the
     first request loads it."""
-    slo_path = workdir / "slo.yaml"
-    slo_path.write_text(slo_file, encoding="utf-8")
-    store_path = workdir / "store.db"
-    with UpstreamOtlp() as upstream:
-        raw = {
-            "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "127.0.0.1:0"}}}},
-            "processors": {
-                "assembly": {"quiet_period": "1s", "root_grace": "500ms"},
-                "slo": {"file": str(slo_path)},
-            },
-            "exporters": {
-                "store": {"path": str(store_path)},
-                "otlp": {"endpoint": upstream.grpc_endpoint, "protocol": "grpc"},
-            },
+    with (
+        UpstreamOtlp() as upstream,
+        storing_collector(workdir, slo_file, forward_to=upstream.grpc_endpoint) as stored,
+    ):
+        collector, store_path, slo_path = stored.collector, stored.store_path, stored.slo_path
+        port = free_loopback_port()
+        env = {
+            **_DEFAULT_SERVER_ENV,
+            **os.environ,
+            **stored.agent_environment(service_name=service_name),
         }
-        collector = Collector(parse_config(raw, environ={}))
-        collector.start()
+        command = [
+            sys.executable, "-m", "tokentrace.agent.cli", "run", "--",
+            sys.executable, str(LAUNCHER), "serve",
+            *((str(model_dir),) if preload else ()),
+            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+            *extra_args,
+        ]  # fmt: skip
+        log_path = workdir / "server.log"
+        base_url = f"http://127.0.0.1:{port}"
+        process = spawn_until_healthy(
+            command,
+            env=env,
+            log_path=log_path,
+            health_url=f"{base_url}/health",
+            ready_timeout_s=ready_timeout_s,
+            name="transformers serve",
+            error=TransformersServeError,
+        )
         try:
-            port = free_loopback_port()
-            env = {
-                **_DEFAULT_SERVER_ENV,
-                **os.environ,
-                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.grpc_port}",
-                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-                "OTEL_SERVICE_NAME": service_name,
-            }
-            command = [
-                sys.executable, "-m", "tokentrace.agent.cli", "run", "--",
-                sys.executable, str(LAUNCHER), "serve",
-                *((str(model_dir),) if preload else ()),
-                "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-                *extra_args,
-            ]  # fmt: skip
-            log_path = workdir / "server.log"
-            base_url = f"http://127.0.0.1:{port}"
-            process = spawn_until_healthy(
-                command,
-                env=env,
-                log_path=log_path,
-                health_url=f"{base_url}/health",
-                ready_timeout_s=ready_timeout_s,
-                name="transformers serve",
-                error=TransformersServeError,
+            yield ServeLoop(
+                _Server(base_url),
+                collector,
+                upstream,
+                store_path,
+                slo_path,
+                workdir,
+                str(model_dir),
+                process,
+                log_path,
             )
-            try:
-                yield ServeLoop(
-                    _Server(base_url),
-                    collector,
-                    upstream,
-                    store_path,
-                    slo_path,
-                    workdir,
-                    str(model_dir),
-                    process,
-                    log_path,
-                )
-            finally:
-                stop_server(process, timeout_s=_STOP_TIMEOUT_S)
         finally:
-            collector.shutdown()
+            stop_server(process, timeout_s=_STOP_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
