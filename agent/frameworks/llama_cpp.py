@@ -24,10 +24,9 @@ verified against is refused with one log line and runs untraced.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.frameworks.asgi import HttpServerTracer
 from tokentrace.agent.frameworks.llama_cpp_requests import LlamaCppRequestHooks
 from tokentrace.agent.frameworks.patching import (
     USES_COLD_START,
@@ -38,10 +37,10 @@ from tokentrace.agent.frameworks.patching import (
 )
 from tokentrace.agent.frameworks.vllm_cold_start import (
     HOOK_COLD_START_WEIGHT_LOAD,
-    ColdStartTracer,
 )
-from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import Recorder
+
+if TYPE_CHECKING:
+    from tokentrace.agent.runtime import AgentRuntime
 
 __all__ = ["PATCHES", "SUPPORTED_VERSIONS", "LlamaCppInstrumentor", "installed_llama_cpp"]
 
@@ -105,29 +104,15 @@ class LlamaCppInstrumentor(LlamaCppRequestHooks, EngineInstrumentor):
     def installed(self) -> tuple[str, str] | None:
         return installed_llama_cpp()
 
-    def _instrument(self, **kwargs: Any) -> None:
-        recorder: Recorder | None = kwargs.get("recorder")
-        guard: HookGuard | None = kwargs.get("guard")
-        cold_start: ColdStartTracer | None = kwargs.get("cold_start_tracer")
-        http_tracer: HttpServerTracer | None = kwargs.get("http_tracer")
-        if recorder is None or guard is None:
-            from tokentrace.agent.runtime import get_runtime
+    def _tracers_from_runtime(self, runtime: AgentRuntime) -> None:
+        self._http_tracer = self._runtime_http_tracer(runtime)
+        # One process: it starts its own cold start (any inherited ids are a parent's).
+        self._cold_start_tracer = self._runtime_cold_start(runtime, frontend=True, inherit=False)
 
-            runtime = get_runtime()
-            if runtime is None:
-                return
-            recorder, guard = runtime.recorder, runtime.guard
-            http_tracer = self._runtime_http_tracer(runtime)
-            # One process: it starts its own cold start (any inherited ids are a parent's).
-            cold_start = self._runtime_cold_start(runtime, frontend=True, inherit=False)
-        self._recorder = recorder
-        self._guard = guard
-        self._cold_start_tracer = cold_start
-        self._http_tracer = http_tracer
+    def _reset_state(self) -> None:
         self._serving = None
         self._waiting = 0
         self._request_count = 0
-        self._register_patches()
 
     # --- cold start ------------------------------------------------------------------------------
     def _wrap_proxy_init(

@@ -40,6 +40,8 @@ from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.spans import AttrValue
 
 if TYPE_CHECKING:
+    from tokentrace.agent.frameworks.vllm_engine import EngineStepTracer
+    from tokentrace.agent.recorder import Recorder
     from tokentrace.agent.runtime import AgentRuntime
 
 __all__ = [
@@ -152,7 +154,9 @@ class EngineInstrumentor(BaseInstrumentor):
 
     _active = False
     _generation = 0
+    _recorder: Recorder
     _guard: HookGuard
+    _step_tracer: EngineStepTracer | None
     _cold_start_tracer: ColdStartTracer | None
     _http_tracer: HttpServerTracer | None
     _applied: list[AppliedPatch]
@@ -233,6 +237,38 @@ class EngineInstrumentor(BaseInstrumentor):
     def _apply(self, patch: Patch, generation: int, module: ModuleType) -> None:
         if generation == self._generation and self._active:
             apply_patch(self, patch, module, self._applied)
+
+    # --- where the hooks' tracers come from ----------------------------------------------------
+    def _instrument(self, **kwargs: Any) -> None:
+        """The caller's tracers (tests: ``recorder=`` and ``guard=``, optionally
+        ``step_tracer=``, ``cold_start_tracer=``, ``http_tracer=``), else this process's agent
+        runtime's (``_tracers_from_runtime``; nothing happens when the agent is disabled); then
+        the per-process state (``_reset_state``) and the patch table."""
+        recorder: Recorder | None = kwargs.get("recorder")
+        guard: HookGuard | None = kwargs.get("guard")
+        self._step_tracer = self._cold_start_tracer = self._http_tracer = None
+        if recorder is not None and guard is not None:
+            self._recorder, self._guard = recorder, guard
+            self._step_tracer = kwargs.get(USES_STEP_TRACER)
+            self._cold_start_tracer = kwargs.get(USES_COLD_START)
+            self._http_tracer = kwargs.get(USES_HTTP_TRACER)
+        else:
+            from tokentrace.agent.runtime import get_runtime
+
+            runtime = get_runtime()
+            if runtime is None:
+                return
+            self._recorder, self._guard = runtime.recorder, runtime.guard
+            self._tracers_from_runtime(runtime)
+        self._reset_state()
+        self._register_patches()
+
+    def _tracers_from_runtime(self, runtime: AgentRuntime) -> None:
+        """Set the tracers this engine's hooks use besides the recorder (``_step_tracer``,
+        ``_http_tracer``, ``_cold_start_tracer``) from ``runtime``; none by default."""
+
+    def _reset_state(self) -> None:
+        """The instrumentation's own per-process state, fresh at each ``instrument()``."""
 
     # --- the process's agent runtime --------------------------------------------------------------
     @staticmethod

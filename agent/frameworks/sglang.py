@@ -27,11 +27,10 @@ import multiprocessing
 import os
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.agent.bootstrap import pin_exporter_environment
-from tokentrace.agent.frameworks.asgi import HttpServerTracer
 from tokentrace.agent.frameworks.patching import (
     USES_COLD_START,
     USES_HTTP_TRACER,
@@ -45,11 +44,10 @@ from tokentrace.agent.frameworks.sglang_scheduler import SglangSchedulerHooks
 from tokentrace.agent.frameworks.vllm_cold_start import (
     HOOK_COLD_START_IMPORT,
     HOOK_COLD_START_WEIGHT_LOAD,
-    ColdStartTracer,
 )
-from tokentrace.agent.frameworks.vllm_engine import EngineStepTracer
-from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import Recorder
+
+if TYPE_CHECKING:
+    from tokentrace.agent.runtime import AgentRuntime
 
 __all__ = ["PATCHES", "SUPPORTED_VERSIONS", "SglangInstrumentor", "installed_sglang", "register"]
 
@@ -143,36 +141,19 @@ class SglangInstrumentor(SglangFrontendHooks, SglangSchedulerHooks, EngineInstru
     def installed(self) -> tuple[str, str] | None:
         return installed_sglang()
 
-    def _instrument(self, **kwargs: Any) -> None:
-        recorder: Recorder | None = kwargs.get("recorder")
-        guard: HookGuard | None = kwargs.get("guard")
-        step_tracer: EngineStepTracer | None = kwargs.get("step_tracer")
-        cold_start: ColdStartTracer | None = kwargs.get("cold_start_tracer")
-        http_tracer: HttpServerTracer | None = kwargs.get("http_tracer")
-        if recorder is None or guard is None:
-            from tokentrace.agent.runtime import get_runtime
-
-            runtime = get_runtime()
-            if runtime is None:
-                return
-            recorder, guard = runtime.recorder, runtime.guard
-            step_tracer = runtime.engine_step_tracer()
-            http_tracer = self._runtime_http_tracer(runtime)
-            # The process the user started begins a new cold start; SGLang's children join it.
-            top_level = multiprocessing.current_process().name == _MAIN_PROCESS_NAME
-            cold_start = self._runtime_cold_start(
-                runtime, frontend=top_level, inherit=not top_level
-            )
-            if cold_start is not None and not top_level:  # SGLang loads plugins after its imports
-                guard.run(HOOK_COLD_START_IMPORT, cold_start.import_done)
-        self._recorder = recorder
-        self._guard = guard
-        self._step_tracer = step_tracer
+    def _tracers_from_runtime(self, runtime: AgentRuntime) -> None:
+        self._step_tracer = runtime.engine_step_tracer()
+        self._http_tracer = self._runtime_http_tracer(runtime)
+        # The process the user started begins a new cold start; SGLang's children join it.
+        top_level = multiprocessing.current_process().name == _MAIN_PROCESS_NAME
+        cold_start = self._runtime_cold_start(runtime, frontend=top_level, inherit=not top_level)
+        if cold_start is not None and not top_level:  # SGLang loads plugins after its imports
+            runtime.guard.run(HOOK_COLD_START_IMPORT, cold_start.import_done)
         self._cold_start_tracer = cold_start
-        self._http_tracer = http_tracer
+
+    def _reset_state(self) -> None:
         self._open_steps = {}
         self._rank_zero = {}
-        self._register_patches()
 
     # --- cold start ------------------------------------------------------------------------------
     def _wrap_launch_subprocesses(

@@ -75,7 +75,6 @@ from tokentrace.agent.frameworks.patching import (
     Patch,
     installed_distribution,
 )
-from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import PROMPT_TOKEN_IDS, Recorder
 from tokentrace.agent.span_ids import random_span_id, random_trace_id
 
@@ -251,22 +250,6 @@ class TransformersGenerateInstrumentor(EngineInstrumentor):
     def _requests_disabled(self) -> bool:
         disabled = self._guard.disabled
         return bool(disabled) and not disabled.isdisjoint(_REQUEST_HOOKS)
-
-    def _instrument(self, **kwargs: Any) -> None:
-        recorder: Recorder | None = kwargs.get("recorder")
-        guard: HookGuard | None = kwargs.get("guard")
-        if recorder is None or guard is None:
-            from tokentrace.agent.runtime import get_runtime
-
-            runtime = get_runtime()
-            if runtime is None:
-                return
-            recorder, guard = runtime.recorder, runtime.guard
-        self._recorder = recorder
-        self._guard = guard
-        self._cold_start_tracer = None
-        self._http_tracer = None
-        self._register_patches()
 
     # --- the wrapper (the application's thread) --------------------------------------------------
     def _wrap_generate(

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.frameworks.asgi import HttpServerTracer, current_http_span
+from tokentrace.agent.frameworks.asgi import current_http_span
 from tokentrace.agent.frameworks.patching import (
     USES_COLD_START,
     USES_HTTP_TRACER,
@@ -42,11 +42,10 @@ from tokentrace.agent.frameworks.transformers_serve_requests import (
 from tokentrace.agent.frameworks.vllm_cold_start import (
     HOOK_COLD_START_IMPORT,
     HOOK_COLD_START_WEIGHT_LOAD,
-    ColdStartTracer,
 )
-from tokentrace.agent.frameworks.vllm_engine import EngineStepTracer
-from tokentrace.agent.hooks import HookGuard
-from tokentrace.agent.recorder import Recorder
+
+if TYPE_CHECKING:
+    from tokentrace.agent.runtime import AgentRuntime
 
 __all__ = [
     "PATCHES",
@@ -128,29 +127,13 @@ class TransformersServeInstrumentor(TransformersServeRequestHooks, EngineInstrum
     def installed(self) -> tuple[str, str] | None:
         return installed_transformers()
 
-    def _instrument(self, **kwargs: Any) -> None:
-        recorder: Recorder | None = kwargs.get("recorder")
-        guard: HookGuard | None = kwargs.get("guard")
-        step_tracer: EngineStepTracer | None = kwargs.get("step_tracer")
-        cold_start: ColdStartTracer | None = kwargs.get("cold_start_tracer")
-        http_tracer: HttpServerTracer | None = kwargs.get("http_tracer")
-        if recorder is None or guard is None:
-            from tokentrace.agent.runtime import get_runtime
+    def _tracers_from_runtime(self, runtime: AgentRuntime) -> None:
+        self._step_tracer = runtime.engine_step_tracer()
+        self._http_tracer = self._runtime_http_tracer(runtime)
+        self._cold_start_tracer = self._runtime_cold_start(runtime, frontend=True, inherit=False)
 
-            runtime = get_runtime()
-            if runtime is None:
-                return
-            recorder, guard = runtime.recorder, runtime.guard
-            step_tracer = runtime.engine_step_tracer()
-            http_tracer = self._runtime_http_tracer(runtime)
-            cold_start = self._runtime_cold_start(runtime, frontend=True, inherit=False)
-        self._recorder = recorder
-        self._guard = guard
-        self._step_tracer = step_tracer
-        self._cold_start_tracer = cold_start
-        self._http_tracer = http_tracer
+    def _reset_state(self) -> None:
         self._open_cb_steps = deque()
-        self._register_patches()
 
     # --- the HTTP server span ------------------------------------------------------------------
     def _wrap_middleware_stack(
