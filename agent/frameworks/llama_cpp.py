@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any, Final
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks.llama_cpp_requests import LlamaCppRequestHooks
 from tokentrace.agent.frameworks.patching import (
+    FASTAPI_HTTP_SERVER_PATCH,
     USES_COLD_START,
-    USES_HTTP_TRACER,
     EngineInstrumentor,
     Patch,
     installed_distribution,
@@ -54,12 +54,7 @@ _LLAMA: Final = "llama_cpp.llama"
 _INTERNALS: Final = "llama_cpp._internals"
 PATCHES: Final = (
     # The HTTP server span (asgi.py) of the server's FastAPI app.
-    Patch(
-        "fastapi.applications",
-        "FastAPI.build_middleware_stack",
-        "_wrap_middleware_stack",
-        uses=USES_HTTP_TRACER,
-    ),
+    FASTAPI_HTTP_SERVER_PATCH,
     # Arrival, queue wait and finish: the model lock (llama_cpp_requests.py). The completion
     # and chat routes call it at request time (``asynccontextmanager(get_llama_proxy)``).
     Patch(_APP, "get_llama_proxy", "_wrap_get_llama_proxy"),

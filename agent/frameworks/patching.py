@@ -84,6 +84,15 @@ class Patch:
     uses: str = USES_RECORDER
 
 
+FASTAPI_HTTP_SERVER_PATCH: Final = Patch(
+    "fastapi.applications",
+    "FastAPI.build_middleware_stack",
+    "_wrap_middleware_stack",
+    uses=USES_HTTP_TRACER,
+)
+"""The HTTP server span (``asgi.py``) on an engine's FastAPI app: every engine's table has it."""
+
+
 def installed_distribution(distributions: Iterable[str]) -> tuple[str, str] | None:
     """(distribution name, version) of the first of ``distributions`` installed, without
     importing it."""

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Final
 from tokentrace.agent import semconv
 from tokentrace.agent.bootstrap import pin_exporter_environment
 from tokentrace.agent.frameworks.patching import (
+    FASTAPI_HTTP_SERVER_PATCH,
     USES_COLD_START,
-    USES_HTTP_TRACER,
     USES_STEP_TRACER,
     EngineInstrumentor,
     Patch,
@@ -66,12 +66,7 @@ _SCHEDULER: Final = "sglang.srt.managers.scheduler"
 _TIME_STATS: Final = "sglang.srt.observability.req_time_stats"
 PATCHES: Final = (
     # The HTTP server span (asgi.py) of SGLang's FastAPI app.
-    Patch(
-        "fastapi.applications",
-        "FastAPI.build_middleware_stack",
-        "_wrap_middleware_stack",
-        uses=USES_HTTP_TRACER,
-    ),
+    FASTAPI_HTTP_SERVER_PATCH,
     # Requests (sglang_requests.py).
     Patch(_TOKENIZER_MANAGER, "TokenizerManager._send_one_request", "_wrap_send_one_request"),
     Patch(_TOKENIZER_MANAGER, "TokenizerManager._send_batch_request", "_wrap_send_batch_request"),

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any, Final
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks.asgi import current_http_span
 from tokentrace.agent.frameworks.patching import (
+    FASTAPI_HTTP_SERVER_PATCH,
     USES_COLD_START,
-    USES_HTTP_TRACER,
     EngineInstrumentor,
     Patch,
     installed_distribution,
@@ -66,12 +66,7 @@ _CB_API: Final = "transformers.generation.continuous_batching.continuous_api"
 _CB_SCHEDULER: Final = "transformers.generation.continuous_batching.scheduler"
 PATCHES: Final = (
     # The HTTP server span (asgi.py) of the serve app.
-    Patch(
-        "fastapi.applications",
-        "FastAPI.build_middleware_stack",
-        "_wrap_middleware_stack",
-        uses=USES_HTTP_TRACER,
-    ),
+    FASTAPI_HTTP_SERVER_PATCH,
     # Arrival, in both generation managers.
     Patch(_SERVING, "GenerateManager.generate_streaming", "_wrap_generate_streaming"),
     Patch(_SERVING, "GenerateManager.generate_non_streaming", "_wrap_generate_non_streaming"),

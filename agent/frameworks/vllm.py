@@ -26,6 +26,7 @@ from tokentrace.agent import semconv
 from tokentrace.agent.bootstrap import pin_exporter_environment
 from tokentrace.agent.frameworks.asgi import HttpServerTracer
 from tokentrace.agent.frameworks.patching import (
+    FASTAPI_HTTP_SERVER_PATCH,
     USES_COLD_START,
     USES_HTTP_TRACER,
     USES_STEP_TRACER,
@@ -99,12 +100,7 @@ PATCHES: Final = (
     # The HTTP server span (asgi.py): vLLM's FastAPI app, and any other ASGI app of these
     # frameworks that serves requests in a vLLM frontend process. Class attributes, because vLLM
     # binds its ``build_app`` by name before plugins load; FastAPI has its own method.
-    Patch(
-        "fastapi.applications",
-        "FastAPI.build_middleware_stack",
-        "_wrap_middleware_stack",
-        uses=USES_HTTP_TRACER,
-    ),
+    FASTAPI_HTTP_SERVER_PATCH,
     Patch(
         "starlette.applications",
         "Starlette.build_middleware_stack",

@@ -17,7 +17,6 @@ missed TTFT target names the queue.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -29,11 +28,11 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 
 from tests import stored_requests
 from tests.collector.upstream import UpstreamOtlp
 from tests.loadgen.load_loop import outside_ns, run_load, stored_documents, stored_records
+from tests.request_views import shown_like_vllm
 from tests.sglang.shared_server import (
     SglangServer,
     running_sglang_server,
@@ -43,8 +42,6 @@ from tests.sglang.shared_server import (
 from tests.sglang.streaming import stream_completion
 from tests.storing_collector import storing_collector
 from tokentrace.agent import semconv
-from tokentrace.agent.cli import main as tokentrace_main
-from tokentrace.collector.api.app import API_PREFIX, ApiSettings, create_app
 from tokentrace.collector.service import Collector
 from tokentrace.collector.store.document import RequestDocument
 
@@ -266,35 +263,11 @@ def test_explain_and_the_api_show_an_sglang_request_like_a_vllm_one(
         result = stream_completion(http, model=loop.server.model_name, max_tokens=12)
     doc = stored_document(loop, result.trace_id)
     assert doc["service"] == "sglang-loop" and doc["model"] == loop.server.model_name
-    capsys.readouterr()
-    assert tokentrace_main(["explain", result.trace_id, "--store", str(loop.store_path)]) == 0
-    text = capsys.readouterr().out
-    for segment in ("http", "queue", "prefill", "decode", "postprocess"):
-        assert f"\n{segment} " in text, text
+    text, explained, detail = shown_like_vllm(loop.store_path, result.trace_id, capsys)
     assert "tiny-llama / text_completion" in text
     assert "output 12" in text
-    assert (
-        tokentrace_main(["explain", result.trace_id, "--store", str(loop.store_path), "--json"])
-        == 0
-    )
-    explained = json.loads(capsys.readouterr().out)
-    assert explained["trace_id"] == result.trace_id
     assert explained["tokens"]["output"] == 12
-    assert explained["verdict"]["segment"] in semconv.SEGMENTS
-    # The UI's view of it: the API the page reads.
-    client = TestClient(create_app(ApiSettings(store_path=str(loop.store_path))))
-    response = client.get(f"{API_PREFIX}/requests/{result.trace_id}")
-    assert response.status_code == 200, response.text
-    detail = response.json()
-    assert {row["segment"] for row in detail["waterfall"]} >= {
-        semconv.SEGMENT_HTTP,
-        semconv.SEGMENT_QUEUE,
-        semconv.SEGMENT_PREFILL,
-        semconv.SEGMENT_DECODE,
-    }
-    names = {span["name"] for span in detail["spans"]}
-    assert {semconv.SPAN_REQUEST, semconv.SPAN_QUEUE, semconv.SPAN_DECODE} <= names
-    assert detail["request"]["trace_id"] == result.trace_id and not detail["warnings"]
+    assert not detail["warnings"]
 
 
 def test_a_client_that_goes_away_mid_stream_leaves_an_aborted_request(loop: SglangLoop) -> None:
