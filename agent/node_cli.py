@@ -6,7 +6,9 @@ The standard ``OTEL_EXPORTER_OTLP_*`` variables describe the upstream as for any
 The receivers take the collector's receiver options: a bearer token (read from a file, a
 Secret mount, and never printed) and TLS. A receiver on a non-loopback address without a token
 is refused unless ``--allow-unauthenticated`` says so. ``--admin-endpoint`` serves ``/healthz``,
-``/readyz`` and Prometheus ``/metrics`` (unauthenticated, off unless set).
+``/readyz`` and Prometheus ``/metrics`` (unauthenticated, off unless set). With several
+collector replicas, ``--upstream-route`` (a list) or ``--upstream-route-dns`` (a headless Service)
+sends every span of a trace to the same replica (``agent/node/routing.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ TLS_CERT_VARIABLE = "TOKENTRACE_NODE_TLS_CERT_FILE"
 TLS_KEY_VARIABLE = "TOKENTRACE_NODE_TLS_KEY_FILE"
 ALLOW_UNAUTHENTICATED_VARIABLE = "TOKENTRACE_NODE_ALLOW_UNAUTHENTICATED"
 ADMIN_ENDPOINT_VARIABLE = "TOKENTRACE_NODE_ADMIN_ENDPOINT"
+ROUTE_ENDPOINTS_VARIABLE = "TOKENTRACE_NODE_ROUTE_ENDPOINTS"
+ROUTE_DNS_VARIABLE = "TOKENTRACE_NODE_ROUTE_DNS"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -59,6 +63,22 @@ class NodeAgentCommand:
             metavar="URL",
             help="where enriched spans go: the collector (OTEL_EXPORTER_OTLP_ENDPOINT; default "
             "http://tokentrace-collector:4317, the Service in deploy/)",
+        )
+        parser.add_argument(
+            "--upstream-route",
+            action="append",
+            metavar="ENDPOINT",
+            help="a collector replica (repeat, or separate by commas): each span goes to the one "
+            "owning its trace id, with --upstream's options and scheme "
+            f"({ROUTE_ENDPOINTS_VARIABLE}, comma-separated; default: --upstream alone)",
+        )
+        parser.add_argument(
+            "--upstream-route-dns",
+            metavar="HOST:PORT",
+            help="a headless Service (or dns:///HOST:PORT) whose every address is a collector "
+            "replica, re-resolved every 5 s; each span goes to the replica owning its trace id, "
+            f"with --upstream's options and scheme ({ROUTE_DNS_VARIABLE}; default: --upstream "
+            "alone)",
         )
         parser.add_argument(
             "--metrics-endpoint",
@@ -136,6 +156,7 @@ class NodeAgentCommand:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         try:
             config = config_from_args(args, os.environ)
+            from tokentrace.agent.node.routing import TraceRouter
             from tokentrace.agent.node.service import NodeAgent
 
             agent = NodeAgent(config)
@@ -156,6 +177,11 @@ class NodeAgentCommand:
         security = ("TLS" if config.tls_cert_file else "plaintext") + (
             ", bearer token required" if config.auth_token else ", no token"
         )
+        router = agent.trace_sender
+        if isinstance(router, TraceRouter):
+            upstream = f"routing by trace id to {router.endpoint} ({', '.join(router.endpoints)})"
+        else:
+            upstream = f"relaying to {config.exporter.endpoint_for('traces')}"
         print(
             f"tokentrace node-agent: receiving OTLP on {listening} ({security}); "
             + (
@@ -163,7 +189,7 @@ class NodeAgentCommand:
                 if agent.sampler.available
                 else "no NVML on this node, relaying spans unchanged"
             )
-            + f"; relaying to {config.exporter.endpoint_for('traces')}"
+            + f"; {upstream}"
             + (
                 f"; /healthz, /readyz, /metrics on port {agent.admin_port}"
                 if agent.admin_port is not None
@@ -246,6 +272,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> An
         tls_key_file=tls_key_file,
         allow_unauthenticated=_allow_unauthenticated(args, environ),
         admin_endpoint=_admin_endpoint(args, environ),
+        **_routing(args, environ),
     )
     config.validate()
     return config
@@ -329,6 +356,23 @@ def _admin_endpoint(args: argparse.Namespace, environ: Mapping[str, str]) -> str
     if endpoint is None or endpoint.strip().lower() in _OFF:
         return None
     return endpoint.strip()
+
+
+def _routing(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
+    """``upstream_endpoints`` / ``upstream_dns`` from the flags, else their variables."""
+    flags = [e for value in args.upstream_route or () for e in value.split(",")]
+    listed = flags if args.upstream_route else environ.get(ROUTE_ENDPOINTS_VARIABLE, "").split(",")
+    endpoints = tuple(e.strip() for e in listed if e.strip())
+    dns = _setting(args.upstream_route_dns, environ, ROUTE_DNS_VARIABLE)
+    dns = dns.strip() if dns is not None and dns.strip() else None
+    if endpoints and dns is not None:
+        raise ValueError(
+            f"--upstream-route ({ROUTE_ENDPOINTS_VARIABLE}) and --upstream-route-dns "
+            f"({ROUTE_DNS_VARIABLE}): give one or the other, not both"
+        )
+    if args.upstream_route and not endpoints:
+        raise ValueError("--upstream-route: no endpoint given")
+    return {"upstream_endpoints": endpoints, "upstream_dns": dns}
 
 
 def _allow_unauthenticated(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:

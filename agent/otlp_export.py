@@ -239,6 +239,17 @@ class OtlpSender:
             self._dropped += items
         self._warn_dropped(items, reason)
 
+    def take_queued(self) -> list[tuple[bytes, int]]:
+        """Remove and return the payloads waiting to be sent, oldest first, as ``(payload,
+        items)``, without counting them dropped: for a caller that sends them elsewhere. The
+        request in flight is not among them; it finishes or fails as it would."""
+        with self._lock:
+            taken = list(self._queue)
+            self._queue.clear()
+            self._queued_items = 0
+            self._idle.notify_all()  # force_flush waits for an empty queue
+        return taken
+
     def _warn_dropped(self, items: int, reason: str) -> None:
         self._warning.warn(
             "OTLP %s export to %s dropped %d %s: %s",

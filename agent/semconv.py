@@ -476,6 +476,22 @@ SELF_METRIC_PERCENTILE_SLICES_DROPPED: Final = "tokentrace.collector.percentile_
 """Percentiles: closed slices dropped before an exporter took them."""
 SELF_METRIC_PERCENTILE_RECORD_ERRORS: Final = "tokentrace.collector.percentile_record_errors"
 """Percentiles: requests whose latencies could not be recorded."""
+SELF_METRIC_SAMPLING_KEPT_ALWAYS: Final = "tokentrace.collector.sampling_kept_always"
+"""Tail sampling: traces kept whatever the rules (no request in them, or a late fragment
+replacing stored rows)."""
+SELF_METRIC_SAMPLING_KEPT_BREACH: Final = "tokentrace.collector.sampling_kept_breach"
+"""Tail sampling: traces kept because a request breached an SLO target or failed."""
+SELF_METRIC_SAMPLING_KEPT_SLOWEST: Final = "tokentrace.collector.sampling_kept_slowest"
+"""Tail sampling: traces kept because a request was among the slowest of its window and key."""
+SELF_METRIC_SAMPLING_KEPT_RARE: Final = "tokentrace.collector.sampling_kept_rare"
+"""Tail sampling: traces kept because a request's verdict cause was rare in its window and key."""
+SELF_METRIC_SAMPLING_KEPT_RANDOM: Final = "tokentrace.collector.sampling_kept_random"
+"""Tail sampling: traces kept by the trace-id hash (``random_share``)."""
+SELF_METRIC_SAMPLING_DROPPED_RANDOM: Final = "tokentrace.collector.sampling_dropped_random"
+"""Tail sampling: traces dropped (not exported, not stored): no keep rule held and the trace-id
+hash fell outside ``random_share``."""
+SELF_METRIC_SAMPLING_KEYS_EVICTED: Final = "tokentrace.collector.sampling_keys_evicted"
+"""Tail sampling: keys whose window statistics were evicted at ``max_keys``."""
 SELF_METRIC_ACCEPTED_SPANS: Final = "tokentrace.collector.accepted_spans"
 """Receivers: spans handed to the pipeline and taken by it."""
 SELF_METRIC_REJECTED_SPANS: Final = "tokentrace.collector.rejected_spans"
@@ -565,6 +581,8 @@ PROM_LABEL_GPU_NAME: Final = "gpu_name"
 """Node agent: the GPU's product name."""
 PROM_LABEL_REASON: Final = "reason"
 """Node agent: why spans were dropped or refused."""
+PROM_LABEL_ENDPOINT: Final = "endpoint"
+"""Node agent: a collector replica's endpoint (``http://10.0.3.7:4317``)."""
 PROM_OUTCOME_GOOD: Final = "good"
 PROM_OUTCOME_BAD: Final = "bad"
 PROM_OVERFLOW_LABEL_VALUE: Final = "_other"
@@ -615,6 +633,16 @@ PROM_METRIC_NODE_QUEUE_CAPACITY: Final = "tokentrace_node_upstream_queue_capacit
 """Node agent, gauge: the upstream send queue's capacity."""
 PROM_METRIC_NODE_RELEASED_UNSAMPLED: Final = "tokentrace_node_released_unsampled_total"
 """Node agent, counter: requests sent on at ``max_hold`` before the sampler covered them."""
+PROM_METRIC_NODE_ROUTED_SPANS: Final = "tokentrace_node_routed_spans_total"
+"""Node agent with several collector replicas, counter: spans queued for each replica, by
+``endpoint`` (re-routed spans included; a replica that leaves the set loses its series)."""
+PROM_METRIC_NODE_REROUTED_SPANS: Final = "tokentrace_node_rerouted_spans_total"
+"""Node agent with several collector replicas, counter: spans taken back from the queue of a
+replica that left the set and routed again over the others."""
+PROM_METRIC_NODE_UPSTREAM_ENDPOINTS: Final = "tokentrace_node_upstream_endpoints"
+"""Node agent with several collector replicas, gauge: the replicas spans are routed over."""
+PROM_METRIC_NODE_UPSTREAM_CHANGES: Final = "tokentrace_node_upstream_endpoint_changes_total"
+"""Node agent with several collector replicas, counter: changes of the replica set (DNS)."""
 PROM_METRIC_NODE_SAMPLES: Final = "tokentrace_node_gpu_samples_total"
 """Node agent, counter: GPU sampling passes (one sample per GPU each)."""
 PROM_METRIC_GPU_UTILIZATION: Final = "tokentrace_node_gpu_utilization_ratio"
@@ -665,6 +693,10 @@ PROMETHEUS_METRICS: Final = (
     (PROM_METRIC_NODE_QUEUE_LEN, ()),
     (PROM_METRIC_NODE_QUEUE_CAPACITY, ()),
     (PROM_METRIC_NODE_RELEASED_UNSAMPLED, ()),
+    (PROM_METRIC_NODE_ROUTED_SPANS, (PROM_LABEL_ENDPOINT,)),
+    (PROM_METRIC_NODE_REROUTED_SPANS, ()),
+    (PROM_METRIC_NODE_UPSTREAM_ENDPOINTS, ()),
+    (PROM_METRIC_NODE_UPSTREAM_CHANGES, ()),
     (PROM_METRIC_NODE_SAMPLES, ()),
     (PROM_METRIC_GPU_UTILIZATION, (PROM_LABEL_GPU, PROM_LABEL_GPU_NAME)),
     (PROM_METRIC_GPU_MEMORY_USED, (PROM_LABEL_GPU, PROM_LABEL_GPU_NAME)),

@@ -34,6 +34,8 @@ _HZ_PER_MHZ: Final = 1_000_000
 _COUNTER_SUFFIX: Final = "_total"
 # Node agent stats keys (``NodeAgent.stats``): the receivers' counters are prefixed with the
 # receiver's class name, the sender's with ``sender.``.
+_ROUTED: Final = "route.routed_spans."
+"""Per collector replica, with several (``TraceRouter.routing_stats``), then its endpoint."""
 _ACCEPTED: Final = ".accepted_spans"
 _REJECTED: Final = ".rejected_spans"
 _GPU_LABELS: Final = (semconv.PROM_LABEL_GPU, semconv.PROM_LABEL_GPU_NAME)
@@ -111,20 +113,49 @@ class NodeAgentCollector(PrometheusCollector):
         )
         yield _gauge(
             semconv.PROM_METRIC_NODE_QUEUE_CAPACITY,
-            "the upstream send queue's capacity",
-            config.exporter.queue_size,
+            "the upstream send queue's capacity (one queue per collector replica)",
+            config.exporter.queue_size * max(1, stats.get("route.endpoints", 1)),
         )
         yield _counter(
             semconv.PROM_METRIC_NODE_RELEASED_UNSAMPLED,
             "requests sent on before the sampler covered them",
             stats["released_unsampled"],
         )
+        if "route.endpoints" in stats:
+            yield from self._routing_families(stats)
         yield _counter(
             semconv.PROM_METRIC_NODE_SAMPLES,
             "GPU sampling passes",
             stats.get("sampler.ticks", 0),
         )
         yield from self._gpu_families()
+
+    def _routing_families(self, stats: Mapping[str, int]) -> Iterator[Metric]:
+        """Several collector replicas: where spans went, and how the replica set moved."""
+        routed = CounterMetricFamily(
+            semconv.PROM_METRIC_NODE_ROUTED_SPANS.removesuffix(_COUNTER_SUFFIX),
+            "spans queued for each collector replica (re-routed ones included)",
+            labels=(semconv.PROM_LABEL_ENDPOINT,),
+        )
+        for key, value in stats.items():
+            if key.startswith(_ROUTED):
+                routed.add_metric((key.removeprefix(_ROUTED),), value)
+        yield routed
+        yield _counter(
+            semconv.PROM_METRIC_NODE_REROUTED_SPANS,
+            "spans taken back from a leaving replica's queue and routed again",
+            stats["route.rerouted_spans"],
+        )
+        yield _gauge(
+            semconv.PROM_METRIC_NODE_UPSTREAM_ENDPOINTS,
+            "collector replicas spans are routed over",
+            stats["route.endpoints"],
+        )
+        yield _counter(
+            semconv.PROM_METRIC_NODE_UPSTREAM_CHANGES,
+            "changes of the collector replica set",
+            stats["route.endpoint_set_changes"],
+        )
 
     def _gpu_families(self) -> Iterator[Metric]:
         def family(name: str, documentation: str) -> GaugeMetricFamily:
@@ -181,7 +212,8 @@ def readiness(agent: NodeAgent) -> Sequence[ReadinessCheck]:
     stats = agent.stats()
     config = agent.config
     listening = ", ".join(f"{type(r).__name__} :{r.port}" for r in receivers)
-    queued = stats.get("sender.queue_len", 0)
+    # With several collector replicas each has its own queue: the fullest one decides.
+    queued = stats.get("route.max_queue_len", stats.get("sender.queue_len", 0))
     queue_size = config.exporter.queue_size
     upstream = f"{queued} of {queue_size} spans queued for {agent.trace_sender.endpoint}"
     held = stats["held_spans"]

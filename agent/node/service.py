@@ -14,7 +14,9 @@ and nothing is lost silently. The receivers are the collector's, with its bearer
 options; one bound to a non-loopback address needs a token (or ``allow_unauthenticated``),
 because what it takes goes on to the collector under the node agent's own credentials. Upstream
 sending is the agent's ``OtlpSender`` (bounded queue, retry with backoff and jitter, drop
-counters). Components start downstream first (sender, sampler, enricher, then receivers) and
+counters); with several collector replicas (``upstream_endpoints`` / ``upstream_dns``) a
+``TraceRouter`` (``agent/node/routing.py``) holds one per replica and sends every span of a trace
+to the same one. Components start downstream first (sender, sampler, enricher, then receivers) and
 stop upstream first.
 
 With ``admin_endpoint`` set, an admin listener serves ``/healthz``, ``/readyz`` and a Prometheus
@@ -40,6 +42,13 @@ from tokentrace.agent import semconv
 from tokentrace.agent.identity import host_resource
 from tokentrace.agent.node.enrich import SpanEnricher
 from tokentrace.agent.node.metrics import GpuMetrics
+from tokentrace.agent.node.routing import (
+    DEFAULT_RESOLVE_INTERVAL_S,
+    Resolver,
+    TraceRouter,
+    endpoint_config,
+    parse_dns_target,
+)
 from tokentrace.agent.node.sampler import NvmlSampler
 from tokentrace.agent.otlp_config import PROTOCOL_GRPC, TOKENTRACE_VERSION, OtlpExporterConfig
 from tokentrace.agent.otlp_export import OtlpSender
@@ -74,7 +83,18 @@ class NodeAgentConfig:
             endpoint=DEFAULT_UPSTREAM, protocol=PROTOCOL_GRPC
         )
     )
-    """Where spans go: the collector."""
+    """Where spans go: the collector. With ``upstream_endpoints`` or ``upstream_dns``, the
+    options of every replica's sender, whose endpoint comes from there (for resolved addresses,
+    the scheme of ``endpoint`` still says plaintext or TLS)."""
+    upstream_endpoints: tuple[str, ...] = ()
+    """Several collector replicas, given as base endpoints like ``exporter.endpoint``: each span
+    goes to the one owning its trace id (``agent/node/routing.py``). Empty: not routed."""
+    upstream_dns: str | None = None
+    """``dns:///HOST:PORT`` or ``HOST:PORT`` of a headless Service whose every A/AAAA record is a
+    collector replica, re-resolved every ``upstream_resolve_interval_s``; routed like
+    ``upstream_endpoints``. None: not routed."""
+    upstream_resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
+    """How often ``upstream_dns`` is looked up again."""
     metrics_exporter: OtlpExporterConfig | None = None
     """Where GPU metrics go every ``metrics_interval_s`` (a metrics backend or an OpenTelemetry
     Collector; the tokentrace collector takes traces only). None: not exported."""
@@ -124,7 +144,7 @@ class NodeAgentConfig:
                 )
         if self.admin_endpoint is not None:
             is_loopback_endpoint(self.admin_endpoint, "admin_endpoint")  # HOST:PORT, or raise
-        for name in ("sample_interval_s", "metrics_interval_s"):
+        for name in ("sample_interval_s", "metrics_interval_s", "upstream_resolve_interval_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: must be > 0, got {value}")
@@ -137,6 +157,20 @@ class NodeAgentConfig:
         self.exporter.validate()
         if self.metrics_exporter is not None:
             self.metrics_exporter.validate()
+        if self.upstream_endpoints and self.upstream_dns is not None:
+            raise ValueError("upstream_endpoints/upstream_dns: give one or the other, not both")
+        if self.upstream_dns is not None:
+            try:
+                parse_dns_target(self.upstream_dns)
+            except ValueError as error:
+                raise ValueError(f"upstream_dns: {error}") from None
+        for endpoint in self.upstream_endpoints:
+            if not endpoint.strip():
+                raise ValueError("upstream_endpoints: an endpoint is empty")
+            try:
+                endpoint_config(self.exporter, endpoint).validate()
+            except ValueError as error:
+                raise ValueError(f"upstream_endpoints: {endpoint!r}: {error}") from None
 
 
 def bind_endpoint(endpoint: str) -> str:
@@ -172,7 +206,9 @@ class NodeAgent:
         sampler: NvmlSampler | None = None,
         environ: Mapping[str, str] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        resolver: Resolver | None = None,
     ) -> None:
+        """``resolver``: how ``upstream_dns`` is looked up (``socket.getaddrinfo`` when None)."""
         config.validate()
         self._config = config
         self._monotonic = monotonic
@@ -182,7 +218,18 @@ class NodeAgent:
             interval_s=config.sample_interval_s, ring_samples=config.ring_samples
         )
         self.enricher = SpanEnricher(self.sampler)
-        self.trace_sender = OtlpSender(config.exporter, signal="traces")
+        self.trace_sender: OtlpSender | TraceRouter
+        """One sender to ``exporter``, or the router over the collector replicas."""
+        if config.upstream_endpoints or config.upstream_dns is not None:
+            self.trace_sender = TraceRouter(
+                config.exporter,
+                endpoints=config.upstream_endpoints,
+                dns_target=config.upstream_dns,
+                resolver=resolver,
+                resolve_interval_s=config.upstream_resolve_interval_s,
+            )
+        else:
+            self.trace_sender = OtlpSender(config.exporter, signal="traces")
         self.metric_sender = (
             None
             if config.metrics_exporter is None
@@ -302,7 +349,10 @@ class NodeAgent:
             for key, value in self.identity.items():
                 if key not in present:
                     attributes.add(key=key).value.string_value = value
-        if self.trace_sender.submit(request.SerializeToString(), spans):
+        if isinstance(self.trace_sender, TraceRouter):
+            # Parsed already: split by trace id here, serialised once per part.
+            self.relayed_spans += self.trace_sender.route(request)
+        elif self.trace_sender.submit(request.SerializeToString(), spans):
             self.relayed_spans += spans
 
     def _metrics_loop(self) -> None:
@@ -332,6 +382,8 @@ class NodeAgent:
         # A sampler handed in already open is driven by its owner (tests, benchmarks).
         if not self.sampler.available:
             self.sampler.start()
+        if isinstance(self.trace_sender, TraceRouter):
+            self.trace_sender.start()  # resolves the replicas once before the first relay
         self._spawn("tokentrace-node-relay", self._relay_loop)
         if self.metric_sender is not None and self.sampler.available:
             self._spawn("tokentrace-node-metrics", self._metrics_loop)
@@ -421,6 +473,8 @@ class NodeAgent:
         stats.update({f"sampler.{k}": v for k, v in self.sampler.stats().items()})
         stats.update({f"enricher.{k}": v for k, v in self.enricher.stats().items()})
         stats.update({f"sender.{k}": v for k, v in self.trace_sender.stats().items()})
+        if isinstance(self.trace_sender, TraceRouter):
+            stats.update({f"route.{k}": v for k, v in self.trace_sender.routing_stats().items()})
         if self.metric_sender is not None:
             stats.update({f"metrics_sender.{k}": v for k, v in self.metric_sender.stats().items()})
         for receiver in self._receivers:
