@@ -9,6 +9,13 @@ where the time goes.
 
     python bench/collector_throughput.py            # ~1-2 minutes
     python bench/collector_throughput.py --requests 2000   # quick look
+
+``--replicas N`` measures N collector processes behind trace-ID routing (the senders split every
+export request by trace id with the node agent's rendezvous hashing) writing one store
+(``--store postgresql``, the default then: a PostgreSQL server this benchmark starts with
+``tests/postgres_server.py``), against one collector process on the same store, in alternating
+runs: the ratio is the scaling. Each collector process is pinned to one CPU (replica i to CPU
+i mod the CPU count); the senders, the upstream receiver and the PostgreSQL server float.
 """
 
 from __future__ import annotations
@@ -104,11 +111,15 @@ def _build_batches(requests: int, seed: int) -> tuple[list[bytes], int, int]:
     return [m.SerializeToString() for m in messages], spans, len(simulated)
 
 
-def _collector_config(store_path: Path, upstream_port: int) -> Any:
+def _collector_config(
+    store_path: Path | str, upstream_port: int, spool_directory: Path | None = None
+) -> Any:
     from tokentrace.collector.config import parse_config
 
+    durability = {} if spool_directory is None else {"directory": str(spool_directory)}
     return parse_config(
         {
+            "service": {"durability": durability},
             "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "127.0.0.1:0"}}}},
             "processors": {
                 "assembly": {"quiet_period": "1s", "root_grace": "20ms"},
@@ -187,6 +198,155 @@ def end_to_end(batches: list[bytes], spans: int, requests: int) -> dict[str, flo
     }
 
 
+def _route(batches: list[bytes], replicas: int) -> list[list[bytes]]:
+    """Each export request split by trace id over ``replicas`` (as the node agent routes)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from tokentrace.agent.node.routing import EndpointHashes, split_by_owner
+
+    endpoints = [f"replica-{number}" for number in range(replicas)]
+    hashes = EndpointHashes(endpoints)
+    routed: list[list[bytes]] = [[] for _ in range(replicas)]
+    for batch in batches:
+        parts = split_by_owner(ExportTraceServiceRequest.FromString(batch), hashes.owner)
+        for endpoint, (part, _spans) in parts.items():
+            routed[endpoints.index(endpoint)].append(
+                batch if part is None else part.SerializeToString()
+            )
+    return routed
+
+
+def _replica(
+    number: int, store: str, spool: Path, upstream_port: int, ports: Any, stop: Any, results: Any
+) -> None:
+    """One collector process: reports its port, runs until ``stop``, reports its CPU time."""
+    from tokentrace.collector.service import Collector, tune_gc_for_throughput
+
+    _pin(number % (os.cpu_count() or 1))
+    collector = Collector(_collector_config(store, upstream_port, spool))
+    collector.start()
+    tune_gc_for_throughput()
+    cpu_before = time.process_time()
+    ports.put((number, collector.grpc_port))
+    stop.wait()
+    cpu = time.process_time() - cpu_before
+    stats = collector.stats()
+    collector.shutdown(timeout_s=5)
+    results.put((number, cpu, stats.get("requests", 0)))
+
+
+def _routed_sender(routed: list[list[bytes]], ready: Any, results: Any, go: Any) -> None:
+    """Upstream receiver + one sender per replica (each replica's share of the batches)."""
+    import grpc
+
+    received = {"calls": 0}
+
+    def export(request: bytes, context: Any) -> bytes:
+        received["calls"] += 1
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers(
+        tuple(
+            grpc.method_handlers_generic_handler(
+                service, {"Export": grpc.unary_unary_rpc_method_handler(export)}
+            )
+            for service in (
+                "opentelemetry.proto.collector.trace.v1.TraceService",
+                "opentelemetry.proto.collector.metrics.v1.MetricsService",
+            )
+        )
+    )
+    ready.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    collector_ports = go.get()
+    sends = [
+        grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary(_EXPORT_METHOD)
+        for port in collector_ports
+    ]
+
+    def send_all(replica: int) -> int:
+        retries = 0
+        for batch in routed[replica]:
+            while True:
+                try:
+                    sends[replica](batch, timeout=30)
+                    break
+                except grpc.RpcError as error:
+                    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                    retries += 1
+                    time.sleep(0.05)
+        return retries
+
+    started = time.perf_counter()
+    with futures.ThreadPoolExecutor(max_workers=len(routed) * 2) as pool:
+        refused = sum(pool.map(send_all, range(len(routed))))
+    results.put({"sent_s": time.perf_counter() - started, "refused": refused})
+    time.sleep(3600)
+
+
+def replicas_end_to_end(
+    batches: list[bytes], spans: int, requests: int, *, replicas: int, store: str
+) -> dict[str, float]:
+    """``replicas`` collector processes behind trace-ID routing into one store: wall clock from
+    the first send until every request is stored."""
+    from tokentrace.collector.store import open_store_readonly
+
+    context = multiprocessing.get_context("spawn")
+    routed = _route(batches, replicas)
+    ready, sender_results, go = context.Queue(), context.Queue(), context.Queue()
+    sender = context.Process(
+        target=_routed_sender, args=(routed, ready, sender_results, go), daemon=True
+    )
+    sender.start()
+    upstream_port = ready.get(timeout=60)
+    ports, stop, results = context.Queue(), context.Event(), context.Queue()
+    with tempfile.TemporaryDirectory(prefix="tokentrace-bench-") as tmp:
+        locations = [
+            store if store.startswith("postgresql") else str(Path(tmp) / f"replica{n}.db")
+            for n in range(replicas)
+        ]
+        processes = [
+            context.Process(
+                target=_replica,
+                args=(
+                    n,
+                    locations[n],
+                    Path(tmp) / f"spool{n}",
+                    upstream_port,
+                    ports,
+                    stop,
+                    results,
+                ),
+                daemon=True,
+            )
+            for n in range(replicas)
+        ]
+        for process in processes:
+            process.start()
+        by_number = dict(ports.get(timeout=120) for _ in processes)
+        started = time.perf_counter()
+        go.put([by_number[n] for n in range(replicas)])
+        readers = [open_store_readonly(location) for location in dict.fromkeys(locations)]
+        try:
+            while sum(reader.count() for reader in readers) < requests:
+                time.sleep(0.05)
+                if time.perf_counter() - started > 600:
+                    raise SystemExit("bench: replicas not done after 600 s")
+            wall = time.perf_counter() - started
+        finally:
+            for reader in readers:
+                reader.close()
+            stop.set()
+            finished = [results.get(timeout=60) for _ in processes]
+            for process in processes:
+                process.join(30)
+            sender.kill()
+    cpu = sum(cpu_s for _, cpu_s, _ in finished)
+    return {"wall_s": wall, "spans_per_s": spans / wall, "collector_cpu_s": cpu}
+
+
 def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
     """Each stage alone over the same data, single-threaded: seconds per stage."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -237,7 +397,21 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="N > 1: N collectors behind trace-ID routing against one (alternating runs)",
+    )
+    parser.add_argument(
+        "--store",
+        choices=("sqlite", "postgresql"),
+        help="with --replicas: the store the replicas share (default postgresql; sqlite: one "
+        "file per replica)",
+    )
     args = parser.parse_args()
+    if args.replicas > 1:
+        return _main_replicas(args)
 
     print(f"building {args.requests} simulated request traces ...", flush=True)
     batches, spans, requests = _build_batches(args.requests, args.seed)
@@ -273,6 +447,43 @@ def main() -> int:
     print(
         f"\nreproduce: python bench/collector_throughput.py --requests {args.requests} "
         f"--seed {args.seed} --runs {args.runs}"
+    )
+    return 0
+
+
+def _main_replicas(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.postgres_server
+    from tests.postgres_server import running_postgres
+
+    store_kind = args.store or "postgresql"
+    print(f"building {args.requests} simulated request traces ...", flush=True)
+    batches, spans, requests = _build_batches(args.requests, args.seed)
+    print(f"{requests} requests, {spans} spans; {args.replicas} replicas vs 1, {store_kind}\n")
+    rows: dict[int, list[dict[str, float]]] = {1: [], args.replicas: []}
+    with running_postgres() as server:
+        for run in range(args.runs):
+            order = (1, args.replicas) if run % 2 == 0 else (args.replicas, 1)
+            for replicas in order:
+                location = server.create_database() if store_kind == "postgresql" else "sqlite"
+                result = replicas_end_to_end(
+                    batches, spans, requests, replicas=replicas, store=location
+                )
+                rows[replicas].append(result)
+                print(
+                    f"  run {run + 1}: {replicas} replica(s): {result['spans_per_s']:>9,.0f} "
+                    f"spans/s ({result['wall_s']:.2f} s, collectors' CPU "
+                    f"{result['collector_cpu_s']:.1f} s)",
+                    flush=True,
+                )
+    one = statistics.median(r["spans_per_s"] for r in rows[1])
+    many = statistics.median(r["spans_per_s"] for r in rows[args.replicas])
+    print(
+        f"\nmedian: 1 replica {one:,.0f} spans/s, {args.replicas} replicas {many:,.0f} spans/s: "
+        f"{many / one:.2f}x (goal >= 1.8x for 2 replicas on 2 cores)"
+    )
+    print(
+        f"\nreproduce: python bench/collector_throughput.py --requests {args.requests} "
+        f"--seed {args.seed} --runs {args.runs} --replicas {args.replicas} --store {store_kind}"
     )
     return 0
 

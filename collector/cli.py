@@ -66,9 +66,10 @@ def _non_negative_duration(text: str) -> float:
 def _add_store_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--store",
-        metavar="PATH",
+        metavar="PATH|URL",
         default=_DEFAULT_STORE,
-        help=f"the collector's request store (default: {_DEFAULT_STORE})",
+        help=f"the collector's request store: a SQLite file or a postgresql:// URL "
+        f"(default: {_DEFAULT_STORE})",
     )
 
 
@@ -114,9 +115,10 @@ class CollectorCommand:
         parser.add_argument("--config", metavar="FILE", help="collector configuration (YAML)")
         parser.add_argument(
             "--store",
-            metavar="PATH",
+            metavar="PATH|URL",
             default=None,
-            help=f"request store path (overrides the config; default: {_DEFAULT_STORE})",
+            help="request store: a SQLite file or a postgresql:// URL that several collectors "
+            f"share (overrides the config; default: {_DEFAULT_STORE})",
         )
         parser.add_argument(
             "--check-config",
@@ -169,7 +171,7 @@ class ExplainCommand:
         _add_store_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from tokentrace.collector.store import RequestStore, StoreError
+        from tokentrace.collector.store import StoreError, open_store_readonly
         from tokentrace.collector.store.row import METRIC_COLUMNS
 
         if args.slowest == (args.trace_id is not None):
@@ -177,7 +179,7 @@ class ExplainCommand:
         if args.limit < 1:
             return _fail(self.name, "--limit must be at least 1")
         try:
-            store = RequestStore.open_readonly(args.store)
+            store = open_store_readonly(args.store)
             if args.slowest:
                 order = args.metric or semconv.METRIC_E2E
                 if order not in METRIC_COLUMNS:
@@ -192,7 +194,7 @@ class ExplainCommand:
                 docs = store.slowest(metric=order, since_ns=since_ns, limit=args.limit)
                 if not docs:
                     window = " in that window" if args.since is not None else ""
-                    return _fail(self.name, f"no requests with {order} in {args.store}{window}")
+                    return _fail(self.name, f"no requests with {order} in {store.path}{window}")
                 if args.limit > 1:
                     return self._print_list(docs, args)
                 doc = docs[0]
@@ -200,7 +202,7 @@ class ExplainCommand:
                 found = store.get(args.trace_id, span_id=args.span)
                 if found is None:
                     return _fail(
-                        self.name, f"no request with trace id {args.trace_id} in {args.store}"
+                        self.name, f"no request with trace id {args.trace_id} in {store.path}"
                     )
                 doc = found
         except (StoreError, ValueError) as error:
@@ -249,10 +251,10 @@ class TopCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from tokentrace.collector.render_top import render_top
-        from tokentrace.collector.store import RequestStore, StoreError
+        from tokentrace.collector.store import StoreError, open_store_readonly
 
         try:
-            store = RequestStore.open_readonly(args.store)
+            store = open_store_readonly(args.store)
             report = self._report(store, args.window)
         except (StoreError, ValueError) as error:
             return _fail(self.name, str(error))
@@ -262,12 +264,12 @@ class TopCommand:
         width, color, glyphs = _terminal(sys.stdout)
         del width  # the table is as wide as its columns
         if args.once:
-            _emit(render_top(report, color=color, glyphs=glyphs, title=args.store))
+            _emit(render_top(report, color=color, glyphs=glyphs, title=store.path))
             return _EXIT_OK
         clear = sys.stdout.isatty()
         try:
             while True:
-                text = render_top(report, color=color, glyphs=glyphs, title=args.store)
+                text = render_top(report, color=color, glyphs=glyphs, title=store.path)
                 if not _emit((_CLEAR_SCREEN if clear else "") + text + ("" if clear else "\n")):
                     return _EXIT_OK
                 time.sleep(args.interval)
@@ -281,6 +283,7 @@ class TopCommand:
     @staticmethod
     def _report(store: Any, window_s: float) -> dict[str, Any]:
         from tokentrace.collector.store import META_COLLECTOR_STATS, window_report
+        from tokentrace.collector.tail_sampling import sampling_summary
 
         now_s = time.time()
         slices = store.sketches_since(now_s - window_s)
@@ -294,6 +297,8 @@ class TopCommand:
         if raw_stats:
             with contextlib.suppress(json.JSONDecodeError):
                 report["collector"] = json.loads(raw_stats)
+        # The traces the store holds may be a sample (tail sampling); the percentiles are not.
+        report["sampling"] = sampling_summary(report.get("collector"))
         return report
 
 
@@ -328,7 +333,7 @@ class UiCommand:
         from tokentrace.collector.api import ApiSettings, create_app
         from tokentrace.collector.api.server import ApiServer, ApiServerStartError
         from tokentrace.collector.config import validate_trace_link
-        from tokentrace.collector.store import RequestStore, StoreError
+        from tokentrace.collector.store import StoreError, open_store_readonly
 
         if args.trace_link is not None:
             try:
@@ -336,7 +341,8 @@ class UiCommand:
             except ValueError as error:
                 return _fail(self.name, f"--trace-link {error}")
         try:
-            RequestStore.open_readonly(args.store)  # fail now, not on the first page view
+            store = open_store_readonly(args.store)  # fail now, not on the first page view
+            store.close()
             server = ApiServer(
                 create_app(
                     ApiSettings(
@@ -357,7 +363,7 @@ class UiCommand:
         auth = (
             f" (bearer token from {UI_TOKEN_ENV} required)" if os.environ.get(UI_TOKEN_ENV) else ""
         )
-        print(f"tokentrace ui: serving {args.store} at {server.url}/{auth}", flush=True)
+        print(f"tokentrace ui: serving {store.path} at {server.url}/{auth}", flush=True)
         if args.open:
             import webbrowser
 
@@ -423,14 +429,14 @@ class DiagnoseCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from tokentrace.collector.diagnose import diagnose_range, diagnose_run, render_diagnosis
-        from tokentrace.collector.store import RequestStore, StoreError
+        from tokentrace.collector.store import StoreError, open_store_readonly
         from tokentrace.loadgen.record import RunRecordError, load
 
         if args.until is not None and args.since is None:
             return _fail(self.name, "--until needs --since")
         store = None
         try:
-            store = RequestStore.open_readonly(args.store)
+            store = open_store_readonly(args.store)
             targets = _slo_targets_for(self.name, args, store)
             if args.run:
                 record = load(args.run)
@@ -446,7 +452,7 @@ class DiagnoseCommand:
                     until_ns=until_ns,
                     targets=targets,
                 )
-                title = f"{args.store}, from {since_s:g} s ago"
+                title = f"{store.path}, from {since_s:g} s ago"
                 title += " to now" if args.until is None else f" to {args.until:g} s ago"
         except (StoreError, RunRecordError, ValueError) as error:
             return _fail(self.name, str(error))
@@ -488,14 +494,14 @@ class CompareCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from tokentrace.collector.diagnose import compare_runs, diagnose_run, render_comparison
-        from tokentrace.collector.store import RequestStore, StoreError
+        from tokentrace.collector.store import StoreError, open_store_readonly
         from tokentrace.loadgen.record import RunRecordError, load
 
         store = None
         try:
             record_a, record_b = load(args.run_a), load(args.run_b)
             analysis_a = analysis_b = None
-            store = RequestStore.open_readonly(args.store) if args.store else None
+            store = open_store_readonly(args.store) if args.store else None
             targets = _slo_targets_for(self.name, args, store)
             if store is not None:
                 analysis_a = diagnose_run(store, record_a, targets=targets, wait_s=args.wait)

@@ -23,6 +23,7 @@ from tokentrace.collector.component import (
 )
 from tokentrace.collector.exporters.otlp import OtlpExporterConfig
 from tokentrace.collector.receivers.validate import DEFAULT_SPAN_LIMITS, SpanLimits
+from tokentrace.collector.tail_sampling import TailSamplingSettings
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.percentiles import PercentileConfig
 from tokentrace.processors.slo import SloTarget, parse_targets, read_slo_file
@@ -340,6 +341,50 @@ class PercentilesProcessorConfig:
         )
 
 
+_MAX_SAMPLING_KEYS: Final = 100_000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TailSamplingProcessorConfig:
+    """The ``tail_sampling`` processor: which traces the exporters get (``tail_sampling.py``);
+    the sketches and SLO marks have seen every request before it decides."""
+
+    settings: TailSamplingSettings = field(default_factory=TailSamplingSettings)
+
+    def validate(self) -> None:
+        settings = self.settings
+        check(settings.window_s > 0, "window", "must be > 0")
+        check_range("slowest_per_window", settings.slowest_per_window, low=0)
+        check_range("rare_share", settings.rare_share, low=0.0, high=1.0)
+        check_range("rare_min_count", settings.rare_min_count, low=0)
+        check_range("random_share", settings.random_share, low=0.0, high=1.0)
+        check_range("max_keys", settings.max_keys, low=1, high=_MAX_SAMPLING_KEYS)
+
+    @classmethod
+    def from_section(cls, section: ConfigSection) -> TailSamplingProcessorConfig:
+        section.allow_keys(
+            "window",
+            "slowest_per_window",
+            "rare_share",
+            "rare_min_count",
+            "random_share",
+            "max_keys",
+        )
+        defaults = TailSamplingSettings()
+        return cls(
+            settings=TailSamplingSettings(
+                window_s=section.duration_s("window", defaults.window_s),
+                slowest_per_window=section.integer(
+                    "slowest_per_window", defaults.slowest_per_window
+                ),
+                rare_share=section.number("rare_share", defaults.rare_share),
+                rare_min_count=section.integer("rare_min_count", defaults.rare_min_count),
+                random_share=section.number("random_share", defaults.random_share),
+                max_keys=section.integer("max_keys", defaults.max_keys),
+            )
+        )
+
+
 # --- exporters ------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreConfig:
@@ -415,6 +460,9 @@ _DEFAULT_SPOOL_SEGMENT_AGE_S: Final = 5.0
 _MIN_SPOOL_SEGMENT_BYTES: Final = 64 * 1024
 SPOOL_DIRECTORY_SUFFIX: Final = ".spool"
 """The spool's default directory: the store file's path plus this (next to the store)."""
+POSTGRESQL_SPOOL_DIRECTORY: Final = "tokentrace-postgresql.spool"
+"""The spool's default directory with a PostgreSQL store: in the working directory (each
+replica needs its own; the spool refuses a directory another collector holds)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -425,7 +473,8 @@ class DurabilityConfig:
 
     mode: str | None = None
     directory: str | None = None
-    """Where the spool's segment files go; None: next to the store file (``<store>.spool``)."""
+    """Where the spool's segment files go; None: next to the store file (``<store>.spool``),
+    or ``POSTGRESQL_SPOOL_DIRECTORY`` with a PostgreSQL store."""
     max_bytes: int = _DEFAULT_SPOOL_MAX_MIB * _MIB
     """Past this the receivers answer "retry later" (429 / RESOURCE_EXHAUSTED)."""
     segment_bytes: int = _DEFAULT_SPOOL_SEGMENT_MIB * _MIB

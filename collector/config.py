@@ -34,6 +34,10 @@ pipeline has a store, with the spool in a directory next to the store file.
 answer "retry later" while the process is near it (``collector/memory_limiter.py``); by default
 80 % of the container's memory limit, or 1 GiB.
 
+Processors not listed in the pipeline all run, except ``tail_sampling`` (which traces the
+exporters get, ``collector/tail_sampling.py``): it runs only when its section is there or the
+pipeline lists it, so without it every trace is stored and exported.
+
 Every section is optional: with no file at all the collector listens on the standard OTLP ports on
 loopback, keeps its store in ``./tokentrace.db`` and exports upstream only when
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or an ``otlp`` exporter) says where. The ``admin`` extension
@@ -76,6 +80,7 @@ from tokentrace.collector.component import (
 from tokentrace.collector.component_configs import (
     DURABILITY_FSYNC,
     DURABILITY_NONE,
+    POSTGRESQL_SPOOL_DIRECTORY,
     SPOOL_DIRECTORY_SUFFIX,
     AdminConfig,
     AssemblyConfig,
@@ -86,12 +91,15 @@ from tokentrace.collector.component_configs import (
     ReceiverConfig,
     SloProcessorConfig,
     StoreConfig,
+    TailSamplingProcessorConfig,
     UiConfig,
     UpstreamConfig,
     upstream_in_environment,
     validate_trace_link,
 )
 from tokentrace.collector.memory_limiter import MemoryLimiterConfig
+from tokentrace.collector.store.location import is_postgresql
+from tokentrace.collector.tail_sampling import TailSamplingSettings
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.percentiles import PercentileConfig
 from tokentrace.processors.slo import SloTarget
@@ -123,6 +131,10 @@ _STORE: Final = "store"
 _OTLP: Final = "otlp"
 _UI: Final = "ui"
 _ADMIN: Final = "admin"
+_TAIL_SAMPLING: Final = "tail_sampling"
+_OPT_IN_PROCESSORS: Final = (_TAIL_SAMPLING,)
+"""Processor types that run only when configured (defined under ``processors`` or listed in
+the pipeline), not by default."""
 _SAME_RANK: Final = {"diagnosis": "slo"}
 """Configurations written before the verdict followed the SLO marks list diagnosis first: still
 valid, and run in the table's order whatever the list says."""
@@ -159,6 +171,8 @@ class CollectorConfig:
             return self.durability.directory
         store = self.store
         assert store is not None, "parse_config requires a directory without a store"
+        if is_postgresql(store.path):
+            return POSTGRESQL_SPOOL_DIRECTORY
         return store.path + SPOOL_DIRECTORY_SUFFIX
 
     @property
@@ -194,6 +208,12 @@ class CollectorConfig:
     def percentiles(self) -> PercentileConfig | None:
         percentiles: PercentilesProcessorConfig | None = _config_of(self.processors, "percentiles")
         return None if percentiles is None else percentiles.settings
+
+    @property
+    def tail_sampling(self) -> TailSamplingSettings | None:
+        """None: every trace is exported (tail sampling is off unless configured)."""
+        sampling: TailSamplingProcessorConfig | None = _config_of(self.processors, _TAIL_SAMPLING)
+        return None if sampling is None else sampling.settings
 
     @property
     def store(self) -> StoreConfig | None:
@@ -345,8 +365,14 @@ def parse_config(
     receiver_ids = traces.name_list(
         "receivers", defined[KIND_RECEIVER], types[KIND_RECEIVER], default=_DEFAULT_RECEIVERS
     )
+    # No list: every processor type runs, but those that change what is kept only when
+    # configured (tail sampling is off unless its section is there).
+    default_processors = [t for t in types[KIND_PROCESSOR] if t not in _OPT_IN_PROCESSORS]
+    default_processors += [
+        n for n in defined[KIND_PROCESSOR] if component_type(n) in _OPT_IN_PROCESSORS
+    ]
     processor_ids = traces.name_list(
-        "processors", defined[KIND_PROCESSOR], types[KIND_PROCESSOR], default=types[KIND_PROCESSOR]
+        "processors", defined[KIND_PROCESSOR], types[KIND_PROCESSOR], default=default_processors
     )
     default_exporters = [*_DEFAULT_EXPORTERS]
     default_exporters += [n for n in defined[KIND_EXPORTER] if component_type(n) != _STORE]

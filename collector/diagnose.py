@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from tokentrace.agent import semconv
-from tokentrace.collector.store import RequestStore
+from tokentrace.collector.store import Store
 from tokentrace.collector.window import records_of_traces
 from tokentrace.loadgen.record import RunRecord
 from tokentrace.loadgen.report import target_text
@@ -39,7 +39,7 @@ _SEGMENT_CHANGE_MIN_MS: Final = 0.5
 
 
 def diagnose_run(
-    store: RequestStore,
+    store: Store,
     record: RunRecord,
     *,
     targets: Sequence[SloTarget],
@@ -75,7 +75,7 @@ def diagnose_run(
 
 
 def diagnose_range(
-    store: RequestStore,
+    store: Store,
     *,
     since_ns: int,
     until_ns: int | None,

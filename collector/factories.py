@@ -7,6 +7,7 @@
 | processor | ``slo``       | marks each request against the SLO targets                   |
 | processor | ``diagnosis`` | each request's verdict                                       |
 | processor | ``percentiles`` | latency sketches, sliding window and cumulative            |
+| processor | ``tail_sampling`` | ``TailSampler``: which traces the exporters get (off by default) |
 | exporter  | ``store``     | ``StoreSink``: the request store (SQLite)                    |
 | exporter  | ``otlp``      | ``UpstreamSink``: enriched spans and metrics, upstream       |
 | extension | ``ui``        | ``ApiServer``: the drill-down API and web UI over the store  |
@@ -23,6 +24,8 @@ every batch, as it hands the exporters (``service.py``), and injects its readine
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 from tokentrace.agent import semconv
@@ -43,6 +46,7 @@ from tokentrace.collector.component_configs import (
     PercentilesProcessorConfig,
     SloProcessorConfig,
     StoreConfig,
+    TailSamplingProcessorConfig,
     UiConfig,
     UpstreamConfig,
 )
@@ -51,6 +55,15 @@ from tokentrace.collector.record_processors import (
     diagnosis_processor,
     percentiles_processor,
     slo_processor,
+)
+from tokentrace.collector.tail_sampling import (
+    DROP_RANDOM,
+    KEEP_ALWAYS,
+    KEEP_BREACH,
+    KEEP_RANDOM,
+    KEEP_RARE,
+    KEEP_SLOWEST,
+    TailSampler,
 )
 from tokentrace.processors.percentiles import PercentileStore
 
@@ -110,6 +123,37 @@ def _percentiles(config: PercentilesProcessorConfig, settings: CreateSettings) -
         },
     )
     return percentiles_processor(store)
+
+
+# Named so that each one's snapshot key is ``sampling_kept_<reason>`` (``sampling_summary``).
+_SAMPLING_KEPT_METRICS: Final = (
+    (semconv.SELF_METRIC_SAMPLING_KEPT_ALWAYS, KEEP_ALWAYS),
+    (semconv.SELF_METRIC_SAMPLING_KEPT_BREACH, KEEP_BREACH),
+    (semconv.SELF_METRIC_SAMPLING_KEPT_SLOWEST, KEEP_SLOWEST),
+    (semconv.SELF_METRIC_SAMPLING_KEPT_RARE, KEEP_RARE),
+    (semconv.SELF_METRIC_SAMPLING_KEPT_RANDOM, KEEP_RANDOM),
+)
+_SAMPLING_DROPPED_METRICS: Final = ((semconv.SELF_METRIC_SAMPLING_DROPPED_RANDOM, DROP_RANDOM),)
+
+
+def _tail_sampler(config: TailSamplingProcessorConfig, settings: CreateSettings) -> TailSampler:
+    sampler = TailSampler(config.settings, clock=settings.clock)
+    counters: dict[str, tuple[str, Callable[[], float]]] = {
+        name: (f"traces kept: {reason}", partial(sampler.kept.__getitem__, reason))
+        for name, reason in _SAMPLING_KEPT_METRICS
+    }
+    counters.update(
+        {
+            name: (f"traces dropped: {reason}", partial(sampler.dropped.__getitem__, reason))
+            for name, reason in _SAMPLING_DROPPED_METRICS
+        }
+    )
+    counters[semconv.SELF_METRIC_SAMPLING_KEYS_EVICTED] = (
+        "keys evicted at max_keys",
+        lambda: sampler.keys_evicted,
+    )
+    settings.component_telemetry().observe_each(counters=counters)
+    return sampler
 
 
 def _store_exporter(config: StoreConfig, settings: CreateSettings) -> StoreSink:
@@ -199,6 +243,13 @@ FACTORIES: Final[tuple[Factory[Any], ...]] = (
         default_config=PercentilesProcessorConfig,
         read_config=PercentilesProcessorConfig.from_section,
         create=_percentiles,
+    ),
+    Factory(
+        type="tail_sampling",
+        kind=KIND_PROCESSOR,
+        default_config=TailSamplingProcessorConfig,
+        read_config=TailSamplingProcessorConfig.from_section,
+        create=_tail_sampler,
     ),
     Factory(
         type="store",

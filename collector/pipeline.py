@@ -18,6 +18,11 @@ tick plus the open one, the self-telemetry snapshot, and the OTLP metrics view (
 so only when an exporter's own interval is due). What each exporter does with it, and when (store
 pruning, upstream metrics), stays its own business.
 
+Tail sampling (``tail_sampling.py``, when configured) decides after every processor ran on the
+batch: the exporters get the traces it keeps; the other sinks (the admin extension's request
+metrics) still get every trace. A dropped trace is done with as an exported one is (its spool
+segments are released).
+
 Late spans join their request. A late fragment (spans that came after assembly finished their
 trace) is looked up through the injected ``earlier_spans`` (the collector wires the store's in):
 when the trace's stored spans are found, the whole trace (stored spans first, then the
@@ -34,6 +39,13 @@ alone, never the stored ones again. Two rules keep the derived state counted onc
   values were the client's, all ``unattributed``) records all its metrics.
 - Diagnosis: the recently seen prompt prefixes remember which request computed each first, so
   a request derived again is not taken for one that recomputed its own prefix.
+
+Collectors that share one store (PostgreSQL, several replicas) see a trace whose spans were
+split between them as a late fragment too: before a batch is processed, one look-up
+(``stored_traces``) finds the traces whose spans another replica stored already, and each of those
+joins them as above (the client span of a request that reached another replica's assembler
+first, say). Two replicas assembling parts of one trace at the same moment still both store
+theirs: trace-ID routing in front of the replicas keeps that rare.
 
 Without a look-up, or when it finds nothing (pruned, too large, failed), a late fragment is
 processed alone and its client-only timelines are dropped (they would pose as a second
@@ -93,6 +105,7 @@ from tokentrace.collector.memory_limiter import MemoryLimiter
 from tokentrace.collector.record_processors import RecordProcessor, RequestProcessor
 from tokentrace.collector.self_telemetry import Counter, SelfTelemetry
 from tokentrace.collector.spool import Spool, SpoolError
+from tokentrace.collector.tail_sampling import TailSampler
 from tokentrace.processors.budget import request_record
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.enrich import enrich_span
@@ -141,6 +154,8 @@ _NS_PER_S: Final = 1_000_000_000
 
 EarlierSpans = Callable[[bytes], list[SpanRef] | None]
 """The spans already stored for a trace id, each span id once (None: none found)."""
+StoredTraces = Callable[[Sequence[bytes]], set[bytes]]
+"""Which of these trace ids a store shared with other collectors already holds spans of."""
 
 
 class PipelineTick:
@@ -262,6 +277,7 @@ class Pipeline:
         *,
         sinks: Mapping[str, TraceSink] = MappingProxyType({}),
         earlier_spans: EarlierSpans | None = None,
+        stored_traces: StoredTraces | None = None,
         telemetry: SelfTelemetry | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -272,7 +288,9 @@ class Pipeline:
     ) -> None:
         """``sinks``: the exporters by component id, in the order they get each batch.
         ``earlier_spans`` looks up a trace's stored spans for late fragments (called on the
-        pipeline thread, once per late fragment; see the module docstring). ``telemetry``: the
+        pipeline thread, once per late fragment; see the module docstring). ``stored_traces``:
+        given when other collectors write the same store, so a trace whose first spans another
+        replica stored is a late fragment here too (one look-up per batch). ``telemetry``: the
         collector's registry (default: one of its own). ``spool``: the write-ahead spool every
         accepted request goes to before it is acknowledged (the pipeline closes it at shutdown);
         None: durability ``none``."""
@@ -280,11 +298,14 @@ class Pipeline:
         self.telemetry = telemetry if telemetry is not None else SelfTelemetry()
         self._sinks = dict(sinks)
         self._earlier_spans = earlier_spans
+        self._stored_traces = stored_traces
         self._monotonic = monotonic
         self._wall_clock = wall_clock
         self._tick_s = tick_s
         self._start_ns = int(wall_clock() * _NS_PER_S)
         assembler: TraceAssembler | None = None
+        self._sampler: TailSampler | None = None
+        """The ``tail_sampling`` processor: which traces the exporters get (None: all)."""
         self._processors: list[tuple[str, RecordProcessor]] = []
         for component in config.processors:
             made = create_component(
@@ -297,6 +318,8 @@ class Pipeline:
             )
             if isinstance(made, TraceAssembler):
                 assembler = made
+            elif isinstance(made, TailSampler):
+                self._sampler = made
             else:
                 self._processors.append((component.id, made))
         if assembler is None:
@@ -354,6 +377,11 @@ class Pipeline:
             semconv.SELF_METRIC_RETRIED_BATCHES,
             description="batch exports retried after an exporter asked to get them again",
         )
+        # With tail sampling, the exporters get the kept traces; the other sinks (the admin
+        # extension's request metrics) every trace, as the sketches see every request.
+        extension_ids = {component.id for component in config.extensions}
+        self._sampled_sinks = [sink_id for sink_id in self._sinks if sink_id not in extension_ids]
+        self._unsampled_sinks = [sink_id for sink_id in self._sinks if sink_id in extension_ids]
         self._held: list[_HeldBatch] = []
         self._held_traces = 0
         self._batch_traces = _MAX_BATCH_TRACES
@@ -465,6 +493,26 @@ class Pipeline:
         low = spool.lowest_unfinished()
         pending = self.assembler.lowest_seq()
         return low if pending is None else min(low, pending)
+
+    def _joined_with_other_replicas(self, traces: list[AssembledTrace]) -> list[AssembledTrace]:
+        """``traces`` with those another replica already stored spans of marked late, so each
+        joins its stored spans like a late fragment (module docstring). On a failed look-up
+        they are processed as they came (logged)."""
+        assert self._stored_traces is not None
+        fresh = [trace.trace_id for trace in traces if not trace.late]
+        if not fresh:
+            return traces
+        try:
+            known = self._stored_traces(fresh)
+        except Exception:
+            _log.warning("looking up which traces the shared store holds failed", exc_info=True)
+            return traces
+        if not known:
+            return traces
+        return [
+            AssembledTrace(t.trace_id, t.spans, late=True) if t.trace_id in known else t
+            for t in traces
+        ]
 
     def _unstored_part(self, trace: AssembledTrace) -> AssembledTrace | None:
         """A replayed trace without the spans the store already holds: None when it holds them
@@ -623,6 +671,8 @@ class Pipeline:
                 self._unstored_part(t) if t.trace_id in self._replayed else t for t in traces
             )
             traces = [trace for trace in unstored if trace is not None]
+        if self._stored_traces is not None:
+            traces = self._joined_with_other_replicas(traces)
         processed = (self.process_trace(trace) for trace in traces)
         batch = [item for item in processed if item is not None]
         self._traces.add(len(batch))
@@ -630,21 +680,32 @@ class Pipeline:
         self._requests.add(
             sum(max(0, len(item.records) - len(item.replaces_stored)) for item in batch)
         )
-        if batch:
-            refused = self._export(batch, list(self._sinks))
-            if refused:
-                now = self._monotonic()
-                self._held.append(
-                    _HeldBatch(batch, refused, low_seq, now, now + _HELD_RETRY_INITIAL_S)
-                )
-                self._held_traces += len(batch)
-        # Every trace popped above is with the exporters now (the store committed it), or held.
+        if self._sampler is None:
+            self._export_or_hold(batch, list(self._sinks), low_seq)
+        else:
+            # After every processor saw every request (sketches and SLO marks stay exact).
+            self._export_or_hold(self._sampler.sample(batch), self._sampled_sinks, low_seq)
+            self._export_or_hold(batch, self._unsampled_sinks, low_seq)
+        # Every trace popped above is with the exporters now (the store committed it), held,
+        # or dropped by tail sampling: done with, as an exported one.
         self.release_spool()
         elapsed = self._monotonic() - started
         self._batch_duration.record(elapsed)
         if not flush_all:
             self._size_next_batch(len(traces), elapsed)
         return len(batch)
+
+    def _export_or_hold(
+        self, batch: list[ProcessedTrace], sink_ids: Sequence[str], low_seq: int | None
+    ) -> None:
+        """Hand ``batch`` to ``sink_ids``; held for those that asked to get it again."""
+        if not batch or not sink_ids:
+            return
+        refused = self._export(batch, sink_ids)
+        if refused:
+            now = self._monotonic()
+            self._held.append(_HeldBatch(batch, refused, low_seq, now, now + _HELD_RETRY_INITIAL_S))
+            self._held_traces += len(batch)
 
     def _size_next_batch(self, traces: int, elapsed_s: float) -> None:
         """As many traces as fit ``_BATCH_TIME_BUDGET_S`` at the cost just measured (halfway

@@ -1,8 +1,9 @@
 """The ``tokentrace top`` view: a window report as a table, its SLO lines and collector counters.
 
-Pure, dicts in, text out: the input is a ``top`` report (``store.codec.window_report``). Separate
-from ``render.py`` (one request's views) because it reads a different document, a window of
-keys and targets, and draws it with the same glyphs, colours and ms formatting.
+Pure, dicts in, text out: the input is a ``top`` report (``store.codec.window_report``), with
+the collector's stats snapshot under ``collector`` (its counters, what tail sampling kept).
+Separate from ``render.py`` (one request's views) because it reads a different document, a
+window of keys and targets, and draws it with the same glyphs, colours and ms formatting.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tokentrace.collector.render import (
     format_percent,
     paint,
 )
+from tokentrace.collector.tail_sampling import render_sampling_line, sampling_summary
 
 _MAX_NAME_WIDTH: Final = 28
 _SECONDS_PER_MINUTE: Final = 60
@@ -118,7 +120,11 @@ def _collector_lines(report: Mapping[str, Any], *, color: bool, glyphs: Glyphs) 
     stats = report.get("collector")
     if not isinstance(stats, Mapping):
         return []
-    return ["", render_collector_line(stats, color=color, glyphs=glyphs)]
+    lines = ["", render_collector_line(stats, color=color, glyphs=glyphs)]
+    sampling = sampling_summary(stats)
+    if sampling is not None:  # the stored and exported traces are a sample; the table is not
+        lines.append(paint(render_sampling_line(sampling), ANSI_DIM, color))
+    return lines
 
 
 # Counters that mean data was lost or refused somewhere: shown whenever non-zero.

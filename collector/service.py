@@ -56,6 +56,7 @@ from tokentrace.collector.receivers import (
     split_endpoint,
 )
 from tokentrace.collector.self_telemetry import Histogram, SelfTelemetry
+from tokentrace.collector.store.location import display_location, is_postgresql
 
 if TYPE_CHECKING:
     from typing import Protocol
@@ -222,6 +223,7 @@ class Collector:
                 config,
                 sinks=sinks,
                 earlier_spans=stores[0].stored_spans if stores else None,
+                stored_traces=stores[0].stored_trace_ids if stores and stores[0].shared else None,
                 telemetry=self.telemetry,
                 monotonic=self._clock,
                 wall_clock=self._wall_clock,
@@ -297,17 +299,20 @@ class Collector:
         name = f"exporter {exporter_id}"
         store = self.config.store
         assert store is not None, "a store exporter has a store config"
-        path = os.path.abspath(store.path)
-        directory = os.path.dirname(path)
-        if not os.access(directory, os.W_OK | os.X_OK):
-            return ReadinessCheck(name, False, f"directory {directory} is not writable")
-        if os.path.exists(path) and not os.access(path, os.W_OK):
-            return ReadinessCheck(name, False, f"{path} is not writable")
+        if is_postgresql(store.path):  # a database server: its last batch says it all
+            where = display_location(store.path)
+        else:
+            where = os.path.abspath(store.path)
+            directory = os.path.dirname(where)
+            if not os.access(directory, os.W_OK | os.X_OK):
+                return ReadinessCheck(name, False, f"directory {directory} is not writable")
+            if os.path.exists(where) and not os.access(where, os.W_OK):
+                return ReadinessCheck(name, False, f"{where} is not writable")
         timed = self._timed_exporters.get(exporter_id)
         last_error = None if timed is None else timed.last_error
         if last_error is not None:
             return ReadinessCheck(name, False, f"the last batch was not stored: {last_error}")
-        return ReadinessCheck(name, True, path)
+        return ReadinessCheck(name, True, where)
 
     def _upstream_check(self, component: ComponentConfig) -> ReadinessCheck:
         """Reachable or buffering: the send queue has room for one more batch (a queue that
@@ -486,7 +491,9 @@ def describe_config(
     if config.slo_targets:
         lines.append(f"SLO targets: {', '.join(target.name for target in config.slo_targets)}")
     if config.store is not None:
-        lines.append(f"request store: {os.path.abspath(config.store.path)}")
+        path = config.store.path
+        shown = display_location(path) if is_postgresql(path) else os.path.abspath(path)
+        lines.append(f"request store: {shown}")
     spool_directory = config.spool_directory
     if spool_directory is None:
         lines.append("durability: none (an acknowledged export is lost if the process dies)")

@@ -26,6 +26,7 @@ bound.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import struct
@@ -49,6 +50,8 @@ _HEADER: Final = struct.Struct("<IIQ")
 _SEQ: Final = struct.Struct("<Q")
 _PREFIX: Final = "segment-"
 _SUFFIX: Final = ".spool"
+_LOCK_FILE: Final = "lock"
+"""Held (``lockf``) by the collector process using the spool."""
 _MAX_RECORD_BYTES: Final = 1 << 31
 _FSYNC_BOUNDS_S: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _RETRY_AFTER_S: Final = 1.0
@@ -113,6 +116,19 @@ class Spool:
         self._bytes = 0
         self._replaying = False
         self._dir_fd = os.open(self.directory, os.O_RDONLY)
+        # One collector process per spool: two would replay and delete each other's segments.
+        # A POSIX record lock is the process's, so a spool re-opened in the same process (after
+        # a simulated crash) is not refused, and the kernel drops it when the process dies.
+        self._lock_fd = os.open(self.directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.lockf(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            _close(self._lock_fd)
+            _close(self._dir_fd)
+            raise SpoolError(
+                f"spool directory {self.directory} is in use by another collector: give each "
+                "collector a durability directory of its own"
+            ) from None
         for path in sorted(self.directory.glob(f"{_PREFIX}*{_SUFFIX}")):
             try:
                 first_seq = int(path.name[len(_PREFIX) : -len(_SUFFIX)])
@@ -397,6 +413,7 @@ class Spool:
                 os.fsync(fd)
             _close(fd)
         _close(self._dir_fd)
+        _close(self._lock_fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from tokentrace.collector.assembly import unique_spans
 from tokentrace.collector.pipeline import group_by_trace
-from tokentrace.collector.store import RequestStore
+from tokentrace.collector.store import Store
 from tokentrace.collector.store.query import QueryTimeoutError
 from tokentrace.processors.budget import request_record
 from tokentrace.processors.diagnosis import DiagnosisConfig
@@ -44,7 +44,7 @@ class StoredWindow:
 
 
 def records_of_traces(
-    store: RequestStore,
+    store: Store,
     trace_ids: Iterable[bytes],
     *,
     deadline: float | None = None,

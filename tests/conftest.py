@@ -13,6 +13,7 @@ import pytest
 
 from tests.collector.upstream import UpstreamOtlp
 from tests.node.nvml_fixtures import nvml, nvml_library_dir, nvml_stand_in_lib
+from tests.postgres_server import PostgresServer, running_postgres
 from tests.sglang.shared_server import sglang_server
 from tests.vllm.shared_server import traced_server, vllm_server
 
@@ -74,3 +75,26 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
         timeout=30,
     )
     return str(cert), str(key)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One real PostgreSQL server for the session (started on first use, ~1 s)."""
+    with running_postgres() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> str:
+    """The URL of a new empty database on the session's PostgreSQL server."""
+    return postgres_server.create_database()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a store contract test opens its store (``store.open_store``), once per backend:
+    a SQLite file in the test's directory, or a new database on the session's PostgreSQL."""
+    if request.param == "sqlite":
+        return str(tmp_path / "store.db")
+    url: str = request.getfixturevalue("postgres_url")
+    return url

@@ -8,10 +8,11 @@ can run inside the collector (beside its writer) or alone (``tokentrace ui``).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Final
@@ -24,7 +25,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokentrace.collector.api.params import ApiError
-from tokentrace.collector.store import RequestStore, StoreError, StoreNotFoundError
+from tokentrace.collector.store import Store, StoreError, StoreNotFoundError, open_store_readonly
 from tokentrace.collector.store.query import QueryTimeoutError
 
 _log = logging.getLogger(__name__)
@@ -63,7 +64,15 @@ def create_app(settings: ApiSettings) -> FastAPI:
     """The API + UI application for one store."""
     from tokentrace.collector.api import detail_route, diagnose_route, list_route, window_routes
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        store, app.state.store = app.state.store, None
+        if store is not None:  # a PostgreSQL store's pooled connections go with the app
+            store.close()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="tokentrace",
         summary="Drill-down API: stored LLM requests, their latency budgets, SLOs and windows",
         version=_version(),
@@ -114,12 +123,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
     return app
 
 
-def store_of(request: Request) -> RequestStore:
+def store_of(request: Request) -> Store:
     """The app's read-only store, opened on first use (the collector may create it later)."""
-    store: RequestStore | None = request.app.state.store
+    store: Store | None = request.app.state.store
     if store is None:
         settings: ApiSettings = request.app.state.settings
-        store = RequestStore.open_readonly(settings.store_path, clock=settings.clock)
+        store = open_store_readonly(settings.store_path, clock=settings.clock)
         request.app.state.store = store
     return store
 
@@ -136,7 +145,7 @@ def meta_document(request: Request) -> dict[str, Any]:
     stats = _json_or_none(store.meta(META_COLLECTOR_STATS), json)
     return {
         "version": _version(),
-        "store": settings.store_path,
+        "store": store.path,
         "requests": store.count(),
         "slo_targets": [target_to_dict(target) for target in targets],
         "trace_link": settings.trace_link,

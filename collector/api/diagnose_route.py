@@ -4,7 +4,7 @@
 The window's most recent ``limit`` traces are re-derived from their stored spans and analysed by
 ``collector.diagnose.diagnose_range`` with the SLO targets the collector stored. Re-deriving
 costs about half a millisecond per request, so the default limit keeps a view near a second and
-reading stops once the store's query budget (``list_query.QUERY_BUDGET_S``) is spent: 503, as a
+reading stops once the store's query budget (``query.QUERY_BUDGET_S``) is spent: 503, as a
 list query past it answers. Each finding also carries ``lines``, the text ``tokentrace diagnose``
 prints for it (``findings.finding_lines``), so the UI shows the CLI's words.
 """
@@ -21,7 +21,7 @@ from tokentrace.collector.api.app import store_of
 from tokentrace.collector.api.params import Window
 from tokentrace.collector.api.window_routes import SloStatus, bounded_window, default_window
 from tokentrace.collector.diagnose import diagnose_range
-from tokentrace.collector.store.sqlite import list_query as store_query
+from tokentrace.collector.store import query as store_query
 from tokentrace.processors.window.findings import finding_lines
 
 router = APIRouter(tags=["windows"])

@@ -34,9 +34,9 @@ from tokentrace.collector.store.query import (
     MAX_PAGE_LIMIT,
     MAX_TEXT_LENGTH,
     MIN_TRACE_PREFIX_HEX,
+    TOTAL_CAP,
     decode_cursor,
 )
-from tokentrace.collector.store.sqlite.list_query import TOTAL_CAP
 
 router = APIRouter(tags=["requests"])
 

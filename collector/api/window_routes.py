@@ -8,6 +8,7 @@ bands and the slowest lists) and hands the rest to the pure builders in ``fleet`
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Final
@@ -37,9 +38,10 @@ from tokentrace.collector.api.params import (
     unix_s_to_ns,
     window_dependency,
 )
-from tokentrace.collector.store import RequestStore
+from tokentrace.collector.store import META_COLLECTOR_STATS, Store
 from tokentrace.collector.store.document import RequestSummaryDoc
 from tokentrace.collector.store.query import QueryTimeoutError, RequestFilter, RequestPageQuery
+from tokentrace.collector.tail_sampling import sampling_summary
 from tokentrace.processors.sketches import LatencySketch
 from tokentrace.processors.window.compare import compare_windows
 
@@ -132,12 +134,27 @@ RequestSummaryList = Annotated[
 ]
 
 
+class SamplingSummary(BaseModel):
+    """What tail sampling kept, since the collector started (its stats snapshot)."""
+
+    traces: int = Field(description="traces decided: kept + dropped")
+    kept: int
+    dropped: int
+    kept_share: float | None = Field(description="kept / traces (null: none decided yet)")
+    kept_by_reason: dict[str, int] = Field(description="always, breach, slowest, rare, random")
+    dropped_by_reason: dict[str, int] = Field(description="random")
+
+
 class FleetView(BaseModel):
     window: WindowReport
     distributions: dict[str, Histogram] = Field(description="ttft, tpot, itl, e2e")
     budget: dict[str, BudgetBand] = Field(description="p50, p99")
     slowest: RequestSummaryList
     breaching: RequestSummaryList
+    sampling: SamplingSummary | None = Field(
+        description="the stored traces are a sample of these (null: tail sampling is off); the "
+        "percentiles and SLO figures are not sampled"
+    )
     warnings: list[str]
 
 
@@ -205,7 +222,7 @@ class _WindowData:
 
 
 def _read_window(
-    store: RequestStore,
+    store: Store,
     span: BoundedWindow,
     dims: Dimensions,
     *,
@@ -246,7 +263,7 @@ def _request_filter(span: BoundedWindow, dims: Dimensions, **extra: Any) -> Requ
 
 
 def _budget(
-    store: RequestStore,
+    store: Store,
     span: BoundedWindow,
     dims: Dimensions,
     e2e_sketch: LatencySketch | None,
@@ -272,7 +289,7 @@ def _budget(
 
 
 def _summaries(
-    store: RequestStore, query_filter: RequestFilter, what: str, warnings: list[str]
+    store: Store, query_filter: RequestFilter, what: str, warnings: list[str]
 ) -> list[RequestSummaryDoc]:
     """The slowest matching requests by E2E (``_LISTED_REQUESTS``); none, with a warning, when
     the query runs too long."""
@@ -348,8 +365,22 @@ def get_fleet(
         "breaching": _summaries(
             store, _request_filter(span, dims, slo_breached=True), "breaching", warnings
         ),
+        "sampling": _sampling(store),
         "warnings": warnings,
     }
+
+
+def _sampling(store: Store) -> dict[str, Any] | None:
+    """What tail sampling kept, from the collector's stats the store holds (None: off, or no
+    collector wrote stats)."""
+    raw = store.meta(META_COLLECTOR_STATS)
+    if not raw:
+        return None
+    try:
+        stats = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    return sampling_summary(stats)
 
 
 def _required_unix_s(name: str) -> Any:

@@ -22,8 +22,9 @@ from tokentrace.collector.store import (
     META_COLLECTOR_STARTED_NS,
     META_COLLECTOR_STATS,
     META_SLO_TARGETS,
-    RequestStore,
+    Store,
     StoreWriteError,
+    open_store,
 )
 from tokentrace.collector.store.contract import META_DIAGNOSIS, diagnosis_to_json
 from tokentrace.collector.window import stored_spans_by_trace
@@ -69,7 +70,7 @@ class StoreSink:
         """Opens the store (the pipeline's look-up of stored spans works from here on).
         ``telemetry``: this exporter's view of the collector's registry (snapshot prefix
         ``SNAPSHOT_PREFIX``), which the counters (``stats()``) are reported to."""
-        self._store = RequestStore(
+        self._store = open_store(
             config.path, retention_s=config.retention_s, max_requests=config.max_requests
         )
         self._clock = clock
@@ -87,7 +88,7 @@ class StoreSink:
             telemetry.observe(self.stats, counters=_COUNTERS)
 
     @property
-    def store(self) -> RequestStore:
+    def store(self) -> Store:
         return self._store
 
     def export_traces(self, batch: Sequence[ProcessedTrace]) -> None:
@@ -167,6 +168,16 @@ class StoreSink:
         if otlp is None:
             return None
         return stored_spans_by_trace(otlp).get(trace_id)
+
+    @property
+    def shared(self) -> bool:
+        """Whether other collectors write the same store (the pipeline then asks
+        ``stored_trace_ids`` which traces they already stored)."""
+        return self._store.shared
+
+    def stored_trace_ids(self, trace_ids: Sequence[bytes]) -> set[bytes]:
+        """Which of ``trace_ids`` the store holds spans of (one query per 500 ids)."""
+        return self._store.stored_trace_ids(trace_ids)
 
     def tick(self, tick: PipelineTick) -> None:
         if tick.percentile_slices:

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
-from typing import Final, TypeAlias
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias
 
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.model import AssembledTrace, RequestRecord
+
+if TYPE_CHECKING:
+    from tokentrace.collector.store.document import RequestDocument
+    from tokentrace.collector.store.query import RequestFilter, RequestPage, RequestPageQuery
+    from tokentrace.collector.store.sketch_report import SketchSlice
+    from tokentrace.processors.slo import SloTarget
 
 META_SLO_TARGETS: Final = "slo_targets"
 """Meta key: the collector's SLO targets (``processors.slo.targets_to_json``)."""
@@ -88,3 +94,74 @@ def diagnosis_from_json(raw: str | None) -> DiagnosisConfig:
         return DiagnosisConfig(**settings)
     except (ValueError, TypeError, AttributeError):
         return _DEFAULT_DIAGNOSIS
+
+
+class Store(Protocol):
+    """What the collector, the CLI and the API use of a request store, whichever backend
+    (``location.open_store``): the SQLite ``sqlite.store.RequestStore`` or the PostgreSQL
+    ``postgresql.store.PostgresRequestStore``. The SQLite store's docstrings define the
+    behaviour; a backend differs only where its own docstring says so."""
+
+    path: str
+    """Where the store is, as messages show it (a URL without its password)."""
+    shared: bool
+    """Whether other collectors may write the same store (PostgreSQL) or only this one."""
+    readonly: bool
+    max_trace_bytes: int
+    prune_batch: int
+    written_requests: int
+    written_traces: int
+    rejected_records: int
+    failed_traces: int
+    written_slices: int
+    failed_batches: int
+    pruned_requests: int
+    pruned_traces: int
+    pruned_slices: int
+    replaced_traces: int
+    quarantined_records: int
+    quarantined_traces: int
+
+    @property
+    def checkpoints(self) -> int: ...
+    @property
+    def failed_checkpoints(self) -> int: ...
+
+    # --- reads
+    def get(self, trace_id: str, *, span_id: str | None = None) -> RequestDocument | None: ...
+    def trace_otlp(
+        self, trace_id: str | bytes, *, max_bytes: int | None = None
+    ) -> bytes | None: ...
+    def traces_otlp(self, trace_ids: Iterable[bytes]) -> Iterator[tuple[bytes, bytes]]: ...
+    def stored_trace_ids(self, trace_ids: Iterable[bytes]) -> set[bytes]: ...
+    def trace_ids_between(
+        self, since_ns: int, until_ns: int | None, *, limit: int
+    ) -> tuple[list[bytes], bool]: ...
+    def slowest(
+        self, *, metric: str = ..., since_ns: int | None = None, limit: int = 10
+    ) -> list[RequestDocument]: ...
+    def diagnosis_settings(self) -> DiagnosisConfig: ...
+    def list_requests(self, query: RequestPageQuery) -> RequestPage: ...
+    def segment_means(
+        self, filter: RequestFilter, *, limit: int = ...
+    ) -> tuple[int, dict[str, float]]: ...
+    def sketches_since(self, since_s: float) -> list[SketchSlice]: ...
+    def sketches_between(self, since_s: float, until_s: float | None) -> list[SketchSlice]: ...
+    def slo_targets(self) -> tuple[list[SloTarget], list[str]]: ...
+    def meta(self, key: str) -> str | None: ...
+    def count(self) -> int: ...
+    def now(self) -> float: ...
+
+    # --- writes
+    def write(
+        self,
+        batch: Sequence[WriteItem],
+        *,
+        replacing: Mapping[bytes, Collection[bytes]] | None = None,
+    ) -> None: ...
+    def write_sketch_slices(self, slices: Iterable[tuple[float, Any, str, Any]]) -> None: ...
+    def set_meta(self, key: str, value: str) -> None: ...
+    def prune(self) -> int: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Store: ...
+    def __exit__(self, *exc_info: object) -> None: ...

@@ -6,7 +6,8 @@ next page starts strictly after it in (sort value, trace id, span id) order, so 
 same at any depth and rows inserted meanwhile never shift a page.
 
 This is what the API and the UI ask any store for; how a store answers it fast is the backend's
-(SQLite: ``sqlite/list_query.py``, which also sets the total's cap and the time budget).
+(SQLite: ``sqlite/list_query.py``; PostgreSQL: ``postgresql/list_query.py``), within the
+total's cap and the time budget set here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ SORT_START: Final = "start"
 SORT_KEYS: Final = {SORT_START: "start_ns", **METRIC_COLUMNS}
 """Sort keys -> their column: the only column names a sort puts into SQL."""
 
+TOTAL_CAP: int = 10_000
+"""Matches a page's ``total`` counts at most: above it ``total`` is this and ``total_exact``
+false (backends read it at call time, so tests may lower it)."""
+QUERY_BUDGET_S: float = 5.0
+"""Time one list query may take before it is abandoned with ``QueryTimeoutError`` (a safety
+net: the backends' planning keeps the usual queries far below it; read at call time)."""
+
 MAX_PAGE_LIMIT: Final = 500
 """Rows one page holds at most."""
 DEFAULT_PAGE_LIMIT: Final = 50
@@ -37,6 +45,43 @@ _MAX_INT64: Final = 2**63 - 1
 
 class QueryTimeoutError(Exception):
     """A query ran past the store's time budget; the message says how to narrow it."""
+
+
+class UnreadableRowError(Exception):
+    """A stored row is not a valid request row (the store reports it as a StoreError)."""
+
+
+def query_timeout() -> QueryTimeoutError:
+    """The error of a list query that ran past ``QUERY_BUDGET_S``."""
+    return QueryTimeoutError(
+        f"the list query took longer than {QUERY_BUDGET_S:g} s: its filters each match many "
+        "requests but together few; narrow it with a time window"
+    )
+
+
+def trace_prefix_range(prefix_hex: str) -> tuple[bytes, bytes | None]:
+    """Byte range [low, high) of every id starting with ``prefix_hex`` (None: no upper end)."""
+    padded = prefix_hex if len(prefix_hex) % 2 == 0 else prefix_hex + "0"
+    low = bytes.fromhex(padded)
+    top = prefix_hex if len(prefix_hex) % 2 == 0 else prefix_hex + "f"
+    high = bytearray(bytes.fromhex(top))
+    while high and high[-1] == 0xFF:  # the smallest string above every one starting with top
+        high.pop()
+    if not high:
+        return low, None
+    high[-1] += 1
+    return low, bytes(high)
+
+
+def hex_prefix(text: str) -> str | None:
+    """A text search's trace id prefix: at least ``MIN_TRACE_PREFIX_HEX`` hex digits (an
+    optional 0x), lower case, at most 32; None when the text is not one."""
+    cleaned = text.strip().lower()
+    if cleaned.startswith("0x"):
+        cleaned = cleaned[2:]
+    if len(cleaned) < MIN_TRACE_PREFIX_HEX or any(c not in "0123456789abcdef" for c in cleaned):
+        return None
+    return cleaned[:32]
 
 
 # --- the query -----------------------------------------------------------------------------------
@@ -91,7 +136,7 @@ class RequestPage:
     next_cursor: str | None
     """Give it back for the next page; None on the last page."""
     total: int
-    """Matching requests, counted up to the store's cap (SQLite: ``list_query.TOTAL_CAP``)."""
+    """Matching requests, counted up to ``TOTAL_CAP``."""
     total_exact: bool
 
 

@@ -6,7 +6,7 @@
 #
 # SOURCE is the repository (pyproject.toml, constraints.txt and the four package folders).
 # TARGET:
-#   collector           a virtual environment at PREFIX with tokentrace[collector]
+#   collector           a virtual environment at PREFIX with tokentrace[collector,postgresql]
 #   node-agent          a virtual environment at PREFIX with tokentrace[node]
 #   autoinstrumentation the injection tree at PREFIX (the OpenTelemetry Operator's Python
 #                       convention; the init container copies it into the pod's emptyDir):
@@ -34,7 +34,7 @@ prefix=$3
 python=${PYTHON:-python3}
 
 case "$target" in
-    collector) extra=collector ;;
+    collector) extra=collector,postgresql ;;
     node-agent) extra=node ;;
     autoinstrumentation) extra=agent ;;
     *)

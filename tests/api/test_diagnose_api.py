@@ -16,7 +16,7 @@ from tests.api.replayed import SLO_TARGETS, replayed_store
 from tokentrace.collector.api.app import ApiSettings, create_app
 from tokentrace.collector.diagnose import diagnose_range
 from tokentrace.collector.store import META_SLO_TARGETS, RequestStore
-from tokentrace.collector.store.sqlite import list_query as store_query
+from tokentrace.collector.store import query as store_query
 from tokentrace.processors.slo import parse_targets
 from tokentrace.processors.window.findings import finding_lines
 

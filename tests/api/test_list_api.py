@@ -1,4 +1,5 @@
-"""``GET /api/v1/requests`` through the real app (TestClient) on a real SQLite store.
+"""``GET /api/v1/requests`` through the real app (TestClient) on a real store of each backend
+(SQLite, PostgreSQL: the ``filled`` store and ``store_location``).
 
 Expected lists are computed by brute force over the rows the test wrote
 (``test_store_queries``), so each test says what the HTTP parameters mean, not how the store
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Iterator
-from pathlib import Path
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -26,15 +27,17 @@ from tests.api.test_store_queries import (
     Filled,
     expected_order,
     filled,  # noqa: F401 - the module-scoped store fixture
+    sqlite_only,
     varied_record,
     write,
 )
 from tests.collector.test_store import BASE_NS
 from tokentrace.collector.api import list_route
 from tokentrace.collector.api.app import ApiSettings, create_app
-from tokentrace.collector.store import RequestFilter, RequestStore
+from tokentrace.collector.store import RequestFilter, open_store
+from tokentrace.collector.store import query as store_query
 from tokentrace.collector.store.document import RequestSummaryDoc
-from tokentrace.collector.store.sqlite import list_query as query_module
+from tokentrace.collector.store.sqlite import list_query as sqlite_list_query
 
 NS_PER_S = 1_000_000_000
 NOW_NS = BASE_NS + ROWS * START_STEP_NS
@@ -43,10 +46,23 @@ NOW_S = NOW_NS / NS_PER_S
 SUMMARY_FIELDS = set(list_route.RequestSummary.model_fields)
 
 
-@pytest.fixture
+@contextmanager
+def serving(location: str, **settings: Any) -> Iterator[TestClient]:
+    """The app on the store at ``location``; its store is closed afterwards (the app never
+    closes it, and a PostgreSQL reader keeps its pooled connections open until then)."""
+    app = create_app(ApiSettings(store_path=location, **settings))
+    try:
+        with TestClient(app) as test_client:
+            yield test_client
+    finally:
+        if app.state.store is not None:
+            app.state.store.close()
+
+
+@pytest.fixture(scope="module")
 def client(filled: Filled) -> Iterator[TestClient]:  # noqa: F811
-    app = create_app(ApiSettings(store_path=str(filled.path), clock=lambda: NOW_S))
-    with TestClient(app) as test_client:
+    """The app on the ``filled`` store, once per module and backend (tests only read)."""
+    with serving(filled.location, clock=lambda: NOW_S) as test_client:
         yield test_client
 
 
@@ -168,13 +184,10 @@ def test_items_have_the_request_summary_shape(client: TestClient) -> None:
         list_route.RequestSummary.model_validate(item)
 
 
-def test_pages_stay_exact_while_requests_arrive(tmp_path: Path) -> None:
-    path = tmp_path / "live.db"
-    writer = RequestStore(path)
-    write(writer, [varied_record(n) for n in range(30)])
-    app = create_app(ApiSettings(store_path=str(path)))
+def test_pages_stay_exact_while_requests_arrive(store_location: str) -> None:
     seen: list[tuple[str, str]] = []
-    with TestClient(app) as test_client:
+    with open_store(store_location) as writer, serving(store_location) as test_client:
+        write(writer, [varied_record(n) for n in range(30)])
         body = get(test_client, limit=4, sort="e2e")
         newcomer = 500
         while True:
@@ -184,7 +197,6 @@ def test_pages_stay_exact_while_requests_arrive(tmp_path: Path) -> None:
             write(writer, [varied_record(newcomer), varied_record(newcomer + 1)])
             newcomer += 2
             body = get(test_client, limit=4, sort="e2e", cursor=body["next_cursor"])
-    writer.close()
     assert len(seen) == len(set(seen))
     original = [varied_record(n).timeline for n in range(30)]
     assert {(t.trace_id.hex(), t.span_id.hex()) for t in original} <= set(seen)
@@ -274,7 +286,7 @@ def test_total_is_capped_and_says_when(
 ) -> None:
     llama = len(expected_order(filled.rows, RequestFilter(model=MODELS[0]), "start", True))
     for cap, exact in ((llama - 1, False), (llama, True), (llama + 5, True)):
-        monkeypatch.setattr(query_module, "TOTAL_CAP", cap)
+        monkeypatch.setattr(store_query, "TOTAL_CAP", cap)
         body = get(client, model=MODELS[0], limit=5)
         assert (body["total"], body["total_exact"]) == (min(llama, cap), exact)
         unfiltered = get(client, limit=5)
@@ -289,24 +301,23 @@ def test_limit_bounds_are_inclusive(client: TestClient) -> None:
 def test_a_query_past_its_budget_is_503(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(query_module, "QUERY_BUDGET_S", -1.0)
-    monkeypatch.setattr(query_module, "_PROGRESS_STEPS", 1)
+    monkeypatch.setattr(store_query, "QUERY_BUDGET_S", -1.0)
+    monkeypatch.setattr(sqlite_list_query, "_PROGRESS_STEPS", 1)  # SQLite checks time this often
     response = client.get("/api/v1/requests", params={"q": "cmpl"})
     assert response.status_code == 503
     assert "took longer than" in response.json()["error"]
 
 
-def test_missing_store_is_503(tmp_path: Path) -> None:
-    app = create_app(ApiSettings(store_path=str(tmp_path / "absent.db")))
-    with TestClient(app) as test_client:
+def test_missing_store_is_503(store_location: str) -> None:
+    """No SQLite file there yet, or a PostgreSQL database without the store's tables."""
+    with serving(store_location) as test_client:
         response = test_client.get("/api/v1/requests")
     assert response.status_code == 503 and set(response.json()) == {"error"}
 
 
-def test_an_empty_store_lists_nothing(tmp_path: Path) -> None:
-    RequestStore(tmp_path / "empty.db").close()
-    app = create_app(ApiSettings(store_path=str(tmp_path / "empty.db")))
-    with TestClient(app) as test_client:
+def test_an_empty_store_lists_nothing(store_location: str) -> None:
+    open_store(store_location).close()
+    with serving(store_location) as test_client:
         body = get(test_client, sort="tpot", q="cmpl", model="llama")
     assert body == {"items": [], "next_cursor": None, "total": 0, "total_exact": True}
 
@@ -314,6 +325,7 @@ def test_an_empty_store_lists_nothing(tmp_path: Path) -> None:
 # --- the OpenAPI document -----------------------------------------------------------------------
 
 
+@sqlite_only  # the document does not depend on the store
 def test_openapi_describes_the_list_parameters_and_response(client: TestClient) -> None:
     document = client.get("/openapi.json").json()
     operation = document["paths"]["/api/v1/requests"]["get"]
@@ -325,7 +337,7 @@ def test_openapi_describes_the_list_parameters_and_response(client: TestClient) 
     }  # fmt: skip
     limit = parameters["limit"]["schema"]
     assert (limit["minimum"], limit["maximum"], limit["default"]) == (1, 500, 50)
-    assert parameters["sort"]["schema"]["enum"] == list(query_module.SORT_KEYS)
+    assert parameters["sort"]["schema"]["enum"] == list(store_query.SORT_KEYS)
     assert parameters["order"]["schema"]["enum"] == ["desc", "asc"]
     response = operation["responses"]["200"]["content"]["application/json"]["schema"]
     assert response == {"$ref": "#/components/schemas/RequestList"}
@@ -334,7 +346,7 @@ def test_openapi_describes_the_list_parameters_and_response(client: TestClient) 
 
 
 def test_sort_keys_of_the_route_and_the_store_agree() -> None:
-    assert list(typing.get_args(list_route.SortKey)) == list(query_module.SORT_KEYS)
+    assert list(typing.get_args(list_route.SortKey)) == list(store_query.SORT_KEYS)
 
 
 def test_the_summary_model_documents_the_stores_summary_fields_in_order() -> None:

@@ -1,12 +1,14 @@
-"""The request list in the store (``collector/store/query.py``, planned and run by
-``collector/store/sqlite/list_query.py``): filters, orders, keyset pages, totals, planning, and
-the fleet helpers ``segment_means`` and ``sketches_between``.
+"""The request list in the store (``collector/store/query.py``, run by
+``collector/store/sqlite/list_query.py`` and ``collector/store/postgresql/list_query.py``):
+filters, orders, keyset pages, totals, timeouts, and the fleet helpers ``segment_means`` and
+``sketches_between``, on both backends (the ``filled`` store and ``store_location``).
 
 Every expectation is computed here, by brute force over the rows the test wrote (``Row``), and
 compared with what the store answers: the same matches, in the same order, each exactly once.
-The query planner has several paths (a rare filter's seek, a scan of the start index, rowid
-lists, walks in sort order, the fallback of a slow walk); small ``TOTAL_CAP`` values and a zero
-walk budget drive the same queries through each of them.
+SQLite's query planner has several paths (a rare filter's seek, a scan of the start index,
+rowid lists, walks in sort order, the fallback of a slow walk); small ``TOTAL_CAP`` values and a
+zero walk budget drive the same queries through each of them. The planner's own tests (which
+index a plan names) are SQLite's only: PostgreSQL plans with its own statistics.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import base64
 import itertools
 import sqlite3
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,16 +27,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.collector.test_store import BASE_NS, MS, assembled, make_record
+from tests.postgres_server import PostgresServer
 from tokentrace.agent import semconv
 from tokentrace.collector.store import (
     QueryTimeoutError,
     RequestFilter,
     RequestPageQuery,
     RequestStore,
+    Store,
     StoreError,
+    is_postgresql,
+    open_store,
+    open_store_readonly,
 )
+from tokentrace.collector.store import query as store_query
 from tokentrace.collector.store.document import budget_segments
+from tokentrace.collector.store.postgresql import list_query as pg_list_query
 from tokentrace.collector.store.query import SORT_KEYS, decode_cursor, encode_cursor
+from tokentrace.collector.store.row import REQUEST_COLUMNS
 from tokentrace.collector.store.sqlite import list_query
 from tokentrace.collector.store.sqlite.list_query import (
     filter_terms,
@@ -149,7 +160,7 @@ def row_of(record: RequestRecord) -> Row:
     )
 
 
-def write(store: RequestStore, records: Sequence[RequestRecord]) -> None:
+def write(store: Store, records: Sequence[RequestRecord]) -> None:
     """One trace per request, written in batches of 20 (as the collector batches)."""
     items = [(assembled(record, with_decode=False), [record]) for record in records]
     for start in range(0, len(items), 20):
@@ -158,22 +169,38 @@ def write(store: RequestStore, records: Sequence[RequestRecord]) -> None:
 
 @dataclass(frozen=True)
 class Filled:
-    path: Path
+    location: str
+    """A SQLite file or a PostgreSQL URL (``open_store_readonly``)."""
     rows: list[Row]
 
+    @property
+    def on_sqlite(self) -> bool:
+        return not is_postgresql(self.location)
 
-@pytest.fixture(scope="module")
-def filled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Filled]:
-    path = tmp_path_factory.mktemp("list") / "store.db"
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def filled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Filled:
+    """``ROWS`` varied requests, written once per module and backend (a hypothesis test varies
+    only its queries over them)."""
+    if request.param == "sqlite":
+        location = str(tmp_path_factory.mktemp("list") / "store.db")
+    else:
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        location = server.create_database()
     records = [varied_record(number) for number in range(ROWS)]
-    with RequestStore(path, clock=lambda: BASE_NS / 1e9) as store:
+    with open_store(location, clock=lambda: BASE_NS / 1e9) as store:
         write(store, records)
-    yield Filled(path, [row_of(record) for record in records])
+    return Filled(location, [row_of(record) for record in records])
+
+
+sqlite_only = pytest.mark.parametrize("filled", ["sqlite"], indirect=True)
+"""For tests of SQLite's own planner (the ``filled`` store on SQLite alone)."""
 
 
 @pytest.fixture
-def reader(filled: Filled) -> RequestStore:
-    return RequestStore.open_readonly(filled.path)
+def reader(filled: Filled) -> Iterator[Store]:
+    with open_store_readonly(filled.location) as store:
+        yield store
 
 
 # --- brute force -----------------------------------------------------------------------------
@@ -214,12 +241,14 @@ def expected_order(rows: Sequence[Row], flt: RequestFilter, sort: str, descendin
     return [r.key for r in kept]
 
 
-def walk(store: RequestStore, query: RequestPageQuery) -> tuple[list[tuple[str, str]], Any]:
-    """Every page of ``query`` through its cursors: the keys in order, and the first page."""
+def walk(store: Store, query: RequestPageQuery) -> tuple[list[tuple[str, str]], Any]:
+    """Every page of ``query`` through its cursors: the keys in order, and the first page.
+    Every page's total is the first's (the filter's matches, not those left after it)."""
     keys: list[tuple[str, str]] = []
     first = page = store.list_requests(query)
     for _ in range(ROWS + 2):
         keys.extend((item["trace_id"], item["span_id"]) for item in page.items)
+        assert (page.total, page.total_exact) == (first.total, first.total_exact)
         if page.next_cursor is None:
             return keys, first
         page = store.list_requests(replace(query, cursor=page.next_cursor))
@@ -228,14 +257,20 @@ def walk(store: RequestStore, query: RequestPageQuery) -> tuple[list[tuple[str, 
 
 @pytest.fixture
 def planner(monkeypatch: pytest.MonkeyPatch) -> Callable[[int, bool], None]:
-    """Sets the total cap, and whether every walk falls back at once."""
+    """Sets the total cap, and whether every SQLite walk falls back at once (PostgreSQL has
+    no walks: there the second setting changes nothing)."""
 
     def configure(cap: int, force_fallback: bool) -> None:
-        monkeypatch.setattr(list_query, "TOTAL_CAP", cap)
+        monkeypatch.setattr(store_query, "TOTAL_CAP", cap)
         monkeypatch.setattr(list_query, "WALK_BUDGET_S", -1.0 if force_fallback else 60.0)
         monkeypatch.setattr(list_query, "_PROGRESS_STEPS", 1 if force_fallback else 2_000)
 
     return configure
+
+
+def fallback_modes(filled: Filled) -> tuple[bool, ...]:
+    """Whether walks fall back at once: both ways on SQLite; PostgreSQL has no walks."""
+    return (False, True) if filled.on_sqlite else (False,)
 
 
 # --- filters, orders and pages against brute force -----------------------------------------
@@ -256,6 +291,7 @@ def _filters(rows: Sequence[Row]) -> st.SearchStrategy[RequestFilter]:
             lambda r: st.integers(8, 32).map(lambda n: r.trace_id.hex()[:n])
         ),
         st.sampled_from(["%", "_", "a%b", "a_b", "zzz", "0x0000002a", "'; --"]),
+        st.text(max_size=6),  # NUL characters too (PostgreSQL text cannot hold them)
     )
 
     def maybe(values: Sequence[Any]) -> st.SearchStrategy[Any]:
@@ -297,6 +333,7 @@ FILTERS = _filters([row_of(varied_record(n)) for n in range(ROWS)])
 )
 def test_pages_hold_exactly_the_brute_force_matches_in_order(
     filled: Filled,
+    reader: Store,
     planner: Callable[[int, bool], None],
     flt: RequestFilter,
     sort: str,
@@ -306,10 +343,9 @@ def test_pages_hold_exactly_the_brute_force_matches_in_order(
     force_fallback: bool,
 ) -> None:
     planner(cap, force_fallback)
-    store = RequestStore.open_readonly(filled.path)
     expected = expected_order(filled.rows, flt, sort, descending)
     query = RequestPageQuery(filter=flt, sort=sort, descending=descending, limit=limit)
-    keys, first = walk(store, query)
+    keys, first = walk(reader, query)
     assert keys == expected
     assert first.total == min(len(expected), cap)
     assert first.total_exact == (len(expected) <= cap)
@@ -317,7 +353,6 @@ def test_pages_hold_exactly_the_brute_force_matches_in_order(
 
 @pytest.mark.parametrize("sort", ["e2e", "ttft", "start", "queue"])
 @pytest.mark.parametrize("descending", [True, False])
-@pytest.mark.parametrize("force_fallback", [False, True])
 @pytest.mark.parametrize(
     "flt",
     [
@@ -329,21 +364,23 @@ def test_pages_hold_exactly_the_brute_force_matches_in_order(
 )
 def test_common_matches_walk_the_order_or_fall_back_to_start_order(
     filled: Filled,
+    reader: Store,
     planner: Callable[[int, bool], None],
     flt: RequestFilter,
     sort: str,
     descending: bool,
-    force_fallback: bool,
 ) -> None:
-    """Conditions that each match more than the cap: the page walks the sort order's index,
-    and with a zero walk budget every page is read in start order instead; same pages."""
-    planner(3, force_fallback)
-    store = RequestStore.open_readonly(filled.path)
-    keys, first = walk(store, RequestPageQuery(filter=flt, sort=sort, descending=descending))
+    """Conditions that each match more than the cap: on SQLite the page walks the sort
+    order's index, and with a zero walk budget every page is read in start order instead;
+    same pages, on PostgreSQL too."""
     expected = expected_order(filled.rows, flt, sort, descending)
     assert len(expected) > 3
-    assert keys == expected
-    assert (first.total, first.total_exact) == (3, False)
+    for force_fallback in fallback_modes(filled):
+        planner(3, force_fallback)
+        query = RequestPageQuery(filter=flt, sort=sort, descending=descending)
+        keys, first = walk(reader, query)
+        assert keys == expected, force_fallback
+        assert (first.total, first.total_exact) == (3, False)
 
 
 def test_the_fixture_exercises_every_filter(filled: Filled) -> None:
@@ -363,7 +400,7 @@ def test_the_fixture_exercises_every_filter(filled: Filled) -> None:
 @pytest.mark.parametrize("sort", list(SORT_KEYS))
 @pytest.mark.parametrize("descending", [True, False])
 def test_every_order_both_ways_pages_through_every_row_once(
-    reader: RequestStore, filled: Filled, sort: str, descending: bool
+    reader: Store, filled: Filled, sort: str, descending: bool
 ) -> None:
     query = RequestPageQuery(sort=sort, descending=descending, limit=7)
     keys, first = walk(reader, query)
@@ -372,7 +409,7 @@ def test_every_order_both_ways_pages_through_every_row_once(
     assert first.total == len(expected) and first.total_exact
 
 
-def test_summaries_carry_the_rows_values(reader: RequestStore, filled: Filled) -> None:
+def test_summaries_carry_the_rows_values(reader: Store, filled: Filled) -> None:
     page = reader.list_requests(RequestPageQuery(limit=500))
     by_key = {r.key: r for r in filled.rows}
     assert len(page.items) == ROWS
@@ -393,7 +430,7 @@ def test_summaries_carry_the_rows_values(reader: RequestStore, filled: Filled) -
         assert item["start_iso"].endswith("Z")
 
 
-def test_summary_agrees_with_the_document(reader: RequestStore, filled: Filled) -> None:
+def test_summary_agrees_with_the_document(reader: Store, filled: Filled) -> None:
     for item in reader.list_requests(RequestPageQuery(sort="e2e", limit=15)).items:
         doc = reader.get(item["trace_id"], span_id=item["span_id"])
         assert doc is not None
@@ -411,11 +448,11 @@ def test_summary_agrees_with_the_document(reader: RequestStore, filled: Filled) 
 
 @pytest.mark.parametrize(("sort", "descending"), [("start", True), ("e2e", False), ("ttft", True)])
 def test_pages_stay_exact_while_requests_are_inserted(
-    tmp_path: Path, sort: str, descending: bool
+    store_location: str, sort: str, descending: bool
 ) -> None:
     """Rows inserted between pages never make a page repeat or skip an existing row; the
     concatenated pages stay in order."""
-    store = RequestStore(tmp_path / "s.db")
+    store = open_store(store_location)
     first_batch = [varied_record(n) for n in range(40)]
     write(store, first_batch)
     column = SORT_KEYS[sort]
@@ -464,7 +501,7 @@ INJECTIONS = (
     "field_name", ["service", "model", "operation", "prompt_bucket", "cause", "segment", "text"]
 )
 def test_hostile_strings_in_every_filter_match_only_themselves(
-    reader: RequestStore, filled: Filled, field_name: str, value: str
+    reader: Store, filled: Filled, field_name: str, value: str
 ) -> None:
     flt = RequestFilter(**{field_name: value})
     page = reader.list_requests(RequestPageQuery(filter=flt, limit=500))
@@ -473,9 +510,41 @@ def test_hostile_strings_in_every_filter_match_only_themselves(
     assert reader.count() == ROWS
 
 
-def test_a_stored_value_with_quotes_is_matched_verbatim(
-    reader: RequestStore, filled: Filled
+@pytest.mark.parametrize(
+    "text",
+    ["%", "_", "a%b", "a_b", "A%B", "cmpl-a", "'", "cmpl-0", "\\", "%%", "_b"],
+)
+def test_text_search_matches_request_id_substrings_literally(
+    reader: Store, filled: Filled, text: str
 ) -> None:
+    """No LIKE wildcards, no quoting: ``%``, ``_`` and quotes are themselves, case counts."""
+    expected = expected_order(filled.rows, RequestFilter(text=text), "start", True)
+    page = reader.list_requests(RequestPageQuery(filter=RequestFilter(text=text), limit=500))
+    assert [(i["trace_id"], i["span_id"]) for i in page.items] == expected
+    assert all(text in str(i["request_id"]) for i in page.items)
+
+
+@pytest.mark.parametrize("digits", [8, 9, 15, 32])
+@pytest.mark.parametrize("spelling", ["lower", "upper", "0x"])
+def test_text_search_of_hex_digits_matches_trace_id_prefixes(
+    reader: Store, filled: Filled, digits: int, spelling: str
+) -> None:
+    """At least 8 hex digits (any case, an optional 0x) also match trace ids starting with
+    them, odd lengths too; the two requests of a trace both match."""
+    requests_of = Counter(r.trace_id for r in filled.rows)
+    shared = next(trace_id for trace_id, count in requests_of.items() if count == 2)
+    prefix = shared.hex()[:digits]
+    text = {"lower": prefix, "upper": prefix.upper(), "0x": "0x" + prefix}[spelling]
+    expected = expected_order(filled.rows, RequestFilter(text=text), "e2e", False)
+    page = reader.list_requests(
+        RequestPageQuery(filter=RequestFilter(text=text), sort="e2e", descending=False)
+    )
+    assert [(i["trace_id"], i["span_id"]) for i in page.items] == expected
+    assert page.next_cursor is None
+    assert sum(bytes.fromhex(trace).startswith(shared) for trace, _ in expected) == 2
+
+
+def test_a_stored_value_with_quotes_is_matched_verbatim(reader: Store, filled: Filled) -> None:
     page = reader.list_requests(RequestPageQuery(filter=RequestFilter(model=MODELS[2]), limit=500))
     expected = {r.key for r in filled.rows if r.model == MODELS[2]}
     assert expected and {(i["trace_id"], i["span_id"]) for i in page.items} == expected
@@ -504,6 +573,29 @@ def test_no_caller_value_is_ever_part_of_the_sql_text(text: str, sort: str) -> N
         assert marker not in sql and "12345678901" not in sql and "777777777777" not in sql
         assert sql.count("?") == len(params)
         assert marker in params
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1, max_size=40), st.sampled_from(list(SORT_KEYS)))
+def test_no_caller_value_is_ever_part_of_the_postgresql_sql_text(text: str, sort: str) -> None:
+    marker = "\x1f" + text
+    flt = RequestFilter(
+        service=marker, model=marker, operation=marker, prompt_bucket=marker, cause=marker,
+        segment=marker, text=marker, since_ns=12345678901, min_e2e_ns=98765432109,
+    )  # fmt: skip
+    found = pg_list_query.conditions(flt, sort_column=SORT_KEYS[sort])
+    sql, params = pg_list_query.page_sql(
+        found,
+        sort_column=SORT_KEYS[sort],
+        descending=True,
+        after=(777777777777, b"\x01" * 16, b"\x02" * 8),
+        limit=5,
+    )
+    stored = pg_list_query.pg_text(marker)  # NUL characters as the writer stores them
+    assert stored not in sql and "12345678901" not in sql and "777777777777" not in sql
+    # psycopg reads every % of the text as a placeholder's start: only %s may be there.
+    assert sql.count("%") == sql.count("%s") == len(params)
+    assert stored in params
 
 
 # --- cursors --------------------------------------------------------------------------------
@@ -546,7 +638,7 @@ def test_garbage_cursors_are_refused_with_one_sentence(garbage: str) -> None:
         decode_cursor(garbage, sort="start", descending=True)
 
 
-def test_a_cursor_of_another_order_is_refused_by_the_store(reader: RequestStore) -> None:
+def test_a_cursor_of_another_order_is_refused_by_the_store(reader: Store) -> None:
     page = reader.list_requests(RequestPageQuery(sort="ttft", limit=3))
     assert page.next_cursor is not None
     with pytest.raises(ValueError, match="sort=ttft"):
@@ -576,8 +668,9 @@ def test_query_limits_are_checked() -> None:
         (RequestFilter(text="cmpl-00"), "start_ns", "NOT INDEXED"),  # one scan, then rowids
     ],
 )
+@sqlite_only
 def test_a_rare_condition_drives_the_query(
-    reader: RequestStore, flt: RequestFilter, sort: str, index: str
+    reader: Store, flt: RequestFilter, sort: str, index: str
 ) -> None:
     with sqlite3.connect(f"file:{reader.path}?mode=ro", uri=True) as connection:
         plan = plan_query(connection, flt, sort_column=sort)
@@ -601,10 +694,11 @@ def test_every_index_the_planner_names_exists() -> None:
     assert named <= existing
 
 
+@sqlite_only
 def test_common_conditions_walk_the_sort_order(
-    reader: RequestStore, monkeypatch: pytest.MonkeyPatch
+    reader: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(list_query, "TOTAL_CAP", 3)
+    monkeypatch.setattr(store_query, "TOTAL_CAP", 3)
     with sqlite3.connect(f"file:{reader.path}?mode=ro", uri=True) as connection:
         start = plan_query(connection, RequestFilter(model="llama"), sort_column="start_ns")
         e2e = plan_query(connection, RequestFilter(model="llama"), sort_column="e2e_ns")
@@ -616,17 +710,82 @@ def test_common_conditions_walk_the_sort_order(
 
 
 def test_a_query_past_its_budget_raises_query_timeout(
-    reader: RequestStore, monkeypatch: pytest.MonkeyPatch
+    reader: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(list_query, "QUERY_BUDGET_S", -1.0)
-    monkeypatch.setattr(list_query, "_PROGRESS_STEPS", 1)
+    monkeypatch.setattr(store_query, "QUERY_BUDGET_S", -1.0)
+    monkeypatch.setattr(list_query, "_PROGRESS_STEPS", 1)  # SQLite checks the time this often
     with pytest.raises(QueryTimeoutError, match="took longer than"):
         reader.list_requests(RequestPageQuery(filter=RequestFilter(text="cmpl")))
     with pytest.raises(QueryTimeoutError):
         reader.segment_means(RequestFilter(model="llama"))
+    monkeypatch.setattr(store_query, "QUERY_BUDGET_S", 60.0)
+    assert len(reader.list_requests(RequestPageQuery(limit=500)).items) == ROWS
+
+
+BULK_ROWS = 80_000
+"""Enough rows that a scan of them all takes some 30 ms, several times the budget below."""
+
+
+def fill_in_bulk(url: str, copies: int) -> None:
+    """``copies`` more requests in the PostgreSQL store at ``url``, made in the server from
+    one written request (new trace ids ``ff…``, request ids ``bulk-<n>``): far faster than
+    the writer, for a table whose scans take a while."""
+    import psycopg
+
+    with open_store(url) as store:
+        write(store, [varied_record(1)])
+    made = {
+        "trace_id": "decode('ff' || lpad(to_hex(n), 30, '0'), 'hex')",
+        "start_ns": "r.start_ns + n",
+        "request_id": "'bulk-' || n",
+    }
+    columns = ", ".join(REQUEST_COLUMNS)
+    values = ", ".join(made.get(column, f"r.{column}") for column in REQUEST_COLUMNS)
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute(
+            f"INSERT INTO tokentrace.requests ({columns}) SELECT {values} "
+            "FROM tokentrace.requests AS r, generate_series(1, %s) AS n",
+            (copies,),
+        )
+        connection.execute("ANALYZE tokentrace.requests")
+
+
+def test_a_postgresql_query_the_server_cancels_leaves_the_connection_usable(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A list query that runs past the budget is cancelled by the server (its statement
+    timeout) and raised as QueryTimeoutError; the pooled connection goes back with the
+    database's own timeout (an operator's setting, here 1 min) instead of the list's, and the
+    next reads on it work."""
+    import psycopg
+
+    fill_in_bulk(postgres_url, BULK_ROWS)
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"ALTER DATABASE {admin.info.dbname} SET statement_timeout = '1min'")
+    with open_store_readonly(postgres_url) as reader:
+        with reader._reader() as connection:  # reads take turns on this one pooled connection
+            backend = connection.info.backend_pid
+        # A text no request id holds: the page and the count read every row.
+        nowhere = RequestPageQuery(filter=RequestFilter(text="no-such-request"))
+        monkeypatch.setattr(store_query, "QUERY_BUDGET_S", 0.01)
+        with pytest.raises(QueryTimeoutError, match="took longer than") as raised:
+            reader.list_requests(nowhere)
+        assert isinstance(raised.value.__context__, psycopg.errors.QueryCanceled)
+        with pytest.raises(QueryTimeoutError) as raised:
+            reader.segment_means(nowhere.filter, limit=10)
+        assert isinstance(raised.value.__context__, psycopg.errors.QueryCanceled)
+        monkeypatch.setattr(store_query, "QUERY_BUDGET_S", 60.0)
+        assert reader.count() == BULK_ROWS + 1  # a full scan, without the list's timeout
+        page = reader.list_requests(replace(nowhere, filter=RequestFilter(text="bulk-39999")))
+        assert page.total == sum("bulk-39999" in f"bulk-{n}" for n in range(1, BULK_ROWS + 1))
+        assert reader.list_requests(nowhere).items == []
+        with reader._reader() as connection:
+            (timeout,) = connection.execute("SHOW statement_timeout").fetchone()
+            assert (connection.info.backend_pid, timeout) == (backend, "1min")
 
 
 def test_an_unreadable_row_is_a_store_error(tmp_path: Path) -> None:
+    """(SQLite only: PostgreSQL's typed columns cannot hold such a row.)"""
     store = RequestStore(tmp_path / "s.db")
     write(store, [varied_record(1)])
     with sqlite3.connect(store.path) as raw:
@@ -650,7 +809,7 @@ def test_an_unreadable_row_is_a_store_error(tmp_path: Path) -> None:
 )
 @pytest.mark.parametrize("limit", [1, 7, 500])
 def test_segment_means_average_the_slowest_matches_budgets(
-    reader: RequestStore, filled: Filled, flt: RequestFilter, limit: int
+    reader: Store, filled: Filled, flt: RequestFilter, limit: int
 ) -> None:
     chosen = expected_order(filled.rows, flt, "e2e", True)[:limit]
     count, means = reader.segment_means(flt, limit=limit)
@@ -668,14 +827,14 @@ def test_segment_means_average_the_slowest_matches_budgets(
         assert means[name] == pytest.approx(sum(b[name] for b in budgets) / count, abs=0.0005)
 
 
-def test_segment_means_limit_is_bounded(reader: RequestStore) -> None:
+def test_segment_means_limit_is_bounded(reader: Store) -> None:
     with pytest.raises(ValueError, match="between 1 and 10000"):
         reader.segment_means(RequestFilter(), limit=0)
 
 
-def test_sketches_between_keeps_slices_that_start_inside(tmp_path: Path) -> None:
+def test_sketches_between_keeps_slices_that_start_inside(store_location: str) -> None:
     sketch = {"kind": "test"}
-    with RequestStore(tmp_path / "s.db") as store:
+    with open_store(store_location) as store:
         store.write_sketch_slices(
             (start, ("svc", "m", "chat", "0-127"), "e2e", sketch) for start in (10, 20, 25.5, 30)
         )

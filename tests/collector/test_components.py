@@ -56,6 +56,7 @@ from tokentrace.collector.self_telemetry import SelfTelemetry
 from tokentrace.collector.service import Collector
 from tokentrace.collector.store import META_COLLECTOR_STATS, RequestStore
 from tokentrace.collector.store.contract import diagnosis_from_json, diagnosis_to_json
+from tokentrace.collector.tail_sampling import TailSampler
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.percentiles import ClosedSlice, PercentileConfig
 from tokentrace.processors.sketches import LatencySketch, SketchKey
@@ -80,6 +81,7 @@ def test_the_table_holds_one_factory_per_kind_and_type() -> None:
         (KIND_PROCESSOR, "slo"),
         (KIND_PROCESSOR, "diagnosis"),
         (KIND_PROCESSOR, "percentiles"),
+        (KIND_PROCESSOR, "tail_sampling"),
         (KIND_EXPORTER, "store"),
         (KIND_EXPORTER, "otlp"),
         (KIND_EXTENSION, "ui"),
@@ -93,6 +95,7 @@ _MADE: dict[tuple[str, str], type] = {
     (KIND_PROCESSOR, "slo"): RecordProcessor,
     (KIND_PROCESSOR, "diagnosis"): RecordProcessor,
     (KIND_PROCESSOR, "percentiles"): RecordProcessor,
+    (KIND_PROCESSOR, "tail_sampling"): TailSampler,
     (KIND_EXPORTER, "store"): StoreSink,
     (KIND_EXPORTER, "otlp"): UpstreamSink,
     (KIND_EXTENSION, "ui"): ApiServer,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from tokentrace.collector.consumer import Overloaded
 from tokentrace.collector.pipeline import Pipeline, ProcessedTrace
 from tokentrace.collector.self_telemetry import SelfTelemetry
 from tokentrace.collector.service import Collector
-from tokentrace.collector.spool import Spool
+from tokentrace.collector.spool import Spool, SpoolError
 
 _MIB = 1024 * 1024
 
@@ -66,6 +68,30 @@ def test_appends_are_durable_in_order_and_replayed_after_a_restart(tmp_path: Pat
     # New appends go to a new segment and continue the sequence.
     assert again.append(b"four") == 3
     assert len(segment_files(tmp_path)) == 2
+
+
+def test_a_directory_another_collector_process_holds_is_refused_until_it_exits(
+    tmp_path: Path,
+) -> None:
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tokentrace.collector.spool import Spool; "
+            f"s = Spool({str(tmp_path)!r}, max_bytes=1 << 20, segment_bytes=1 << 16, "
+            "segment_age_s=60.0); print('open', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        with pytest.raises(SpoolError, match="in use by another collector"):
+            make_spool(tmp_path)
+    finally:
+        holder.communicate("", timeout=30)  # stdin closed: the holder exits
+    make_spool(tmp_path).close()  # the lock went with the process
 
 
 def test_appending_before_replaying_what_survived_is_refused(tmp_path: Path) -> None:

@@ -1,7 +1,14 @@
-"""The request store (SQLite, WAL), its rows and their documents."""
+"""The request store, its rows and their documents.
+
+A test that takes ``store_location`` (or the ``store`` fixture) runs once per backend: a SQLite
+file and a database on the session's PostgreSQL (tests/conftest.py); the SQLite-only ones (WAL,
+checkpoints, PRAGMAs, a full disk, the query planner's index use) open a file path.
+PostgreSQL-only behaviour is in test_store_postgresql.py."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 import sqlite3
@@ -14,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
@@ -36,7 +43,9 @@ from tokentrace.collector.store import (
     record_to_dict,
     window_report,
 )
+from tokentrace.collector.store.contract import Store, WriteItem
 from tokentrace.collector.store.document import DOC_TOKEN_OFFSETS_CAP, budget_segments
+from tokentrace.collector.store.location import is_postgresql, open_store, open_store_readonly
 from tokentrace.processors.budget import compute_metrics
 from tokentrace.processors.model import (
     AssembledTrace,
@@ -215,14 +224,37 @@ def stored_document(record: RequestRecord) -> dict[str, object]:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[RequestStore]:
+def store(store_location: str) -> Iterator[Store]:
+    """A store on each backend (``store_location``), its clock at ``BASE_NS``."""
+    opened = open_store(store_location, clock=lambda: BASE_NS / 1e9)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[RequestStore]:
+    """A SQLite store, for the tests of what only SQLite has (WAL, PRAGMAs, its planner)."""
     opened = RequestStore(tmp_path / "store.db", clock=lambda: BASE_NS / 1e9)
     yield opened
     opened.close()
 
 
-def write_records(store: RequestStore, *records: RequestRecord) -> None:
+def write_records(store: Store, *records: RequestRecord) -> None:
     store.write([(assembled(record), [record]) for record in records])
+
+
+def run_sql(location: str, statement: str) -> list[tuple[Any, ...]]:
+    """Run one statement on the store's database behind its back (either backend): its rows."""
+    if is_postgresql(location):
+        import psycopg
+
+        with psycopg.connect(
+            location, autocommit=True, options="-c search_path=tokentrace"
+        ) as connection:
+            cursor = connection.execute(statement)
+            return cursor.fetchall() if cursor.description else []
+    with contextlib.closing(sqlite3.connect(location)) as connection, connection:
+        return connection.execute(statement).fetchall()
 
 
 # --- rows and documents ---------------------------------------------------------------------------
@@ -301,14 +333,12 @@ def test_document_without_first_token_has_no_ttft_budget() -> None:
 # --- writing and reading ------------------------------------------------------------------------
 
 
-def test_store_uses_wal_and_round_trips_a_request(store: RequestStore) -> None:
+def test_store_round_trips_a_request(store: Store, store_location: str) -> None:
     record = make_record(7)
     write_records(store, record)
-    with sqlite3.connect(store.path) as raw:
-        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        row = raw.execute("SELECT model, e2e_ns, cause, slo_breached FROM requests").fetchone()
-    assert row == ("llama", record.budget.e2e_ns, "queueing", 0)
-    reader = RequestStore.open_readonly(store.path)
+    row = run_sql(store_location, "SELECT model, e2e_ns, cause, slo_breached FROM requests")
+    assert row == [("llama", record.budget.e2e_ns, "queueing", 0)]
+    reader = open_store_readonly(store_location)
     doc = reader.get(trace_id(7).hex())
     assert doc is not None
     assert doc["trace_id"] == trace_id(7).hex()
@@ -318,9 +348,16 @@ def test_store_uses_wal_and_round_trips_a_request(store: RequestStore) -> None:
     assert doc["metrics_ms"]["itl"]["count"] == len(record.metrics.itl)
     assert reader.count() == 1
     assert store.written_requests == 1
+    reader.close()
 
 
-def test_get_by_prefix_rejects_short_ambiguous_and_non_hex_ids(store: RequestStore) -> None:
+def test_sqlite_store_uses_wal(sqlite_store: RequestStore) -> None:
+    write_records(sqlite_store, make_record(7))
+    with contextlib.closing(sqlite3.connect(sqlite_store.path)) as raw:
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_get_by_prefix_rejects_short_ambiguous_and_non_hex_ids(store: Store) -> None:
     first = make_record(tid=bytes.fromhex("aabbccdd11" + "00" * 11))
     second = make_record(tid=bytes.fromhex("aabbccdd22" + "00" * 11))
     write_records(store, first, second)
@@ -337,14 +374,14 @@ def test_get_by_prefix_rejects_short_ambiguous_and_non_hex_ids(store: RequestSto
     assert store.get("aabbccdd33") is None
 
 
-def test_prefix_of_all_ff_digits_matches_the_top_of_the_id_space(store: RequestStore) -> None:
+def test_prefix_of_all_ff_digits_matches_the_top_of_the_id_space(store: Store) -> None:
     record = make_record(tid=b"\xff" * 16)
     write_records(store, record)
     assert store.get("ffffffff") is not None
 
 
 def test_trace_with_several_requests_returns_the_slowest_and_lists_the_others(
-    store: RequestStore,
+    store: Store,
 ) -> None:
     fast = make_record(1, span=1, queue_ms=10)
     slow = make_record(1, span=2, queue_ms=900)
@@ -358,14 +395,14 @@ def test_trace_with_several_requests_returns_the_slowest_and_lists_the_others(
     assert store.get(trace_id(1).hex(), span_id="ffff") is None
 
 
-def test_rewriting_a_request_replaces_it(store: RequestStore) -> None:
+def test_rewriting_a_request_replaces_it(store: Store) -> None:
     write_records(store, make_record(3, queue_ms=10))
     write_records(store, make_record(3, queue_ms=20))
     assert store.count() == 1
     assert store.get(trace_id(3).hex())["metrics_ms"]["queue"] == 20.0
 
 
-def test_trace_spans_are_stored_grouped_by_resource_and_scope(store: RequestStore) -> None:
+def test_trace_spans_are_stored_grouped_by_resource_and_scope(store: Store) -> None:
     record = make_record(5)
     store.write([(assembled(record, services=("api", "engine")), [record])])
     payload = store.trace_otlp(trace_id(5).hex())
@@ -381,8 +418,8 @@ def test_trace_spans_are_stored_grouped_by_resource_and_scope(store: RequestStor
     assert store.trace_otlp(trace_id(6)) is None
 
 
-def test_spans_of_a_trace_written_in_parts_are_appended_up_to_a_cap(tmp_path: Path) -> None:
-    store = RequestStore(tmp_path / "s.db", max_trace_bytes=2000)
+def test_spans_of_a_trace_written_in_parts_are_appended_up_to_a_cap(store_location: str) -> None:
+    store = open_store(store_location, max_trace_bytes=2000)
     first = make_record(5, span=1)
     second = make_record(5, span=2)
     store.write([(assembled(first, services=("api",)), [first])])
@@ -415,13 +452,13 @@ def test_spans_of_a_trace_written_in_parts_are_appended_up_to_a_cap(tmp_path: Pa
 
 
 def test_replacements_within_one_batch_are_counted_and_rolled_back_ones_are_not(
-    tmp_path: Path,
+    store_location: str,
 ) -> None:
     record = make_record(7)
     trace = assembled(record, services=("api",))
     part = encode_trace_request(trace.spans)
     # Room for two parts: the third part of the same batch replaces them, the fourth appends.
-    store = RequestStore(tmp_path / "s.db", max_trace_bytes=2 * len(part))
+    store = open_store(store_location, max_trace_bytes=2 * len(part))
     store.write([(trace, [record], part)] * 4)
     assert store.trace_otlp(trace_id(7)) == part + part
     assert store.replaced_traces == 1
@@ -430,16 +467,21 @@ def test_replacements_within_one_batch_are_counted_and_rolled_back_ones_are_not(
     # the last item failed it; written again item by item, three replacements are committed.
     store.max_trace_bytes = len(part)
     other = make_record(8)
-    unbindable: Any = ["not", "bytes"]  # SQLite cannot bind it: the transaction fails last
+    poisoned: WriteItem = (assembled(other), [other])
+    if is_postgresql(store_location):  # past bigint: the requests' statement fails
+        other.timeline.input_tokens = 2**64
+    else:  # SQLite cannot bind it: the transaction fails last, after the rows replaced
+        unbindable: Any = ["not", "bytes"]
+        poisoned = (assembled(other), [other], unbindable)
     with pytest.raises(StoreWriteError, match="quarantined"):
-        store.write([(trace, [record], part)] * 3 + [(assembled(other), [other], unbindable)])
+        store.write([(trace, [record], part)] * 3 + [poisoned])
     assert store.replaced_traces == 1 + 3
     assert store.quarantined_traces == 1
     assert store.trace_otlp(trace_id(7)) == part
     store.close()
 
 
-def test_slowest_orders_by_the_chosen_metric_and_filters_by_start(store: RequestStore) -> None:
+def test_slowest_orders_by_the_chosen_metric_and_filters_by_start(store: Store) -> None:
     # 1: slow queue (largest TTFT); 2: long decode (largest E2E); 3: small, started latest.
     write_records(
         store,
@@ -457,13 +499,13 @@ def test_slowest_orders_by_the_chosen_metric_and_filters_by_start(store: Request
         store.slowest(metric="e2e_ns DESC; DROP TABLE requests; --")
 
 
-def test_values_with_quotes_are_stored_verbatim(store: RequestStore) -> None:
+def test_values_with_quotes_are_stored_verbatim(store: Store) -> None:
     write_records(store, make_record(9, model="m'); DROP TABLE requests; --"))
     assert store.get(trace_id(9).hex())["model"] == "m'); DROP TABLE requests; --"
     assert store.count() == 1
 
 
-def test_malformed_record_is_left_out_and_reported(store: RequestStore) -> None:
+def test_malformed_record_is_left_out_and_reported(store: Store) -> None:
     good = make_record(1)
     bad = make_record(2)
     bad.budget.e2e_ns = None
@@ -479,18 +521,32 @@ def test_malformed_record_is_left_out_and_reported(store: RequestStore) -> None:
     assert store.count() == 2
 
 
-def test_a_constraint_one_item_breaks_costs_only_that_item(store: RequestStore) -> None:
-    with sqlite3.connect(store.path) as raw:
-        raw.execute(
-            "CREATE TRIGGER refuse BEFORE INSERT ON requests WHEN NEW.model = 'poison' "
-            "BEGIN SELECT RAISE(ABORT, 'poisoned'); END"
-        )
+_REFUSE_POISON: dict[str, str] = {
+    "sqlite": "CREATE TRIGGER refuse BEFORE INSERT ON requests WHEN NEW.model = 'poison' "
+    "BEGIN SELECT RAISE(ABORT, 'poisoned'); END",
+    "postgresql": "ALTER TABLE requests ADD CONSTRAINT refuse CHECK (model <> 'poison')",
+}
+
+
+def backend_of(location: str) -> str:
+    return "postgresql" if is_postgresql(location) else "sqlite"
+
+
+@pytest.mark.parametrize("poison_by", ["constraint", "value"])
+def test_a_constraint_or_value_one_item_breaks_costs_only_that_item(
+    store: Store, store_location: str, poison_by: str
+) -> None:
     first = make_record(1)
     poison = make_record(2, model="poison")
+    if poison_by == "constraint":
+        run_sql(store_location, _REFUSE_POISON[backend_of(store_location)])
+    else:  # an integer past 2**63: neither database's integer column takes it
+        poison.timeline.output_tokens = 2**63
     with pytest.raises(StoreWriteError, match="quarantined") as caught:
         store.write([(assembled(first), [first]), (assembled(poison), [poison])])
     assert (caught.value.rejected, caught.value.written, caught.value.retryable) == (1, 1, False)
     assert (store.failed_batches, store.quarantined_traces) == (0, 1)
+    assert "\n" not in str(caught.value)  # one line, the refused row's values not in it
     assert store.count() == 1
     assert store.trace_otlp(trace_id(2)) is None
     write_records(store, make_record(4))
@@ -498,27 +554,36 @@ def test_a_constraint_one_item_breaks_costs_only_that_item(store: RequestStore) 
 
 
 def test_a_database_that_refuses_the_write_rolls_the_batch_back_for_a_retry(
-    store: RequestStore,
+    sqlite_store: RequestStore,
 ) -> None:
-    fill_the_disk(store)
+    fill_the_disk(sqlite_store)
     records = [make_record(n) for n in range(1, 40)]
     with pytest.raises(StoreWriteError, match="rolled back") as caught:
-        store.write([(assembled(record), [record]) for record in records])
+        sqlite_store.write([(assembled(record), [record]) for record in records])
     assert (caught.value.rejected, caught.value.written, caught.value.retryable) == (0, 0, True)
-    assert (store.failed_batches, store.rejected_records) == (1, 0)
-    assert store.count() == 0
-    free_the_disk(store)
-    store.write([(assembled(record), [record]) for record in records])  # the same batch again
-    assert store.count() == 39
+    assert (sqlite_store.failed_batches, sqlite_store.rejected_records) == (1, 0)
+    assert sqlite_store.count() == 0
+    free_the_disk(sqlite_store)
+    # The same batch again.
+    sqlite_store.write([(assembled(record), [record]) for record in records])
+    assert sqlite_store.count() == 39
 
 
-def test_readonly_store_refuses_writes_and_missing_store_says_what_to_do(
-    store: RequestStore, tmp_path: Path
-) -> None:
+def test_readonly_store_refuses_writes(store: Store, store_location: str) -> None:
     write_records(store, make_record(1))
-    reader = RequestStore.open_readonly(store.path)
+    reader = open_store_readonly(store_location)
     with pytest.raises(StoreError, match="read-only"):
         write_records(reader, make_record(2))
+    with pytest.raises(StoreError, match="read-only"):
+        reader.set_meta("slo_targets", "[]")
+    with pytest.raises(StoreError, match="read-only"):
+        reader.write_sketch_slices([(1000, ("svc", "m", "chat", "0-127"), "e2e", {})])
+    assert (reader.rejected_records, reader.quarantined_records) == (0, 0)  # refused, not lost
+    assert reader.count() == 1
+    reader.close()
+
+
+def test_a_missing_sqlite_store_says_what_to_do(tmp_path: Path) -> None:
     missing = tmp_path / "absent.db"
     with pytest.raises(StoreNotFoundError) as caught:
         RequestStore.open_readonly(missing)
@@ -561,30 +626,31 @@ def test_another_programs_database_is_left_alone(tmp_path: Path) -> None:
     assert tables == {"users"}
 
 
-def test_store_is_readable_after_the_writer_closed(tmp_path: Path) -> None:
-    writer = RequestStore(tmp_path / "s.db")
+def test_store_is_readable_after_the_writer_closed(store_location: str) -> None:
+    writer = open_store(store_location)
     write_records(writer, make_record(1))
     writer.close()
-    reader = RequestStore.open_readonly(tmp_path / "s.db")
+    reader = open_store_readonly(store_location)
     assert reader.count() == 1
     assert reader.get(trace_id(1).hex()) is not None
 
 
-def test_meta_round_trip(store: RequestStore) -> None:
+def test_meta_round_trip(store: Store) -> None:
     assert store.meta("slo_targets") is None
     store.set_meta("slo_targets", '[{"name": "x"}]')
     store.set_meta("slo_targets", "[]")
     assert store.meta("slo_targets") == "[]"
 
 
-def test_rows_are_compact_and_the_document_is_built_when_read(store: RequestStore) -> None:
+def test_rows_are_compact_and_the_document_is_built_when_read(
+    store: Store, store_location: str
+) -> None:
     record = make_record(4, decode_ms=300)
     record.timeline.token_offsets_us = [i * 1500 for i in range(200)]
     record.timeline.preempted = [(BASE_NS + 200 * MS, BASE_NS + 210 * MS)]
     record.metrics.network = 3 * MS
     write_records(store, record)
-    with sqlite3.connect(store.path) as raw:
-        (detail,) = raw.execute("SELECT detail FROM requests").fetchone()
+    [(detail,)] = run_sql(store_location, "SELECT detail FROM requests")
     # No per-token data in the row (the offsets stay in the stored decode span) ...
     assert "1500,3000,4500" not in detail and len(detail) < 200 * 4
     # ... yet the document read back is the record's, to the microsecond and token.
@@ -606,7 +672,15 @@ def test_document_itl_is_derived_like_the_request_metrics() -> None:
     assert sorted(timeline_metrics.itl) == [0, 10_000, 25_000, 70_000]
 
 
-@settings(max_examples=25, deadline=None)
+_EXAMPLE_TRACES = itertools.count(1)
+"""Trace numbers of the property test's examples: each writes its own trace into the one store
+the test's examples share (a database per example would cost PostgreSQL a database each)."""
+
+
+# The examples share the function's store on purpose: each writes a trace of its own.
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     queue_ms=st.integers(min_value=0, max_value=10_000),
     offsets=st.lists(st.integers(min_value=0, max_value=10**7), max_size=40),
@@ -615,32 +689,35 @@ def test_document_itl_is_derived_like_the_request_metrics() -> None:
     ratio=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)),
 )
 def test_stored_document_equals_the_records_document(
-    tmp_path_factory: pytest.TempPathFactory,
+    store: Store,
+    store_location: str,
     queue_ms: int,
     offsets: list[int],
     dropped: int,
     breached: bool,
     ratio: float | None,
 ) -> None:
-    record = make_record(1, queue_ms=queue_ms, slo={"a": True, "b": not breached})
+    number = next(_EXAMPLE_TRACES)
+    record = make_record(number, queue_ms=queue_ms, slo={"a": True, "b": not breached})
     record.timeline.token_offsets_us = offsets
     record.timeline.token_offsets_dropped = dropped
     record.timeline.decode_bandwidth_peak_ratio = ratio
     assert record.verdict is not None
     record.verdict.numbers["ratio"] = ratio if ratio is not None else "n/a"
     record.verdict.advice = "custom advice" if breached else record.verdict.advice
-    path = tmp_path_factory.mktemp("prop") / "s.db"
-    with RequestStore(path) as store:
-        write_records(store, record)
-        doc = store.get(trace_id(1).hex())
-        with sqlite3.connect(path) as raw:
-            assert raw.execute("SELECT slo_breached FROM requests").fetchone() == (int(breached),)
+    write_records(store, record)
+    doc = store.get(trace_id(number).hex())
+    breached_by_trace = {
+        bytes(trace): flag
+        for trace, flag in run_sql(store_location, "SELECT trace_id, slo_breached FROM requests")
+    }
+    assert breached_by_trace[trace_id(number)] == int(breached)
     assert doc == stored_document(record)
     json.dumps(doc, allow_nan=False)
 
 
 def test_token_times_missing_from_the_stored_spans_are_counted_as_dropped(
-    store: RequestStore,
+    store: Store,
 ) -> None:
     record = make_record(2)
     store.write([(assembled(record, with_decode=False), [record])])
@@ -654,7 +731,7 @@ def test_token_times_missing_from_the_stored_spans_are_counted_as_dropped(
         assert doc[key] == expected[key]
 
 
-def test_pre_encoded_spans_are_stored_as_given_and_encoded_otherwise(store: RequestStore) -> None:
+def test_pre_encoded_spans_are_stored_as_given_and_encoded_otherwise(store: Store) -> None:
     given_record, encoded_record = make_record(1), make_record(2)
     blob = ExportTraceServiceRequest()
     blob.resource_spans.add().scope_spans.add().spans.append(decode_span(given_record))
@@ -676,10 +753,9 @@ def test_pre_encoded_spans_are_stored_as_given_and_encoded_otherwise(store: Requ
     ) == len(assembled(encoded_record).spans)
 
 
-def test_an_unreadable_row_is_reported_with_its_ids(store: RequestStore) -> None:
+def test_an_unreadable_row_is_reported_with_its_ids(store: Store, store_location: str) -> None:
     write_records(store, make_record(3))
-    with sqlite3.connect(store.path) as raw:
-        raw.execute("UPDATE requests SET detail = '{not json'")
+    run_sql(store_location, "UPDATE requests SET detail = '{not json'")
     with pytest.raises(StoreError, match=trace_id(3).hex() + r"/0000000000000001 is unreadable"):
         store.get(trace_id(3).hex())
 
@@ -696,7 +772,7 @@ def test_an_older_schema_is_refused_with_what_to_do(tmp_path: Path) -> None:
         assert raw.execute("PRAGMA user_version").fetchone() == (1,)
 
 
-def test_every_index_serves_a_query(store: RequestStore) -> None:
+def test_every_index_serves_a_query(sqlite_store: RequestStore) -> None:
     queries = {
         "requests_start": "SELECT e2e_ns FROM requests WHERE start_ns < 5 ORDER BY start_ns "
         "LIMIT 3",
@@ -715,7 +791,7 @@ def test_every_index_serves_a_query(store: RequestStore) -> None:
         "requests_breached": "SELECT COUNT(*) FROM requests WHERE slo_breached > 0",
         "requests_request_id": "SELECT COUNT(*) FROM requests WHERE instr(request_id, 'a') > 0",
     }
-    with sqlite3.connect(store.path) as raw:
+    with sqlite3.connect(sqlite_store.path) as raw:
         indexes = {
             name
             for (name,) in raw.execute(
@@ -768,9 +844,9 @@ def test_store_sink_counts_written_and_rejected_records(tmp_path: Path) -> None:
 # --- pruning ------------------------------------------------------------------------------------
 
 
-def test_prune_by_age_removes_old_requests_and_their_traces(tmp_path: Path) -> None:
+def test_prune_by_age_removes_old_requests_and_their_traces(store_location: str) -> None:
     now_s = BASE_NS / 1e9 + 3600
-    store = RequestStore(tmp_path / "s.db", retention_s=600, clock=lambda: now_s)
+    store = open_store(store_location, retention_s=600, clock=lambda: now_s)
     old = make_record(1, start_ns=BASE_NS)  # an hour ago
     fresh = make_record(2, start_ns=BASE_NS + 3500 * 10**9)
     write_records(store, old, fresh)
@@ -784,10 +860,8 @@ def test_prune_by_age_removes_old_requests_and_their_traces(tmp_path: Path) -> N
     store.close()
 
 
-def test_prune_by_count_removes_the_oldest_in_bounded_steps(tmp_path: Path) -> None:
-    store = RequestStore(
-        tmp_path / "s.db", max_requests=6, prune_batch=3, clock=lambda: BASE_NS / 1e9
-    )
+def test_prune_by_count_removes_the_oldest_in_bounded_steps(store_location: str) -> None:
+    store = open_store(store_location, max_requests=6, prune_batch=3, clock=lambda: BASE_NS / 1e9)
     records = [make_record(n, start_ns=BASE_NS + n * MS) for n in range(10)]
     write_records(store, *reversed(records))  # insertion order must not matter
     assert store.prune() == 3
@@ -800,9 +874,9 @@ def test_prune_by_count_removes_the_oldest_in_bounded_steps(tmp_path: Path) -> N
     store.close()
 
 
-def test_trace_shared_by_a_kept_request_survives_pruning(tmp_path: Path) -> None:
+def test_trace_shared_by_a_kept_request_survives_pruning(store_location: str) -> None:
     now_s = BASE_NS / 1e9 + 3600
-    store = RequestStore(tmp_path / "s.db", retention_s=600, clock=lambda: now_s)
+    store = open_store(store_location, retention_s=600, clock=lambda: now_s)
     old = make_record(1, span=1, start_ns=BASE_NS)
     fresh = make_record(1, span=2, start_ns=BASE_NS + 3500 * 10**9)
     store.write([(assembled(old), [old, fresh])])
@@ -820,7 +894,7 @@ def sketch_of(values_ms: Sequence[float]) -> LatencySketch:
     return sketch
 
 
-def test_sketch_slices_round_trip_filter_and_replace(store: RequestStore) -> None:
+def test_sketch_slices_round_trip_filter_and_replace(store: Store) -> None:
     key = SketchKey("svc", "llama", "chat", "128-511")
     store.write_sketch_slices(
         [
@@ -903,9 +977,8 @@ def test_window_report_of_an_empty_window() -> None:
 # --- concurrency --------------------------------------------------------------------------------
 
 
-def test_writer_thread_and_readers_at_once(tmp_path: Path) -> None:
-    path = tmp_path / "s.db"
-    store = RequestStore(path)
+def test_writer_thread_and_readers_at_once(store_location: str) -> None:
+    store = open_store(store_location)
     batches, per_batch = 40, 5
     errors: list[BaseException] = []
 
@@ -923,19 +996,19 @@ def test_writer_thread_and_readers_at_once(tmp_path: Path) -> None:
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from tokentrace.collector.store import RequestStore\n"
-            "r = RequestStore.open_readonly(sys.argv[1])\n"
+            "from tokentrace.collector.store.location import open_store_readonly\n"
+            "r = open_store_readonly(sys.argv[1])\n"
             "seen = [r.count() for _ in range(200)]\n"
             "assert seen == sorted(seen), seen\n"
             "print(seen[-1])\n",
-            str(path),
+            store_location,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     thread.start()
-    reader = RequestStore.open_readonly(path)
+    reader = open_store_readonly(store_location)
     counts = []
     while thread.is_alive():
         counts.append(reader.count())
@@ -949,11 +1022,14 @@ def test_writer_thread_and_readers_at_once(tmp_path: Path) -> None:
     assert all(c % per_batch == 0 for c in counts)  # batches are atomic
     assert reader.count() == batches * per_batch
     assert int(out) % per_batch == 0
+    reader.close()
     store.close()
 
 
-def test_a_late_fragment_without_records_is_appended_to_its_stored_trace(tmp_path: Path) -> None:
-    store = RequestStore(tmp_path / "s.db")
+def test_a_late_fragment_without_records_is_appended_to_its_stored_trace(
+    store_location: str,
+) -> None:
+    store = open_store(store_location)
     record = make_record(6, span=1)
     store.write([(assembled(record, services=("engine",)), [record])])
     before = store.trace_otlp(trace_id(6))
@@ -1052,7 +1128,7 @@ def test_document_carries_every_metric_verdict_and_the_default_one() -> None:
 
 
 def test_documents_derive_other_verdicts_by_the_collectors_diagnosis_settings(
-    tmp_path: Path,
+    store_location: str,
 ) -> None:
     from tests.processors.test_window import replayed_records
     from tokentrace.collector.store.contract import (
@@ -1076,7 +1152,7 @@ def test_documents_derive_other_verdicts_by_the_collectors_diagnosis_settings(
         and verdict.cause == "long_prompt"
     )
     record.verdict = default_verdict(record, strict)  # E2E: no target
-    store = RequestStore(tmp_path / "store.db")
+    store = open_store(store_location)
     store.set_meta(META_DIAGNOSIS, diagnosis_to_json(strict))
     store.write([(assembled(record), [record])])
     doc = store.get(record.timeline.trace_id.hex())

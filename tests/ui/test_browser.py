@@ -34,7 +34,7 @@ from tests.ui.stores import (
 )
 from tokentrace.agent import semconv
 from tokentrace.collector.api import ApiSettings
-from tokentrace.collector.store.sqlite import list_query as store_query
+from tokentrace.collector.store import query as store_query
 
 pytestmark = pytest.mark.slow
 

@@ -8,13 +8,14 @@ caller gives is a bound parameter. ``run_page`` runs a page query on a read-only
 How a query stays fast on a million rows (``schema.REQUEST_INDEXES`` describes the indexes):
 
 1. Each filter with a seek index (a model, a cause, breached, an E2E range, the window, ...) is
-   counted in that index alone, up to ``TOTAL_CAP`` + 1: index entries only, well under a ms.
+   counted in that index alone, up to ``query.TOTAL_CAP`` + 1: index entries only, well under a
+   ms.
    One matching nothing ends the query. The filter with the fewest matches, when that is at
-   most ``TOTAL_CAP``, drives the query: read those rows, check the rest, sort.
+   most ``query.TOTAL_CAP``, drives the query: read those rows, check the rest, sort.
 2. Otherwise the whole combination is checked while scanning ``requests_start``, which carries
    every filter column (a request id search scans ``requests_request_id``, which carries the
    request ids): no table reads, so even a full scan stays near 100 ms at 1M rows. Up to
-   ``TOTAL_CAP`` matches are read by rowid and sorted.
+   ``query.TOTAL_CAP`` matches are read by rowid and sorted.
 3. More matches than that are common enough for the page to walk the index of its sort order
    until it has a page: in start order checking the filters inside ``requests_start``; in E2E
    or TTFT order reading each row to check them. When the matches lie at the far end of that
@@ -36,26 +37,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from tokentrace.collector.store import query as store_query
 from tokentrace.collector.store.document import summary_from_row
 from tokentrace.collector.store.query import (
     MAX_TEXT_LENGTH,
-    MIN_TRACE_PREFIX_HEX,
     SORT_KEYS,
-    QueryTimeoutError,
     RequestFilter,
     RequestPage,
     RequestPageQuery,
+    UnreadableRowError,
     decode_cursor,
     encode_cursor,
+    hex_prefix,
+    trace_prefix_range,
 )
 from tokentrace.collector.store.row import SUMMARY_COLUMNS
-
-TOTAL_CAP: int = 10_000
-"""Matches counted at most: above it ``total`` is this and ``total_exact`` false (read at call
-time, so tests may lower it)."""
-QUERY_BUDGET_S: float = 5.0
-"""Time one query may take before it is abandoned with ``QueryTimeoutError`` (a safety net:
-the planning above keeps the usual queries far below it)."""
 
 WALK_BUDGET_S: float = 0.05
 """Time a page may walk the E2E/TTFT index (reading rows to check filters) before it reads the
@@ -98,10 +94,6 @@ _PROGRESS_STEPS: int = 2_000
 """SQLite VM steps between two deadline checks (tens of µs)."""
 
 
-class UnreadableRowError(Exception):
-    """A stored row is not a valid request row (the store reports it as a StoreError)."""
-
-
 # --- terms: one per filter, with the index that finds its matches ----------------------------
 
 
@@ -132,29 +124,6 @@ _REQUEST_ID_MATCH: Final = "instr(request_id, ?) > 0"
 """Literal substring (no wildcards); NULL request ids give NULL, i.e. no match."""
 
 
-def _hex_prefix(text: str) -> str | None:
-    cleaned = text.strip().lower()
-    if cleaned.startswith("0x"):
-        cleaned = cleaned[2:]
-    if len(cleaned) < MIN_TRACE_PREFIX_HEX or any(c not in "0123456789abcdef" for c in cleaned):
-        return None
-    return cleaned[:32]
-
-
-def trace_prefix_range(prefix_hex: str) -> tuple[bytes, bytes | None]:
-    """Byte range [low, high) of every id starting with ``prefix_hex`` (None: no upper end)."""
-    padded = prefix_hex if len(prefix_hex) % 2 == 0 else prefix_hex + "0"
-    low = bytes.fromhex(padded)
-    top = prefix_hex if len(prefix_hex) % 2 == 0 else prefix_hex + "f"
-    high = bytearray(bytes.fromhex(top))
-    while high and high[-1] == 0xFF:  # the smallest string above every one starting with top
-        high.pop()
-    if not high:
-        return low, None
-    high[-1] += 1
-    return low, bytes(high)
-
-
 def _trace_range_term(prefix_hex: str) -> Term:
     low, high = trace_prefix_range(prefix_hex)
     if high is None:
@@ -166,7 +135,7 @@ def text_terms(text: str) -> tuple[Term, Term | None]:
     """A text search: (its request id substring term, the trace id prefix term when the text
     is a long enough hex number). A row matches when either does."""
     request_id = Term(_REQUEST_ID_MATCH, (text,), columns=frozenset({"request_id"}))
-    prefix = _hex_prefix(text)
+    prefix = hex_prefix(text)
     return request_id, None if prefix is None else _trace_range_term(prefix)
 
 
@@ -305,7 +274,7 @@ class Plan:
     index: str | None
     total: int | None = None
     """Matches found while planning, when that count covered every condition (at most
-    ``TOTAL_CAP`` + 1); None: the total needs a count of its own."""
+    ``query.TOTAL_CAP`` + 1); None: the total needs a count of its own."""
     fallback: bool = False
     """Walking ``index`` reads rows to check conditions: past ``WALK_BUDGET_S`` the page reads
     the matches in start order instead, from the seek in ``seeks`` with the fewest matches (or
@@ -336,7 +305,7 @@ def _rowids(
 def plan_query(connection: sqlite3.Connection, flt: RequestFilter, *, sort_column: str) -> Plan:
     """Choose how to run a query (see the module docstring); ``sort_column`` is one of
     ``SORT_KEYS``' columns."""
-    cap = TOTAL_CAP
+    cap = store_query.TOTAL_CAP
     window = window_terms(flt)
     terms = filter_terms(flt, sort_column=sort_column)
     text = flt.text[:MAX_TEXT_LENGTH] if flt.text else None
@@ -495,23 +464,16 @@ def _fetch_page(
     return fetch(_START_WALK if fewest is None else fewest[1])
 
 
-def _timeout() -> QueryTimeoutError:
-    return QueryTimeoutError(
-        f"the list query took longer than {QUERY_BUDGET_S:g} s: its filters each match many "
-        "requests but together few; narrow it with a time window"
-    )
-
-
 def run_page(connection: sqlite3.Connection, query: RequestPageQuery) -> RequestPage:
     """One page of ``query``. Raises ValueError for a bad cursor, QueryTimeoutError past
-    ``QUERY_BUDGET_S``, sqlite3.Error when the store cannot be read."""
+    ``query.QUERY_BUDGET_S``, sqlite3.Error when the store cannot be read."""
     sort_column = SORT_KEYS[query.sort]
     after = (
         None
         if query.cursor is None
         else decode_cursor(query.cursor, sort=query.sort, descending=query.descending)
     )
-    with _Deadline(connection, QUERY_BUDGET_S) as deadline:
+    with _Deadline(connection, store_query.QUERY_BUDGET_S) as deadline:
         try:
             plan = plan_query(connection, query.filter, sort_column=sort_column)
             if plan.empty:
@@ -528,10 +490,10 @@ def run_page(connection: sqlite3.Connection, query: RequestPageQuery) -> Request
             )
             total = plan.total
             if total is None:
-                total = _count(connection, plan.terms, index=plan.index, cap=TOTAL_CAP)
+                total = _count(connection, plan.terms, index=plan.index, cap=store_query.TOTAL_CAP)
         except sqlite3.OperationalError:
             if deadline.overall_hit:
-                raise _timeout() from None
+                raise store_query.query_timeout() from None
             raise
     try:
         items = [summary_from_row(row) for row in rows[: query.limit]]
@@ -547,7 +509,8 @@ def run_page(connection: sqlite3.Connection, query: RequestPageQuery) -> Request
             bytes(last[0]),
             bytes(last[1]),
         )
-    return RequestPage(items, next_cursor, min(total, TOTAL_CAP), total <= TOTAL_CAP)
+    cap = store_query.TOTAL_CAP
+    return RequestPage(items, next_cursor, min(total, cap), total <= cap)
 
 
 def run_rows(
@@ -562,7 +525,7 @@ def run_rows(
     """Up to ``limit`` matching rows (``columns``, from ``row``'s tables) in ``sort`` order,
     planned like a page; raises like ``run_page``."""
     sort_column = SORT_KEYS[sort]
-    with _Deadline(connection, QUERY_BUDGET_S) as deadline:
+    with _Deadline(connection, store_query.QUERY_BUDGET_S) as deadline:
         try:
             plan = plan_query(connection, flt, sort_column=sort_column)
             if plan.empty:
@@ -579,5 +542,5 @@ def run_rows(
             )
         except sqlite3.OperationalError:
             if deadline.overall_hit:
-                raise _timeout() from None
+                raise store_query.query_timeout() from None
             raise

@@ -330,7 +330,7 @@ class RequestStore(RequestStoreReader):
                 records = item[1]
                 rows = [request_row(record) for record in records]
             except Exception as error:  # a garbage item must not stop the batch
-                rejected += _records_in(item)
+                rejected += records_in(item)
                 first_problem = first_problem or f"{type(error).__name__}: {error}"
                 continue
             if not rows and not trace.late:
@@ -386,10 +386,10 @@ class RequestStore(RequestStoreReader):
                         except sqlite3.OperationalError as item_error:  # not the item
                             self._replaced_in_batch = replaced_before
                             self._count_written(written)
-                            lost = _request_rows_in(items[index:]) + _request_rows_in(quarantined)
+                            lost = request_rows_in(items[index:]) + request_rows_in(quarantined)
                             self._count_quarantined(quarantined)
                             self._fail_batch(
-                                item_error, rejected + lost, written=_request_rows_in(written)
+                                item_error, rejected + lost, written=request_rows_in(written)
                             )
                         except Exception:
                             self._replaced_in_batch = replaced_before
@@ -399,7 +399,7 @@ class RequestStore(RequestStoreReader):
             self._count_written(written)
         if quarantined:
             self._count_quarantined(quarantined)
-            rejected += _request_rows_in(quarantined)
+            rejected += request_rows_in(quarantined)
         if first_problem is not None:
             self.rejected_records += rejected
             self.failed_traces += traces_failed
@@ -412,12 +412,12 @@ class RequestStore(RequestStoreReader):
                 f"store {self.path}: {rejected} request record(s) left out, "
                 f"{traces_failed} trace(s) stored without spans{quarantine} ({first_problem})",
                 rejected=rejected,
-                written=_request_rows_in(written),
+                written=request_rows_in(written),
             )
 
     def _count_written(self, written: Sequence[_PreparedItem]) -> None:
         """Counters of committed items (the replaced-trace count only once committed)."""
-        self.written_requests += _request_rows_in(written)
+        self.written_requests += request_rows_in(written)
         self.written_traces += sum(1 for p in written if p.trace_row)
         self.replaced_traces += self._replaced_in_batch
         self._replaced_in_batch = 0
@@ -427,7 +427,7 @@ class RequestStore(RequestStoreReader):
             self._wrote(payload)
 
     def _count_quarantined(self, quarantined: Sequence[_PreparedItem]) -> None:
-        self.quarantined_records += _request_rows_in(quarantined)
+        self.quarantined_records += request_rows_in(quarantined)
         self.quarantined_traces += len(quarantined)
 
     def _fail_batch(
@@ -471,7 +471,7 @@ class RequestStore(RequestStoreReader):
                 sketch_dict = sketch if isinstance(sketch, dict) else sketch.to_dict()
                 rows.append(
                     (
-                        _slice_start(slice_start_s),
+                        slice_start(slice_start_s),
                         str(service),
                         str(model),
                         str(operation),
@@ -583,7 +583,7 @@ class RequestStore(RequestStoreReader):
         self.close()
 
 
-def _slice_start(value: float) -> float:
+def slice_start(value: float) -> float:
     """Slice starts are multiples of the slice length: keep fractions (e.g. 2.5 s slices)
     so that neighbouring slices never collide on one key."""
     number = float(value)
@@ -592,14 +592,16 @@ def _slice_start(value: float) -> float:
     return int(number) if number.is_integer() else number
 
 
-def _records_in(item: Any) -> int:
+def records_in(item: Any) -> int:
+    """Request records a batch item holds (1 for one too broken to say)."""
     try:
         return max(1, len(item[1]))
     except Exception:
         return 1
 
 
-def _request_rows_in(items: Sequence[_PreparedItem]) -> int:
+def request_rows_in(items: Sequence[Any]) -> int:
+    """Request rows of prepared batch items (each with ``request_rows``)."""
     return sum(len(p.request_rows) for p in items)
 
 
