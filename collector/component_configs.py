@@ -23,6 +23,7 @@ from tokentrace.collector.component import (
 )
 from tokentrace.collector.exporters.otlp import OtlpExporterConfig
 from tokentrace.collector.receivers.validate import DEFAULT_SPAN_LIMITS, SpanLimits
+from tokentrace.collector.store.contract import DEFAULT_MAX_REQUESTS, DEFAULT_RETENTION_S
 from tokentrace.collector.tail_sampling import TailSamplingSettings
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.percentiles import PercentileConfig
@@ -45,8 +46,6 @@ _DEFAULT_MAX_TRACES: Final = 20_000
 _DEFAULT_MAX_SPANS_PER_TRACE: Final = 5_000
 _DEFAULT_MAX_PENDING_SPANS: Final = 500_000
 _DEFAULT_STORE_PATH: Final = "./tokentrace.db"
-_DEFAULT_RETENTION_S: Final = 7 * 24 * 3600.0
-_DEFAULT_MAX_REQUESTS: Final = 1_000_000
 _DEFAULT_METRICS_INTERVAL_S: Final = 15.0
 _DEFAULT_UI_ENDPOINT: Final = "127.0.0.1:8700"
 _DEFAULT_ADMIN_ENDPOINT: Final = "127.0.0.1:13133"
@@ -389,8 +388,8 @@ class TailSamplingProcessorConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreConfig:
     path: str = _DEFAULT_STORE_PATH
-    retention_s: float = _DEFAULT_RETENTION_S
-    max_requests: int = _DEFAULT_MAX_REQUESTS
+    retention_s: float = DEFAULT_RETENTION_S
+    max_requests: int = DEFAULT_MAX_REQUESTS
 
     def validate(self) -> None:
         check(bool(self.path), "path", "expected a non-empty string")
@@ -402,8 +401,8 @@ class StoreConfig:
         section.allow_keys("path", "retention", "max_requests")
         return cls(
             path=section.string("path", _DEFAULT_STORE_PATH),
-            retention_s=section.duration_s("retention", _DEFAULT_RETENTION_S),
-            max_requests=section.integer("max_requests", _DEFAULT_MAX_REQUESTS),
+            retention_s=section.duration_s("retention", DEFAULT_RETENTION_S),
+            max_requests=section.integer("max_requests", DEFAULT_MAX_REQUESTS),
         )
 
 

@@ -32,6 +32,13 @@ META_DIAGNOSIS: Final = "diagnosis"
 """Meta key: the collector's diagnosis settings as JSON (``DiagnosisConfig`` fields), by which
 a document's verdicts about its other metrics are derived when it is read."""
 
+DEFAULT_RETENTION_S: Final = 7 * 24 * 3600.0
+DEFAULT_MAX_REQUESTS: Final = 1_000_000
+DEFAULT_PRUNE_BATCH: Final = 10_000
+"""Rows one ``prune()`` call deletes at most, so the writer never stalls for long."""
+DEFAULT_MAX_TRACE_BYTES: Final = 4 * 1024 * 1024
+"""Stored spans of one trace at most (a client may reuse one trace id for a whole session)."""
+
 _DEFAULT_DIAGNOSIS: Final = DiagnosisConfig()
 _OLD_ITL_SPIKE_RATIO: Final = "itl_spike_ratio"
 """Stored by earlier collectors: the value of both ``itl_outlier_ratio`` and

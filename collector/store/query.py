@@ -15,11 +15,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
-from tokentrace.collector.store.document import RequestSummaryDoc
-from tokentrace.collector.store.row import METRIC_COLUMNS
+from tokentrace.collector.store.document import RequestSummaryDoc, summary_from_row
+from tokentrace.collector.store.row import METRIC_COLUMNS, SUMMARY_COLUMNS
 
 SORT_START: Final = "start"
 SORT_KEYS: Final = {SORT_START: "start_ns", **METRIC_COLUMNS}
@@ -138,6 +139,26 @@ class RequestPage:
     total: int
     """Matching requests, counted up to ``TOTAL_CAP``."""
     total_exact: bool
+
+
+def page_of(rows: Sequence[Sequence[Any]], query: RequestPageQuery, *, total: int) -> RequestPage:
+    """The page of ``query`` from up to ``limit`` + 1 rows in ``SUMMARY_COLUMNS`` order (the
+    extra row says a next page exists) and the matches counted (up to ``TOTAL_CAP`` + 1)."""
+    try:
+        items = [summary_from_row(row) for row in rows[: query.limit]]
+    except (TypeError, ValueError) as error:
+        raise UnreadableRowError(f"a stored request is unreadable ({error})") from error
+    next_cursor = None
+    if len(rows) > query.limit:
+        last = rows[query.limit - 1]
+        next_cursor = encode_cursor(
+            query.sort,
+            query.descending,
+            int(last[SUMMARY_COLUMNS.index(SORT_KEYS[query.sort])]),
+            bytes(last[0]),
+            bytes(last[1]),
+        )
+    return RequestPage(items, next_cursor, min(total, TOTAL_CAP), total <= TOTAL_CAP)
 
 
 # --- cursors -------------------------------------------------------------------------------------

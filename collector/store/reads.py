@@ -66,7 +66,13 @@ def _parse_id(text: str, *, what: str) -> str:
 class StoreReader:
     """The reads of a store, whichever database: a backend gives ``_reader`` (a connection
     whose ``execute(sql, params)`` returns rows, its errors turned into StoreError), ``_sql``
-    (its spelling of this module's SQL) and the list query (``_run_page``, ``_run_rows``)."""
+    (its spelling of this module's SQL) and its list planner: ``_run_page`` and ``_run_rows``,
+    the functions of its ``list_query`` module."""
+
+    _run_page: Callable[[Any, RequestPageQuery], RequestPage]
+    """``list_query.run_page`` of the backend: one page of a query on a connection."""
+    _run_rows: Callable[..., list[tuple[Any, ...]]]
+    """``list_query.run_rows`` of the backend: matching rows in a sort order."""
 
     def __init__(self, path: str, *, clock: Callable[[], float]) -> None:
         self.path = path
@@ -87,21 +93,6 @@ class StoreReader:
 
     def _execute(self, connection: Any, sql: str, params: Sequence[Any] = ()) -> Any:
         return connection.execute(self._sql(sql), params)
-
-    def _run_page(self, connection: Any, query: RequestPageQuery) -> RequestPage:
-        raise NotImplementedError
-
-    def _run_rows(
-        self,
-        connection: Any,
-        flt: RequestFilter,
-        *,
-        columns: Sequence[str],
-        sort: str,
-        descending: bool,
-        limit: int,
-    ) -> list[tuple[Any, ...]]:
-        raise NotImplementedError
 
     def get(self, trace_id: str, *, span_id: str | None = None) -> RequestDocument | None:
         """The document of the request in the trace whose id is ``trace_id`` or starts with it.

@@ -17,17 +17,15 @@ from typing import Any, Final
 import psycopg
 
 from tokentrace.collector.store import query as store_query
-from tokentrace.collector.store.document import summary_from_row
 from tokentrace.collector.store.query import (
     MAX_TEXT_LENGTH,
     SORT_KEYS,
     RequestFilter,
     RequestPage,
     RequestPageQuery,
-    UnreadableRowError,
     decode_cursor,
-    encode_cursor,
     hex_prefix,
+    page_of,
     trace_prefix_range,
 )
 from tokentrace.collector.store.row import SUMMARY_COLUMNS
@@ -174,21 +172,7 @@ def run_page(connection: psycopg.Connection[Any], query: RequestPageQuery) -> Re
         raise store_query.query_timeout() from None
     finally:
         _reset_timeout(connection)
-    try:
-        items = [summary_from_row(row) for row in rows[: query.limit]]
-    except (TypeError, ValueError) as error:
-        raise UnreadableRowError(f"a stored request is unreadable ({error})") from error
-    next_cursor = None
-    if len(rows) > query.limit:
-        last = rows[query.limit - 1]
-        next_cursor = encode_cursor(
-            query.sort,
-            query.descending,
-            int(last[SUMMARY_COLUMNS.index(sort_column)]),
-            bytes(last[0]),
-            bytes(last[1]),
-        )
-    return RequestPage(items, next_cursor, min(total, cap), total <= cap)
+    return page_of(rows, query, total=total)
 
 
 def run_rows(

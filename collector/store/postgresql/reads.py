@@ -9,17 +9,17 @@ the read that saw it fails with a StoreError saying so (the next one connects an
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, Final
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
+from tokentrace.collector.store.batch import first_line
 from tokentrace.collector.store.contract import StoreError
 from tokentrace.collector.store.postgresql.list_query import run_page, run_rows
 from tokentrace.collector.store.postgresql.schema import NAMESPACE
-from tokentrace.collector.store.query import RequestFilter, RequestPage, RequestPageQuery
 from tokentrace.collector.store.reads import StoreReader
 
 _DEFAULT_IDLE_CONNECTIONS: Final = 4
@@ -38,15 +38,14 @@ def connect(url: str, *, shown_as: str, purpose: str) -> psycopg.Connection[Any]
             options=f"-c search_path={NAMESPACE}",
         )
     except psycopg.Error as error:
-        raise StoreError(f"cannot connect to store {shown_as}: {_first_line(error)}") from error
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise StoreError(f"cannot connect to store {shown_as}: {first_line(error)}") from error
 
 
 class PostgresStoreReader(StoreReader):
     """Reads the store in ``url``'s database; ``PostgresRequestStore`` adds the writer."""
+
+    _run_page = staticmethod(run_page)
+    _run_rows = staticmethod(run_rows)
 
     def __init__(self, url: str, *, shown_as: str, clock: Callable[[], float]) -> None:
         super().__init__(shown_as, clock=clock)
@@ -67,7 +66,7 @@ class PostgresStoreReader(StoreReader):
         try:
             yield connection
         except psycopg.Error as error:
-            raise StoreError(f"cannot read store {self.path}: {_first_line(error)}") from error
+            raise StoreError(f"cannot read store {self.path}: {first_line(error)}") from error
         finally:
             self._release(connection)
 
@@ -89,20 +88,3 @@ class PostgresStoreReader(StoreReader):
         for connection in idle:
             with suppress(psycopg.Error):
                 connection.close()
-
-    def _run_page(self, connection: Any, query: RequestPageQuery) -> RequestPage:
-        return run_page(connection, query)
-
-    def _run_rows(
-        self,
-        connection: Any,
-        flt: RequestFilter,
-        *,
-        columns: Sequence[str],
-        sort: str,
-        descending: bool,
-        limit: int,
-    ) -> list[tuple[Any, ...]]:
-        return run_rows(
-            connection, flt, columns=columns, sort=sort, descending=descending, limit=limit
-        )

@@ -27,16 +27,23 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import psycopg
 
-from tokentrace.collector.encoding import encode_trace_request
+from tokentrace.collector.store.batch import (
+    BatchWriter,
+    PreparedItem,
+    first_line,
+    prepare_batch,
+)
 from tokentrace.collector.store.contract import (
+    DEFAULT_MAX_REQUESTS,
+    DEFAULT_MAX_TRACE_BYTES,
+    DEFAULT_PRUNE_BATCH,
+    DEFAULT_RETENTION_S,
     StoreError,
     StoreNotFoundError,
-    StoreWriteError,
     WriteItem,
 )
 from tokentrace.collector.store.location import display_location
@@ -48,12 +55,8 @@ from tokentrace.collector.store.postgresql.schema import (
     migrate,
 )
 from tokentrace.collector.store.row import REQUEST_COLUMNS, request_row
-from tokentrace.collector.store.sqlite.store import records_in, request_rows_in, slice_start
+from tokentrace.collector.store.sqlite.store import slice_start
 
-_DEFAULT_RETENTION_S: Final = 7 * 24 * 3600.0
-_DEFAULT_MAX_REQUESTS: Final = 1_000_000
-_DEFAULT_PRUNE_BATCH: Final = 10_000
-_DEFAULT_MAX_TRACE_BYTES: Final = 4 * 1024 * 1024
 _NS_PER_S: Final = 1_000_000_000
 
 _TEXT_COLUMNS: Final = tuple(
@@ -87,17 +90,7 @@ _UPSERT_SLICES: Final = (
 )
 
 
-@dataclass(slots=True)
-class _PreparedItem:
-    """One batch item's rows: what ``write`` commits (or quarantines) as one."""
-
-    replaced_rows: list[tuple[bytes, bytes]] = field(default_factory=list)
-    request_rows: list[tuple[Any, ...]] = field(default_factory=list)
-    trace_row: tuple[bytes, bytes] | None = None
-    """(trace id, serialised spans)."""
-
-
-class PostgresRequestStore(PostgresStoreReader):
+class PostgresRequestStore(PostgresStoreReader, BatchWriter):
     """PostgreSQL request store: ``PostgresStoreReader``'s reads plus the writer (module
     docstring). Options, limits and counters as ``sqlite.store.RequestStore``'s; WAL
     checkpoints are the server's business (``checkpoints`` stays 0)."""
@@ -106,10 +99,10 @@ class PostgresRequestStore(PostgresStoreReader):
         self,
         url: str,
         *,
-        retention_s: float = _DEFAULT_RETENTION_S,
-        max_requests: int = _DEFAULT_MAX_REQUESTS,
-        prune_batch: int = _DEFAULT_PRUNE_BATCH,
-        max_trace_bytes: int = _DEFAULT_MAX_TRACE_BYTES,
+        retention_s: float = DEFAULT_RETENTION_S,
+        max_requests: int = DEFAULT_MAX_REQUESTS,
+        prune_batch: int = DEFAULT_PRUNE_BATCH,
+        max_trace_bytes: int = DEFAULT_MAX_TRACE_BYTES,
         clock: Callable[[], float] = time.time,
         writer_id: str | None = None,
         _readonly: bool = False,
@@ -122,18 +115,7 @@ class PostgresRequestStore(PostgresStoreReader):
         self.readonly = _readonly
         self.writer_id = writer_id or uuid.uuid4().hex[:16]
         """This replica's name on the sketch slices it writes (new for each start)."""
-        self.written_requests = 0
-        self.written_traces = 0
-        self.rejected_records = 0
-        self.failed_traces = 0
-        self.written_slices = 0
-        self.failed_batches = 0
-        self.pruned_requests = 0
-        self.pruned_traces = 0
-        self.pruned_slices = 0
-        self.replaced_traces = 0
-        self.quarantined_records = 0
-        self.quarantined_traces = 0
+        self._init_counters()
         self._lock = threading.Lock()
         self._writer: psycopg.Connection[Any] | None = None
         self._closed = False
@@ -169,7 +151,7 @@ class PostgresRequestStore(PostgresStoreReader):
             migrate(connection, self.path)
         except psycopg.Error as error:
             connection.close()
-            raise StoreError(f"cannot initialise store {self.path}: {_one_line(error)}") from error
+            raise StoreError(f"cannot initialise store {self.path}: {first_line(error)}") from error
         except StoreError:
             connection.close()
             raise
@@ -191,83 +173,15 @@ class PostgresRequestStore(PostgresStoreReader):
         replacing: Mapping[bytes, Collection[bytes]] | None = None,
     ) -> None:
         """Store the batch in one transaction: ``sqlite.store.RequestStore.write``'s contract."""
-        items: list[_PreparedItem] = []
-        rejected = 0
-        traces_failed = 0
-        first_problem: str | None = None
-        for item in batch:
-            try:
-                trace = item[0]
-                rows = [_pg_row(request_row(record)) for record in item[1]]
-            except Exception as error:  # a garbage item must not stop the batch
-                rejected += records_in(item)
-                first_problem = first_problem or f"{type(error).__name__}: {error}"
-                continue
-            if not rows and not trace.late:
-                continue
-            trace_key = bytes(trace.trace_id)
-            prepared = _PreparedItem(request_rows=rows)
-            if replacing:
-                prepared.replaced_rows = [
-                    (trace_key, bytes(span_id)) for span_id in replacing.get(trace_key, ())
-                ]
-            try:
-                otlp = item[2] if len(item) > 2 else None
-                if not otlp:
-                    otlp = encode_trace_request(trace.spans)
-                prepared.trace_row = (trace_key, bytes(otlp))
-            except Exception as error:  # the requests are still worth keeping without spans
-                traces_failed += 1
-                first_problem = first_problem or f"{type(error).__name__}: {error}"
-            items.append(prepared)
-
-        written: list[_PreparedItem] = []
-        quarantined: list[_PreparedItem] = []
-        if items:
-            with self._lock:
-                connection = self._writer_for_batch()
-                try:
-                    self.replaced_traces += self._write_items(connection, items)
-                    written = items
-                except psycopg.OperationalError as error:  # the database, not an item
-                    self._drop_broken_writer()
-                    self._fail_batch(error, 0, retryable=True)
-                except Exception as error:
-                    # A value of one item (most likely) the database cannot take: each item
-                    # alone, so that it costs only its trace.
-                    first_problem = first_problem or f"{type(error).__name__}: {_one_line(error)}"
-                    for index, prepared in enumerate(items):
-                        try:
-                            self.replaced_traces += self._write_items(connection, [prepared])
-                        except psycopg.OperationalError as item_error:  # not the item
-                            self._drop_broken_writer()
-                            self._count_written(written)
-                            lost = request_rows_in(items[index:]) + request_rows_in(quarantined)
-                            self._count_quarantined(quarantined)
-                            self._fail_batch(
-                                item_error, rejected + lost, written=request_rows_in(written)
-                            )
-                        except Exception:
-                            quarantined.append(prepared)
-                        else:
-                            written.append(prepared)
-            self._count_written(written)
-        if quarantined:
-            self._count_quarantined(quarantined)
-            rejected += request_rows_in(quarantined)
-        if first_problem is not None:
-            self.rejected_records += rejected
-            self.failed_traces += traces_failed
-            quarantine = (
-                f", {len(quarantined)} trace(s) quarantined (not storable even alone)"
-                if quarantined
-                else ""
-            )
-            raise StoreWriteError(
-                f"store {self.path}: {rejected} request record(s) left out, "
-                f"{traces_failed} trace(s) stored without spans{quarantine} ({first_problem})",
-                rejected=rejected,
-                written=request_rows_in(written),
+        prepared = prepare_batch(
+            batch, replacing, row_of=lambda record: _pg_row(request_row(record))
+        )
+        with self._lock:
+            connection = self._writer_for_batch() if prepared.items else None
+            self._store_prepared(
+                prepared,
+                lambda items: self._write_items(connection, items),
+                psycopg.OperationalError,
             )
 
     def _writer_for_batch(self) -> psycopg.Connection[Any]:
@@ -282,14 +196,15 @@ class PostgresRequestStore(PostgresStoreReader):
             self._fail_batch(error, 0, retryable=True)
 
     def _write_items(
-        self, connection: psycopg.Connection[Any], items: Sequence[_PreparedItem]
+        self, connection: psycopg.Connection[Any] | None, items: Sequence[PreparedItem]
     ) -> int:
         """Write ``items`` in one transaction; returns the traces whose stored spans a part
         replaced. Raises (rolled back) on any failure."""
+        assert connection is not None, "a batch with items has a writer"
         replaced_rows = sorted({row for p in items for row in p.replaced_rows})
         requests = {row[:2]: row for p in items for row in p.request_rows}  # the last one wins
         request_rows = [requests[key] for key in sorted(requests)]
-        traces, replaced = self._joined_parts(p.trace_row for p in items)
+        traces, replaced = self._joined_parts(p.spans for p in items)
         with connection.transaction():
             if replaced_rows:
                 connection.execute(_DELETE_REQUESTS, _columns(replaced_rows, 2))
@@ -340,25 +255,8 @@ class PostgresRequestStore(PostgresStoreReader):
             with suppress(psycopg.Error):
                 writer.close()
 
-    def _count_written(self, written: Sequence[_PreparedItem]) -> None:
-        self.written_requests += request_rows_in(written)
-        self.written_traces += sum(1 for p in written if p.trace_row)
-
-    def _count_quarantined(self, quarantined: Sequence[_PreparedItem]) -> None:
-        self.quarantined_records += request_rows_in(quarantined)
-        self.quarantined_traces += len(quarantined)
-
-    def _fail_batch(
-        self, error: Exception, lost: int, *, written: int = 0, retryable: bool = False
-    ) -> NoReturn:
-        self.failed_batches += 1
-        self.rejected_records += lost
-        raise StoreWriteError(
-            f"store {self.path}: batch rolled back: {_one_line(error)}",
-            rejected=lost,
-            written=written,
-            retryable=retryable,
-        ) from error
+    def _database_failed(self, error: BaseException) -> None:
+        self._drop_broken_writer()
 
     def write_sketch_slices(self, slices: Iterable[tuple[float, Any, str, Any]]) -> None:
         """Store this replica's sketch slices (``sqlite.store.RequestStore.write_sketch_slices``);
@@ -393,7 +291,7 @@ class PostgresRequestStore(PostgresStoreReader):
                 if isinstance(error, psycopg.OperationalError):
                     self._drop_broken_writer()
                 raise StoreError(
-                    f"store {self.path}: sketch slices not stored: {_one_line(error)}"
+                    f"store {self.path}: sketch slices not stored: {first_line(error)}"
                 ) from error
         self.written_slices += len(rows)
 
@@ -410,7 +308,7 @@ class PostgresRequestStore(PostgresStoreReader):
                 if isinstance(error, psycopg.OperationalError):
                     self._drop_broken_writer()
                 raise StoreError(
-                    f"store {self.path}: meta {key!r} not stored: {_one_line(error)}"
+                    f"store {self.path}: meta {key!r} not stored: {first_line(error)}"
                 ) from error
 
     def prune(self) -> int:
@@ -437,7 +335,7 @@ class PostgresRequestStore(PostgresStoreReader):
             except psycopg.Error as error:
                 if isinstance(error, psycopg.OperationalError):
                     self._drop_broken_writer()
-                raise StoreError(f"store {self.path}: prune failed: {_one_line(error)}") from error
+                raise StoreError(f"store {self.path}: prune failed: {first_line(error)}") from error
         self.pruned_requests += pruned_requests
         self.pruned_traces += pruned_traces
         self.pruned_slices += pruned_slices
@@ -485,13 +383,6 @@ class PostgresRequestStore(PostgresStoreReader):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _one_line(error: BaseException) -> str:
-    """An error's first line for a message: PostgreSQL's errors go on with DETAIL, HINT and
-    CONTEXT lines (a refused row's every value among them)."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _pg_row(row: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -38,17 +38,15 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tokentrace.collector.store import query as store_query
-from tokentrace.collector.store.document import summary_from_row
 from tokentrace.collector.store.query import (
     MAX_TEXT_LENGTH,
     SORT_KEYS,
     RequestFilter,
     RequestPage,
     RequestPageQuery,
-    UnreadableRowError,
     decode_cursor,
-    encode_cursor,
     hex_prefix,
+    page_of,
     trace_prefix_range,
 )
 from tokentrace.collector.store.row import SUMMARY_COLUMNS
@@ -495,22 +493,7 @@ def run_page(connection: sqlite3.Connection, query: RequestPageQuery) -> Request
             if deadline.overall_hit:
                 raise store_query.query_timeout() from None
             raise
-    try:
-        items = [summary_from_row(row) for row in rows[: query.limit]]
-    except (TypeError, ValueError) as error:
-        raise UnreadableRowError(f"a stored request is unreadable ({error})") from error
-    next_cursor = None
-    if len(rows) > query.limit:
-        last = rows[query.limit - 1]
-        next_cursor = encode_cursor(
-            query.sort,
-            query.descending,
-            int(last[SUMMARY_COLUMNS.index(sort_column)]),
-            bytes(last[0]),
-            bytes(last[1]),
-        )
-    cap = store_query.TOTAL_CAP
-    return RequestPage(items, next_cursor, min(total, cap), total <= cap)
+    return page_of(rows, query, total=total)
 
 
 def run_rows(

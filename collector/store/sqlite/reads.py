@@ -12,12 +12,10 @@ from __future__ import annotations
 import os
 import sqlite3
 import urllib.parse
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from tokentrace.collector.store.contract import StoreError, StoreNotFoundError
-from tokentrace.collector.store.query import RequestFilter, RequestPage, RequestPageQuery
 from tokentrace.collector.store.reads import StoreReader
 from tokentrace.collector.store.sqlite.list_query import run_page, run_rows
 
@@ -29,6 +27,9 @@ def _readonly_uri(path: str) -> str:
 class RequestStoreReader(StoreReader):
     """Reads a store file; ``RequestStore`` adds the writer (and ``open_readonly`` gives one
     that only reads)."""
+
+    _run_page = staticmethod(run_page)
+    _run_rows = staticmethod(run_rows)
 
     def __init__(
         self,
@@ -62,20 +63,3 @@ class RequestStoreReader(StoreReader):
             raise StoreError(f"cannot read store {self.path}: {error}") from error
         finally:
             connection.close()
-
-    def _run_page(self, connection: Any, query: RequestPageQuery) -> RequestPage:
-        return run_page(connection, query)
-
-    def _run_rows(
-        self,
-        connection: Any,
-        flt: RequestFilter,
-        *,
-        columns: Sequence[str],
-        sort: str,
-        descending: bool,
-        limit: int,
-    ) -> list[tuple[Any, ...]]:
-        return run_rows(
-            connection, flt, columns=columns, sort=sort, descending=descending, limit=limit
-        )

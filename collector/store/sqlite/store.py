@@ -39,12 +39,18 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager, suppress
-from dataclasses import dataclass, field
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
-from tokentrace.collector.encoding import encode_trace_request
-from tokentrace.collector.store.contract import StoreError, StoreWriteError, WriteItem
-from tokentrace.collector.store.row import REQUEST_COLUMNS, request_row
+from tokentrace.collector.store.batch import BatchWriter, PreparedItem, prepare_batch
+from tokentrace.collector.store.contract import (
+    DEFAULT_MAX_REQUESTS,
+    DEFAULT_MAX_TRACE_BYTES,
+    DEFAULT_PRUNE_BATCH,
+    DEFAULT_RETENTION_S,
+    StoreError,
+    WriteItem,
+)
+from tokentrace.collector.store.row import REQUEST_COLUMNS
 from tokentrace.collector.store.sqlite.reads import RequestStoreReader
 from tokentrace.collector.store.sqlite.schema import (
     SCHEMA,
@@ -52,13 +58,7 @@ from tokentrace.collector.store.sqlite.schema import (
     check_schema_version,
 )
 
-_DEFAULT_RETENTION_S: Final = 7 * 24 * 3600.0
-_DEFAULT_MAX_REQUESTS: Final = 1_000_000
-_DEFAULT_PRUNE_BATCH: Final = 10_000
-"""Rows one ``prune()`` call deletes at most, so the writer never stalls for long."""
 _DEFAULT_BUSY_TIMEOUT_S: Final = 5.0
-_DEFAULT_MAX_TRACE_BYTES: Final = 4 * 1024 * 1024
-"""Stored spans of one trace at most (a client may reuse one trace id for a whole session)."""
 _DEFAULT_CHECKPOINT_BYTES: Final = 4 * 1024 * 1024
 """Bytes written after which the background thread checkpoints the WAL (SQLite's default
 automatic checkpoint is at 1000 pages, about the same)."""
@@ -86,15 +86,6 @@ _UPSERT_TRACE: Final = (
     "THEN CAST(otlp || excluded.otlp AS BLOB) "
     f"WHEN {_TRACE_REPLACED_FUNCTION}() THEN excluded.otlp ELSE excluded.otlp END"
 )
-
-
-@dataclass(slots=True)
-class _PreparedItem:
-    """One batch item's statements' parameters: what ``write`` commits (or quarantines) as one."""
-
-    replaced_rows: list[tuple[bytes, bytes]] = field(default_factory=list)
-    request_rows: list[tuple[Any, ...]] = field(default_factory=list)
-    trace_row: tuple[bytes, int, bytes, int] | None = None
 
 
 class _Checkpointer:
@@ -156,7 +147,7 @@ class _Checkpointer:
             connection.close()
 
 
-class RequestStore(RequestStoreReader):
+class RequestStore(RequestStoreReader, BatchWriter):
     """SQLite request store: ``RequestStoreReader``'s reads plus the writer. See the module
     docstring for the threading model.
 
@@ -174,10 +165,10 @@ class RequestStore(RequestStoreReader):
         self,
         path: str | os.PathLike[str],
         *,
-        retention_s: float = _DEFAULT_RETENTION_S,
-        max_requests: int = _DEFAULT_MAX_REQUESTS,
-        prune_batch: int = _DEFAULT_PRUNE_BATCH,
-        max_trace_bytes: int = _DEFAULT_MAX_TRACE_BYTES,
+        retention_s: float = DEFAULT_RETENTION_S,
+        max_requests: int = DEFAULT_MAX_REQUESTS,
+        prune_batch: int = DEFAULT_PRUNE_BATCH,
+        max_trace_bytes: int = DEFAULT_MAX_TRACE_BYTES,
         busy_timeout_s: float = _DEFAULT_BUSY_TIMEOUT_S,
         checkpoint_bytes: int = _DEFAULT_CHECKPOINT_BYTES,
         clock: Callable[[], float] = time.time,
@@ -191,23 +182,7 @@ class RequestStore(RequestStoreReader):
         self.checkpoint_bytes = max(1, int(checkpoint_bytes))
         self._bytes_since_checkpoint = 0
         self.readonly = _readonly
-        # Counters, read by the collector's self-metrics.
-        self.written_requests = 0
-        self.written_traces = 0
-        self.rejected_records = 0
-        self.failed_traces = 0
-        self.written_slices = 0
-        self.failed_batches = 0
-        self.pruned_requests = 0
-        self.pruned_traces = 0
-        self.pruned_slices = 0
-        self.replaced_traces = 0
-        """Trace writes whose spans replaced the stored ones because of ``max_trace_bytes``."""
-        self.quarantined_records = 0
-        """Request records dropped because their trace could not be written even alone (also
-        counted in ``rejected_records``)."""
-        self.quarantined_traces = 0
-        """Batch items (a trace's records and spans) dropped that way."""
+        self._init_counters()
         self._replaced_in_batch = 0
         # The writer connection may be created on one thread and used on the exporter thread;
         # the lock keeps accidental concurrent use safe instead of corrupting a transaction.
@@ -318,130 +293,39 @@ class RequestStore(RequestStoreReader):
         attempt). If that happens part-way through writing items alone, what was written stays
         and the rest is counted as rejected (not retryable: the batch would be written twice).
         """
-        items: list[_PreparedItem] = []
-        rejected = 0
-        traces_failed = 0
-        first_problem: str | None = None
+        prepared = prepare_batch(batch, replacing)
+        with self._lock:
+            connection = self._require_writer() if prepared.items else None
+            self._store_prepared(
+                prepared,
+                lambda items: self._write_items(connection, items),
+                sqlite3.OperationalError,
+            )
+
+    def _write_items(
+        self, connection: sqlite3.Connection | None, items: Sequence[PreparedItem]
+    ) -> int:
+        """Write ``items`` in one transaction; returns the traces whose stored spans a part
+        replaced (counted by SQLite through ``_trace_replaced``). Raises, rolled back."""
+        assert connection is not None, "a batch with items has a writer"
         received_ns = int(self._clock() * _NS_PER_S)
-        max_trace_bytes = self.max_trace_bytes
-        for item in batch:
-            try:
-                trace = item[0]
-                records = item[1]
-                rows = [request_row(record) for record in records]
-            except Exception as error:  # a garbage item must not stop the batch
-                rejected += records_in(item)
-                first_problem = first_problem or f"{type(error).__name__}: {error}"
-                continue
-            if not rows and not trace.late:
-                continue
-            # A late fragment's spans are appended to the stored trace, records or not: the
-            # stored spans are what the next re-derivation (and diagnose, compare) reads.
-            trace_key = bytes(trace.trace_id)
-            prepared = _PreparedItem(request_rows=rows)
-            if replacing:
-                prepared.replaced_rows = [
-                    (trace_key, bytes(span_id)) for span_id in replacing.get(trace_key, ())
-                ]
-            try:
-                otlp = item[2] if len(item) > 2 else None
-                if not otlp:
-                    otlp = encode_trace_request(trace.spans)
-                prepared.trace_row = (trace_key, received_ns, otlp, max_trace_bytes)
-            except Exception as error:  # the requests are still worth keeping without spans
-                traces_failed += 1
-                first_problem = first_problem or f"{type(error).__name__}: {error}"
-            items.append(prepared)
-
-        written: list[_PreparedItem] = []
-        quarantined: list[_PreparedItem] = []
-        if items:
-            with self._lock:
-                connection = self._require_writer()
-                self._replaced_in_batch = 0
-                try:
-                    with _transaction(connection):
-                        connection.executemany(
-                            _DELETE_REQUEST, [row for p in items for row in p.replaced_rows]
-                        )
-                        connection.executemany(
-                            _INSERT_REQUEST, [row for p in items for row in p.request_rows]
-                        )
-                        connection.executemany(
-                            _UPSERT_TRACE, [p.trace_row for p in items if p.trace_row]
-                        )
-                    written = items
-                except sqlite3.OperationalError as error:  # the database, not an item
-                    self._fail_batch(error, 0, retryable=True)
-                except Exception as error:
-                    # A value of one item (most likely) the database cannot take, or a
-                    # constraint it breaks: each item alone, so that it costs only its trace.
-                    first_problem = first_problem or f"{type(error).__name__}: {error}"
-                    self._replaced_in_batch = 0
-                    for index, prepared in enumerate(items):
-                        replaced_before = self._replaced_in_batch
-                        try:
-                            with _transaction(connection):
-                                _execute_item(connection, prepared)
-                        except sqlite3.OperationalError as item_error:  # not the item
-                            self._replaced_in_batch = replaced_before
-                            self._count_written(written)
-                            lost = request_rows_in(items[index:]) + request_rows_in(quarantined)
-                            self._count_quarantined(quarantined)
-                            self._fail_batch(
-                                item_error, rejected + lost, written=request_rows_in(written)
-                            )
-                        except Exception:
-                            self._replaced_in_batch = replaced_before
-                            quarantined.append(prepared)
-                        else:
-                            written.append(prepared)
-            self._count_written(written)
-        if quarantined:
-            self._count_quarantined(quarantined)
-            rejected += request_rows_in(quarantined)
-        if first_problem is not None:
-            self.rejected_records += rejected
-            self.failed_traces += traces_failed
-            quarantine = (
-                f", {len(quarantined)} trace(s) quarantined (not storable even alone)"
-                if quarantined
-                else ""
-            )
-            raise StoreWriteError(
-                f"store {self.path}: {rejected} request record(s) left out, "
-                f"{traces_failed} trace(s) stored without spans{quarantine} ({first_problem})",
-                rejected=rejected,
-                written=request_rows_in(written),
-            )
-
-    def _count_written(self, written: Sequence[_PreparedItem]) -> None:
-        """Counters of committed items (the replaced-trace count only once committed)."""
-        self.written_requests += request_rows_in(written)
-        self.written_traces += sum(1 for p in written if p.trace_row)
-        self.replaced_traces += self._replaced_in_batch
+        cap = self.max_trace_bytes
         self._replaced_in_batch = 0
-        payload = sum(len(p.trace_row[2]) for p in written if p.trace_row)
-        payload += sum(len(row[-1]) for p in written for row in p.request_rows)
+        with _transaction(connection):
+            connection.executemany(_DELETE_REQUEST, [r for p in items for r in p.replaced_rows])
+            connection.executemany(_INSERT_REQUEST, [r for p in items for r in p.request_rows])
+            connection.executemany(
+                _UPSERT_TRACE,
+                [(p.spans[0], received_ns, p.spans[1], cap) for p in items if p.spans],
+            )
+        return self._replaced_in_batch
+
+    def _count_written(self, written: Sequence[PreparedItem]) -> None:
+        super()._count_written(written)
         if written:
+            payload = sum(len(p.spans[1]) for p in written if p.spans)
+            payload += sum(len(row[-1]) for p in written for row in p.request_rows)
             self._wrote(payload)
-
-    def _count_quarantined(self, quarantined: Sequence[_PreparedItem]) -> None:
-        self.quarantined_records += request_rows_in(quarantined)
-        self.quarantined_traces += len(quarantined)
-
-    def _fail_batch(
-        self, error: sqlite3.Error, lost: int, *, written: int = 0, retryable: bool = False
-    ) -> NoReturn:
-        """Count a batch the database refused (rolled back) and raise StoreWriteError."""
-        self.failed_batches += 1
-        self.rejected_records += lost
-        raise StoreWriteError(
-            f"store {self.path}: batch rolled back: {error}",
-            rejected=lost,
-            written=written,
-            retryable=retryable,
-        ) from error
 
     def _wrote(self, payload_bytes: int) -> None:
         """Ask for a background checkpoint every ``checkpoint_bytes`` of payload written."""
@@ -590,26 +474,6 @@ def slice_start(value: float) -> float:
     if not math.isfinite(number):
         raise ValueError(f"slice start {value!r} is not a finite number")
     return int(number) if number.is_integer() else number
-
-
-def records_in(item: Any) -> int:
-    """Request records a batch item holds (1 for one too broken to say)."""
-    try:
-        return max(1, len(item[1]))
-    except Exception:
-        return 1
-
-
-def request_rows_in(items: Sequence[Any]) -> int:
-    """Request rows of prepared batch items (each with ``request_rows``)."""
-    return sum(len(p.request_rows) for p in items)
-
-
-def _execute_item(connection: sqlite3.Connection, prepared: _PreparedItem) -> None:
-    connection.executemany(_DELETE_REQUEST, prepared.replaced_rows)
-    connection.executemany(_INSERT_REQUEST, prepared.request_rows)
-    if prepared.trace_row is not None:
-        connection.execute(_UPSERT_TRACE, prepared.trace_row)
 
 
 @contextmanager
