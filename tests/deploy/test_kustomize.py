@@ -28,7 +28,7 @@ import yaml
 
 _REPO: Final = Path(__file__).resolve().parents[2]
 _DEPLOY: Final = _REPO / "deploy"
-_OVERLAYS: Final = ("single-node", "gpu", "otelcol-loadbalancing")
+_OVERLAYS: Final = ("single-node", "gpu", "otelcol-loadbalancing", "replicas-postgresql")
 _EXAMPLES: Final = ("examples/inference",)
 _RENDERED: Final = tuple(f"overlays/{name}" for name in _OVERLAYS) + _EXAMPLES
 _KUBERNETES_VERSION: Final = "1.30.0"
@@ -44,6 +44,10 @@ _INJECTION_MOUNT: Final = "/otel-auto-instrumentation-python"
 _NODE_AGENT_OTLP: Final = "http://tokentrace-node-agent.tokentrace.svc"
 _VARIABLE_REFERENCE: Final = re.compile(r"\$\((\w+)\)")
 _CONFIG_VARIABLE: Final = re.compile(r"\$\{env:(\w+)\}")
+_BASE_COLLECTOR_CONFIG: Final = _DEPLOY / "base" / "collector" / "collector.yaml"
+_POSTGRESQL_SECRET: Final = "tokentrace-postgresql"
+_POSTGRESQL_URL: Final = "postgresql://tokentrace@postgres.example.internal:5432/tokentrace"
+"""What the test puts in the Secret's ``url`` key, as a user would (no password in it)."""
 
 
 def _kustomize_command() -> list[str]:
@@ -354,11 +358,18 @@ def _collector_environment(objects: list[dict[str, Any]]) -> dict[str, str]:
         if "fieldRef" in source:
             environ[variable["name"]] = filled.get(source["fieldRef"]["fieldPath"], "x")
         elif "secretKeyRef" in source:
-            environ[variable["name"]] = f"token-of-{source['secretKeyRef']['name']}"
+            environ[variable["name"]] = _secret_value(source["secretKeyRef"])
         else:
             environ[variable["name"]] = variable["value"]
     assert container["args"] == ["collector", "--config", "/etc/tokentrace/collector.yaml"]
     return environ
+
+
+def _secret_value(reference: dict[str, str]) -> str:
+    """What a user would put in the key of a Secret: the PostgreSQL URL, else a token."""
+    if reference == {"name": _POSTGRESQL_SECRET, "key": "url"}:
+        return _POSTGRESQL_URL
+    return f"{reference['key']}-of-{reference['name']}"
 
 
 def _check_config(config: dict[str, Any], environ: dict[str, str], tmp_path: Path) -> str:
@@ -381,10 +392,13 @@ def _check_config(config: dict[str, Any], environ: dict[str, str], tmp_path: Pat
     return result.stderr.strip()
 
 
-def test_the_collector_configuration_in_the_config_map_is_valid(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlay", _OVERLAYS)
+def test_the_collector_configuration_in_the_config_map_is_valid(
+    overlay: str, tmp_path: Path
+) -> None:
     """The ConfigMap's collector.yaml passes ``tokentrace collector --check-config`` with the
     environment the StatefulSet gives it, and uses no variable the StatefulSet does not set."""
-    objects = _render("overlays/single-node")
+    objects = _render(f"overlays/{overlay}")
     config = _config_map_file(objects, "tokentrace-collector-config", "collector.yaml")
     environ = _collector_environment(objects)
     referenced = set(_CONFIG_VARIABLE.findall(yaml.safe_dump(config)))
@@ -399,6 +413,14 @@ _EXPECTED_UPSTREAM: Final = {
     "single-node": "http://tokentrace-collector.tokentrace.svc:4317",
     "gpu": "http://tokentrace-collector.tokentrace.svc:4317",
     "otelcol-loadbalancing": "http://tokentrace-otelcol.tokentrace.svc:4317",
+    # Routed by trace ID over the headless Service; this endpoint until its first answer.
+    "replicas-postgresql": "http://tokentrace-collector.tokentrace.svc:4317",
+}
+_EXPECTED_ROUTE_DNS: Final = {
+    "single-node": None,
+    "gpu": None,
+    "otelcol-loadbalancing": None,  # the OpenTelemetry Collector routes
+    "replicas-postgresql": "dns:///tokentrace-collector-headless.tokentrace.svc:4317",
 }
 
 
@@ -408,9 +430,11 @@ def test_the_node_agent_of_every_overlay_is_a_valid_node_agent(
 ) -> None:
     """The rendered DaemonSet's args and environment, filled in as Kubernetes would (pod IP,
     Secrets, the token's mount), make a valid node agent configuration: receivers and admin port
-    on the pod IP, the token required, the collector's token upstream, to the overlay's upstream."""
+    on the pod IP, the token required, the collector's token upstream, to the overlay's upstream
+    (routed by trace ID over the overlay's DNS name, if any)."""
     import argparse
 
+    from tokentrace.agent.node.routing import address_endpoint, parse_dns_target
     from tokentrace.agent.node_cli import NodeAgentCommand, config_from_args
 
     (daemonset,) = [o for o in _render(f"overlays/{overlay}") if o["kind"] == "DaemonSet"]
@@ -456,39 +480,123 @@ def test_the_node_agent_of_every_overlay_is_a_valid_node_agent(
     assert not config.allow_unauthenticated
     assert config.exporter.headers == {"authorization": "Bearer collector-token"}
     assert config.exporter.endpoint_for("traces") == _EXPECTED_UPSTREAM[overlay]
+    assert config.upstream_dns == _EXPECTED_ROUTE_DNS[overlay]
+    assert config.upstream_endpoints == ()
+    if config.upstream_dns is not None:
+        # Each resolved replica is sent to in the upstream's scheme: plaintext, like deploy/'s
+        # receivers.
+        _, port = parse_dns_target(config.upstream_dns)
+        assert address_endpoint(config.exporter, "10.1.2.4", port) == f"http://10.1.2.4:{port}"
 
 
-def test_every_overlay_runs_the_same_collector_configuration() -> None:
-    configs = [
-        _config_map_file(
-            _render(f"overlays/{name}"), "tokentrace-collector-config", "collector.yaml"
-        )
-        for name in _OVERLAYS
-    ]
-    assert all(config == configs[0] for config in configs)
+_COLLECTOR_CONFIG_CHANGES: Final[dict[str, tuple[str, ...]]] = {
+    "single-node": (),
+    "gpu": (),
+    "otelcol-loadbalancing": (),
+    # Its own copy of collector.yaml (kustomize cannot patch inside a generated file): the
+    # store's location (its retention stays the base's) and the spool.
+    "replicas-postgresql": ("exporters.store.path", "service.durability"),
+}
+"""The keys of base/collector/collector.yaml that each overlay's ConfigMap changes (dotted
+paths): every other key stays the base's, so a change to the base reaches every overlay or fails
+here."""
 
 
-@pytest.mark.parametrize("directory", [f"overlays/{name}" for name in _OVERLAYS])
-def test_every_secret_referenced_is_made_in_the_deploy_guide(directory: str) -> None:
+def _lookup(config: dict[str, Any], dotted: str) -> Any:
+    """The value at a dotted path of ``config``; None where a part is missing."""
+    value: Any = config
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _without(config: dict[str, Any], dotted_paths: tuple[str, ...]) -> dict[str, Any]:
+    trimmed = copy.deepcopy(config)
+    for dotted in dotted_paths:
+        *parents, key = dotted.split(".")
+        parent = _lookup(trimmed, ".".join(parents)) if parents else trimmed
+        if isinstance(parent, dict):
+            parent.pop(key, None)
+    return trimmed
+
+
+@pytest.mark.parametrize("overlay", _OVERLAYS)
+def test_every_overlay_runs_the_base_collector_configuration_but_what_it_changes(
+    overlay: str,
+) -> None:
+    base = yaml.safe_load(_BASE_COLLECTOR_CONFIG.read_text(encoding="utf-8"))
+    config = _config_map_file(
+        _render(f"overlays/{overlay}"), "tokentrace-collector-config", "collector.yaml"
+    )
+    changes = _COLLECTOR_CONFIG_CHANGES[overlay]
+    assert _without(config, changes) == _without(base, changes)
+    # Each listed key does differ: a stale entry would hide a copy that fell back to the base.
+    for dotted in changes:
+        assert _lookup(config, dotted) != _lookup(base, dotted), dotted
+
+
+def test_the_configuration_comparison_sees_a_change_next_to_a_changed_key() -> None:
+    base = {"exporters": {"store": {"path": "a.db", "retention": "3d"}}, "service": {}}
+    copied = {"exporters": {"store": {"path": "postgresql://h/db", "retention": "4d"}}}
+    copied["service"] = {"durability": {"directory": "/spool"}}
+    changes = ("exporters.store.path", "service.durability")
+    assert _without(copied, changes) != _without(base, changes)
+    copied["exporters"]["store"]["retention"] = "3d"
+    assert _without(copied, changes) == _without(base, changes)
+
+
+_BASE_SECRETS: Final = frozenset(
+    {"tokentrace-receiver-token", "tokentrace-node-agent-token", "tokentrace-ui-token"}
+)
+_EXPECTED_SECRETS: Final = {
+    "single-node": _BASE_SECRETS,
+    "gpu": _BASE_SECRETS,
+    "otelcol-loadbalancing": _BASE_SECRETS,
+    "replicas-postgresql": _BASE_SECRETS | {_POSTGRESQL_SECRET},
+}
+
+
+def _guide_secret_keys(guide: str, secret: str) -> set[str]:
+    """The keys the deploy guide's ``kubectl create secret generic SECRET`` commands give it
+    (``--from-literal=KEY=...`` / ``--from-file=KEY=...``, over continued lines)."""
+    keys: set[str] = set()
+    for match in re.finditer(rf"create secret generic {re.escape(secret)}(?![\w-])", guide):
+        command = guide[match.end() :]
+        ends = re.search(r"(?<!\\)\n", command)  # the first line not continued by a backslash
+        command = command[: ends.start() if ends else len(command)]
+        keys |= set(re.findall(r"--from-(?:literal|file)=([\w.-]+)=", command))
+    return keys
+
+
+@pytest.mark.parametrize("overlay", _OVERLAYS)
+def test_every_secret_referenced_is_made_in_the_deploy_guide(overlay: str) -> None:
     guide = (_REPO / "docs" / "deploy.md").read_text(encoding="utf-8")
-    objects = _render(directory)
-    referenced: set[str] = set()
+    objects = _render(f"overlays/{overlay}")
+    referenced: dict[str, set[str]] = {}
     for workload in _workloads(objects):
         pod_spec = _pod(workload)["spec"]
-        referenced |= {
-            v["secret"]["secretName"] for v in pod_spec.get("volumes", []) if "secret" in v
-        }
+        for volume in pod_spec.get("volumes", []):
+            if "secret" in volume:
+                referenced.setdefault(volume["secret"]["secretName"], set())
         for container, _ in _containers(pod_spec):
             for variable in container.get("env", []):
-                if "secretKeyRef" in variable.get("valueFrom", {}):
-                    referenced.add(variable["valueFrom"]["secretKeyRef"]["name"])
-    assert referenced == {
-        "tokentrace-receiver-token",
-        "tokentrace-node-agent-token",
-        "tokentrace-ui-token",
-    }
-    for secret in referenced:
+                reference = variable.get("valueFrom", {}).get("secretKeyRef")
+                if reference is not None:
+                    referenced.setdefault(reference["name"], set()).add(reference["key"])
+    assert set(referenced) == _EXPECTED_SECRETS[overlay]
+    for secret, keys in referenced.items():
         assert f"create secret generic {secret}" in guide, secret
+        assert keys <= _guide_secret_keys(guide, secret), secret
+
+
+def test_the_guide_secret_keys_are_those_of_the_one_command() -> None:
+    guide = (
+        "kubectl create secret generic a \\\n    --from-literal=url='x' \\\n"
+        "    --from-file=password=./pw\n--from-literal=later=1\n"
+        "kubectl create secret generic a-b --from-literal=token=t\n"
+    )
+    assert _guide_secret_keys(guide, "a") == {"url", "password"}
+    assert _guide_secret_keys(guide, "a-b") == {"token"}
 
 
 def test_the_gpu_overlay_reads_every_gpu_without_taking_one() -> None:
@@ -547,6 +655,114 @@ def test_the_load_balancer_routes_whole_traces_to_the_collector_replicas() -> No
     assert peers == [
         {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tokentrace-otelcol"}}}
     ]
+
+
+def _egress_ports(
+    policies: list[dict[str, Any]], labels: dict[str, str], peer_labels: dict[str, str]
+) -> set[int]:
+    """The ports pods with ``labels`` may reach on pods with ``peer_labels`` (same namespace)."""
+    return {
+        port["port"]
+        for policy in policies
+        if _selects(policy["spec"]["podSelector"], labels)
+        for rule in policy["spec"].get("egress", [])
+        if any(
+            set(peer) == {"podSelector"} and _selects(peer["podSelector"], peer_labels)
+            for peer in rule["to"]
+        )
+        for port in rule["ports"]
+    }
+
+
+def test_the_postgresql_replicas_share_one_store_with_a_spool_each(tmp_path: Path) -> None:
+    from tokentrace.collector.config import load_config
+    from tokentrace.collector.store import is_postgresql
+
+    objects = _render("overlays/replicas-postgresql")
+    statefulset = _one(objects, "StatefulSet", "tokentrace-collector")
+    assert statefulset["spec"]["replicas"] == 2
+    collector_pod = _pod(statefulset)
+    (collector,) = collector_pod["spec"]["containers"]
+    raw = _config_map_file(objects, "tokentrace-collector-config", "collector.yaml")
+    # The store's URL is a variable set from the Secret's url; the password only in PGPASSWORD.
+    url_reference = _CONFIG_VARIABLE.fullmatch(raw["exporters"]["store"]["path"])
+    assert url_reference is not None, raw["exporters"]["store"]
+    env = {v["name"]: v for v in collector["env"]}
+    url_from = env[url_reference.group(1)]["valueFrom"]["secretKeyRef"]
+    assert url_from == {"name": _POSTGRESQL_SECRET, "key": "url"}
+    password_from = env["PGPASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert password_from == {"name": _POSTGRESQL_SECRET, "key": "password"}
+    # The collector's own parser, on the file as the pod has it, gives the shared store and the
+    # spool directory of the configuration.
+    config_file = tmp_path / "collector.yaml"
+    config_file.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    config = load_config(config_file, environ=_collector_environment(objects))
+    assert config.store is not None
+    assert is_postgresql(config.store.path)
+    assert config.store.path == _POSTGRESQL_URL
+    spool = Path(raw["service"]["durability"]["directory"])
+    assert config.spool_directory == str(spool)
+    # ...on a writable mount of the replica's own claim (volumeClaimTemplates), not shared.
+    (spool_mount,) = [m for m in collector["volumeMounts"] if spool.is_relative_to(m["mountPath"])]
+    assert not spool_mount.get("readOnly")
+    claims = {c["metadata"]["name"] for c in statefulset["spec"]["volumeClaimTemplates"]}
+    assert spool_mount["name"] in claims
+    assert spool_mount["name"] not in {v["name"] for v in collector_pod["spec"]["volumes"]}
+    # ...and the replicas may reach PostgreSQL.
+    postgresql_ports = {
+        (p.get("protocol", "TCP"), p["port"])
+        for policy in _namespaced(objects, "NetworkPolicy", statefulset["metadata"]["namespace"])
+        if _selects(policy["spec"]["podSelector"], collector_pod["metadata"]["labels"])
+        for rule in policy["spec"].get("egress", [])
+        for p in rule["ports"]
+    }
+    assert ("TCP", 5432) in postgresql_ports
+
+
+def test_the_node_agents_route_each_trace_to_one_postgresql_replica() -> None:
+    """They resolve the StatefulSet's headless Service and connect to each address at the
+    name's port (not through the Service's port mapping): the collectors' gRPC receiver."""
+    from tokentrace.agent.node.routing import parse_dns_target
+
+    objects = _render("overlays/replicas-postgresql")
+    statefulset = _one(objects, "StatefulSet", "tokentrace-collector")
+    collector_pod = _pod(statefulset)
+    (collector,) = collector_pod["spec"]["containers"]
+    raw = _config_map_file(objects, "tokentrace-collector-config", "collector.yaml")
+    (daemonset,) = [o for o in objects if o["kind"] == "DaemonSet"]
+    node_agent_pod = _pod(daemonset)
+    (node_agent,) = node_agent_pod["spec"]["containers"]
+    node_env = {v["name"]: v.get("value") for v in node_agent["env"]}
+    host, port = parse_dns_target(node_env["TOKENTRACE_NODE_ROUTE_DNS"])
+    namespace = statefulset["metadata"]["namespace"]
+    service_name = statefulset["spec"]["serviceName"]
+    assert host == f"{service_name}.{namespace}.svc"
+    headless = _one(objects, "Service", service_name)
+    assert headless["spec"]["clusterIP"] == "None"
+    assert _selects(
+        {"matchLabels": headless["spec"]["selector"]}, collector_pod["metadata"]["labels"]
+    )
+    (service_port,) = [p for p in headless["spec"]["ports"] if p["port"] == port]
+    container_ports = {p["name"]: p["containerPort"] for p in collector["ports"]}
+    assert container_ports[service_port["targetPort"]] == port
+    grpc = raw["receivers"]["otlp"]["protocols"]["grpc"]
+    assert grpc["endpoint"] == f"${{env:POD_IP}}:{port}"
+    # Plaintext, as the node agents' upstream (http://) says for every resolved address.
+    assert "tls" not in grpc
+
+    # The network lets every node agent reach every replica there.
+    policies = _namespaced(objects, "NetworkPolicy", namespace)
+    collector_labels = collector_pod["metadata"]["labels"]
+    node_agent_labels = node_agent_pod["metadata"]["labels"]
+    assert port in _egress_ports(policies, node_agent_labels, collector_labels)
+    assert port in {
+        p["port"]
+        for policy in policies
+        if _selects(policy["spec"]["podSelector"], collector_labels)
+        for rule in policy["spec"].get("ingress", [])
+        if any(_selects(peer.get("podSelector", {}), node_agent_labels) for peer in rule["from"])
+        for p in rule["ports"]
+    }
 
 
 def _injected(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
