@@ -66,7 +66,9 @@ class PostgresServer:
 
         name = f"tokentrace_test_{next(self._created)}"
         with psycopg.connect(self.url(), autocommit=True) as admin:
-            admin.execute(f"CREATE DATABASE {name}")
+            # FILE_COPY: a copy of the tiny template's files, faster than PostgreSQL 15's
+            # default (WAL_LOG) here, where fsync is off.
+            admin.execute(f"CREATE DATABASE {name} STRATEGY FILE_COPY")
         return self.url(name)
 
 
