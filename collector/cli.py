@@ -9,7 +9,6 @@ Everything else is imported inside ``run()``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -282,7 +281,7 @@ class TopCommand:
 
     @staticmethod
     def _report(store: Any, window_s: float) -> dict[str, Any]:
-        from tokentrace.collector.store import META_COLLECTOR_STATS, window_report
+        from tokentrace.collector.store import window_report
         from tokentrace.collector.tail_sampling import sampling_summary
 
         now_s = time.time()
@@ -293,10 +292,9 @@ class TopCommand:
         report: dict[str, Any] = window_report(
             slices, window_s=window_s, now_s=now_s, slo_targets=targets, slo_errors=problems
         )
-        raw_stats = store.meta(META_COLLECTOR_STATS)
-        if raw_stats:
-            with contextlib.suppress(json.JSONDecodeError):
-                report["collector"] = json.loads(raw_stats)
+        stats = store.collector_stats()
+        if stats is not None:
+            report["collector"] = stats
         # The traces the store holds may be a sample (tail sampling); the percentiles are not.
         report["sampling"] = sampling_summary(report.get("collector"))
         return report

@@ -134,15 +134,12 @@ def store_of(request: Request) -> Store:
 
 
 def meta_document(request: Request) -> dict[str, Any]:
-    import json
-
-    from tokentrace.collector.store import META_COLLECTOR_STATS
     from tokentrace.processors.slo import target_to_dict
 
     settings: ApiSettings = request.app.state.settings
     store = store_of(request)
     targets, _problems = store.slo_targets()  # /slo reports the problems
-    stats = _json_or_none(store.meta(META_COLLECTOR_STATS), json)
+    stats = store.collector_stats()
     return {
         "version": _version(),
         "store": store.path,
@@ -150,17 +147,8 @@ def meta_document(request: Request) -> dict[str, Any]:
         "slo_targets": [target_to_dict(target) for target in targets],
         "trace_link": settings.trace_link,
         "auth": settings.auth_token is not None,
-        "collector": stats if isinstance(stats, dict) else None,
+        "collector": stats,
     }
-
-
-def _json_or_none(text: str | None, json: Any) -> Any:
-    if not text:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
 
 
 def _version() -> str:

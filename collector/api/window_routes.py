@@ -8,7 +8,6 @@ bands and the slowest lists) and hands the rest to the pure builders in ``fleet`
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Final
@@ -38,7 +37,7 @@ from tokentrace.collector.api.params import (
     unix_s_to_ns,
     window_dependency,
 )
-from tokentrace.collector.store import META_COLLECTOR_STATS, Store
+from tokentrace.collector.store import Store
 from tokentrace.collector.store.document import RequestSummaryDoc
 from tokentrace.collector.store.query import QueryTimeoutError, RequestFilter, RequestPageQuery
 from tokentrace.collector.tail_sampling import sampling_summary
@@ -373,14 +372,7 @@ def get_fleet(
 def _sampling(store: Store) -> dict[str, Any] | None:
     """What tail sampling kept, from the collector's stats the store holds (None: off, or no
     collector wrote stats)."""
-    raw = store.meta(META_COLLECTOR_STATS)
-    if not raw:
-        return None
-    try:
-        stats = json.loads(raw)
-    except json.JSONDecodeError:
-        return None
-    return sampling_summary(stats)
+    return sampling_summary(store.collector_stats())
 
 
 def _required_unix_s(name: str) -> Any:

@@ -20,13 +20,17 @@ from tokentrace.collector.component_configs import StoreConfig
 from tokentrace.collector.self_telemetry import ComponentTelemetry, metric_key
 from tokentrace.collector.store import (
     META_COLLECTOR_STARTED_NS,
-    META_COLLECTOR_STATS,
     META_SLO_TARGETS,
     Store,
     StoreWriteError,
     open_store,
 )
-from tokentrace.collector.store.contract import META_DIAGNOSIS, diagnosis_to_json
+from tokentrace.collector.store.contract import (
+    META_DIAGNOSIS,
+    STATS_WRITTEN_AT,
+    collector_stats_key,
+    diagnosis_to_json,
+)
 from tokentrace.collector.window import stored_spans_by_trace
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.model import SpanRef
@@ -84,6 +88,8 @@ class StoreSink:
         self._store.set_meta(META_SLO_TARGETS, targets_to_json(slo_targets))
         self._store.set_meta(META_DIAGNOSIS, diagnosis_to_json(diagnosis or DiagnosisConfig()))
         self._store.set_meta(META_COLLECTOR_STARTED_NS, str(time.time_ns()))
+        # Each replica of a shared store its own stats, which readers merge.
+        self._stats_key = collector_stats_key(self._store.writer_id)
         if telemetry is not None:
             telemetry.observe(self.stats, counters=_COUNTERS)
 
@@ -182,7 +188,8 @@ class StoreSink:
     def tick(self, tick: PipelineTick) -> None:
         if tick.percentile_slices:
             self._store.write_sketch_slices(tick.percentile_slices)
-        self._store.set_meta(META_COLLECTOR_STATS, json.dumps(tick.collector_stats))
+        stats = {**tick.collector_stats, STATS_WRITTEN_AT: time.time()}
+        self._store.set_meta(self._stats_key, json.dumps(stats))
         if tick.final or self._clock() >= self._next_prune:
             self._prune()
             self._next_prune = self._clock() + _DEFAULT_PRUNE_INTERVAL_S

@@ -27,7 +27,13 @@ META_SLO_TARGETS: Final = "slo_targets"
 META_COLLECTOR_STARTED_NS: Final = "collector_started_ns"
 """Meta key: unix ns at which the collector writing this store started."""
 META_COLLECTOR_STATS: Final = "collector_stats"
-"""Meta key: the collector's counters as JSON, rewritten about once a second."""
+"""Meta key: the collector's counters as JSON, rewritten about once a second. On a store that
+several replicas share, each writes ``collector_stats/<writer id>`` and readers merge them
+(``collector_stats_key``, ``merge_collector_stats``)."""
+STATS_WRITTEN_AT: Final = "stats_written_unix_s"
+"""In a replica's stats: when it wrote them (unix s), so that readers leave stopped ones out."""
+_STATS_FRESH_S: Final = 60.0
+"""A replica whose stats are this much older than the newest replica's is not counted."""
 META_DIAGNOSIS: Final = "diagnosis"
 """Meta key: the collector's diagnosis settings as JSON (``DiagnosisConfig`` fields), by which
 a document's verdicts about its other metrics are derived when it is read."""
@@ -79,6 +85,44 @@ class StoreWriteError(StoreError):
         self.retryable = retryable
 
 
+def collector_stats_key(writer_id: str | None) -> str:
+    """The meta key a collector writes its stats under (``META_COLLECTOR_STATS``)."""
+    return META_COLLECTOR_STATS if writer_id is None else f"{META_COLLECTOR_STATS}/{writer_id}"
+
+
+def merge_collector_stats(snapshots: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Several replicas' stats as one: numbers summed (nested counters too), other values the
+    newest replica's, ``replicas`` the replicas counted; replicas whose stats are more than
+    ``_STATS_FRESH_S`` older than the newest are left out (stopped). None for no snapshots."""
+
+    def written_at(snapshot: Mapping[str, Any]) -> float:
+        value = snapshot.get(STATS_WRITTEN_AT)
+        return float(value) if isinstance(value, (int, float)) else 0.0
+
+    if not snapshots:
+        return None
+    newest = max(written_at(snapshot) for snapshot in snapshots)
+    live = sorted(
+        (s for s in snapshots if written_at(s) >= newest - _STATS_FRESH_S),
+        key=written_at,
+        reverse=True,
+    )
+
+    def merged(values: list[Any]) -> Any:
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return sum(values)
+        if all(isinstance(v, Mapping) for v in values):
+            keys = dict.fromkeys(k for v in values for k in v)
+            return {k: merged([v[k] for v in values if k in v]) for k in keys}
+        return values[0]
+
+    keys = dict.fromkeys(k for snapshot in live for k in snapshot)
+    result = {k: merged([s[k] for s in live if k in s]) for k in keys}
+    result[STATS_WRITTEN_AT] = newest
+    result["replicas"] = len(live)
+    return result
+
+
 def diagnosis_to_json(config: DiagnosisConfig) -> str:
     """The collector's diagnosis settings as the store keeps them (``META_DIAGNOSIS``)."""
     return json.dumps(dataclasses.asdict(config))
@@ -113,6 +157,8 @@ class Store(Protocol):
     """Where the store is, as messages show it (a URL without its password)."""
     shared: bool
     """Whether other collectors may write the same store (PostgreSQL) or only this one."""
+    writer_id: str | None
+    """This collector's name among the writers of a shared store (None: not shared)."""
     readonly: bool
     max_trace_bytes: int
     prune_batch: int
@@ -156,6 +202,7 @@ class Store(Protocol):
     def sketches_between(self, since_s: float, until_s: float | None) -> list[SketchSlice]: ...
     def slo_targets(self) -> tuple[list[SloTarget], list[str]]: ...
     def meta(self, key: str) -> str | None: ...
+    def collector_stats(self) -> dict[str, Any] | None: ...
     def count(self) -> int: ...
     def now(self) -> float: ...
 

@@ -16,10 +16,12 @@ from typing import Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.collector.store.contract import (
+    META_COLLECTOR_STATS,
     META_DIAGNOSIS,
     META_SLO_TARGETS,
     StoreError,
     diagnosis_from_json,
+    merge_collector_stats,
 )
 from tokentrace.collector.store.document import (
     RequestDocument,
@@ -79,6 +81,8 @@ class StoreReader:
         """Where the store is, as messages show it."""
         self.shared = False
         """Whether other collectors may write the same store (a backend sets it)."""
+        self.writer_id: str | None = None
+        """This collector's name among those writing a shared store (None: not shared)."""
         self._clock = clock
 
     @contextmanager
@@ -353,6 +357,28 @@ class StoreReader:
         """The collector's SLO targets (``META_SLO_TARGETS``), and why any could not be read
         (``processors.slo.targets_from_json``)."""
         return targets_from_json(self.meta(META_SLO_TARGETS))
+
+    def collector_stats(self) -> dict[str, Any] | None:
+        """The collector's stats (``META_COLLECTOR_STATS``): one collector's, or every live
+        replica's of a shared store merged (``merge_collector_stats``); None when none or
+        unreadable ones were written."""
+        with self._reader() as connection:
+            rows = self._execute(
+                connection,
+                "SELECT value FROM meta WHERE key = ? OR substr(key, 1, ?) = ?",
+                (META_COLLECTOR_STATS, len(META_COLLECTOR_STATS) + 1, f"{META_COLLECTOR_STATS}/"),
+            ).fetchall()
+        snapshots = []
+        for (raw,) in rows:
+            try:
+                snapshot = json.loads(raw)
+            except ValueError:
+                continue  # one replica's unreadable stats must not hide the others'
+            if isinstance(snapshot, dict):
+                snapshots.append(snapshot)
+        if len(snapshots) == 1 and not self.shared:
+            return snapshots[0]
+        return merge_collector_stats(snapshots)
 
     def meta(self, key: str) -> str | None:
         with self._reader() as connection:

@@ -25,6 +25,7 @@ from tokentrace.collector.api import ApiSettings, create_app
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
 from tokentrace.collector.store import RequestPageQuery, open_store_readonly, window_report
+from tokentrace.collector.store.contract import STATS_WRITTEN_AT, merge_collector_stats
 from tokentrace.loadgen.replay.emit import to_otlp_requests
 from tokentrace.loadgen.replay.simulation import simulate
 
@@ -155,6 +156,7 @@ def _answers(store_location: str) -> dict[str, Any]:
             for trace_id in sorted({trace_id for trace_id, _ in rows})[::7]
         }
         targets, problems = store.slo_targets()
+        stats = store.collector_stats()
         report = window_report(
             store.sketches_between(0, None),
             window_s=10**9,
@@ -167,7 +169,7 @@ def _answers(store_location: str) -> dict[str, Any]:
     for document in documents.values():
         assert document is not None
         document.pop("other_span_ids", None)
-    return {"rows": rows, "documents": documents, "report": report}
+    return {"rows": rows, "documents": documents, "report": report, "stats": stats}
 
 
 def test_two_replicas_on_postgresql_answer_like_one_collector_on_sqlite(
@@ -196,6 +198,9 @@ def test_two_replicas_on_postgresql_answer_like_one_collector_on_sqlite(
     assert shared["report"]["requests"] == expected["report"]["requests"] == REQUESTS
     assert shared["report"]["keys"] == expected["report"]["keys"]
     assert shared["report"]["slo"] == expected["report"]["slo"]
+    # The collectors' counters: one collector's, or both replicas' merged.
+    assert expected["stats"]["requests"] == shared["stats"]["requests"] == REQUESTS
+    assert "replicas" not in expected["stats"] and shared["stats"]["replicas"] == 2
     # The late client spans' network segments are in: the joined requests have one.
     with_network = [row for row in shared["rows"].values() if row.get("network_ms")]
     assert len(with_network) >= split
@@ -226,3 +231,23 @@ def test_two_replicas_on_postgresql_answer_like_one_collector_on_sqlite(
     )  # fmt: skip
     assert top.returncode == 0, top.stderr
     assert "ttft-p95" in top.stdout
+
+
+def test_replicas_stats_merge_sums_counters_and_leaves_stopped_replicas_out() -> None:
+    at = STATS_WRITTEN_AT
+    merged = merge_collector_stats(
+        [
+            {at: 1000.0, "requests": 5, "processor_errors": {"slo": 1}, "version": "a"},
+            {at: 1010.0, "requests": 7, "processor_errors": {"slo": 2, "budget": 1}, "x": 1},
+            {at: 900.0, "requests": 100},  # stopped over 60 s before the newest wrote
+        ]
+    )
+    assert merged == {
+        at: 1010.0,
+        "requests": 12,
+        "processor_errors": {"slo": 3, "budget": 1},
+        "version": "a",
+        "x": 1,
+        "replicas": 2,
+    }
+    assert merge_collector_stats([]) is None
