@@ -337,3 +337,19 @@ def test_two_replicas_writing_the_same_traces_store_every_row(postgres_url: str)
     assert retried == []
     for store in replicas:
         store.close()
+
+
+def test_prune_by_count_follows_the_planners_estimate_once_the_table_is_analysed(
+    postgres_url: str,
+) -> None:
+    store = open_store(postgres_url, max_requests=100, retention_s=10**9)
+    write_records(store, *(make_record(n, start_ns=BASE_NS + n) for n in range(1, 11)))
+    run_sql(postgres_url, "ANALYZE requests")  # the estimate: 10 rows, far under 100
+    assert store.prune() == 0 and store.count() == 10
+    store.max_requests = 4  # now the estimate (10) is over: the exact count prunes the oldest
+    assert store.prune() == 6
+    assert store.count() == 4
+    assert sorted(doc["trace_id"] for doc in store.slowest(limit=10)) == sorted(
+        trace_id(n).hex() for n in range(7, 11)
+    )
+    store.close()

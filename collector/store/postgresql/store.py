@@ -58,6 +58,9 @@ from tokentrace.collector.store.row import REQUEST_COLUMNS, request_row
 from tokentrace.collector.store.sqlite.store import slice_start
 
 _NS_PER_S: Final = 1_000_000_000
+_COUNT_WHEN_ESTIMATED_OVER: Final = 0.8
+"""``prune`` counts the requests exactly only once the planner's estimate passes this share of
+``max_requests`` (the estimate lags the table by up to autovacuum's analyze threshold)."""
 
 _TEXT_COLUMNS: Final = tuple(
     index for index, (sql_type, _) in enumerate(REQUEST_COLUMN_TYPES.values()) if sql_type == "text"
@@ -341,6 +344,16 @@ class PostgresRequestStore(PostgresStoreReader, BatchWriter):
         self.pruned_slices += pruned_slices
         return pruned_requests
 
+    def _maybe_over_max_requests(self, connection: psycopg.Connection[Any]) -> bool:
+        """False when the planner's row estimate (kept by autovacuum's ANALYZE) is well under
+        ``max_requests``: an exact count reads the whole table, which every replica would do
+        every 10 s. True when the table was never analysed (the estimate is -1)."""
+        found = connection.execute(
+            "SELECT reltuples FROM pg_class WHERE oid = 'requests'::regclass"
+        ).fetchone()
+        estimate = -1.0 if found is None else float(found[0])
+        return estimate < 0 or estimate >= _COUNT_WHEN_ESTIMATED_OVER * self.max_requests
+
     def _prune_requests(
         self, connection: psycopg.Connection[Any], cutoff_ns: int
     ) -> tuple[int, int]:
@@ -352,7 +365,7 @@ class PostgresRequestStore(PostgresStoreReader, BatchWriter):
             "RETURNING trace_id",
             (cutoff_ns, self.prune_batch),
         ).fetchall()
-        if len(victims) < self.prune_batch:
+        if len(victims) < self.prune_batch and self._maybe_over_max_requests(connection):
             (total,) = connection.execute("SELECT COUNT(*) FROM requests").fetchone() or (0,)
             excess = min(int(total) - self.max_requests, self.prune_batch - len(victims))
             if excess > 0:
