@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final, NamedTuple
 
 from tokentrace.agent import semconv
@@ -35,6 +35,8 @@ __all__ = [
     "encode_span",
     "encode_span_tree",
     "export_request",
+    "length_delimited",
+    "span_attributes",
 ]
 
 _log = logging.getLogger(__name__)
@@ -43,7 +45,12 @@ _DEFAULT_SCOPE_VERSION: Final = ""
 _ATTRIBUTE_CACHE_ENTRIES: Final = 4096
 """Bound of the cache of whole encoded string/bool attributes (cleared when full)."""
 _UNCACHED_STRING_KEYS: Final = frozenset(
-    {semconv.REQUEST_ID, semconv.PROMPT_PREFIX_HASH, semconv.ENGINE_STEP_REQUEST_IDS}
+    {
+        semconv.REQUEST_ID,
+        semconv.PROMPT_PREFIX_HASH,
+        semconv.ENGINE_STEP_REQUEST_IDS,
+        semconv.DIAGNOSIS_VERDICT,  # the collector's enrichment: a sentence with the numbers
+    }
 )
 """String (array) attributes unique (or nearly) per span: caching them would only churn the
 cache."""
@@ -65,15 +72,15 @@ class ResourceScope:
         scope_version: str = _DEFAULT_SCOPE_VERSION,
     ) -> None:
         attributes = b"".join(
-            _length_delimited(_TAG_RESOURCE_ATTRIBUTE, _key_value(key, _any_value(value)))
+            length_delimited(_TAG_RESOURCE_ATTRIBUTE, _key_value(key, _any_value(value)))
             for key, value in resource_attributes.items()
         )
-        self.resource: Final = _length_delimited(_TAG_RESOURCE_SPANS_RESOURCE, attributes)
+        self.resource: Final = length_delimited(_TAG_RESOURCE_SPANS_RESOURCE, attributes)
         """``ResourceSpans.resource``, tag included."""
-        scope = _length_delimited(_TAG_SCOPE_NAME, scope_name.encode())
+        scope = length_delimited(_TAG_SCOPE_NAME, scope_name.encode())
         if scope_version:
-            scope += _length_delimited(_TAG_SCOPE_VERSION, scope_version.encode())
-        self.scope: Final = _length_delimited(_TAG_SCOPE_SPANS_SCOPE, scope)
+            scope += length_delimited(_TAG_SCOPE_VERSION, scope_version.encode())
+        self.scope: Final = length_delimited(_TAG_SCOPE_SPANS_SCOPE, scope)
         """``ScopeSpans.scope``, tag included."""
 
 
@@ -283,13 +290,9 @@ def _int64_varint(value: int) -> bytes:
     return _varint(value if value >= 0 else value + _UINT64)
 
 
-def _length_delimited(tag: bytes, payload: bytes) -> bytes:
-    return tag + _varint(len(payload)) + payload
-
-
 def _key_value(key: str, any_value: bytes) -> bytes:
     """A ``KeyValue``'s content from its ``AnyValue``'s content."""
-    return _length_delimited(_TAG_KEY, key.encode()) + _length_delimited(_TAG_VALUE, any_value)
+    return length_delimited(_TAG_KEY, key.encode()) + length_delimited(_TAG_VALUE, any_value)
 
 
 def _any_value(value: object) -> bytes:
@@ -301,10 +304,10 @@ def _any_value(value: object) -> bytes:
     if isinstance(value, float):
         return _TAG_DOUBLE + _PACK_DOUBLE(value)
     if isinstance(value, str):
-        return _length_delimited(_TAG_STRING, value.encode())
+        return length_delimited(_TAG_STRING, value.encode())
     if isinstance(value, (list, tuple)):
-        items = b"".join(_length_delimited(_TAG_ARRAY_VALUE, _any_value(item)) for item in value)
-        return _length_delimited(_TAG_ARRAY, items)
+        items = b"".join(length_delimited(_TAG_ARRAY_VALUE, _any_value(item)) for item in value)
+        return length_delimited(_TAG_ARRAY, items)
     raise TypeError(f"unsupported attribute value type {type(value).__name__}")
 
 
@@ -364,7 +367,7 @@ class _SpanWriter:
     ) -> bytes:
         name = self._names.get(planned.name)
         if name is None:
-            name = self._names[planned.name] = _length_delimited(_TAG_NAME, planned.name.encode())
+            name = self._names[planned.name] = length_delimited(_TAG_NAME, planned.name.encode())
         parts = [trace_field, _TAG_SPAN_ID, span_id]
         if parent_span_id:
             parts += (_TAG_PARENT_SPAN_ID, parent_span_id)
@@ -375,7 +378,19 @@ class _SpanWriter:
             _PACK_TIMES(_TAG_START, planned.start_ns, _TAG_END, planned.end_ns),
         )
         append = parts.append
-        for key, value in planned.attributes.items():
+        self.attributes(planned.attributes.items(), append)
+        for linked_trace_id, linked_span_id in planned.links:
+            append(_link(linked_trace_id, linked_span_id))
+        if planned.status_error is not None:
+            append(_status_error(planned.status_error))
+        body = b"".join(parts)
+        return _TAG_SCOPE_SPANS_SPAN + _varint(len(body)) + body
+
+    def attributes(
+        self, items: Iterable[tuple[str, AttrValue]], append: Callable[[bytes], None]
+    ) -> None:
+        """``append`` each attribute's ``Span.attributes`` entry (cached parts, see the class)."""
+        for key, value in items:
             kind = type(value)
             if kind is int:
                 encoded = _int64_varint(value)  # type: ignore[arg-type]
@@ -394,7 +409,7 @@ class _SpanWriter:
                 append(_attribute(key, _int_array(value)))  # type: ignore[arg-type]
             elif kind is str and key in _UNCACHED_STRING_KEYS:
                 text: str = value  # type: ignore[assignment]
-                append(_attribute(key, _length_delimited(_TAG_STRING, text.encode())))
+                append(_attribute(key, length_delimited(_TAG_STRING, text.encode())))
             elif kind is tuple and key in _UNCACHED_STRING_KEYS:
                 append(_attribute(key, _any_value(value)))
             elif kind is str or kind is bool or kind is tuple:  # values that repeat
@@ -408,12 +423,6 @@ class _SpanWriter:
                 append(entry)
             else:  # int/float/str subclasses and the like
                 append(_attribute(key, _any_value(value)))
-        for linked_trace_id, linked_span_id in planned.links:
-            append(_link(linked_trace_id, linked_span_id))
-        if planned.status_error is not None:
-            append(_status_error(planned.status_error))
-        body = b"".join(parts)
-        return _TAG_SCOPE_SPANS_SPAN + _varint(len(body)) + body
 
     def _int_prefix(self, key: str, varint_length: int) -> bytes:
         """Everything of an int attribute's entry before its varint of ``varint_length``."""
@@ -430,31 +439,46 @@ class _SpanWriter:
 _WRITER: Final = _SpanWriter()
 
 
+def length_delimited(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited protobuf field: ``tag``, the payload's length, the payload."""
+    return tag + _varint(len(payload)) + payload
+
+
+def span_attributes(attributes: Iterable[tuple[str, AttrValue]]) -> bytes:
+    """``Span.attributes`` entries (tags included) of ``(key, value)`` pairs, as ``encode_span``
+    writes attributes (a list is an int array, a tuple any array): appended to a serialised
+    ``Span``, they parse as its attributes after the ones it has (protobuf concatenates a
+    repeated field's entries). Raises ValueError/TypeError for a value OTLP cannot carry."""
+    parts: list[bytes] = []
+    _WRITER.attributes(attributes, parts.append)
+    return b"".join(parts)
+
+
 def _attribute(key: str, any_value: bytes) -> bytes:
     """One ``Span.attributes`` entry (tag included) from its ``AnyValue``'s content."""
-    return _length_delimited(_TAG_ATTRIBUTE, _key_value(key, any_value))
+    return length_delimited(_TAG_ATTRIBUTE, _key_value(key, any_value))
 
 
 def _link(trace_id: bytes, span_id: bytes) -> bytes:
     if len(trace_id) != TRACE_ID_BYTES or len(span_id) != SPAN_ID_BYTES:
         raise ValueError("linked trace ids are 16 bytes and span ids 8 bytes")
-    return _length_delimited(_TAG_LINK, _TAG_TRACE_ID + trace_id + _TAG_LINK_SPAN_ID + span_id)
+    return length_delimited(_TAG_LINK, _TAG_TRACE_ID + trace_id + _TAG_LINK_SPAN_ID + span_id)
 
 
 def _status_error(message: str) -> bytes:
     status = _STATUS_CODE_ERROR
     if message:
-        status = _length_delimited(_TAG_STATUS_MESSAGE, message.encode()) + status
-    return _length_delimited(_TAG_STATUS, status)
+        status = length_delimited(_TAG_STATUS_MESSAGE, message.encode()) + status
+    return length_delimited(_TAG_STATUS, status)
 
 
 def _int_array(values: list[int]) -> bytes:
     encoded = _encode_int_array(values)
     if encoded is None:  # out of the fast path's range: one element at a time
         encoded = b"".join(
-            _length_delimited(_TAG_ARRAY_VALUE, _TAG_INT + _int64_varint(value)) for value in values
+            length_delimited(_TAG_ARRAY_VALUE, _TAG_INT + _int64_varint(value)) for value in values
         )
-    return _length_delimited(_TAG_ARRAY, encoded)
+    return length_delimited(_TAG_ARRAY, encoded)
 
 
 # Integer arrays as OTLP ``ArrayValue`` bytes, computed with big-integer arithmetic instead of

@@ -108,7 +108,7 @@ from tokentrace.collector.spool import Spool, SpoolError
 from tokentrace.collector.tail_sampling import TailSampler
 from tokentrace.processors.budget import request_record
 from tokentrace.processors.diagnosis import DiagnosisConfig
-from tokentrace.processors.enrich import enrich_span
+from tokentrace.processors.enrich import enrichment_attributes, remove_enrichment
 from tokentrace.processors.model import (
     AssembledTrace,
     RequestMetrics,
@@ -561,8 +561,8 @@ class Pipeline:
             for name, processor in self._processors:
                 self._guarded(name, processor.process, record)
             records.append(record)
-        self._enrich(trace.spans, records)
-        return ProcessedTrace(trace, records, encode_trace_request(trace.spans))
+        appended = self._enrichment(trace.spans, records)
+        return ProcessedTrace(trace, records, encode_trace_request(trace.spans, appended=appended))
 
     def _budgeted(self, trace: AssembledTrace, timeline: RequestTimeline) -> RequestRecord | None:
         try:
@@ -572,17 +572,26 @@ class Pipeline:
             _log.exception("budget of trace %s failed", trace.trace_id.hex())
             return None
 
-    def _enrich(self, spans: Sequence[SpanRef], records: Sequence[RequestRecord]) -> None:
+    def _enrichment(
+        self, spans: Sequence[SpanRef], records: Sequence[RequestRecord]
+    ) -> dict[bytes, bytes]:
+        """Each request span's enrichment as attribute bytes for the encoder to append
+        (``enrichment_attributes``), the span's earlier enrichment removed first."""
         if not records:
-            return
+            return {}
         by_span_id = {record.timeline.span_id: record for record in records}
+        appended: dict[bytes, bytes] = {}
         for ref in spans:
-            record_or_none = by_span_id.get(ref.span.span_id)
+            span_id = ref.span.span_id
+            record_or_none = by_span_id.get(span_id)
             if record_or_none is not None:
                 try:
-                    enrich_span(ref.span, record_or_none)
+                    appended[span_id] = enrichment_attributes(record_or_none)
+                    remove_enrichment(ref.span)
                 except Exception:
+                    appended.pop(span_id, None)
                     self._processor_errors.add(_ENRICH)
+        return appended
 
     def _look_up_earlier_spans(self, trace_id: bytes) -> list[SpanRef] | None:
         if self._earlier_spans is None:
@@ -633,11 +642,11 @@ class Pipeline:
             for name, processor in self._processors:
                 self._guarded(name, partial(processor.reprocess, recorded=earlier), record)
             records.append(record)
-        self._enrich(fragment.spans, records)
+        appended = self._enrichment(fragment.spans, records)
         return ProcessedTrace(
             fragment,
             records,
-            encode_trace_request(fragment.spans),
+            encode_trace_request(fragment.spans, appended=appended),
             replaces_stored=[timeline.span_id for timeline in earlier_timelines],
         )
 

@@ -1,5 +1,9 @@
 """Write a request's derived values onto its span as ``tokentrace.*`` attributes.
 
+The values are encoded straight to attribute bytes (``enrichment_attributes``), which the
+collector's encoder appends to the request span's own serialisation: no protobuf object per
+attribute. ``enrich_span`` merges the same bytes into a span object.
+
 The collector owns every enrichment key (the ``tokentrace.budget.*`` and
 ``tokentrace.ttft_budget.*`` families and the fixed keys below): enriching removes all of them
 first and then writes the current values, so enriching twice is idempotent and a re-enrichment
@@ -15,6 +19,8 @@ from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
+from tokentrace.agent.span_encoding import span_attributes
+from tokentrace.agent.spans import AttrValue
 from tokentrace.processors.model import RequestRecord
 
 _OWNED_KEYS: Final = frozenset(
@@ -59,35 +65,53 @@ def _remove_owned(attributes: RepeatedCompositeFieldContainer[KeyValue]) -> None
         del attributes[position]
 
 
-def _add_ints(
-    attributes: RepeatedCompositeFieldContainer[KeyValue], pairs: list[tuple[str, int]]
-) -> None:
-    add = attributes.add
-    for key, ns in pairs:
-        # add() then assign in place: constructing KeyValue/AnyValue first would copy them again.
-        kv = add()
-        kv.key = key
-        # Timestamps are fixed64 in OTLP, so a corrupt span could yield a value beyond int64.
-        kv.value.int_value = (
-            ns if _INT64_MIN <= ns <= _INT64_MAX else min(max(ns, _INT64_MIN), _INT64_MAX)
+def enrichment_attributes(record: RequestRecord) -> bytes:
+    """The enrichment of ``record`` as serialised ``Span.attributes`` entries, in the order
+    ``enrich_span`` writes them: appended to the request span's serialisation (after
+    ``remove_enrichment``), they are its enrichment without building a protobuf object each."""
+    budget = record.budget
+    metrics = record.metrics
+    pairs: list[tuple[str, AttrValue]] = [
+        (_BUDGET_KEYS.get(segment) or semconv.budget_attribute(segment), _int64(ns))
+        for segment, ns in budget.segments.items()
+        if ns
+    ]
+    pairs += [
+        (_TTFT_BUDGET_KEYS.get(segment) or semconv.ttft_budget_attribute(segment), _int64(ns))
+        for segment, ns in budget.ttft_segments.items()
+        if ns
+    ]
+    if metrics.ttft is not None:
+        pairs.append((semconv.TTFT_NS, _int64(metrics.ttft)))
+    if metrics.tpot is not None:
+        pairs.append((semconv.TPOT_NS, _int64(metrics.tpot)))
+    pairs.append((semconv.E2E_NS, _int64(metrics.e2e)))
+    pairs.append((semconv.PROMPT_BUCKET, record.prompt_bucket))
+    verdict = record.verdict
+    if verdict is not None:
+        pairs += (
+            (semconv.DIAGNOSIS_SEGMENT, verdict.segment),
+            (semconv.DIAGNOSIS_CAUSE, verdict.cause),
+            (semconv.DIAGNOSIS_VERDICT, verdict.sentence),
+            (semconv.DIAGNOSIS_ADVICE, verdict.advice),
+            (semconv.DIAGNOSIS_METRIC, verdict.metric),
         )
+    if record.slo:
+        # Tuples: string arrays, whose few combinations the encoder caches.
+        met = tuple(sorted(name for name, ok in record.slo.items() if ok))
+        breached = tuple(sorted(name for name, ok in record.slo.items() if not ok))
+        pairs += ((semconv.SLO_MET, met), (semconv.SLO_BREACHED, breached))
+    return span_attributes(pairs)
 
 
-def _add_str(attributes: RepeatedCompositeFieldContainer[KeyValue], key: str, text: str) -> None:
-    kv = attributes.add()
-    kv.key = key
-    kv.value.string_value = text
+def _int64(ns: int) -> int:
+    # Timestamps are fixed64 in OTLP, so a corrupt span could yield a value beyond int64.
+    return ns if _INT64_MIN <= ns <= _INT64_MAX else min(max(ns, _INT64_MIN), _INT64_MAX)
 
 
-def _add_str_array(
-    attributes: RepeatedCompositeFieldContainer[KeyValue], key: str, texts: list[str]
-) -> None:
-    kv = attributes.add()
-    kv.key = key
-    array = kv.value.array_value
-    array.SetInParent()  # an empty list is still an array value, not an unset one
-    for text in texts:
-        array.values.add().string_value = text
+def remove_enrichment(span: Span) -> None:
+    """Remove every attribute the collector owns from ``span`` (a previous enrichment)."""
+    _remove_owned(span.attributes)
 
 
 def enrich_span(span: Span, record: RequestRecord) -> None:
@@ -99,36 +123,5 @@ def enrich_span(span: Span, record: RequestRecord) -> None:
     the sketches and SLOs use); the ``tokentrace.budget.*`` values sum to the budget's E2E, which
     also includes the ``network`` segment when a client span exists.
     """
-    attributes = span.attributes
-    _remove_owned(attributes)
-    budget = record.budget
-    metrics = record.metrics
-    ints = [
-        (_BUDGET_KEYS.get(segment) or semconv.budget_attribute(segment), ns)
-        for segment, ns in budget.segments.items()
-        if ns
-    ]
-    ints += [
-        (_TTFT_BUDGET_KEYS.get(segment) or semconv.ttft_budget_attribute(segment), ns)
-        for segment, ns in budget.ttft_segments.items()
-        if ns
-    ]
-    if metrics.ttft is not None:
-        ints.append((semconv.TTFT_NS, metrics.ttft))
-    if metrics.tpot is not None:
-        ints.append((semconv.TPOT_NS, metrics.tpot))
-    ints.append((semconv.E2E_NS, metrics.e2e))
-    _add_ints(attributes, ints)
-    _add_str(attributes, semconv.PROMPT_BUCKET, record.prompt_bucket)
-    verdict = record.verdict
-    if verdict is not None:
-        _add_str(attributes, semconv.DIAGNOSIS_SEGMENT, verdict.segment)
-        _add_str(attributes, semconv.DIAGNOSIS_CAUSE, verdict.cause)
-        _add_str(attributes, semconv.DIAGNOSIS_VERDICT, verdict.sentence)
-        _add_str(attributes, semconv.DIAGNOSIS_ADVICE, verdict.advice)
-        _add_str(attributes, semconv.DIAGNOSIS_METRIC, verdict.metric)
-    if record.slo:
-        met = sorted(name for name, ok in record.slo.items() if ok)
-        breached = sorted(name for name, ok in record.slo.items() if not ok)
-        _add_str_array(attributes, semconv.SLO_MET, met)
-        _add_str_array(attributes, semconv.SLO_BREACHED, breached)
+    remove_enrichment(span)
+    span.MergeFromString(enrichment_attributes(record))

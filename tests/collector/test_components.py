@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,11 @@ from tokentrace.collector.record_processors import RecordProcessor
 from tokentrace.collector.self_telemetry import SelfTelemetry
 from tokentrace.collector.service import Collector
 from tokentrace.collector.store import META_COLLECTOR_STATS, RequestStore
-from tokentrace.collector.store.contract import diagnosis_from_json, diagnosis_to_json
+from tokentrace.collector.store.contract import (
+    STATS_WRITTEN_AT,
+    diagnosis_from_json,
+    diagnosis_to_json,
+)
 from tokentrace.collector.tail_sampling import TailSampler
 from tokentrace.processors.diagnosis import DiagnosisConfig
 from tokentrace.processors.percentiles import ClosedSlice, PercentileConfig
@@ -495,7 +500,9 @@ def test_the_store_exporter_writes_the_tick_and_prunes_on_the_final_one(tmp_path
     store = RequestStore.open_readonly(path)
     try:
         assert store.count() == 0
-        assert json.loads(store.meta(META_COLLECTOR_STATS) or "") == {"requests": 25}
+        written = json.loads(store.meta(META_COLLECTOR_STATS) or "")
+        assert written == {"requests": 25, STATS_WRITTEN_AT: pytest.approx(time.time(), abs=60)}
+        assert store.collector_stats() == written
         (stored,) = store.sketches_since(now_s - 1)
         assert stored[0] == now_s
     finally:
