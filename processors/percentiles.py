@@ -49,6 +49,9 @@ _DEFAULT_MAX_UNDRAINED_SLICES: Final = 30
 """Five minutes of 10 s slices waiting for ``drain_closed_slices``."""
 _NS_PER_S: Final = 1e9
 
+_MAX_PENDING_VALUES: Final = 500_000
+"""Values the open slice holds before its sketches take them in even without a reader (the
+pipeline's tick reads it about once a second; this bounds the memory, ~20 MB, if it does not)."""
 _SINGLE_VALUE_METRICS: Final = tuple(m for m in semconv.LATENCY_METRICS if m != semconv.METRIC_ITL)
 
 SketchMatch = Callable[[SketchKey], bool]
@@ -109,6 +112,7 @@ class _Slice:
     """Values recorded since the sketches last took them in (``PercentileStore._settle``): each
     metric's seconds, and ITL's inter-token gaps in ns. Keyed in one batch per metric and key,
     not once per request."""
+    pending_values: int = 0
 
 
 @dataclass(slots=True)
@@ -288,6 +292,9 @@ class PercentileStore:
                         pending[semconv.METRIC_ITL] = list(gaps)
                     else:
                         itl.extend(gaps)
+                current.pending_values += len(singles) + len(gaps or ())
+                if current.pending_values > _MAX_PENDING_VALUES:  # no reader for a while
+                    self._settle(current)
         except Exception:
             # The pipeline serves traffic: count, log the first, carry on.
             self.record_errors += 1
@@ -317,6 +324,7 @@ class PercentileStore:
                     if self.record_errors == 1:
                         _LOG.exception("percentile store: adding recorded values failed")
         slice_.pending.clear()
+        slice_.pending_values = 0
 
     def _sketch(self, by_metric: dict[str, LatencySketch], metric: str) -> LatencySketch:
         sketch = by_metric.get(metric)

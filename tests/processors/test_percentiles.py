@@ -10,6 +10,7 @@ import pytest
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_CUMULATIVE
 
 from tokentrace.agent import semconv
+from tokentrace.processors import percentiles
 from tokentrace.processors.model import RequestMetrics
 from tokentrace.processors.percentiles import PercentileConfig, PercentileStore
 from tokentrace.processors.sketches import LatencySketch, SketchKey
@@ -93,6 +94,27 @@ def test_every_inter_token_gap_is_recorded() -> None:
     assert itl.count == 4
     assert itl.max == pytest.approx(0.08)
     assert itl.sum == pytest.approx(0.113)
+
+
+def test_recorded_values_wait_for_a_reader_within_a_bound_and_read_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The values are keyed in batches when the slice is read; past the bound, without a read.
+    monkeypatch.setattr(percentiles, "_MAX_PENDING_VALUES", 10)
+    store = make_store(FakeClock())
+    reference = LatencySketch()
+    for number in range(6):
+        gaps = [5.0 + number, 7.0, 30.0 + number]
+        store.record(CHAT, metrics(e2e_ms=400.0 + number, itl_ms=gaps))
+        for gap in gaps:
+            reference.add(gap / 1000)
+        pending = store._open.pending_values if store._open is not None else 0
+        assert pending <= 10  # settled whenever it passed the bound (each request adds 6)
+    itl = store.window(CHAT, metric=semconv.METRIC_ITL)
+    assert itl.count == reference.count == 18
+    for q in (0.5, 0.9, 0.99):
+        assert itl.quantile(q) == reference.quantile(q)
+    assert store.window(CHAT, metric=semconv.METRIC_E2E).count == 6
 
 
 def test_cumulative_holds_every_slice_open_or_closed_exactly_once() -> None:
