@@ -167,9 +167,9 @@ def test_the_budget_partitions_the_clients_e2e_and_ttft_and_itl_agree_with_the_c
     )
     with capsys.disabled():
         print(show)
-    # The slack is the client's own share: SGLang's scheduler spins a core, so on two cores the
-    # load generator reads its first bytes up to a few ms late (2.3 ms of a 24 ms TTFT once in
-    # CI, counted in the budget's client segment).
+    # The slack is the client's own share: while SGLang's scheduler keeps a core busy decoding,
+    # the load generator on the other reads its first bytes up to a few ms late (2.3 ms of a
+    # 24 ms TTFT once in CI, counted in the budget's client segment).
     for client, server, slack_ns in (
         (client_ttft, server_ttft, _TTFT_CLIENT_SLACK_NS),
         (client_itl, server_itl, 1_000_000),
