@@ -56,15 +56,7 @@ from tokentrace.collector.record_processors import (
     percentiles_processor,
     slo_processor,
 )
-from tokentrace.collector.tail_sampling import (
-    DROP_RANDOM,
-    KEEP_ALWAYS,
-    KEEP_BREACH,
-    KEEP_RANDOM,
-    KEEP_RARE,
-    KEEP_SLOWEST,
-    TailSampler,
-)
+from tokentrace.collector.tail_sampling import DROPPED_METRICS, KEPT_METRICS, TailSampler
 from tokentrace.processors.percentiles import PercentileStore
 
 if TYPE_CHECKING:
@@ -125,27 +117,16 @@ def _percentiles(config: PercentilesProcessorConfig, settings: CreateSettings) -
     return percentiles_processor(store)
 
 
-# Named so that each one's snapshot key is ``sampling_kept_<reason>`` (``sampling_summary``).
-_SAMPLING_KEPT_METRICS: Final = (
-    (semconv.SELF_METRIC_SAMPLING_KEPT_ALWAYS, KEEP_ALWAYS),
-    (semconv.SELF_METRIC_SAMPLING_KEPT_BREACH, KEEP_BREACH),
-    (semconv.SELF_METRIC_SAMPLING_KEPT_SLOWEST, KEEP_SLOWEST),
-    (semconv.SELF_METRIC_SAMPLING_KEPT_RARE, KEEP_RARE),
-    (semconv.SELF_METRIC_SAMPLING_KEPT_RANDOM, KEEP_RANDOM),
-)
-_SAMPLING_DROPPED_METRICS: Final = ((semconv.SELF_METRIC_SAMPLING_DROPPED_RANDOM, DROP_RANDOM),)
-
-
 def _tail_sampler(config: TailSamplingProcessorConfig, settings: CreateSettings) -> TailSampler:
     sampler = TailSampler(config.settings, clock=settings.clock)
     counters: dict[str, tuple[str, Callable[[], float]]] = {
         name: (f"traces kept: {reason}", partial(sampler.kept.__getitem__, reason))
-        for name, reason in _SAMPLING_KEPT_METRICS
+        for reason, name in KEPT_METRICS.items()
     }
     counters.update(
         {
             name: (f"traces dropped: {reason}", partial(sampler.dropped.__getitem__, reason))
-            for name, reason in _SAMPLING_DROPPED_METRICS
+            for reason, name in DROPPED_METRICS.items()
         }
     )
     counters[semconv.SELF_METRIC_SAMPLING_KEYS_EVICTED] = (

@@ -44,6 +44,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from tokentrace.agent import semconv
+from tokentrace.collector.self_telemetry import metric_key
 from tokentrace.processors.model import RequestRecord
 
 if TYPE_CHECKING:
@@ -59,10 +61,16 @@ KEEP_REASONS: Final = (KEEP_ALWAYS, KEEP_BREACH, KEEP_SLOWEST, KEEP_RARE, KEEP_R
 DROP_RANDOM: Final = "random"
 """Why a trace was dropped: no keep rule held and its hash fell outside ``random_share``."""
 DROP_REASONS: Final = (DROP_RANDOM,)
-STATS_KEPT_PREFIX: Final = "sampling_kept_"
-STATS_DROPPED_PREFIX: Final = "sampling_dropped_"
-"""The collector's stats snapshot holds ``sampling_kept_<reason>`` and
-``sampling_dropped_<reason>`` (the self-telemetry names without their prefix)."""
+KEPT_METRICS: Final = {
+    KEEP_ALWAYS: semconv.SELF_METRIC_SAMPLING_KEPT_ALWAYS,
+    KEEP_BREACH: semconv.SELF_METRIC_SAMPLING_KEPT_BREACH,
+    KEEP_SLOWEST: semconv.SELF_METRIC_SAMPLING_KEPT_SLOWEST,
+    KEEP_RARE: semconv.SELF_METRIC_SAMPLING_KEPT_RARE,
+    KEEP_RANDOM: semconv.SELF_METRIC_SAMPLING_KEPT_RANDOM,
+}
+"""Keep reason -> the self-telemetry counter of the traces kept for it."""
+DROPPED_METRICS: Final = {DROP_RANDOM: semconv.SELF_METRIC_SAMPLING_DROPPED_RANDOM}
+"""Drop reason -> the self-telemetry counter of the traces dropped for it."""
 NO_VERDICT: Final = "none"
 _FINISH_REASON_ERROR: Final = "error"
 _HASH_SPACE: Final = 1 << 64
@@ -228,16 +236,15 @@ def sampling_summary(stats: Mapping[str, Any] | None) -> dict[str, Any] | None:
     (the snapshot has no sampling counters)."""
     if not isinstance(stats, Mapping):
         return None
-    present = [key for key in stats if str(key).startswith(STATS_KEPT_PREFIX)]
-    if not present:
+    if not any(metric_key(name) in stats for name in KEPT_METRICS.values()):
         return None
 
-    def count(key: str) -> int:
-        value = stats.get(key, 0)
+    def count(name: str) -> int:
+        value = stats.get(metric_key(name), 0)
         return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
-    kept = {reason: count(STATS_KEPT_PREFIX + reason) for reason in KEEP_REASONS}
-    dropped = {reason: count(STATS_DROPPED_PREFIX + reason) for reason in DROP_REASONS}
+    kept = {reason: count(name) for reason, name in KEPT_METRICS.items()}
+    dropped = {reason: count(name) for reason, name in DROPPED_METRICS.items()}
     kept_total = sum(kept.values())
     dropped_total = sum(dropped.values())
     traces = kept_total + dropped_total

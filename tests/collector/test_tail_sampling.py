@@ -37,14 +37,14 @@ from tokentrace.collector.store import (
 )
 from tokentrace.collector.tail_sampling import (
     DROP_REASONS,
+    DROPPED_METRICS,
     KEEP_ALWAYS,
     KEEP_BREACH,
     KEEP_RANDOM,
     KEEP_RARE,
     KEEP_REASONS,
     KEEP_SLOWEST,
-    STATS_DROPPED_PREFIX,
-    STATS_KEPT_PREFIX,
+    KEPT_METRICS,
     TailSampler,
     TailSamplingSettings,
     in_random_share,
@@ -321,7 +321,8 @@ def test_dropped_traces_release_their_spool_and_extensions_still_see_every_trace
     assert store.trace_ids == []  # every trace dropped: nothing exported
     assert len(admin.trace_ids) == 30  # the request metrics count every request
     stats = pipeline.telemetry.snapshot()
-    assert stats[STATS_DROPPED_PREFIX + "random"] == stats["traces"] == 30
+    dropped_random = metric_key(semconv.SELF_METRIC_SAMPLING_DROPPED_RANDOM)
+    assert stats[dropped_random] == stats["traces"] == 30
     clock.now += 60
     pipeline.housekeeping()
     assert segment_files(spool_dir) == []  # a dropped trace is done with, like an exported one
@@ -332,8 +333,9 @@ def test_the_snapshot_keys_are_what_the_summary_reads() -> None:
     telemetry = SelfTelemetry()
     Pipeline(parse_config({"processors": {"tail_sampling": {}}}, environ={}), telemetry=telemetry)
     snapshot = telemetry.snapshot()
-    expected = {STATS_KEPT_PREFIX + reason for reason in KEEP_REASONS}
-    expected |= {STATS_DROPPED_PREFIX + reason for reason in DROP_REASONS}
+    expected = {metric_key(name) for name in KEPT_METRICS.values()}
+    expected |= {metric_key(name) for name in DROPPED_METRICS.values()}
+    assert set(KEPT_METRICS) == set(KEEP_REASONS) and set(DROPPED_METRICS) == set(DROP_REASONS)
     assert expected <= set(snapshot)
     assert metric_key(semconv.SELF_METRIC_SAMPLING_KEYS_EVICTED) in snapshot
     summary = sampling_summary(snapshot)
