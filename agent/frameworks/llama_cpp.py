@@ -33,7 +33,6 @@ from tokentrace.agent.frameworks.patching import (
     USES_COLD_START,
     EngineInstrumentor,
     Patch,
-    installed_distribution,
 )
 from tokentrace.agent.frameworks.vllm_cold_start import (
     HOOK_COLD_START_WEIGHT_LOAD,
@@ -42,7 +41,7 @@ from tokentrace.agent.frameworks.vllm_cold_start import (
 if TYPE_CHECKING:
     from tokentrace.agent.runtime import AgentRuntime
 
-__all__ = ["PATCHES", "SUPPORTED_VERSIONS", "LlamaCppInstrumentor", "installed_llama_cpp"]
+__all__ = ["PATCHES", "SUPPORTED_VERSIONS", "LlamaCppInstrumentor"]
 
 SUPPORTED_VERSIONS: Final = ">= 0.3.36, < 0.3.37"
 """llama-cpp-python releases whose server internals the patch table was verified against."""
@@ -75,11 +74,6 @@ PATCHES: Final = (
 """Every patch this instrumentation makes, in one place."""
 
 
-def installed_llama_cpp() -> tuple[str, str] | None:
-    """(distribution name, version) of the installed llama-cpp-python, without importing it."""
-    return installed_distribution(_DISTRIBUTIONS)
-
-
 class LlamaCppInstrumentor(LlamaCppRequestHooks, EngineInstrumentor):
     """Traces llama-cpp-python server requests; ``instrument()`` is idempotent and
     ``uninstrument()`` reverses it.
@@ -95,9 +89,6 @@ class LlamaCppInstrumentor(LlamaCppRequestHooks, EngineInstrumentor):
     distributions = _DISTRIBUTIONS
     supported_versions = SUPPORTED_VERSIONS
     patches = PATCHES
-
-    def installed(self) -> tuple[str, str] | None:
-        return installed_llama_cpp()
 
     def _tracers_from_runtime(self, runtime: AgentRuntime) -> None:
         self._http_tracer = self._runtime_http_tracer(runtime)

@@ -171,7 +171,8 @@ class EngineInstrumentor(BaseInstrumentor):
     _applied: list[AppliedPatch]
 
     def installed(self) -> tuple[str, str] | None:
-        raise NotImplementedError
+        """(distribution name, version) of the installed engine, without importing it."""
+        return installed_distribution(self.distributions)
 
     def _requests_disabled(self) -> bool:
         raise NotImplementedError

@@ -37,7 +37,6 @@ from tokentrace.agent.frameworks.patching import (
     USES_STEP_TRACER,
     EngineInstrumentor,
     Patch,
-    installed_distribution,
 )
 from tokentrace.agent.frameworks.sglang_requests import SglangFrontendHooks
 from tokentrace.agent.frameworks.sglang_scheduler import SglangSchedulerHooks
@@ -49,7 +48,7 @@ from tokentrace.agent.frameworks.vllm_cold_start import (
 if TYPE_CHECKING:
     from tokentrace.agent.runtime import AgentRuntime
 
-__all__ = ["PATCHES", "SUPPORTED_VERSIONS", "SglangInstrumentor", "installed_sglang", "register"]
+__all__ = ["PATCHES", "SUPPORTED_VERSIONS", "SglangInstrumentor", "register"]
 
 _log = logging.getLogger(__name__)
 
@@ -112,11 +111,6 @@ PATCHES: Final = (
 """Every patch this instrumentation makes, in one place."""
 
 
-def installed_sglang() -> tuple[str, str] | None:
-    """(distribution name, version) of the installed SGLang, without importing it."""
-    return installed_distribution(_DISTRIBUTIONS)
-
-
 class SglangInstrumentor(SglangFrontendHooks, SglangSchedulerHooks, EngineInstrumentor):
     """Traces SGLang requests; ``instrument()`` is idempotent and ``uninstrument()`` reverses it.
 
@@ -132,9 +126,6 @@ class SglangInstrumentor(SglangFrontendHooks, SglangSchedulerHooks, EngineInstru
     distributions = _DISTRIBUTIONS
     supported_versions = SUPPORTED_VERSIONS
     patches = PATCHES
-
-    def installed(self) -> tuple[str, str] | None:
-        return installed_sglang()
 
     def _tracers_from_runtime(self, runtime: AgentRuntime) -> None:
         self._step_tracer = runtime.engine_step_tracer()

@@ -73,7 +73,6 @@ from tokentrace.agent import semconv
 from tokentrace.agent.frameworks.patching import (
     EngineInstrumentor,
     Patch,
-    installed_distribution,
 )
 from tokentrace.agent.recorder import PROMPT_TOKEN_IDS, Recorder
 from tokentrace.agent.span_ids import random_span_id, random_trace_id
@@ -89,7 +88,6 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "TokenClock",
     "TransformersGenerateInstrumentor",
-    "installed_transformers",
     "instrument_generate",
 ]
 
@@ -144,11 +142,6 @@ _inside_generate: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 """Set while a traced generate() runs: a generate() it calls (an assistant model's) is not a
 request of its own."""
-
-
-def installed_transformers() -> tuple[str, str] | None:
-    """(distribution name, version) of the installed transformers, without importing it."""
-    return installed_distribution(_DISTRIBUTIONS)
 
 
 def _on_serve_inference_thread() -> bool:
@@ -243,9 +236,6 @@ class TransformersGenerateInstrumentor(EngineInstrumentor):
     patches = PATCHES
 
     _recorder: Recorder
-
-    def installed(self) -> tuple[str, str] | None:
-        return installed_transformers()
 
     def _requests_disabled(self) -> bool:
         disabled = self._guard.disabled

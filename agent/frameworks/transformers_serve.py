@@ -33,7 +33,6 @@ from tokentrace.agent.frameworks.patching import (
     USES_COLD_START,
     EngineInstrumentor,
     Patch,
-    installed_distribution,
 )
 from tokentrace.agent.frameworks.transformers_serve_requests import (
     COLD_START_ARRIVAL,
@@ -51,7 +50,6 @@ __all__ = [
     "PATCHES",
     "SUPPORTED_VERSIONS",
     "TransformersServeInstrumentor",
-    "installed_transformers",
 ]
 
 SUPPORTED_VERSIONS: Final = ">= 5.19, < 5.25"
@@ -97,11 +95,6 @@ PATCHES: Final = (
 """Every patch this instrumentation makes, in one place."""
 
 
-def installed_transformers() -> tuple[str, str] | None:
-    """(distribution name, version) of the installed transformers, without importing it."""
-    return installed_distribution(_DISTRIBUTIONS)
-
-
 class TransformersServeInstrumentor(TransformersServeRequestHooks, EngineInstrumentor):
     """Traces ``transformers serve``'s requests; ``instrument()`` is idempotent and
     ``uninstrument()`` reverses it.
@@ -118,9 +111,6 @@ class TransformersServeInstrumentor(TransformersServeRequestHooks, EngineInstrum
     distributions = _DISTRIBUTIONS
     supported_versions = SUPPORTED_VERSIONS
     patches = PATCHES
-
-    def installed(self) -> tuple[str, str] | None:
-        return installed_transformers()
 
     def _tracers_from_runtime(self, runtime: AgentRuntime) -> None:
         self._step_tracer = runtime.engine_step_tracer()

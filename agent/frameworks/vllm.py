@@ -32,7 +32,6 @@ from tokentrace.agent.frameworks.patching import (
     USES_STEP_TRACER,
     EngineInstrumentor,
     Patch,
-    installed_distribution,
 )
 from tokentrace.agent.frameworks.vllm_cold_start import (
     HOOK_COLD_START_IMPORT,
@@ -58,7 +57,6 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "Patch",
     "VllmInstrumentor",
-    "installed_vllm",
     "register",
 ]
 
@@ -164,9 +162,6 @@ PATCHES: Final = (
 
 
 # --- versions and processes -----------------------------------------------------------------------
-def installed_vllm() -> tuple[str, str] | None:
-    """(distribution name, version) of the installed vLLM, without importing it."""
-    return installed_distribution(_DISTRIBUTIONS)
 
 
 def _process_roles() -> frozenset[str]:
@@ -201,9 +196,6 @@ class VllmInstrumentor(FrontendRequestHooks, EngineInstrumentor):
     distributions = _DISTRIBUTIONS
     supported_versions = SUPPORTED_VERSIONS
     patches = PATCHES
-
-    def installed(self) -> tuple[str, str] | None:
-        return installed_vllm()
 
     def _instrument(self, **kwargs: Any) -> None:
         recorder: Recorder | None = kwargs.get("recorder")

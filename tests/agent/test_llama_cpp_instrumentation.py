@@ -65,7 +65,9 @@ def setup(monkeypatch: pytest.MonkeyPatch) -> Iterator[Setup]:
     modules = stand_ins.stand_in_modules()
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(instrumentation, "installed_llama_cpp", lambda: stand_ins.SUPPORTED)
+    monkeypatch.setattr(
+        instrumentation.LlamaCppInstrumentor, "installed", lambda _self: stand_ins.SUPPORTED
+    )
     originals = patched_attributes(modules)
     finished: list[RequestTimer] = []
     guard = HookGuard()
@@ -112,7 +114,9 @@ def test_an_unsupported_version_is_refused_with_one_warning_and_patches_nothing(
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(
-        instrumentation, "installed_llama_cpp", lambda: ("llama_cpp_python", "0.3.35")
+        instrumentation.LlamaCppInstrumentor,
+        "installed",
+        lambda _self: ("llama_cpp_python", "0.3.35"),
     )
     monkeypatch.setattr(LlamaCppInstrumentor, "_unsupported_warned", False)
     originals = patched_attributes(modules)

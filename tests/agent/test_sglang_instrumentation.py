@@ -59,7 +59,7 @@ UNIX_OFFSET = 10**18  # CLOCK: Unix ns = monotonic ns + 10**18
 def sglang_stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[Setup]:
     for name, module in stand_in_modules().items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(instrumentation, "installed_sglang", lambda: SUPPORTED)
+    monkeypatch.setattr(instrumentation.SglangInstrumentor, "installed", lambda _self: SUPPORTED)
     monkeypatch.setattr(stand_ins, "SCHEDULER_START_UP", [])
     setup = make_setup()
     originals = patched_attributes()
@@ -163,7 +163,9 @@ def test_an_unsupported_sglang_version_warns_once_and_patches_nothing(
     caplog: pytest.LogCaptureFixture,
     found_version: str,
 ) -> None:
-    monkeypatch.setattr(instrumentation, "installed_sglang", lambda: ("sglang", found_version))
+    monkeypatch.setattr(
+        instrumentation.SglangInstrumentor, "installed", lambda _self: ("sglang", found_version)
+    )
     monkeypatch.setattr(instrumentation.SglangInstrumentor, "_unsupported_warned", False)
     originals = patched_attributes()
     with caplog.at_level(logging.WARNING):
@@ -181,7 +183,7 @@ def test_an_unsupported_sglang_version_warns_once_and_patches_nothing(
 def test_sglang_not_installed_is_a_conflict_without_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(instrumentation, "installed_sglang", lambda: None)
+    monkeypatch.setattr(instrumentation.SglangInstrumentor, "installed", lambda _self: None)
     with caplog.at_level(logging.WARNING):
         assert SglangInstrumentor()._check_dependency_conflicts() is not None
     assert not caplog.records
@@ -223,7 +225,9 @@ def test_register_with_an_unsupported_version_warns_once_and_patches_nothing(
     caplog: pytest.LogCaptureFixture,
     register_environment: None,
 ) -> None:
-    monkeypatch.setattr(instrumentation, "installed_sglang", lambda: ("sglang", "0.6.0"))
+    monkeypatch.setattr(
+        instrumentation.SglangInstrumentor, "installed", lambda _self: ("sglang", "0.6.0")
+    )
     monkeypatch.setattr(instrumentation.SglangInstrumentor, "_unsupported_warned", False)
     originals = patched_attributes()
     with caplog.at_level(logging.WARNING):

@@ -470,7 +470,11 @@ def test_an_unsupported_version_is_refused_with_one_warning(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(instrumentation, "installed_transformers", lambda: ("transformers", "9.0"))
+    monkeypatch.setattr(
+        instrumentation.TransformersGenerateInstrumentor,
+        "installed",
+        lambda _self: ("transformers", "9.0"),
+    )
     monkeypatch.setattr(TransformersGenerateInstrumentor, "_unsupported_warned", False)
     finished: list[RequestTimer] = []
     instrumentor = TransformersGenerateInstrumentor()

