@@ -489,8 +489,12 @@ def test_diagnose_names_queueing_when_far_more_requests_arrive_than_the_batch_ad
     assert (ttft["segment"], ttft["cause"]) == (semconv.SEGMENT_QUEUE, "queueing")
     typical = metric_finding(analysis, semconv.METRIC_E2E, "typical")
     assert typical["clock"] == "server"  # no client spans
+    # Of the time before the first token, the queue is the most; whether it outweighs decode in
+    # the whole E2E depends on how bunched the starved client's sends arrive (once in CI they
+    # spread over 0.5 s: queue 22%, decode 73% of E2E, while the TTFT verdict stayed queueing).
     shares = {name: segment["share"] for name, segment in analysis["segments"].items()}
-    assert max(shares, key=shares.__getitem__) == semconv.SEGMENT_QUEUE
+    before_first_token = {k: v for k, v in shares.items() if k != semconv.SEGMENT_DECODE}
+    assert max(before_first_token, key=before_first_token.__getitem__) == semconv.SEGMENT_QUEUE
 
 
 def test_diagnose_names_a_shared_prefix_recomputed_with_prefix_caching_off(
