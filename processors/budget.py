@@ -53,15 +53,14 @@ Client-only timelines (no server span): all of E2E (the client duration) is ``un
 
 from __future__ import annotations
 
-import operator
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from typing import Final
 
 from tokentrace.agent import semconv
 from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO
+from tokentrace.processors import native
 from tokentrace.processors.decode_split import decode_facts_of
 from tokentrace.processors.model import Budget, RequestMetrics, RequestRecord, RequestTimeline
 
@@ -82,8 +81,6 @@ def _bucket_labels(bounds: tuple[int, ...]) -> tuple[str, ...]:
 
 PROMPT_BUCKETS: Final = _bucket_labels(PROMPT_BUCKET_BOUNDS)
 """Every bucket label in ascending order (``"0-127"`` ... ``"8192+"``), without ``unknown``."""
-
-_NS_PER_US: Final = 1000
 
 
 def _zero_segments() -> dict[str, int]:
@@ -376,11 +373,7 @@ def compute_metrics(timeline: RequestTimeline, budget: Budget) -> RequestMetrics
 def inter_token_gaps_ns(offsets_us: Sequence[int]) -> list[int]:
     """Gaps between consecutive token offsets (µs), in ns, in token order; negative
     (malformed) gaps are skipped. ``RequestMetrics.itl`` and the store's documents use this."""
-    # Per token, in C (map, min): this runs for every request the collector sees.
-    gaps = list(map(operator.sub, islice(offsets_us, 1, None), offsets_us))
-    if gaps and min(gaps) < 0:
-        gaps = [gap for gap in gaps if gap >= 0]
-    return list(map(_NS_PER_US.__mul__, gaps))
+    return native.gaps_ns(offsets_us)  # per token, for every request the collector sees
 
 
 def prompt_bucket(input_tokens: int | None) -> str:

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import math
 import operator
-from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from itertools import compress, islice
 from typing import Final
 
 from tokentrace.agent import semconv
-from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO, median_of_sorted
+from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO
+from tokentrace.processors import native
 from tokentrace.processors.model import DecodeFacts, GapParts, RequestRecord, RequestTimeline
 
 _NS_PER_US: Final = 1_000
@@ -61,15 +61,13 @@ def gap_parts(
     first_token = timeline.first_token
     if len(offsets) < 2 or first_token is None:
         return []
-    # Per-token work stays in C (map, sort, compress): the Python below runs per outlier gap.
+    # Per-token work stays in C (map, the median, compress): the Python below runs per outlier
+    # gap.
     if gaps_ns is None or len(gaps_ns) != len(offsets) - 1:  # not given, or some negative
         gaps_ns = list(
             map(_NS_PER_US.__mul__, map(operator.sub, islice(offsets, 1, None), offsets))
         )
-    ordered = sorted(gaps_ns)
-    if ordered[0] < 0:  # malformed offsets: negative gaps are no gaps
-        ordered = ordered[bisect_left(ordered, 0) :]
-    median_ns = median_of_sorted(ordered)
+    median_ns, highest_ns = native.gap_median(gaps_ns)  # negative gaps are no gaps
     if median_ns is None:
         if outliers_only:
             return []
@@ -78,7 +76,7 @@ def gap_parts(
     else:
         threshold_ns = outlier_ratio * median_ns
     if outliers_only:
-        if ordered[-1] <= threshold_ns:
+        if highest_ns <= threshold_ns:
             return []  # the usual request: no outlier gap
         # Integer gaps: above the threshold is above its floor (an int compares faster).
         above = map(math.floor(threshold_ns).__lt__, gaps_ns)

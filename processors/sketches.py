@@ -43,6 +43,8 @@ from ddsketch.mapping import LogarithmicMapping
 from ddsketch.store import CollapsingLowestDenseStore, DenseStore
 from opentelemetry.proto.metrics.v1.metrics_pb2 import ExponentialHistogramDataPoint
 
+from tokentrace.processors import native
+
 MIN_SCALE: Final = 0
 """Coarsest supported scale: base 2, relative error 1/3."""
 MAX_SCALE: Final = 12
@@ -214,7 +216,10 @@ class KeyedValues:
         multiplier = mapping.index_multiplier
         highest = max(durations_ns)
         counts: list[int] | None = None
-        if len(durations_ns) >= _NUMPY_MIN_BATCH and highest < _EXACT_FLOAT_INTS:
+        counted = native.count_keys_ns(durations_ns, multiplier)  # in C when built
+        if counted is not None:
+            keys, counts = counted
+        elif len(durations_ns) >= _NUMPY_MIN_BATCH and highest < _EXACT_FLOAT_INTS:
             seconds = np.asarray(durations_ns, dtype=np.float64)
             seconds /= _NS_PER_S  # the same IEEE division as ns / 1e9 in Python
             keys, counts = _count_keys_vectorised(seconds, multiplier)

@@ -1,0 +1,370 @@
+/* The collector's per-token work in C: token-offset arrays read from their wire bytes and the
+ * inter-token gaps derived from them. Every request runs both over its ~160 offsets, which in
+ * Python costs ~20 µs a request even with C builtins doing the loops (a list per step).
+ *
+ * Each function has a Python twin that gives the same answers (tokentrace.processors.native);
+ * these return None where the input leaves the fast path (the twin then answers), never raise
+ * for odd input, and the tests compare the two on generated input.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define NS_PER_US 1000
+
+/* A varint at data[*pos] (at most 10 bytes, ending before `end`); 0 when malformed. */
+static int read_varint(const unsigned char *data, Py_ssize_t end, Py_ssize_t *pos,
+                       uint64_t *value) {
+    uint64_t result = 0;
+    for (int shift = 0; shift < 70 && *pos < end; shift += 7) {
+        unsigned char byte = data[(*pos)++];
+        result |= (uint64_t)(byte & 0x7F) << shift;
+        if (!(byte & 0x80)) {
+            *value = result;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* int_values(serialised ArrayValue, count) -> list[int] | None
+ *
+ * The int_value of every element when there are `count` elements and each is exactly an
+ * AnyValue holding an int_value (field 1, length-delimited: tag 0x18 and one varint, nothing
+ * else); None otherwise.
+ */
+static PyObject *int_values(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "int_values takes 2 arguments");
+        return NULL;
+    }
+    PyObject *arg = args[0];
+    Py_ssize_t expected = PyLong_AsSsize_t(args[1]);
+    if (expected == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyBytes_Check(arg)) {
+        Py_RETURN_NONE;
+    }
+    const unsigned char *data = (const unsigned char *)PyBytes_AS_STRING(arg);
+    Py_ssize_t size = PyBytes_GET_SIZE(arg);
+    /* An element takes at least 4 bytes (0x0a, its length, 0x18, a varint). */
+    if (expected < 0 || expected > size / 4 + 1) {
+        Py_RETURN_NONE;
+    }
+    PyObject *result = PyList_New(expected);
+    if (result == NULL) {
+        return NULL;
+    }
+    Py_ssize_t pos = 0, index = 0;
+    while (pos < size) {
+        uint64_t length, value;
+        if (index == expected || data[pos++] != 0x0A || !read_varint(data, size, &pos, &length) ||
+            length > (uint64_t)(size - pos) || length < 2 || data[pos] != 0x18) {
+            goto not_exact;
+        }
+        Py_ssize_t element_end = pos + (Py_ssize_t)length;
+        pos++;
+        if (!read_varint(data, element_end, &pos, &value) || pos != element_end) {
+            goto not_exact;
+        }
+        PyObject *number = PyLong_FromLongLong((long long)(int64_t)value);
+        if (number == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyList_SET_ITEM(result, index++, number);
+    }
+    if (index != expected) {
+        goto not_exact;
+    }
+    return result;
+not_exact:
+    Py_DECREF(result);
+    Py_RETURN_NONE;
+}
+
+/* gaps_ns(offsets_us: list[int]) -> list[int] | None
+ *
+ * The differences between consecutive offsets (µs) in ns, in order, negative ones left out;
+ * None when an offset is not an int that fits 64 bits or a result would not.
+ */
+static PyObject *gaps_ns(PyObject *module, PyObject *arg) {
+    (void)module;
+    if (!PyList_Check(arg)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(arg);
+    PyObject *result = PyList_New(0);
+    if (result == NULL) {
+        return NULL;
+    }
+    long long previous = 0;
+    for (Py_ssize_t index = 0; index < count; index++) {
+        PyObject *item = PyList_GET_ITEM(arg, index);
+        if (!PyLong_Check(item)) {
+            goto not_fast;
+        }
+        int overflow = 0;
+        long long offset = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow || (offset == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            goto not_fast;
+        }
+        if (index > 0) {
+            long long gap, gap_ns;
+            if (__builtin_sub_overflow(offset, previous, &gap) ||
+                __builtin_mul_overflow(gap, (long long)NS_PER_US, &gap_ns)) {
+                goto not_fast;
+            }
+            if (gap_ns >= 0) {
+                PyObject *number = PyLong_FromLongLong(gap_ns);
+                if (number == NULL || PyList_Append(result, number) < 0) {
+                    Py_XDECREF(number);
+                    Py_DECREF(result);
+                    return NULL;
+                }
+                Py_DECREF(number);
+            }
+        }
+        previous = offset;
+    }
+    return result;
+not_fast:
+    Py_DECREF(result);
+    Py_RETURN_NONE;
+}
+
+/* Reads a list of ints into a new int64 buffer; NULL (no exception) when an element is not an
+ * int that fits 64 bits, NULL with MemoryError set when out of memory. */
+static int64_t *int64_buffer(PyObject *list, Py_ssize_t *count) {
+    *count = PyList_GET_SIZE(list);
+    int64_t *buffer = PyMem_Malloc(sizeof(int64_t) * (size_t)(*count ? *count : 1));
+    if (buffer == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t index = 0; index < *count; index++) {
+        PyObject *item = PyList_GET_ITEM(list, index);
+        int overflow = 0;
+        long long value = PyLong_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
+        if (!PyLong_Check(item) || overflow || (value == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            PyMem_Free(buffer);
+            return NULL;
+        }
+        buffer[index] = value;
+    }
+    return buffer;
+}
+
+/* The k-th smallest of values[0..count) (0-based), reordering them so that every value before
+ * position k is <= it (Hoare's selection, expected linear time). */
+static int64_t select_kth(int64_t *values, Py_ssize_t count, Py_ssize_t k) {
+    Py_ssize_t low = 0, high = count - 1;
+    while (low < high) {
+        int64_t pivot = values[low + (high - low) / 2];
+        Py_ssize_t left = low, right = high;
+        while (left <= right) {
+            while (values[left] < pivot) left++;
+            while (values[right] > pivot) right--;
+            if (left <= right) {
+                int64_t swap = values[left];
+                values[left++] = values[right];
+                values[right--] = swap;
+            }
+        }
+        if (k <= right) {
+            high = right;
+        } else if (k >= left) {
+            low = left;
+        } else {
+            break; /* between the partitions: equal to the pivot */
+        }
+    }
+    return values[k];
+}
+
+/* gap_median(gaps_ns: list[int], min_gaps: int) -> tuple[float | None, int] | None
+ *
+ * The median of the non-negative gaps (None below `min_gaps` of them; the mean of the two
+ * middle ones for an even count) and the largest non-negative gap (-1 when none); None when a
+ * gap is not an int that fits 64 bits or two middle gaps sum past 2**53 (a float would round).
+ */
+static PyObject *gap_median(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "gap_median takes 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t min_gaps = PyLong_AsSsize_t(args[1]);
+    if (min_gaps == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyList_Check(args[0])) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t count;
+    int64_t *gaps = int64_buffer(args[0], &count);
+    if (gaps == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t kept = 0;
+    int64_t highest = -1;
+    for (Py_ssize_t index = 0; index < count; index++) {
+        if (gaps[index] >= 0) {
+            highest = gaps[index] > highest ? gaps[index] : highest;
+            gaps[kept++] = gaps[index];
+        }
+    }
+    PyObject *median;
+    if (kept < min_gaps || kept == 0) {
+        median = Py_NewRef(Py_None);
+    } else {
+        Py_ssize_t middle = kept / 2;
+        int64_t upper = select_kth(gaps, kept, middle);
+        if (kept % 2) {
+            median = PyFloat_FromDouble((double)upper);
+        } else {
+            int64_t lower = gaps[0];
+            for (Py_ssize_t index = 1; index < middle; index++) {
+                lower = gaps[index] > lower ? gaps[index] : lower;
+            }
+            if (upper > (INT64_C(1) << 53) - lower) {
+                PyMem_Free(gaps);
+                Py_RETURN_NONE;
+            }
+            median = PyFloat_FromDouble((double)(lower + upper) / 2.0);
+        }
+    }
+    PyMem_Free(gaps);
+    if (median == NULL) {
+        return NULL;
+    }
+    PyObject *answer = Py_BuildValue("(NL)", median, (long long)highest);
+    return answer;
+}
+
+#define COUNTING_WIDTH (1 << 16)
+
+static int append_key_count(PyObject *keys, PyObject *counts, int64_t key, Py_ssize_t times) {
+    PyObject *key_object = PyLong_FromLongLong(key);
+    PyObject *times_object = PyLong_FromSsize_t(times);
+    int failed = key_object == NULL || times_object == NULL ||
+                 PyList_Append(keys, key_object) < 0 || PyList_Append(counts, times_object) < 0;
+    Py_XDECREF(key_object);
+    Py_XDECREF(times_object);
+    return failed ? -1 : 0;
+}
+
+static int compare_int64(const void *left, const void *right) {
+    int64_t a = *(const int64_t *)left, b = *(const int64_t *)right;
+    return (a > b) - (a < b);
+}
+
+/* count_keys_ns(durations_ns: list[int], multiplier: float)
+ *     -> tuple[list[int], list[int]] | None
+ *
+ * The distinct sketch keys, ascending, of durations in ns taken as seconds, with how many
+ * durations have each: the key of d is ceil(log2(d / 1e9) * multiplier), the same IEEE
+ * operations as math.log2 and math.ceil in Python. None unless every duration is an int in
+ * (0, 2**53) (exact as a float).
+ */
+static PyObject *count_keys_ns(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "count_keys_ns takes 2 arguments");
+        return NULL;
+    }
+    double multiplier = PyFloat_AsDouble(args[1]);
+    if (multiplier == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyList_Check(args[0])) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t count;
+    int64_t *keys = int64_buffer(args[0], &count);
+    if (keys == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    int64_t lowest = INT64_MAX, highest = INT64_MIN;
+    for (Py_ssize_t index = 0; index < count; index++) {
+        int64_t duration = keys[index];
+        if (duration <= 0 || duration >= (INT64_C(1) << 53)) {
+            PyMem_Free(keys);
+            Py_RETURN_NONE;
+        }
+        int64_t key = (int64_t)ceil(log2((double)duration / 1e9) * multiplier);
+        keys[index] = key;
+        lowest = key < lowest ? key : lowest;
+        highest = key > highest ? key : highest;
+    }
+    PyObject *distinct = PyList_New(0), *counts = PyList_New(0);
+    if (distinct == NULL || counts == NULL) {
+        goto failed;
+    }
+    if (count && highest - lowest < COUNTING_WIDTH) {
+        /* Keys of one request or one slice span a few hundred values: count them in place. */
+        Py_ssize_t width = (Py_ssize_t)(highest - lowest) + 1;
+        Py_ssize_t *tally = PyMem_Calloc((size_t)width, sizeof(Py_ssize_t));
+        if (tally == NULL) {
+            PyErr_NoMemory();
+            goto failed;
+        }
+        for (Py_ssize_t index = 0; index < count; index++) {
+            tally[keys[index] - lowest]++;
+        }
+        for (Py_ssize_t slot = 0; slot < width; slot++) {
+            if (tally[slot] && append_key_count(distinct, counts, lowest + slot, tally[slot]) < 0) {
+                PyMem_Free(tally);
+                goto failed;
+            }
+        }
+        PyMem_Free(tally);
+    } else {
+        qsort(keys, (size_t)count, sizeof(int64_t), compare_int64);
+        for (Py_ssize_t start = 0, stop; start < count; start = stop) {
+            for (stop = start + 1; stop < count && keys[stop] == keys[start]; stop++) {
+            }
+            if (append_key_count(distinct, counts, keys[start], stop - start) < 0) {
+                goto failed;
+            }
+        }
+    }
+    PyMem_Free(keys);
+    return Py_BuildValue("(NN)", distinct, counts);
+failed:
+    PyMem_Free(keys);
+    Py_XDECREF(distinct);
+    Py_XDECREF(counts);
+    return NULL;
+}
+
+static PyMethodDef native_methods[] = {
+    {"int_values", (PyCFunction)(void (*)(void))int_values, METH_FASTCALL,
+     "int_values(serialised_array: bytes, count: int) -> list[int] | None"},
+    {"gaps_ns", gaps_ns, METH_O, "gaps_ns(offsets_us: list[int]) -> list[int] | None"},
+    {"gap_median", (PyCFunction)(void (*)(void))gap_median, METH_FASTCALL,
+     "gap_median(gaps_ns: list[int], min_gaps: int) -> tuple[float | None, int] | None"},
+    {"count_keys_ns", (PyCFunction)(void (*)(void))count_keys_ns, METH_FASTCALL,
+     "count_keys_ns(durations_ns: list[int], multiplier: float)"
+     " -> tuple[list[int], list[int]] | None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "_native", "tokentrace's per-token work in C (see native.py).", -1,
+    native_methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }

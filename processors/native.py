@@ -1,0 +1,149 @@
+"""The collector's per-token work: token-offset arrays from their wire bytes, inter-token gaps.
+
+Each function here runs in C (``_native.c``, built with the package where a C compiler is at
+hand) and has a pure-Python twin that gives the same answers; the C function answers ``None``
+where its fast path does not apply and the twin answers instead. ``TOKENTRACE_PURE_PYTHON=1``
+skips the C functions (to compare, or to rule them out). ``BUILT`` says which ones run.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from bisect import bisect_left
+from collections import Counter
+from collections.abc import Callable, Sequence
+from itertools import islice
+from typing import Any, Final
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError, Message
+
+from tokentrace.agent.finished_request import MIN_GAPS_FOR_OUTLIERS, median_of_sorted
+
+PURE_PYTHON_ENV: Final = "TOKENTRACE_PURE_PYTHON"
+_NS_PER_US: Final = 1_000
+_INT_VALUE_TAG: Final = 0x18
+"""``AnyValue.int_value``'s wire tag (field 3, varint)."""
+
+
+def _packed_int64_message() -> type[Message]:
+    """A message type whose field 1 is a packed ``repeated int64`` (see ``int_values_python``)."""
+    field_type = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(
+        name="tokentrace/processors/packed_int64.proto",
+        package="tokentrace.processors.internal",
+        syntax="proto3",
+    )
+    message = file.message_type.add(name="PackedInt64")
+    message.field.add(
+        name="words", number=1, type=field_type.TYPE_INT64, label=field_type.LABEL_REPEATED
+    )
+    pool = descriptor_pool.DescriptorPool()  # private: nothing else can clash with the name
+    pool.AddSerializedFile(file.SerializeToString())
+    return message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("tokentrace.processors.internal.PackedInt64")
+    )
+
+
+_PackedInt64: Final = _packed_int64_message()
+
+
+def int_values_python(serialized_array: bytes, count: int) -> list[int] | None:
+    """The ``int_value`` of every element of a serialised ``ArrayValue`` of ``count`` elements
+    when every element is exactly an int (``None`` otherwise: the caller reads element by
+    element).
+
+    An int element serialises as field 1 holding ``0x18 <varint>``, so parsed as a packed int64
+    field 1 the array reads [0x18, v0, 0x18, v1, ...] in C. Exact: the first number of every
+    element's bytes is its first field's tag, 0x18 only for int_value, which (a oneof) has no
+    other known field beside it; any element that is not exactly an int (another type, unset,
+    unknown fields) therefore puts a tag other than 0x18 at an even position or changes the
+    number of words from ``2 * count``."""
+    try:
+        parsed: Any = _PackedInt64.FromString(serialized_array)
+    except DecodeError:
+        return None
+    words: Sequence[int] = parsed.words
+    if len(words) != 2 * count or list(words[::2]).count(_INT_VALUE_TAG) != count:
+        return None
+    return list(words[1::2])
+
+
+def gaps_ns_python(offsets_us: Sequence[int]) -> list[int]:
+    """Gaps between consecutive offsets (µs), in ns, in order; negative gaps left out."""
+    # Per token, in C builtins (map, min).
+    gaps = list(map(operator.sub, islice(offsets_us, 1, None), offsets_us))
+    if gaps and min(gaps) < 0:
+        gaps = [gap for gap in gaps if gap >= 0]
+    return list(map(_NS_PER_US.__mul__, gaps))
+
+
+def gap_median_python(gaps_ns: Sequence[int]) -> tuple[float | None, int]:
+    """``finished_request.median_of_sorted`` of the non-negative gaps, and the largest of them
+    (-1 when none)."""
+    ordered = sorted(gaps_ns)
+    if ordered and ordered[0] < 0:  # malformed offsets: negative gaps are no gaps
+        ordered = ordered[bisect_left(ordered, 0) :]
+    return median_of_sorted(ordered), ordered[-1] if ordered else -1
+
+
+def count_keys_ns_python(
+    durations_ns: Sequence[int], multiplier: float
+) -> tuple[list[int], list[int]]:
+    """The distinct sketch keys (ascending) of positive durations in ns taken as seconds,
+    ``ceil(log2(ns / 1e9) * multiplier)`` each, and how many durations have each key. (The
+    reference for ``count_keys_ns``; ``KeyedValues.of_ns`` has faster Python of its own.)"""
+    counted = Counter(math.ceil(math.log2(ns / 1e9) * multiplier) for ns in durations_ns)
+    keys = sorted(counted)
+    return keys, [counted[key] for key in keys]
+
+
+def _load() -> Any:
+    if os.environ.get(PURE_PYTHON_ENV, "").strip().lower() in ("1", "true", "yes"):
+        return None
+    try:
+        from tokentrace.processors import _native
+    except ImportError:  # built without a C compiler: the twins answer
+        return None
+    return _native
+
+
+_NATIVE: Final = _load()
+BUILT: Final = _NATIVE is not None
+"""Whether the C functions run (built, and not turned off by ``TOKENTRACE_PURE_PYTHON``)."""
+
+int_values: Callable[[bytes, int], list[int] | None] = (
+    _NATIVE.int_values if _NATIVE is not None else int_values_python
+)
+"""``int_values_python``'s answer (in C when built)."""
+
+
+def gaps_ns(offsets_us: Sequence[int]) -> list[int]:
+    """``gaps_ns_python``'s answer (in C when built and the offsets fit 64 bits)."""
+    if _NATIVE is not None:
+        gaps: list[int] | None = _NATIVE.gaps_ns(offsets_us)
+        if gaps is not None:
+            return gaps
+    return gaps_ns_python(offsets_us)
+
+
+def gap_median(gaps_ns: Sequence[int]) -> tuple[float | None, int]:
+    """``gap_median_python``'s answer (in C, without sorting, when built and the gaps fit)."""
+    if _NATIVE is not None:
+        answer: tuple[float | None, int] | None = _NATIVE.gap_median(gaps_ns, MIN_GAPS_FOR_OUTLIERS)
+        if answer is not None:
+            return answer
+    return gap_median_python(gaps_ns)
+
+
+def count_keys_ns(
+    durations_ns: Sequence[int], multiplier: float
+) -> tuple[list[int], list[int]] | None:
+    """``count_keys_ns_python``'s answer in C, or ``None`` when not built or a duration is not
+    an int in (0, 2**53): the caller keys them in Python then."""
+    if _NATIVE is None:
+        return None
+    counted: tuple[list[int], list[int]] | None = _NATIVE.count_keys_ns(durations_ns, multiplier)
+    return counted

@@ -1,0 +1,198 @@
+"""The per-token work in C (processors/_native.c) against its pure-Python twins.
+
+Each C function must give its twin's answer or ``None`` (the twin then answers), on generated
+input including what a malformed span can carry; and the whole pipeline must produce the same
+bytes, records and percentiles with the C functions as without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue
+
+from tokentrace.processors import native
+
+_native = pytest.importorskip("tokentrace.processors._native") if native.BUILT else None
+needs_c = pytest.mark.skipif(_native is None, reason="the C functions are not built here")
+
+_INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+_ELEMENT = st.one_of(
+    _INT64.map(lambda number: AnyValue(int_value=number)),
+    st.booleans().map(lambda flag: AnyValue(bool_value=flag)),
+    st.text(max_size=4).map(lambda text: AnyValue(string_value=text)),
+    st.floats(allow_nan=False).map(lambda number: AnyValue(double_value=number)),
+    st.binary(max_size=4).map(lambda data: AnyValue(bytes_value=data)),
+    st.just(AnyValue()),
+)
+
+
+def test_the_c_functions_are_built_where_a_compiler_is() -> None:
+    # The extension is optional so that a machine without a compiler still installs; where one
+    # is (this project's dev and CI machines), a failed build must not pass silently.
+    if os.environ.get(native.PURE_PYTHON_ENV):
+        pytest.skip(f"{native.PURE_PYTHON_ENV} is set")
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}) on this machine")
+    assert native.BUILT, "processors/_native.c was not built: see the install's output"
+
+
+@needs_c
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_ELEMENT, max_size=40))
+def test_int_values_reads_exactly_the_arrays_of_ints(elements: list[AnyValue]) -> None:
+    serialized = ArrayValue(values=elements).SerializeToString()
+    all_ints = all(element.WhichOneof("value") == "int_value" for element in elements)
+    expected = [element.int_value for element in elements] if all_ints else None
+    assert _native.int_values(serialized, len(elements)) == expected
+    assert native.int_values_python(serialized, len(elements)) == expected
+    # The wrong element count is never read as a shorter or longer array.
+    assert _native.int_values(serialized, len(elements) + 1) is None
+    if elements:
+        assert _native.int_values(serialized, len(elements) - 1) is None
+
+
+@needs_c
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=64), st.integers(min_value=0, max_value=20))
+def test_int_values_answers_arbitrary_bytes_only_as_protobuf_reads_them(
+    data: bytes, count: int
+) -> None:
+    values = _native.int_values(data, count)
+    if values is not None:
+        array = ArrayValue.FromString(data)
+        assert [element.int_value for element in array.values] == values
+        assert all(element.WhichOneof("value") == "int_value" for element in array.values)
+
+
+@needs_c
+def test_int_values_reads_non_canonical_varints_as_the_agent_writes_them() -> None:
+    # The agent writes each offset as a 5-byte varint (0x0a 0x06 0x18 + 5 bytes).
+    one = bytes([0x0A, 0x06, 0x18, 0x85, 0x80, 0x80, 0x80, 0x00])
+    assert _native.int_values(one * 3, 3) == [5, 5, 5]
+    assert ArrayValue.FromString(one).values[0].int_value == 5
+
+
+_OFFSETS = st.lists(
+    st.one_of(
+        st.integers(min_value=0, max_value=10**7),
+        st.integers(min_value=-(2**64), max_value=2**64),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_OFFSETS)
+def test_gaps_match_the_python_twin(offsets: list[int]) -> None:
+    expected = native.gaps_ns_python(offsets)
+    assert native.gaps_ns(offsets) == expected
+    if _native is not None:
+        assert _native.gaps_ns(offsets) in (expected, None)
+        if all(abs(offset) < 2**50 for offset in offsets):
+            assert _native.gaps_ns(offsets) == expected  # in range: C answers itself
+
+
+@settings(max_examples=400, deadline=None)
+@given(_OFFSETS)
+def test_gap_median_matches_the_python_twin(gaps: list[int]) -> None:
+    expected = native.gap_median_python(gaps)
+    assert native.gap_median(gaps) == expected
+    if _native is not None and all(abs(gap) < 2**52 for gap in gaps):
+        assert _native.gap_median(gaps, 2) == expected
+
+
+def test_gap_median_is_the_mean_of_the_middle_two_and_ignores_negative_gaps() -> None:
+    assert native.gap_median([5, -3, 1, 9, 3]) == (4.0, 9)
+    assert native.gap_median([-1, 7]) == (None, 7)
+    assert native.gap_median([-1, -2]) == (None, -1)
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(min_value=1, max_value=2**53 - 1), max_size=300),
+    st.integers(min_value=0, max_value=12),
+)
+def test_sketch_keys_match_python_for_every_scale(durations: list[int], scale: int) -> None:
+    multiplier = float(2**scale)
+    assert native.count_keys_ns(durations, multiplier) == native.count_keys_ns_python(
+        durations, multiplier
+    )
+
+
+@needs_c
+def test_sketch_keys_over_a_wide_range_are_counted_by_sorting() -> None:
+    durations = [1, 2**52, 3, 2**52, 1_000_000]  # keys ~ 2**16 apart at scale 12
+    multiplier = float(2**12)
+    assert native.count_keys_ns(durations, multiplier) == native.count_keys_ns_python(
+        durations, multiplier
+    )
+
+
+@needs_c
+@pytest.mark.parametrize("durations", [[0, 5], [-3], [2**53], [1.5], ["x"]])
+def test_sketch_keys_leave_what_python_must_check_to_python(durations: list[object]) -> None:
+    assert _native.count_keys_ns(durations, 1.0) is None
+
+
+_PIPELINE_DIGEST = """
+import hashlib, json, sys
+sys.path.insert(0, sys.argv[1])
+from collector_throughput import _collector_config
+from tokentrace.agent import semconv
+from tokentrace.collector.pipeline import Pipeline, group_by_trace
+from tokentrace.loadgen.replay.emit import to_otlp_requests
+from tokentrace.loadgen.replay.simulation import simulate
+from tokentrace.processors import native
+simulated = simulate("mixed", requests=300, seed=7, start_unix_ns=int(sys.argv[2]))
+pipeline = Pipeline(_collector_config("unused.db", 1))
+for message in to_otlp_requests(simulated, batch_spans=512, pid=1):
+    groups, count = group_by_trace(message)
+    pipeline.assembler.add(groups, count)
+digest = hashlib.sha256()
+for trace in pipeline.assembler.pop_finished(flush_all=True):
+    processed = pipeline.process_trace(trace)
+    digest.update(processed.otlp)
+    digest.update(repr(processed.records).encode())
+snapshot = pipeline.percentiles.snapshot()
+for key in sorted(snapshot.keys(), key=repr):
+    for metric in semconv.LATENCY_METRICS:
+        sketch = snapshot.cumulative(key, metric).to_dict()
+        digest.update(json.dumps([repr(key), metric, sketch], sort_keys=True).encode())
+print(json.dumps({"built": native.BUILT, "digest": digest.hexdigest()}))
+"""
+
+
+@needs_c
+@pytest.mark.slow
+def test_the_pipeline_gives_the_same_answers_with_and_without_c(tmp_path: Path) -> None:
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
+    start_ns = str(time.time_ns() // 3_600_000_000_000 * 3_600_000_000_000 - 3_600_000_000_000)
+    answers = []
+    for pure in ("", "1"):
+        environment = {**os.environ, native.PURE_PYTHON_ENV: pure}
+        done = subprocess.run(
+            [sys.executable, "-c", _PIPELINE_DIGEST, bench, start_ns],
+            capture_output=True,
+            text=True,
+            env=environment,
+            cwd=tmp_path,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        answers.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert [answer["built"] for answer in answers] == [True, False]
+    assert answers[0]["digest"] == answers[1]["digest"]
