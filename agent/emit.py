@@ -1,11 +1,12 @@
 """Finished requests -> spans -> OTLP bytes, once per request, on one background thread.
 
-The serving path only calls ``submit`` (a length check and a deque append). The emitter's thread
-(started by the first ``submit``) wakes every ``interval_s``, converts the finished timers to Unix
-time, builds and encodes their spans in one batch (``span_encoding.SpanBatchEncoder``) and hands the
-bytes to ``send`` (the OTLP sender's non-blocking ``submit``). Bounded: a full queue drops the new
-request and counts it, so a stalled exporter never grows the host's memory; a sender without room
-(``has_room``) makes the emitter drop batches before encoding them.
+The serving path only calls ``submit`` (a length check, a deque append and a flag read). The
+emitter's thread (started by the first ``submit``) sleeps until something is queued, lets a batch
+gather for ``interval_s``, converts the finished timers to Unix time, builds and encodes their spans
+in one batch (``span_encoding.SpanBatchEncoder``) and hands the bytes to ``send`` (the OTLP
+sender's non-blocking ``submit``). Bounded: a full queue drops the new request and counts it, so a
+stalled exporter never grows the host's memory; a sender without room (``has_room``) makes the
+emitter drop batches before encoding them.
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ class SpanEmitter:
     def _init_worker_state(self) -> None:
         self._queue: deque[RequestTimer | SpanJob | DeferredSpans] = deque()
         self._wake = threading.Event()
+        """Set when something is queued (and by flush/shutdown): the thread sleeps until then."""
+        self._hurry = threading.Event()
+        """Set by flush/shutdown: ends the wait that lets a batch gather."""
         self._drained = threading.Event()
         self._start_lock = threading.Lock()
         self._stopped = False
@@ -129,13 +133,22 @@ class SpanEmitter:
             )
             return
         self._queue.append(timer)
+        # Appended before the check, and the thread clears before it drains: a set flag means
+        # the thread is yet to drain, so this request is never left behind.
+        if not self._wake.is_set():
+            self._wake.set()
         if self._worker is None:
             self._ensure_worker()
 
     # --- emitter thread ----------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped:
-            self._wake.wait(self._interval_s)
+            # No timeout: a process with nothing to emit never wakes this thread (a periodic
+            # wake-up costs the serving threads a GIL hand-off each time).
+            self._wake.wait()
+            # Then an interval for a batch to gather: one wake-up per interval under load.
+            self._hurry.wait(self._interval_s)
+            self._hurry.clear()
             self._wake.clear()
             self._drain()
             self._drained.set()
@@ -206,12 +219,14 @@ class SpanEmitter:
         if not self._ensure_worker():
             return False
         self._drained.clear()
+        self._hurry.set()
         self._wake.set()
         return self._drained.wait(timeout_s) and not self._queue
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self.flush(timeout_s)
         self._stopped = True
+        self._hurry.set()
         self._wake.set()
         if self._worker is not None:
             self._worker.join(timeout_s)

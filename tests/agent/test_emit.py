@@ -3,6 +3,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -197,4 +198,55 @@ def test_queue_drops_are_warned_once_naming_the_counter_and_setting(
     assert "dropped_queue_full" in warning.getMessage()
     assert "TOKENTRACE_MAX_QUEUE" in warning.getMessage()
     assert emitter.stats()["dropped_queue_full"] == 49
+    emitter.shutdown(1.0)
+
+
+def test_an_idle_emitter_thread_sleeps_until_something_is_queued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A periodic wake-up would cost a GIL hand-off in every idle server process: none happen.
+    sent = Sent()
+    emitter = SpanEmitter(sent, resource_attributes=RESOURCE, scope_name="t", interval_s=0.001)
+    drains: list[float] = []
+    original = emitter._drain
+    monkeypatch.setattr(emitter, "_drain", lambda: (drains.append(1.0), original()))
+    emitter.submit(finished_timer("r0"))
+    deadline = time.monotonic() + 5
+    while not sent.payloads and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sent.request_spans() == [semconv.SPAN_REQUEST]
+    settled = len(drains)
+    time.sleep(0.3)  # 300 intervals
+    assert len(drains) == settled
+    emitter.submit(finished_timer("r1"))  # and it wakes for the next request by itself
+    deadline = time.monotonic() + 5
+    while len(sent.payloads) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sent.request_spans() == [semconv.SPAN_REQUEST] * 2
+    emitter.shutdown(1.0)
+
+
+def test_no_request_is_left_behind_by_submits_racing_the_drain() -> None:
+    # Four threads submit while the thread drains every millisecond; without a flush, every
+    # request must still be emitted (a missed wake-up would strand the last ones).
+    sent = Sent()
+    emitter = SpanEmitter(sent, resource_attributes=RESOURCE, scope_name="t", interval_s=0.001)
+    per_thread = 300
+
+    def submit_many(thread: int) -> None:
+        for index in range(per_thread):
+            emitter.submit(finished_timer(f"t{thread}-{index}", tokens=1))
+            if index % 50 == 0:
+                time.sleep(0.002)  # let the queue run empty now and then
+
+    threads = [threading.Thread(target=submit_many, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    deadline = time.monotonic() + 10
+    while emitter.stats()["handed_to_sender_requests"] < 4 * per_thread:
+        assert time.monotonic() < deadline, emitter.stats()
+        time.sleep(0.01)
+    assert len(sent.request_spans()) == 4 * per_thread
     emitter.shutdown(1.0)

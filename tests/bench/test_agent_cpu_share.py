@@ -1,0 +1,103 @@
+"""bench/agent_cpu_share.py's attribution of profiler samples to the tracing or the host."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.agent_cpu_share import (
+    OWNER_HOST,
+    OWNER_LIBRARY,
+    OWNER_TRACING,
+    TRACER_BUILTIN,
+    TRACER_TOKENTRACE,
+    attribute,
+    owner_of,
+    parse_frame,
+)
+
+_STDLIB = "/root/.pyenv/versions/3.11.7/lib/python3.11"
+_SITE = "/venv/lib/python3.11/site-packages"
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def _frame(function: str, path: str, line: int = 1) -> str:
+    return f"{function} ({path}:{line})"
+
+
+def _stack(*frames: str) -> str:
+    return ";".join(frames)
+
+
+_THREAD = (
+    _frame("Thread._bootstrap", f"{_STDLIB}/threading.py"),
+    _frame("Thread.run", f"{_STDLIB}/threading.py"),
+)
+_EMITTER = _frame("SpanEmitter._drain", f"{_REPO}/agent/emit.py", 160)
+_INSTALLED_EMITTER = _frame("SpanEmitter._drain", f"{_SITE}/tokentrace/agent/emit.py", 160)
+_GRPC = _frame("_UnaryUnaryMultiCallable._blocking", f"{_SITE}/grpc/_channel.py")
+_VLLM = _frame("EngineCore.step", f"{_SITE}/vllm/v1/engine/core.py")
+_OTEL_SDK = _frame("BatchProcessor.worker", f"{_SITE}/opentelemetry/sdk/_shared_internal/x.py")
+
+
+def test_a_frame_reads_as_py_spy_writes_it() -> None:
+    frame = parse_frame(_frame("Outer.method", "/a/b/c.py", 12))
+    assert (frame.function, frame.path, frame.label) == (
+        "Outer.method",
+        "/a/b/c.py",
+        "Outer.method (c.py)",
+    )
+
+
+def test_library_frames_belong_to_whoever_called_them() -> None:
+    frames = [parse_frame(text) for text in (*_THREAD, _EMITTER, _GRPC)]
+    owner, frame = owner_of(frames, TRACER_TOKENTRACE)
+    assert owner == OWNER_TRACING
+    assert frame is not None and frame.function == "SpanEmitter._drain"
+    host = [parse_frame(text) for text in (*_THREAD, _VLLM, _GRPC)]
+    assert owner_of(host, TRACER_TOKENTRACE)[0] == OWNER_HOST
+
+
+def test_the_innermost_owner_wins_over_a_wrapper_around_it() -> None:
+    # tokentrace's wrapper calling into vLLM: the time inside vLLM is vLLM's.
+    wrapper = _frame("_wrap_outputs", f"{_REPO}/agent/frameworks/vllm.py")
+    frames = [parse_frame(text) for text in (*_THREAD, wrapper, _VLLM)]
+    assert owner_of(frames, TRACER_TOKENTRACE)[0] == OWNER_HOST
+
+
+def test_an_installed_tokentrace_counts_but_a_venv_named_tokentrace_does_not() -> None:
+    installed = [parse_frame(text) for text in (*_THREAD, _INSTALLED_EMITTER)]
+    assert owner_of(installed, TRACER_TOKENTRACE)[0] == OWNER_TRACING
+    host_in_our_venv = parse_frame(
+        _frame("EngineCore.step", "/root/.cache/tokentrace/venvs/x/site-packages/vllm/core.py")
+    )
+    assert owner_of([host_in_our_venv], TRACER_TOKENTRACE)[0] == OWNER_HOST
+
+
+def test_opentelemetry_is_the_tracing_for_vllms_own_and_a_library_for_tokentrace() -> None:
+    frames = [parse_frame(text) for text in (*_THREAD, _OTEL_SDK)]
+    assert owner_of(frames, TRACER_BUILTIN)[0] == OWNER_TRACING
+    # A thread of SDK frames only, under tokentrace: started by a tracer all the same.
+    assert owner_of(frames, TRACER_TOKENTRACE)[0] == OWNER_TRACING
+    do_tracing = _frame("OutputProcessor.do_tracing", f"{_SITE}/vllm/v1/engine/output_processor.py")
+    builtin = [parse_frame(text) for text in (*_THREAD, _VLLM, do_tracing)]
+    assert owner_of(builtin, TRACER_BUILTIN)[0] == OWNER_TRACING
+    assert owner_of(builtin, TRACER_TOKENTRACE)[0] == OWNER_HOST
+
+
+def test_stdlib_only_threads_are_the_librarys() -> None:
+    frames = [parse_frame(text) for text in _THREAD]
+    assert owner_of(frames, TRACER_TOKENTRACE)[0] == OWNER_LIBRARY
+
+
+def test_a_profile_sums_by_owner_with_the_tracings_top_functions() -> None:
+    raw = [
+        f"{_stack(*_THREAD, _EMITTER, _GRPC)} 30",
+        f"{_stack(*_THREAD, _VLLM)} 960",
+        f"{_stack(*_THREAD)} 10",
+        "malformed line",
+        "",
+    ]
+    share = attribute(raw, TRACER_TOKENTRACE)
+    assert (share.busy, share.tracing, share.library) == (1000, 30, 10)
+    assert share.share == 0.03
+    assert share.functions.most_common(1) == [("SpanEmitter._drain (emit.py)", 30)]
