@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import statistics
 import subprocess
@@ -183,21 +182,25 @@ def attribute(raw_lines: Iterable[str], tracer: str) -> ProcessShare:
 def _server_processes(group: int) -> dict[int, str]:
     """pid -> role of the live processes in the server's process group."""
     found: dict[int, str] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) != group:
-            continue
-        pid = int(entry.name)
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")].removeprefix("VLLM::")
-        role = "API server" if pid == group else comm
+    for pid, comm, _ in overhead.process_group_stats(group):
+        role = "API server" if pid == group else comm.removeprefix("VLLM::")
         found[pid] = role if role not in found.values() else f"{role} {pid}"
     return found
+
+
+def _requests(
+    target: overhead._Target, options: overhead.BenchOptions, *, model: str, count: int, seed: int
+) -> list[bytes]:
+    host, port = target.host_port
+    return overhead._load_requests(
+        host=host,
+        port=port,
+        model=model,
+        count=count,
+        prompt_tokens=options.prompt_tokens,
+        output_tokens=options.output_tokens,
+        seed=seed,
+    )
 
 
 def _record(
@@ -252,15 +255,7 @@ def _measure_once(
 ) -> None:
     host, port = target.host_port
     # More requests than the window can serve: the load outlasts the sampling.
-    requests = overhead._load_requests(
-        host=host,
-        port=port,
-        model=model,
-        count=options.requests,
-        prompt_tokens=options.prompt_tokens,
-        output_tokens=options.output_tokens,
-        seed=seed,
-    )
+    requests = _requests(target, options, model=model, count=options.requests, seed=seed)
     out = Path(tempfile.mkdtemp(prefix=f"{_CONFIG_OF[tracer]}-", dir=keep_dir or work_dir))
     served: list[int] = []
 
@@ -383,14 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     server_module=server_module,
                 )
                 host, port = target.host_port
-                warm = overhead._load_requests(
-                    host=host,
-                    port=port,
-                    model=model,
-                    count=overhead._FIRST_WARMUP_REQUESTS,
-                    prompt_tokens=options.prompt_tokens,
-                    output_tokens=options.output_tokens,
-                    seed=-1,
+                warm = _requests(
+                    target, options, model=model, count=overhead._FIRST_WARMUP_REQUESTS, seed=-1
                 )
                 asyncio.run(overhead._run_load(host, port, warm, concurrency=args.concurrency))
                 target.suspend()

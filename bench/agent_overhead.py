@@ -47,7 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -225,9 +225,9 @@ def _load_requests(
 
 
 # --- servers --------------------------------------------------------------------------------------
-def _process_group_cpu_s(group: int) -> float:
-    """User + system CPU seconds of the live processes in a process group (the server's)."""
-    total_ticks = 0
+def process_group_stats(group: int) -> Iterator[tuple[int, str, list[str]]]:
+    """(pid, command name, the stat(5) fields after the name) of each live process in a process
+    group (the server's)."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -235,10 +235,16 @@ def _process_group_cpu_s(group: int) -> float:
             stat = Path(entry.path, "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
         # After "(comm)": state, ppid, pgrp, ..., utime (field 14) and stime (15) of stat(5).
+        fields = stat[stat.rindex(")") + 2 :].split()
         if int(fields[2]) == group:
-            total_ticks += int(fields[11]) + int(fields[12])
+            yield int(entry.name), stat[stat.index("(") + 1 : stat.rindex(")")], fields
+
+
+def _process_group_cpu_s(group: int) -> float:
+    """User + system CPU seconds of the live processes in a process group (the server's)."""
+    stats = process_group_stats(group)
+    total_ticks = sum(int(fields[11]) + int(fields[12]) for *_, fields in stats)
     return total_ticks / _CLOCK_TICKS_PER_S
 
 
