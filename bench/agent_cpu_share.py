@@ -188,21 +188,6 @@ def _server_processes(group: int) -> dict[int, str]:
     return found
 
 
-def _requests(
-    target: overhead._Target, options: overhead.BenchOptions, *, model: str, count: int, seed: int
-) -> list[bytes]:
-    host, port = target.host_port
-    return overhead._load_requests(
-        host=host,
-        port=port,
-        model=model,
-        count=count,
-        prompt_tokens=options.prompt_tokens,
-        output_tokens=options.output_tokens,
-        seed=seed,
-    )
-
-
 def _record(
     py_spy: str, pids: dict[int, str], seconds: int, rate: int, out: Path
 ) -> list[tuple[str, Path, subprocess.Popen[bytes]]]:
@@ -255,7 +240,9 @@ def _measure_once(
 ) -> None:
     host, port = target.host_port
     # More requests than the window can serve: the load outlasts the sampling.
-    requests = _requests(target, options, model=model, count=options.requests, seed=seed)
+    requests = overhead.target_requests(
+        target, options, model=model, count=options.requests, seed=seed
+    )
     out = Path(tempfile.mkdtemp(prefix=f"{_CONFIG_OF[tracer]}-", dir=keep_dir or work_dir))
     served: list[int] = []
 
@@ -378,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     server_module=server_module,
                 )
                 host, port = target.host_port
-                warm = _requests(
+                warm = overhead.target_requests(
                     target, options, model=model, count=overhead._FIRST_WARMUP_REQUESTS, seed=-1
                 )
                 asyncio.run(overhead._run_load(host, port, warm, concurrency=args.concurrency))

@@ -373,19 +373,27 @@ class BenchOptions:
     work_dir: Path
 
 
+def target_requests(
+    target: _Target, options: BenchOptions, *, model: str, count: int, seed: int
+) -> list[bytes]:
+    """``count`` requests for ``target`` with the options' prompt and output lengths."""
+    host, port = target.host_port
+    return _load_requests(
+        host=host,
+        port=port,
+        model=model,
+        count=count,
+        prompt_tokens=options.prompt_tokens,
+        output_tokens=options.output_tokens,
+        seed=seed,
+    )
+
+
 def _run_slice(target: _Target, options: BenchOptions, *, model: str, seed: int) -> LoadResult:
     host, port = target.host_port
 
     def requests(count: int, request_seed: int) -> list[bytes]:
-        return _load_requests(
-            host=host,
-            port=port,
-            model=model,
-            count=count,
-            prompt_tokens=options.prompt_tokens,
-            output_tokens=options.output_tokens,
-            seed=request_seed,
-        )
+        return target_requests(target, options, model=model, count=count, seed=request_seed)
 
     warmup = requests(options.warmup_requests, -seed)
     measured = requests(options.requests, seed)
@@ -532,14 +540,8 @@ def run_bench(options: BenchOptions) -> bool:
                 server_module=server_module,
             )
             host, port = target.host_port
-            first = _load_requests(
-                host=host,
-                port=port,
-                model=model,
-                count=_FIRST_WARMUP_REQUESTS,
-                prompt_tokens=options.prompt_tokens,
-                output_tokens=options.output_tokens,
-                seed=-1_000_000,
+            first = target_requests(
+                target, options, model=model, count=_FIRST_WARMUP_REQUESTS, seed=-1_000_000
             )
             asyncio.run(_run_load(host, port, first, concurrency=options.concurrency))
             target.requests_sent += len(first)
