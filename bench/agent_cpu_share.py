@@ -44,7 +44,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -183,6 +183,12 @@ def _server_processes(group: int) -> dict[int, str]:
     """pid -> role of the live processes in the server's process group."""
     found: dict[int, str] = {}
     for pid, comm, _ in overhead.process_group_stats(group):
+        # vLLM names its processes in the command line ("VLLM::EngineCore"); the kernel's comm
+        # keeps 15 characters of it.
+        with suppress(OSError, UnicodeDecodeError):
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+            if title.startswith("VLLM::"):
+                comm = title.strip()
         role = "API server" if pid == group else comm.removeprefix("VLLM::")
         found[pid] = role if role not in found.values() else f"{role} {pid}"
     return found
@@ -236,6 +242,7 @@ def _measure_once(
     py_spy: str,
     work_dir: Path,
     keep_dir: Path | None,
+    only: frozenset[str],
     measured: _Measured,
 ) -> None:
     host, port = target.host_port
@@ -263,7 +270,10 @@ def _measure_once(
         ]
         await asyncio.sleep(2.0)  # the load is steady before sampling starts
         before = len(completed)
-        recorders = _record(py_spy, _server_processes(target.process_group), seconds, rate, out)
+        processes = _server_processes(target.process_group)
+        if only:
+            processes = {pid: role for pid, role in processes.items() if role in only}
+        recorders = _record(py_spy, processes, seconds, rate, out)
         while any(process.poll() is None for _, _, process in recorders):
             await asyncio.sleep(0.2)
             if all(task.done() for task in clients):
@@ -321,6 +331,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--tracers",
         default=",".join(_CONFIG_OF),
         help=f"which to measure, comma-separated (default: {', '.join(_CONFIG_OF)})",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help='sample only these processes, comma-separated roles (e.g. "API server,EngineCore"): '
+        "on a small machine the profilers' own CPU perturbs the server",
     )
     parser.add_argument(
         "--profiles",
@@ -388,6 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             py_spy=py_spy,
                             work_dir=work_dir,
                             keep_dir=args.profiles,
+                            only=frozenset(
+                                role.strip() for role in args.only.split(",") if role.strip()
+                            ),
                             measured=results[tracer],
                         )
                     finally:
@@ -401,9 +420,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
         _report(results)
         print(f"\n({time.monotonic() - started:.0f} s)")
+        default_tracers = args.tracers == parser.get_default("tracers")
+        chosen = "" if default_tracers else f" --tracers '{args.tracers}'"
+        subset = f" --only '{args.only}'" if args.only else ""
         print(
             f"reproduce: python -m bench.agent_cpu_share --runs {args.runs} "
-            f"--seconds {args.seconds} --rate {args.rate}"
+            f"--seconds {args.seconds} --rate {args.rate}{chosen}{subset}"
         )
     return 0
 
