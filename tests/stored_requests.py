@@ -5,7 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
+from tokentrace.collector.store import window_report
+from tokentrace.collector.store.contract import Store
 from tokentrace.collector.store.document import RequestDocument
 from tokentrace.collector.store.sqlite.store import RequestStore
 
@@ -51,3 +54,16 @@ def stored_document(
 ) -> RequestDocument:
     """``stored_documents`` of one trace."""
     return stored_documents(store_path, [trace_id], timeout_s=timeout_s, context=context)[trace_id]
+
+
+def all_time_report(store: Store) -> dict[str, Any]:
+    """``window_report`` over every sketch slice the store holds, with the SLO targets stored in
+    it (what ``top`` shows for a window reaching back past the first request)."""
+    targets, problems = store.slo_targets()
+    return window_report(
+        store.sketches_between(0, None),
+        window_s=10**9,
+        now_s=store.now(),
+        slo_targets=targets,
+        slo_errors=problems,
+    )

@@ -19,12 +19,13 @@ from fastapi.testclient import TestClient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 
+from tests.stored_requests import all_time_report
 from tokentrace.agent import semconv
 from tokentrace.agent.node.routing import EndpointHashes, split_by_owner
 from tokentrace.collector.api import ApiSettings, create_app
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
-from tokentrace.collector.store import RequestPageQuery, open_store_readonly, window_report
+from tokentrace.collector.store import RequestPageQuery, open_store_readonly
 from tokentrace.collector.store.contract import STATS_WRITTEN_AT, merge_collector_stats
 from tokentrace.loadgen.replay.emit import to_otlp_requests
 from tokentrace.loadgen.replay.simulation import simulate
@@ -155,15 +156,8 @@ def _answers(store_location: str) -> dict[str, Any]:
             trace_id: store.get(trace_id)
             for trace_id in sorted({trace_id for trace_id, _ in rows})[::7]
         }
-        targets, problems = store.slo_targets()
         stats = store.collector_stats()
-        report = window_report(
-            store.sketches_between(0, None),
-            window_s=10**9,
-            now_s=store.now(),
-            slo_targets=targets,
-            slo_errors=problems,
-        )
+        report = all_time_report(store)
     finally:
         store.close()
     for document in documents.values():

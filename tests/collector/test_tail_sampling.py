@@ -20,6 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceS
 
 from tests.collector.test_held_batches import RecordingSink, consume, make_spool
 from tests.collector.test_spool import FakeClock, segment_files
+from tests.stored_requests import all_time_report
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main
 from tokentrace.collector.api.app import ApiSettings, create_app
@@ -33,7 +34,6 @@ from tokentrace.collector.store import (
     RequestFilter,
     RequestPageQuery,
     open_store_readonly,
-    window_report,
 )
 from tokentrace.collector.tail_sampling import (
     DROP_REASONS,
@@ -436,14 +436,7 @@ def _read(store_path: Path | str) -> dict[str, Any]:
                 if cursor is None:
                     return found
 
-        targets, problems = store.slo_targets()
-        report = window_report(
-            store.sketches_between(0, None),
-            window_s=10**9,
-            now_s=store.now(),
-            slo_targets=targets,
-            slo_errors=problems,
-        )
+        report = all_time_report(store)
         return {
             "all": trace_ids(),
             "breaching": trace_ids(RequestFilter(slo_breached=True)),
