@@ -121,4 +121,4 @@ docs: install
 	"$(PY)" -m tokentrace.agent.semconv > docs/telemetry.md
 
 clean:
-	rm -rf build *.egg-info .pytest_cache .mypy_cache .ruff_cache tokentrace.db* processors/_native.*.so
+	rm -rf build *.egg-info .pytest_cache .mypy_cache .ruff_cache tokentrace.db* processors/_native.*.so agent/_wire.*.so

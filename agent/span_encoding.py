@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple, TypeAlias
 
-from tokentrace.agent import semconv
+from tokentrace.agent import compiled, semconv
 from tokentrace.agent.finished_request import FinishedRequest
 from tokentrace.agent.span_ids import SPAN_ID_BYTES, TRACE_ID_BYTES, SpanIdSource, random_span_id
 from tokentrace.agent.spans import (
@@ -40,6 +40,13 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+_WIRE: Final[Any] = compiled.load("tokentrace.agent._wire")
+"""The C twins of ``_SpanWriter.attributes`` and ``length_delimited`` (``_wire.c``), if built."""
+BUILT: Final = _WIRE is not None
+"""Whether the C encoding runs (built, and not turned off by ``TOKENTRACE_PURE_PYTHON``)."""
+
+_Attributes: TypeAlias = "dict[str, AttrValue] | Sequence[tuple[str, AttrValue]]"
 
 _DEFAULT_SCOPE_VERSION: Final = ""
 _ATTRIBUTE_CACHE_ENTRIES: Final = 4096
@@ -378,18 +385,27 @@ class _SpanWriter:
             _PACK_TIMES(_TAG_START, planned.start_ns, _TAG_END, planned.end_ns),
         )
         append = parts.append
-        self.attributes(planned.attributes.items(), append)
+        self.attributes(planned.attributes, append)
         for linked_trace_id, linked_span_id in planned.links:
             append(_link(linked_trace_id, linked_span_id))
         if planned.status_error is not None:
             append(_status_error(planned.status_error))
-        body = b"".join(parts)
-        return _TAG_SCOPE_SPANS_SPAN + _varint(len(body)) + body
+        return length_delimited(_TAG_SCOPE_SPANS_SPAN, b"".join(parts))
 
-    def attributes(
-        self, items: Iterable[tuple[str, AttrValue]], append: Callable[[bytes], None]
-    ) -> None:
-        """``append`` each attribute's ``Span.attributes`` entry (cached parts, see the class)."""
+    def attributes(self, attributes: _Attributes, append: Callable[[bytes], None]) -> None:
+        """``append`` the ``Span.attributes`` entries of ``attributes`` (in C when built, else
+        with the cached parts, see the class)."""
+        if _WIRE is not None:
+            encoded: bytes | None = _WIRE.attributes(attributes)
+            if encoded is not None:
+                append(encoded)
+                return
+        self.attributes_python(attributes, append)
+
+    def attributes_python(self, attributes: _Attributes, append: Callable[[bytes], None]) -> None:
+        """``attributes``' pure-Python twin (and its answer where the C one declines: it raises
+        ValueError/TypeError for a value OTLP cannot carry)."""
+        items = attributes.items() if isinstance(attributes, dict) else attributes
         for key, value in items:
             kind = type(value)
             if kind is int:
@@ -414,7 +430,11 @@ class _SpanWriter:
                 append(_attribute(key, _any_value(value)))
             elif kind is str or kind is bool or kind is tuple:  # values that repeat
                 entry_key = (key, value)
-                entry = self._entries.get(entry_key)
+                try:
+                    entry = self._entries.get(entry_key)
+                except TypeError:  # a tuple holding a list: not cached
+                    append(_attribute(key, _any_value(value)))
+                    continue
                 if entry is None:
                     entry = _attribute(key, _any_value(value))
                     if len(self._entries) >= _ATTRIBUTE_CACHE_ENTRIES:
@@ -439,16 +459,23 @@ class _SpanWriter:
 _WRITER: Final = _SpanWriter()
 
 
-def length_delimited(tag: bytes, payload: bytes) -> bytes:
+def length_delimited_python(tag: bytes, payload: bytes) -> bytes:
     """A length-delimited protobuf field: ``tag``, the payload's length, the payload."""
     return tag + _varint(len(payload)) + payload
 
 
-def span_attributes(attributes: Iterable[tuple[str, AttrValue]]) -> bytes:
-    """``Span.attributes`` entries (tags included) of ``(key, value)`` pairs, as ``encode_span``
-    writes attributes (a list is an int array, a tuple any array): appended to a serialised
-    ``Span``, they parse as its attributes after the ones it has (protobuf concatenates a
-    repeated field's entries). Raises ValueError/TypeError for a value OTLP cannot carry."""
+length_delimited: Final[Callable[[bytes, bytes], bytes]] = (
+    _WIRE.length_delimited if _WIRE is not None else length_delimited_python
+)
+"""``length_delimited_python``'s answer (in C when built)."""
+
+
+def span_attributes(attributes: _Attributes) -> bytes:
+    """``Span.attributes`` entries (tags included) of a dict or a sequence of ``(key, value)``
+    pairs, as ``encode_span`` writes attributes (a list is an int array, a tuple any array):
+    appended to a serialised ``Span``, they parse as its attributes after the ones it has
+    (protobuf concatenates a repeated field's entries). Raises ValueError/TypeError for a value
+    OTLP cannot carry."""
     parts: list[bytes] = []
     _WRITER.attributes(attributes, parts.append)
     return b"".join(parts)

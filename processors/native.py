@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -21,9 +20,9 @@ from typing import Any, Final
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError, Message
 
+from tokentrace.agent import compiled
 from tokentrace.agent.finished_request import MIN_GAPS_FOR_OUTLIERS, median_of_sorted
 
-PURE_PYTHON_ENV: Final = "TOKENTRACE_PURE_PYTHON"
 _NS_PER_US: Final = 1_000
 _INT_VALUE_TAG: Final = 0x18
 """``AnyValue.int_value``'s wire tag (field 3, varint)."""
@@ -99,17 +98,7 @@ def count_keys_ns_python(
     return keys, [counted[key] for key in keys]
 
 
-def _load() -> Any:
-    if os.environ.get(PURE_PYTHON_ENV, "").strip().lower() in ("1", "true", "yes"):
-        return None
-    try:
-        from tokentrace.processors import _native
-    except ImportError:  # built without a C compiler: the twins answer
-        return None
-    return _native
-
-
-_NATIVE: Final = _load()
+_NATIVE: Final[Any] = compiled.load("tokentrace.processors._native")
 BUILT: Final = _NATIVE is not None
 """Whether the C functions run (built, and not turned off by ``TOKENTRACE_PURE_PYTHON``)."""
 
