@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from tokentrace.agent.finished_request import FinishedRequest, PrefillChunk, prompt_prefix_hash
 from tokentrace.agent.otlp_export import RateLimitedWarning
@@ -203,6 +203,9 @@ class Recorder:
         self._max_age_ns = int(max_age_s * _NS_PER_S)
         self.clock = monotonic_ns
         self._in_flight: dict[str, RequestTimer] = {}
+        self.get: Final[Callable[[str], RequestTimer | None]] = self._in_flight.get
+        """The open timer of a request id, or None: the dict's own method, because the hooks
+        call it per streamed output (no Python frame of ours around it)."""
         self._begins = 0
         self.untraced_requests = 0
         """Requests not traced because max_in_flight timers were open."""
@@ -267,9 +270,6 @@ class Recorder:
                 self.expired_requests,
                 self._max_age_ns / _NS_PER_S,
             )
-
-    def get(self, request_id: str) -> RequestTimer | None:
-        return self._in_flight.get(request_id)
 
     def finish(
         self, request_id: str, *, status_error: str | None = None, end_ns: int | None = None
