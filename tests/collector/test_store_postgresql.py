@@ -34,6 +34,7 @@ from tokentrace.collector.store import (
 )
 from tokentrace.collector.store.contract import Store
 from tokentrace.collector.store.location import open_store, open_store_readonly
+from tokentrace.collector.store.postgresql import schema
 from tokentrace.processors.sketches import LatencySketch, SketchKey
 
 _PASSWORD = "s3cret-Passw0rd"
@@ -91,7 +92,51 @@ def test_a_newer_schema_is_refused_in_one_line(postgres_url: str) -> None:
         assert "\n" not in str(caught.value)
     # Refused, not downgraded.
     versions = run_sql(postgres_url, "SELECT version FROM schema_versions ORDER BY version")
-    assert versions == [(1,), (99,)]
+    assert versions == [(1,), (2,), (99,)]
+
+
+def _otlp_compression(url: str) -> str:
+    """The compression of ``traces.otlp`` values: 'l' lz4, 'p' pglz, '' the server's default."""
+    ((method,),) = run_sql(
+        url,
+        "SELECT attcompression FROM pg_attribute "
+        "WHERE attrelid = 'tokentrace.traces'::regclass AND attname = 'otlp'",
+    )
+    return str(method)
+
+
+def test_a_version_1_store_is_migrated_to_lz4_trace_bytes_keeping_its_rows(
+    postgres_url: str,
+) -> None:
+    # A store as version 1 left it: its first migration only, a row in it.
+    with psycopg.connect(postgres_url, autocommit=True) as connection:
+        with connection.transaction():
+            connection.execute("CREATE SCHEMA tokentrace")
+            connection.execute(
+                "CREATE TABLE tokentrace.schema_versions (version integer PRIMARY KEY)"
+            )
+            for statement in schema.MIGRATIONS[0][1]:
+                connection.execute(statement)
+            connection.execute("INSERT INTO tokentrace.schema_versions VALUES (1)")
+            connection.execute(
+                "INSERT INTO tokentrace.traces VALUES (%s, 1, %s)", (b"\x01" * 16, b"old" * 1000)
+            )
+    assert _otlp_compression(postgres_url) == ""
+    store = open_store(postgres_url)  # this code on a version 1 store: migrates at start
+    write_records(store, make_record(1))
+    store.close()
+    assert run_sql(postgres_url, "SELECT version FROM tokentrace.schema_versions") == [(1,), (2,)]
+    assert run_sql(postgres_url, "SELECT otlp FROM tokentrace.traces WHERE received_ns = 1") == [
+        (b"old" * 1000,)
+    ]
+    lz4 = run_sql(
+        postgres_url,
+        "SELECT 'lz4' = ANY(enumvals) FROM pg_settings WHERE name = 'default_toast_compression'",
+    )
+    assert _otlp_compression(postgres_url) == ("l" if lz4 == [(True,)] else "")
+    reader = open_store_readonly(postgres_url)
+    assert reader.count() == 1
+    reader.close()
 
 
 def test_another_programs_requests_table_is_left_alone(postgres_url: str) -> None:
@@ -139,7 +184,7 @@ def test_writers_opening_a_new_database_together_create_the_schema_once(
     for thread in threads:
         thread.join()
     assert errors == []
-    assert run_sql(postgres_url, "SELECT version FROM tokentrace.schema_versions") == [(1,)]
+    assert run_sql(postgres_url, "SELECT version FROM tokentrace.schema_versions") == [(1,), (2,)]
     for number, store in enumerate(opened, start=1):
         write_records(store, make_record(number))
     assert opened[0].count() == writers
