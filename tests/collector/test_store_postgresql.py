@@ -109,18 +109,15 @@ def test_a_version_1_store_is_migrated_to_lz4_trace_bytes_keeping_its_rows(
     postgres_url: str,
 ) -> None:
     # A store as version 1 left it: its first migration only, a row in it.
-    with psycopg.connect(postgres_url, autocommit=True) as connection:
-        with connection.transaction():
-            connection.execute("CREATE SCHEMA tokentrace")
-            connection.execute(
-                "CREATE TABLE tokentrace.schema_versions (version integer PRIMARY KEY)"
-            )
-            for statement in schema.MIGRATIONS[0][1]:
-                connection.execute(statement)
-            connection.execute("INSERT INTO tokentrace.schema_versions VALUES (1)")
-            connection.execute(
-                "INSERT INTO tokentrace.traces VALUES (%s, 1, %s)", (b"\x01" * 16, b"old" * 1000)
-            )
+    with psycopg.connect(postgres_url, autocommit=True) as connection, connection.transaction():
+        connection.execute("CREATE SCHEMA tokentrace")
+        connection.execute("CREATE TABLE tokentrace.schema_versions (version integer PRIMARY KEY)")
+        for statement in schema.MIGRATIONS[0][1]:
+            connection.execute(statement)
+        connection.execute("INSERT INTO tokentrace.schema_versions VALUES (1)")
+        connection.execute(
+            "INSERT INTO tokentrace.traces VALUES (%s, 1, %s)", (b"\x01" * 16, b"old" * 1000)
+        )
     assert _otlp_compression(postgres_url) == ""
     store = open_store(postgres_url)  # this code on a version 1 store: migrates at start
     write_records(store, make_record(1))
