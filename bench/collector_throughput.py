@@ -297,6 +297,16 @@ def _machine_busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (``/proc``; 0 where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def replicas_end_to_end(
     batches: list[bytes], spans: int, requests: int, *, replicas: int, store: str
 ) -> dict[str, float]:
@@ -339,6 +349,8 @@ def replicas_end_to_end(
         by_number = dict(ports.get(timeout=120) for _ in processes)
         started = time.perf_counter()
         busy_before = _machine_busy_s()
+        assert sender.pid is not None
+        sender_before = _process_cpu_s(sender.pid)
         go.put([by_number[n] for n in range(replicas)])
         readers = [open_store_readonly(location) for location in dict.fromkeys(locations)]
         try:
@@ -348,6 +360,7 @@ def replicas_end_to_end(
                     raise SystemExit("bench: replicas not done after 600 s")
             wall = time.perf_counter() - started
             busy = _machine_busy_s() - busy_before
+            sender_cpu = _process_cpu_s(sender.pid) - sender_before
         finally:
             for reader in readers:
                 reader.close()
@@ -364,6 +377,7 @@ def replicas_end_to_end(
         "spans_per_s": spans / wall,
         "collector_cpu_s": cpu,
         "other_cpu_s": max(0.0, busy - cpu),
+        "sender_cpu_s": sender_cpu,
     }
 
 
@@ -493,7 +507,8 @@ def _main_replicas(args: argparse.Namespace) -> int:
                     f"  run {run + 1}: {replicas} replica(s): {result['spans_per_s']:>9,.0f} "
                     f"spans/s ({result['wall_s']:.2f} s, collectors' CPU "
                     f"{result['collector_cpu_s']:.1f} s, the rest of the machine "
-                    f"{result['other_cpu_s']:.1f} s)",
+                    f"{result['other_cpu_s']:.1f} s of which senders and upstream "
+                    f"{result['sender_cpu_s']:.1f} s)",
                     flush=True,
                 )
     one = statistics.median(r["spans_per_s"] for r in rows[1])
