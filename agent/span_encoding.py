@@ -428,13 +428,14 @@ class _SpanWriter:
                 append(_attribute(key, length_delimited(_TAG_STRING, text.encode())))
             elif kind is tuple and key in _UNCACHED_STRING_KEYS:
                 append(_attribute(key, _any_value(value)))
-            elif kind is str or kind is bool or kind is tuple:  # values that repeat
+            elif (
+                kind is str
+                or kind is bool
+                # String arrays only: (0.0, False) == (0, 0) would share one cache entry.
+                or (kind is tuple and all(type(item) is str for item in value))  # type: ignore[union-attr]
+            ):  # values that repeat
                 entry_key = (key, value)
-                try:
-                    entry = self._entries.get(entry_key)
-                except TypeError:  # a tuple holding a list: not cached
-                    append(_attribute(key, _any_value(value)))
-                    continue
+                entry = self._entries.get(entry_key)
                 if entry is None:
                     entry = _attribute(key, _any_value(value))
                     if len(self._entries) >= _ATTRIBUTE_CACHE_ENTRIES:

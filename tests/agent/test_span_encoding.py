@@ -202,3 +202,17 @@ def test_the_encoder_needs_neither_protobuf_nor_the_collector() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_equal_but_differently_typed_arrays_are_not_confused_by_the_cache() -> None:
+    # (0.0, False) == (0, 0) in Python: a cache keyed by value alone gave the second the first's
+    # bytes (found by comparing the C encoder with this one).
+    from tokentrace.agent.span_encoding import _WRITER
+
+    for value in ((0.0, False), (0, 0), ("a", "b"), ("a", "b")):
+        parts: list[bytes] = []
+        _WRITER.attributes_python([("k", value)], parts.append)
+        span = Span()
+        span.MergeFromString(b"".join(parts))
+        assert attributes_of(span) == {"k": list(value)}
+        assert [type(item) for item in attributes_of(span)["k"]] == [type(v) for v in value]  # type: ignore[union-attr]
