@@ -1,11 +1,16 @@
-/* Span attributes in protobuf wire format, in C: the agent encodes every span's attributes (and
- * the collector every request's enrichment) through here, where Python spends a function call
- * per varint and a bytes object per field.
+/* OTLP protobuf wire format in C, both ways:
  *
- * Each function has a Python twin that gives the same answers (tokentrace.agent.span_encoding);
- * `attributes` returns None where its input leaves the fast path (the twin then answers, or
- * raises its error), never raises for odd input, and the tests compare the two on generated
- * input. Nothing here calls back into Python code, so the inputs cannot change under it.
+ * - written: span attributes. The agent encodes every span's attributes (and the collector every
+ *   request's enrichment) through here, where Python spends a function call per varint and a
+ *   bytes object per field. Each function has a Python twin that gives the same answers
+ *   (tokentrace.agent.span_encoding); `attributes` returns None where its input leaves the fast
+ *   path (the twin then answers, or raises its error).
+ * - read: received export requests (tokentrace.collector.receivers.wire): each span's own bytes,
+ *   and the receiver's cheap checks over them. None where the walk does not take the input (the
+ *   receiver then works from the parsed message, as without C).
+ *
+ * Nothing here raises for odd input or calls back into Python code (the inputs cannot change
+ * under it); the tests compare every function with its Python counterpart on generated input.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -260,6 +265,298 @@ static PyObject *attributes(PyObject *module, PyObject *items) {
     return result;
 }
 
+/* --- export requests read ---------------------------------------------------------------- */
+
+/* A varint at data[*pos] (at most 10 bytes, ending before `end`); 0 when malformed. (The same
+ * reader as processors/_native.c's: each extension is built on its own.) */
+static int read_varint(const unsigned char *data, Py_ssize_t end, Py_ssize_t *pos,
+                       uint64_t *value) {
+    uint64_t result = 0;
+    for (int shift = 0; shift < 70 && *pos < end; shift += 7) {
+        unsigned char byte = data[(*pos)++];
+        result |= (uint64_t)(byte & 0x7F) << shift;
+        if (!(byte & 0x80)) {
+            *value = result;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+
+/* Walks an ExportTraceServiceRequest's resource_spans -> scope_spans -> spans the way the
+ * protobuf parser counts them (a field of another wire type than its declared one is an unknown
+ * field, skipped), for the spans' own bytes and the receiver's cheap checks. */
+
+#define WIRE_VARINT 0
+#define WIRE_I64 1
+#define WIRE_LEN 2
+#define WIRE_I32 5
+#define MAX_FIELD_NUMBER ((1u << 29) - 1)
+#define SPAN_ENTRY_TAG 0x12 /* ScopeSpans.spans = 2 */
+
+/* The next field's number and wire type, and for a LEN field its content [*start, *stop);
+ * *pos moves past the field. 0 for malformed input or a group (the Python path decides). */
+static int next_field(const unsigned char *data, Py_ssize_t end, Py_ssize_t *pos,
+                      uint32_t *number, int *wire_type, Py_ssize_t *start, Py_ssize_t *stop) {
+    uint64_t tag, length;
+    if (!read_varint(data, end, pos, &tag) || (tag >> 3) == 0 || (tag >> 3) > MAX_FIELD_NUMBER) {
+        return 0;
+    }
+    *number = (uint32_t)(tag >> 3);
+    *wire_type = (int)(tag & 7);
+    switch (*wire_type) {
+    case WIRE_VARINT:
+        return read_varint(data, end, pos, &length);
+    case WIRE_I64:
+    case WIRE_I32: {
+        Py_ssize_t width = *wire_type == WIRE_I64 ? 8 : 4;
+        if (end - *pos < width) {
+            return 0;
+        }
+        *start = *pos;
+        *pos += width;
+        *stop = *pos;
+        return 1;
+    }
+    case WIRE_LEN:
+        if (!read_varint(data, end, pos, &length) || length > (uint64_t)(end - *pos)) {
+            return 0;
+        }
+        *start = *pos;
+        *pos += (Py_ssize_t)length;
+        *stop = *pos;
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+typedef struct {
+    PyObject *entries;      /* span_entries: the list being built */
+    PyObject *unclean;      /* unclean_spans: the positions being listed */
+    Py_ssize_t fast_bytes;  /* the receiver's fast-path size bound */
+    uint64_t min_time_ns;
+    uint64_t max_time_ns;
+    Py_ssize_t position[3]; /* the current (resource_spans, scope_spans, span) indices */
+} SpanScan;
+
+static int all_zero(const unsigned char *bytes, Py_ssize_t size) {
+    for (Py_ssize_t i = 0; i < size; i++) {
+        if (bytes[i]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static uint64_t read_fixed64(const unsigned char *bytes) {
+    uint64_t value = 0;
+    for (int i = 7; i >= 0; i--) {
+        value = value << 8 | bytes[i];
+    }
+    return value;
+}
+
+/* 1 when the span [start, stop) passes validate.sanitize's per-span loop without its slow
+ * branch: ids of the right lengths and not zero, an 8-byte non-zero parent or none, times in
+ * order and range, no events or links, at most fast_bytes long. 0 when it does not (or when a
+ * checked field comes with an unexpected wire type: sanitize decides then); -1 malformed. */
+static int span_is_clean(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop,
+                         const SpanScan *scan) {
+    Py_ssize_t pos = start, field_start = 0, field_stop = 0;
+    Py_ssize_t trace_id = -1, trace_id_size = 0, span_id = -1, span_id_size = 0;
+    Py_ssize_t parent = -1, parent_size = 0;
+    uint64_t start_ns = 0, end_ns = 0;
+    int clean = stop - start <= scan->fast_bytes;
+    while (pos < stop) {
+        uint32_t number;
+        int wire_type;
+        if (!next_field(data, stop, &pos, &number, &wire_type, &field_start, &field_stop)) {
+            return -1;
+        }
+        switch (number) {
+        case 1: /* trace_id: the last occurrence wins, as in the parser */
+        case 2: /* span_id */
+        case 4: /* parent_span_id */
+            if (wire_type != WIRE_LEN) {
+                clean = 0;
+            } else if (number == 1) {
+                trace_id = field_start, trace_id_size = field_stop - field_start;
+            } else if (number == 2) {
+                span_id = field_start, span_id_size = field_stop - field_start;
+            } else {
+                parent = field_start, parent_size = field_stop - field_start;
+            }
+            break;
+        case 7: /* start_time_unix_nano */
+        case 8: /* end_time_unix_nano */
+            if (wire_type != WIRE_I64) {
+                clean = 0;
+            } else if (number == 7) {
+                start_ns = read_fixed64(data + field_start);
+            } else {
+                end_ns = read_fixed64(data + field_start);
+            }
+            break;
+        case 11: /* events */
+        case 13: /* links */
+            clean = 0;
+            break;
+        default:
+            break;
+        }
+    }
+    return clean && trace_id >= 0 && trace_id_size == 16 && !all_zero(data + trace_id, 16) &&
+           span_id >= 0 && span_id_size == 8 && !all_zero(data + span_id, 8) &&
+           (parent < 0 || parent_size == 0 || (parent_size == 8 && !all_zero(data + parent, 8))) &&
+           scan->min_time_ns <= start_ns && start_ns <= end_ns && end_ns < scan->max_time_ns;
+}
+
+/* One span: its ScopeSpans.spans entry appended, or its checks. 1 ok, 0 malformed, -1 error. */
+static int scan_span(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop,
+                     SpanScan *scan) {
+    if (scan->entries == NULL) {
+        int clean = span_is_clean(data, start, stop, scan);
+        if (clean != 0) {
+            return clean > 0 ? 1 : 0;
+        }
+        PyObject *where = Py_BuildValue("(nnn)", scan->position[0], scan->position[1],
+                                        scan->position[2]);
+        if (where == NULL) {
+            return -1;
+        }
+        int appended = PyList_Append(scan->unclean, where);
+        Py_DECREF(where);
+        return appended == 0 ? 1 : -1;
+    }
+    Py_ssize_t size = stop - start;
+    unsigned char head[11];
+    head[0] = SPAN_ENTRY_TAG;
+    Py_ssize_t head_size = 1;
+    for (uint64_t length = (uint64_t)size;; length >>= 7) {
+        head[head_size++] = (unsigned char)(length < 0x80 ? length : (length & 0x7F) | 0x80);
+        if (length < 0x80) {
+            break;
+        }
+    }
+    PyObject *entry = PyBytes_FromStringAndSize(NULL, head_size + size);
+    if (entry == NULL) {
+        return -1;
+    }
+    memcpy(PyBytes_AS_STRING(entry), head, (size_t)head_size);
+    memcpy(PyBytes_AS_STRING(entry) + head_size, data + start, (size_t)size);
+    int appended = PyList_Append(scan->entries, entry);
+    Py_DECREF(entry);
+    return appended == 0 ? 1 : -1;
+}
+
+/* The fields numbered `field` (LEN) of the message [start, stop), each passed to `inner`
+ * with its index among them at scan->position[depth]. */
+typedef int (*FieldVisitor)(const unsigned char *, Py_ssize_t, Py_ssize_t, SpanScan *);
+
+static int visit_fields(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop,
+                        uint32_t field, int depth, FieldVisitor inner, SpanScan *scan) {
+    Py_ssize_t pos = start, field_start = 0, field_stop = 0, index = 0;
+    while (pos < stop) {
+        uint32_t number;
+        int wire_type;
+        if (!next_field(data, stop, &pos, &number, &wire_type, &field_start, &field_stop)) {
+            return 0;
+        }
+        if (number == field && wire_type == WIRE_LEN) {
+            scan->position[depth] = index++;
+            int visited = inner(data, field_start, field_stop, scan);
+            if (visited != 1) {
+                return visited;
+            }
+        }
+    }
+    return 1;
+}
+
+static int scan_scope_spans(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop,
+                            SpanScan *scan) {
+    return visit_fields(data, start, stop, 2, 2, scan_span, scan); /* ScopeSpans.spans */
+}
+
+static int scan_resource_spans(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop,
+                               SpanScan *scan) {
+    return visit_fields(data, start, stop, 2, 1, scan_scope_spans, scan); /* .scope_spans */
+}
+
+static int scan_request(PyObject *request, SpanScan *scan) {
+    const unsigned char *data = (const unsigned char *)PyBytes_AS_STRING(request);
+    /* ExportTraceServiceRequest.resource_spans = 1 */
+    return visit_fields(data, 0, PyBytes_GET_SIZE(request), 1, 0, scan_resource_spans, scan);
+}
+
+/* span_entries(request: bytes) -> list[bytes] | None
+ *
+ * Each span of a serialised ExportTraceServiceRequest as its ScopeSpans.spans entry (tag,
+ * length, the span's bytes as received), in the order the protobuf parser lists them; None
+ * for input this walk does not take (malformed, groups).
+ */
+static PyObject *span_entries(PyObject *module, PyObject *request) {
+    (void)module;
+    if (!PyBytes_Check(request)) {
+        Py_RETURN_NONE;
+    }
+    SpanScan scan = {PyList_New(0), NULL, 0, 0, 0, {0, 0, 0}};
+    if (scan.entries == NULL) {
+        return NULL;
+    }
+    int scanned = scan_request(request, &scan);
+    if (scanned == 1) {
+        return scan.entries;
+    }
+    Py_DECREF(scan.entries);
+    if (scanned < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* unclean_spans(request: bytes, fast_path_bytes: int, min_time_ns: int, max_time_ns: int)
+ *     -> list[tuple[int, int, int]] | None
+ *
+ * The (resource_spans, scope_spans, span) indices of the spans of a serialised
+ * ExportTraceServiceRequest that do not pass the receiver's cheap checks (span_is_clean), in
+ * order: only those need validate's own; None for input this walk does not take or bounds
+ * beyond 64 bits.
+ */
+static PyObject *unclean_spans(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "unclean_spans takes 4 arguments");
+        return NULL;
+    }
+    if (!PyBytes_Check(args[0])) {
+        Py_RETURN_NONE;
+    }
+    SpanScan scan = {NULL, NULL, PyLong_AsSsize_t(args[1]), PyLong_AsUnsignedLongLong(args[2]),
+                     PyLong_AsUnsignedLongLong(args[3]), {0, 0, 0}};
+    if (PyErr_Occurred()) {
+        PyErr_Clear(); /* a negative or huge bound: the Python checks apply */
+        Py_RETURN_NONE;
+    }
+    scan.unclean = PyList_New(0);
+    if (scan.unclean == NULL) {
+        return NULL;
+    }
+    int scanned = scan_request(args[0], &scan);
+    if (scanned == 1) {
+        return scan.unclean;
+    }
+    Py_DECREF(scan.unclean);
+    if (scanned < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* --- written, continued ------------------------------------------------------------------ */
+
 /* length_delimited(tag: bytes, payload: bytes) -> bytes: tag, the payload's length, payload. */
 static PyObject *length_delimited(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -286,11 +583,15 @@ static PyMethodDef wire_methods[] = {
      "attributes(items: dict | list | tuple of (str, value)) -> bytes | None"},
     {"length_delimited", (PyCFunction)(void (*)(void))length_delimited, METH_FASTCALL,
      "length_delimited(tag: bytes, payload: bytes) -> bytes"},
+    {"span_entries", span_entries, METH_O, "span_entries(request: bytes) -> list[bytes] | None"},
+    {"unclean_spans", (PyCFunction)(void (*)(void))unclean_spans, METH_FASTCALL,
+     "unclean_spans(request: bytes, fast_path_bytes: int, min_time_ns: int, max_time_ns: int)"
+     " -> list[tuple[int, int, int]] | None"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef wire_module = {
-    PyModuleDef_HEAD_INIT, "_wire", "Span attributes in protobuf wire format, in C.", -1,
+    PyModuleDef_HEAD_INIT, "_wire", "OTLP protobuf wire format in C (see _wire.c).", -1,
     wire_methods,
 };
 

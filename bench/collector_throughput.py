@@ -402,9 +402,15 @@ def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
     messages = timed(
         "parse protobuf", lambda: [ExportTraceServiceRequest.FromString(b) for b in batches]
     )
-    timed("validate", lambda: [sanitize(m) for m in messages])
-    for message in messages:
-        groups, count = timed("group by trace", lambda m=message: group_by_trace(m))
+    # As the receiver does: the checks and the grouping over the received bytes too.
+    timed(
+        "validate",
+        lambda: [sanitize(m, encoded=b) for m, b in zip(messages, batches, strict=True)],
+    )
+    for message, batch in zip(messages, batches, strict=True):
+        groups, count = timed(
+            "group by trace", lambda m=message, b=batch: group_by_trace(m, encoded=b)
+        )
         timed("assembly add", lambda g=groups, c=count: pipeline.assembler.add(g, c))
     traces = timed("assembly pop", lambda: pipeline.assembler.pop_finished(flush_all=True))
     processed = timed(

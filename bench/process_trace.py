@@ -1,5 +1,6 @@
 """The collector's per-trace processing (``Pipeline.process_trace``) with and without the C
-functions (``processors/native.py``), A/B interleaved in fresh processes on one pinned CPU.
+functions (``processors/native.py``, ``agent/_wire.c``), A/B interleaved in fresh processes on
+one pinned CPU.
 
     python bench/process_trace.py                 # ~1 minute
     python bench/process_trace.py --rounds 6 --requests 4000
@@ -34,8 +35,9 @@ messages = to_otlp_requests(simulate("mixed", requests=requests, seed=1), batch_
 best = float("inf")
 for _ in range(passes):
     pipeline = Pipeline(_collector_config("unused.db", 1))
-    for message in messages:
-        groups, count = group_by_trace(message)
+    for message in messages:  # parsed from their bytes, which C keeps per span
+        received = message.SerializeToString()
+        groups, count = group_by_trace(type(message).FromString(received), encoded=received)
         pipeline.assembler.add(groups, count)
     traces = pipeline.assembler.pop_finished(flush_all=True)
     started = time.perf_counter()

@@ -4,6 +4,7 @@ Written as protobuf wire format by hand around each span's own serialisation: bu
 ``ExportTraceServiceRequest`` of protobuf objects copied every span once more (about a third of
 the cost). A span may get extra bytes appended (``appended``): the enrichment's attribute
 entries (``processors.enrich.enrichment_attributes``), which parse as attributes after its own.
+Every other span the receiver kept the bytes of (``SpanRef.wire``) goes out as it came in.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Final
 
 from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
-from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent.span_encoding import length_delimited
 from tokentrace.processors.model import SpanRef
@@ -31,7 +31,7 @@ def encode_trace_request(
     """One serialised ExportTraceServiceRequest, grouping spans by their shared Resource and
     InstrumentationScope objects (identity, not content: the receiver shares them), in the order
     each first appears. ``appended``: span id -> bytes to append to that span's serialisation."""
-    by_resource: dict[int, tuple[Resource, dict[int, tuple[InstrumentationScope, list[Span]]]]]
+    by_resource: dict[int, tuple[Resource, dict[int, tuple[InstrumentationScope, list[SpanRef]]]]]
     by_resource = {}
     for ref in spans:
         resource = ref.resource
@@ -41,16 +41,21 @@ def encode_trace_request(
         group = scopes[1].get(id(ref.scope))
         if group is None:
             group = scopes[1][id(ref.scope)] = (ref.scope, [])
-        group[1].append(ref.span)
+        group[1].append(ref)
     parts: list[bytes] = []
     for resource, groups in by_resource.values():
         content = [length_delimited(_TAG_RESOURCE, resource.SerializeToString())]
-        for scope, scope_spans in groups.values():
+        for scope, scope_refs in groups.values():
             encoded = [length_delimited(_TAG_SCOPE, scope.SerializeToString())]
-            for span in scope_spans:
+            for ref in scope_refs:
+                span = ref.span
+                extra = appended.get(span.span_id) if appended else None
+                if ref.wire is not None and extra is None:
+                    encoded.append(ref.wire)  # as received: the same span, not re-serialised
+                    continue
                 serialised = span.SerializeToString()
-                if appended:
-                    serialised += appended.get(span.span_id, b"")
+                if extra:
+                    serialised += extra
                 encoded.append(length_delimited(_TAG_SPAN, serialised))
             content.append(length_delimited(_TAG_SCOPE_SPANS, b"".join(encoded)))
         parts.append(length_delimited(_TAG_REQUEST_RESOURCE_SPANS, b"".join(content)))

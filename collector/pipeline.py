@@ -102,6 +102,7 @@ from tokentrace.collector.consumer import Overloaded, Unavailable
 from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.collector.factories import FACTORIES
 from tokentrace.collector.memory_limiter import MemoryLimiter
+from tokentrace.collector.receivers import wire
 from tokentrace.collector.record_processors import RecordProcessor, RequestProcessor
 from tokentrace.collector.self_telemetry import Counter, SelfTelemetry
 from tokentrace.collector.spool import Spool, SpoolError
@@ -239,17 +240,28 @@ def _service_name(resource: Resource) -> str:
     return _UNKNOWN_SERVICE
 
 
-def group_by_trace(request: ExportTraceServiceRequest) -> tuple[dict[bytes, list[SpanRef]], int]:
-    """Span references of one OTLP request grouped by trace id, and the span count."""
+def group_by_trace(
+    request: ExportTraceServiceRequest, *, encoded: bytes | None = None
+) -> tuple[dict[bytes, list[SpanRef]], int]:
+    """Span references of one OTLP request grouped by trace id, and the span count.
+    ``encoded``: the bytes ``request`` was parsed from, when at hand: each span keeps its own
+    (``SpanRef.wire``) for the exporters."""
     groups: dict[bytes, list[SpanRef]] = {}
     count = 0
+    entries = None if encoded is None else wire.span_entries(encoded)
+    if entries is not None and len(entries) != sum(
+        len(scope_spans.spans)
+        for resource_spans in request.resource_spans
+        for scope_spans in resource_spans.scope_spans
+    ):  # not the bytes ``request`` was parsed from: its spans are re-serialised
+        entries = None
     for resource_spans in request.resource_spans:
         resource = resource_spans.resource
         service = _service_name(resource)
         for scope_spans in resource_spans.scope_spans:
             scope = scope_spans.scope
             for span in scope_spans.spans:
-                ref = SpanRef(span, resource, scope, service)
+                ref = SpanRef(span, resource, scope, service, entries[count] if entries else None)
                 trace_refs = groups.get(span.trace_id)
                 if trace_refs is None:
                     groups[span.trace_id] = [ref]
@@ -414,7 +426,7 @@ class Pipeline:
                     for scope in spans.scope_spans
                 )
             )
-        groups, count = group_by_trace(request)
+        groups, count = group_by_trace(request, encoded=encoded)
         if not count:
             return
         spool = self._spool
@@ -451,7 +463,7 @@ class Pipeline:
             except Exception:  # the CRC matched: written by another version, say
                 _log.warning("spool: record %d is not an OTLP export request; skipped", seq)
                 continue
-            groups, count = group_by_trace(request)
+            groups, count = group_by_trace(request, encoded=payload)
             if not count:
                 continue
             self._replayed.update(groups)
@@ -587,6 +599,7 @@ class Pipeline:
             if record_or_none is not None:
                 try:
                     appended[span_id] = enrichment_attributes(record_or_none)
+                    ref.wire = None  # the span changes: its received bytes no longer say it
                     remove_enrichment(ref.span)
                 except Exception:
                     appended.pop(span_id, None)

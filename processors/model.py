@@ -26,6 +26,10 @@ class SpanRef:
     scope: InstrumentationScope
     service: str
     """``service.name`` of the resource, read once per resource by the receiver."""
+    wire: bytes | None = None
+    """The span's ``ScopeSpans.spans`` entry as received (tag and length included), when the
+    receiver kept it: exporters send it as it came instead of re-serialising ``span``, so
+    whoever changes ``span`` must drop it (the enrichment does: its spans are re-serialised)."""
 
 
 @dataclass(slots=True)

@@ -221,7 +221,7 @@ def validate_export(
 ) -> ValidExport:
     """Validate ``request`` (decoded from the protobuf bytes ``encoded``, when given) against
     ``limits``."""
-    sanitized = sanitize(request, limits)
+    sanitized = sanitize(request, limits, encoded=encoded)
     rejected_spans, error_message = sanitized
     # A stand-in for sanitize (the tests' bypass) may return a plain pair: assume a change.
     modified = getattr(sanitized, "modified", True)

@@ -13,7 +13,9 @@ encoded bytes cannot hold more attributes, events, links or array elements than 
 longer string: each element takes at least two bytes), and whether the span has events or links
 (whose times are checked one by one). Only a larger span, or one with events or links, is
 checked field by field; the per-reason bookkeeping happens only in scopes that hold an invalid
-span.
+span. Where the request's bytes are at hand and the C functions are built, the ids, times, size
+gate and the presence of events or links are checked over the bytes in C
+(``receivers.wire.unclean_spans``) and only the spans singled out there are looked at here.
 
 Not range-checked, because every value is harmless to the stages after this one: enum values
 (``kind``, ``status.code``: readers compare them with constants), ``flags`` and the
@@ -30,6 +32,8 @@ from typing import Final
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans, Span
+
+from tokentrace.collector.receivers import wire
 
 __all__ = ["DEFAULT_SPAN_LIMITS", "REJECTION_REASONS", "Sanitized", "SpanLimits", "sanitize"]
 
@@ -254,6 +258,65 @@ def _rejection_reason(span: Span, limits: SpanLimits) -> int | None:
     return None
 
 
+def _needs_cleaning(
+    span: Span, limits: SpanLimits, min_time_ns: int, max_time_ns: int, fast_path_bytes: int
+) -> bool:
+    """Whether ``span`` sends its scope to ``_clean_scope``: a bad id or time, an all-zero
+    parent to rewrite, or (past the size gate, or with events or links) a size problem.
+    ``limits``' bounds come read once per request (this runs per span)."""
+    trace_id = span.trace_id
+    span_id = span.span_id
+    parent_span_id = span.parent_span_id
+    if (
+        len(trace_id) != _TRACE_ID_LEN
+        or trace_id == _ZERO_TRACE_ID
+        or len(span_id) != _SPAN_ID_LEN
+        or span_id == _ZERO_SPAN_ID
+        or not min_time_ns <= span.start_time_unix_nano <= span.end_time_unix_nano < max_time_ns
+        or (
+            parent_span_id
+            and (len(parent_span_id) != _SPAN_ID_LEN or parent_span_id == _ZERO_SPAN_ID)
+        )
+    ):
+        return True
+    size = span.ByteSize()
+    return bool(
+        (size > fast_path_bytes or span.events or span.links)
+        and _size_problem(span, limits, size) is not None
+    )
+
+
+def _dirty_scopes(
+    request: ExportTraceServiceRequest, limits: SpanLimits, encoded: bytes | None
+) -> list[tuple[int, int]]:
+    """(resource index, scope index) of each scope holding a span that ``_needs_cleaning``."""
+    dirty_scopes: list[tuple[int, int]] = []
+    min_time_ns, max_time_ns = limits.min_time_ns, limits.max_time_ns
+    fast_path_bytes = limits.fast_path_bytes
+    suspects = None
+    if encoded is not None:
+        suspects = wire.unclean_spans(encoded, fast_path_bytes, min_time_ns, max_time_ns)
+    if suspects is not None:  # the rest passed the same checks in C
+        all_resource_spans = request.resource_spans
+        for resource_index, scope_index, span_index in suspects:
+            where = (resource_index, scope_index)
+            if dirty_scopes and dirty_scopes[-1] == where:
+                continue
+            scope_spans = all_resource_spans[resource_index].scope_spans[scope_index]
+            if _needs_cleaning(
+                scope_spans.spans[span_index], limits, min_time_ns, max_time_ns, fast_path_bytes
+            ):
+                dirty_scopes.append(where)
+        return dirty_scopes
+    for resource_index, resource_spans in enumerate(request.resource_spans):
+        for scope_index, scope_spans in enumerate(resource_spans.scope_spans):
+            for span in scope_spans.spans:
+                if _needs_cleaning(span, limits, min_time_ns, max_time_ns, fast_path_bytes):
+                    dirty_scopes.append((resource_index, scope_index))
+                    break
+    return dirty_scopes
+
+
 def _clean_scope(scope_spans: ScopeSpans, reason_counts: list[int], limits: SpanLimits) -> None:
     """Remove the invalid spans of one scope in place, counting them per reason."""
     spans = scope_spans.spans
@@ -300,7 +363,10 @@ class Sanitized(tuple[int, str]):
 
 
 def sanitize(
-    request: ExportTraceServiceRequest, limits: SpanLimits = DEFAULT_SPAN_LIMITS
+    request: ExportTraceServiceRequest,
+    limits: SpanLimits = DEFAULT_SPAN_LIMITS,
+    *,
+    encoded: bytes | None = None,
 ) -> Sanitized:
     """Remove invalid spans from ``request`` in place; return (rejected_spans, error_message),
     which also says whether the request was ``modified``.
@@ -312,39 +378,12 @@ def sanitize(
     string, than ``limits`` allow (see ``REJECTION_REASONS``). An all-zero 8-byte
     parent_span_id is rewritten to empty (a root span). Scopes and resources left without spans
     by the removal are removed. Returns ``(0, "")`` when nothing was rejected.
+
+    ``encoded``: the bytes ``request`` was parsed from, when at hand: the cheap checks then run
+    over them in C (``wire.unclean_spans``) and only the spans they single out are looked at
+    here.
     """
-    dirty_scopes: list[tuple[int, int]] = []
-    zero_trace_id = _ZERO_TRACE_ID
-    zero_span_id = _ZERO_SPAN_ID
-    min_time_ns = limits.min_time_ns
-    max_time_ns = limits.max_time_ns
-    fast_path_bytes = limits.fast_path_bytes
-    for resource_index, resource_spans in enumerate(request.resource_spans):
-        for scope_index, scope_spans in enumerate(resource_spans.scope_spans):
-            for span in scope_spans.spans:
-                trace_id = span.trace_id
-                span_id = span.span_id
-                parent_span_id = span.parent_span_id
-                start = span.start_time_unix_nano
-                if (
-                    len(trace_id) != 16
-                    or trace_id == zero_trace_id
-                    or len(span_id) != 8
-                    or span_id == zero_span_id
-                    or not min_time_ns <= start <= span.end_time_unix_nano < max_time_ns
-                    or (
-                        parent_span_id
-                        and (len(parent_span_id) != 8 or parent_span_id == zero_span_id)
-                    )
-                ):
-                    dirty_scopes.append((resource_index, scope_index))
-                    break
-                size = span.ByteSize()
-                if (size > fast_path_bytes or span.events or span.links) and _size_problem(
-                    span, limits, size
-                ) is not None:
-                    dirty_scopes.append((resource_index, scope_index))
-                    break
+    dirty_scopes = _dirty_scopes(request, limits, encoded)
     if not dirty_scopes:
         return Sanitized(0, "", modified=False)
 

@@ -401,7 +401,7 @@ def test_with_validation_bypassed_the_store_alone_keeps_the_ten_traces(
     """Defence in depth: a hostile value that got past the receiver costs only its trace."""
     import tokentrace.collector.receivers as receivers
 
-    monkeypatch.setattr(receivers, "sanitize", lambda request, limits: (0, ""))
+    monkeypatch.setattr(receivers, "sanitize", lambda request, limits, encoded: (0, ""))
     [export] = to_otlp_requests(simulate("mixed", requests=10, seed=17), batch_spans=10_000)
     export.resource_spans[0].scope_spans[0].spans.append(
         make_span("llm.request", start=2**63, end=2**63, trace_id=b"\xee" * 16, span_id=b"\xef" * 8)

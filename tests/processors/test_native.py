@@ -148,7 +148,9 @@ from tokentrace.processors import native
 simulated = simulate("mixed", requests=300, seed=7, start_unix_ns=int(sys.argv[2]))
 pipeline = Pipeline(_collector_config("unused.db", 1))
 for message in to_otlp_requests(simulated, batch_spans=512, pid=1):
-    groups, count = group_by_trace(message)
+    # As a receiver hands them over: parsed from the bytes, which C keeps per span.
+    received = message.SerializeToString()
+    groups, count = group_by_trace(type(message).FromString(received), encoded=received)
     pipeline.assembler.add(groups, count)
 digest = hashlib.sha256()
 for trace in pipeline.assembler.pop_finished(flush_all=True):
