@@ -10,6 +10,7 @@ own CPU is measured from its processes' ``/proc`` times.
 
     python bench/store_write.py                      # 4 passes of 4,000 requests
     python bench/store_write.py --requests 20000 --batch 512
+    python bench/store_write.py --pglz               # also schema 1's pglz trace bytes
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ def _server_cpu_s(pids: Callable[[], list[int]]) -> float:
     return total / ticks
 
 
+def _run_sql(location: str, statement: str) -> None:
+    import psycopg
+
+    with psycopg.connect(location, autocommit=True) as connection:
+        connection.execute(statement)
+
+
 def _write_all(store: Any, processed: list[Any], batch: int) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     for start in range(0, len(processed), batch):
@@ -69,6 +77,12 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--pglz",
+        action="store_true",
+        help="also write a PostgreSQL store whose trace bytes use pglz, the compression before "
+        "schema version 2 (lz4), in the same passes",
+    )
     args = parser.parse_args()
 
     from tests.postgres_server import running_postgres
@@ -78,7 +92,8 @@ def main() -> int:
     processed = _processed(args.requests, args.seed)
     stored = sum(len(p.records) for p in processed)
     print(f"{len(processed)} traces, {stored} requests; batches of {args.batch} traces\n")
-    rows: dict[str, list[tuple[float, float, float]]] = {"sqlite": [], "postgresql": []}
+    backends = ["sqlite", "postgresql"] + (["postgresql-pglz"] if args.pglz else [])
+    rows: dict[str, list[tuple[float, float, float]]] = {backend: [] for backend in backends}
     with running_postgres() as server, tempfile.TemporaryDirectory() as tmp:
 
         def server_pids() -> list[int]:
@@ -88,25 +103,27 @@ def main() -> int:
                 return [int(pid) for (pid,) in admin.execute("SELECT pid FROM pg_stat_activity")]
 
         for number in range(args.passes):
-            order = ("sqlite", "postgresql") if number % 2 == 0 else ("postgresql", "sqlite")
+            order = backends if number % 2 == 0 else backends[::-1]
             for backend in order:
+                postgresql = backend.startswith("postgresql")
                 location = (
-                    str(Path(tmp) / f"pass{number}.db")
-                    if backend == "sqlite"
-                    else server.create_database()
+                    server.create_database() if postgresql else str(Path(tmp) / f"pass{number}.db")
                 )
                 store = open_store(location)
-                before = _server_cpu_s(server_pids) if backend == "postgresql" else 0.0
-                pids = server_pids() if backend == "postgresql" else []
+                if backend == "postgresql-pglz":
+                    _run_sql(
+                        location,
+                        "ALTER TABLE tokentrace.traces ALTER COLUMN otlp SET COMPRESSION pglz",
+                    )
+                before = _server_cpu_s(server_pids) if postgresql else 0.0
+                pids = server_pids() if postgresql else []
                 wall, cpu = _write_all(store, processed, args.batch)
-                server_cpu = (
-                    _server_cpu_s(lambda p=pids: p) - before if backend == "postgresql" else 0.0
-                )
+                server_cpu = _server_cpu_s(lambda p=pids: p) - before if postgresql else 0.0
                 assert store.count() == stored, (backend, store.count(), stored)
                 store.close()
                 rows[backend].append((wall, cpu, server_cpu))
                 print(
-                    f"  pass {number + 1} {backend:<10} {wall / stored * 1e6:7.1f} us/request "
+                    f"  pass {number + 1} {backend:<15} {wall / stored * 1e6:7.1f} us/request "
                     f"wall, {cpu / stored * 1e6:7.1f} us/request collector CPU"
                     + (f", {server_cpu / stored * 1e6:6.1f} us server CPU" if server_cpu else ""),
                     flush=True,
@@ -115,7 +132,11 @@ def main() -> int:
     for backend, results in rows.items():
         wall = statistics.median(r[0] for r in results) / stored * 1e6
         cpu = statistics.median(r[1] for r in results) / stored * 1e6
-        print(f"median {backend:<10} {wall:7.1f} us/request wall, {cpu:7.1f} us collector CPU")
+        server = statistics.median(r[2] for r in results) / stored * 1e6
+        print(
+            f"median {backend:<15} {wall:7.1f} us/request wall, {cpu:7.1f} us collector CPU"
+            + (f", {server:6.1f} us server CPU" if server else "")
+        )
     ratios = [p[0] / s[0] for p, s in zip(rows["postgresql"], rows["sqlite"], strict=True)]
     print(
         f"postgresql / sqlite wall per pass: {', '.join(f'{r:.2f}' for r in ratios)} "
@@ -124,6 +145,7 @@ def main() -> int:
     print(
         f"\nreproduce: python bench/store_write.py --requests {args.requests} "
         f"--batch {args.batch} --passes {args.passes} --seed {args.seed}"
+        + (" --pglz" if args.pglz else "")
     )
     return 0
 
