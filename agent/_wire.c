@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_varint.h"
+
 /* Field tags of opentelemetry/proto/{trace,common}/v1/*.proto (as in span_encoding.py). */
 #define TAG_ATTRIBUTE 0x4a   /* Span.attributes = 9 */
 #define TAG_KEY 0x0a         /* KeyValue.key = 1 */
@@ -266,23 +268,6 @@ static PyObject *attributes(PyObject *module, PyObject *items) {
 }
 
 /* --- export requests read ---------------------------------------------------------------- */
-
-/* A varint at data[*pos] (at most 10 bytes, ending before `end`); 0 when malformed. (The same
- * reader as processors/_native.c's: each extension is built on its own.) */
-static int read_varint(const unsigned char *data, Py_ssize_t end, Py_ssize_t *pos,
-                       uint64_t *value) {
-    uint64_t result = 0;
-    for (int shift = 0; shift < 70 && *pos < end; shift += 7) {
-        unsigned char byte = data[(*pos)++];
-        result |= (uint64_t)(byte & 0x7F) << shift;
-        if (!(byte & 0x80)) {
-            *value = result;
-            return 1;
-        }
-    }
-    return 0;
-}
-
 
 /* Walks an ExportTraceServiceRequest's resource_spans -> scope_spans -> spans the way the
  * protobuf parser counts them (a field of another wire type than its declared one is an unknown

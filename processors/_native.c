@@ -12,22 +12,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define NS_PER_US 1000
+#include "../agent/_varint.h"
 
-/* A varint at data[*pos] (at most 10 bytes, ending before `end`); 0 when malformed. */
-static int read_varint(const unsigned char *data, Py_ssize_t end, Py_ssize_t *pos,
-                       uint64_t *value) {
-    uint64_t result = 0;
-    for (int shift = 0; shift < 70 && *pos < end; shift += 7) {
-        unsigned char byte = data[(*pos)++];
-        result |= (uint64_t)(byte & 0x7F) << shift;
-        if (!(byte & 0x80)) {
-            *value = result;
-            return 1;
-        }
-    }
-    return 0;
-}
+#define NS_PER_US 1000
 
 /* int_values(serialised ArrayValue, count) -> list[int] | None
  *
