@@ -32,6 +32,8 @@
 #define MAX_DEPTH 32         /* nested arrays deeper than this take the Python path */
 #define OUTSIDE (-1)         /* a size for input the fast path does not take */
 
+/* --- span attributes written ------------------------------------------------------------- */
+
 static Py_ssize_t varint_size(uint64_t value) {
     Py_ssize_t size = 1;
     while (value >= 0x80) {
@@ -267,6 +269,27 @@ static PyObject *attributes(PyObject *module, PyObject *items) {
     return result;
 }
 
+/* length_delimited(tag: bytes, payload: bytes) -> bytes: tag, the payload's length, payload. */
+static PyObject *length_delimited(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "length_delimited takes two bytes arguments");
+        return NULL;
+    }
+    Py_ssize_t tag_size = PyBytes_GET_SIZE(args[0]);
+    Py_ssize_t payload_size = PyBytes_GET_SIZE(args[1]);
+    PyObject *result = PyBytes_FromStringAndSize(
+        NULL, tag_size + varint_size((uint64_t)payload_size) + payload_size);
+    if (result == NULL) {
+        return NULL;
+    }
+    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
+    memcpy(out, PyBytes_AS_STRING(args[0]), (size_t)tag_size);
+    out = put_varint(out + tag_size, (uint64_t)payload_size);
+    memcpy(out, PyBytes_AS_STRING(args[1]), (size_t)payload_size);
+    return result;
+}
+
 /* --- export requests read ---------------------------------------------------------------- */
 
 /* Walks an ExportTraceServiceRequest's resource_spans -> scope_spans -> spans the way the
@@ -417,14 +440,7 @@ static int scan_span(const unsigned char *data, Py_ssize_t start, Py_ssize_t sto
     }
     Py_ssize_t size = stop - start;
     unsigned char head[11];
-    head[0] = SPAN_ENTRY_TAG;
-    Py_ssize_t head_size = 1;
-    for (uint64_t length = (uint64_t)size;; length >>= 7) {
-        head[head_size++] = (unsigned char)(length < 0x80 ? length : (length & 0x7F) | 0x80);
-        if (length < 0x80) {
-            break;
-        }
-    }
+    Py_ssize_t head_size = put_field_head(head, SPAN_ENTRY_TAG, size) - head;
     PyObject *entry = PyBytes_FromStringAndSize(NULL, head_size + size);
     if (entry == NULL) {
         return -1;
@@ -538,29 +554,6 @@ static PyObject *unclean_spans(PyObject *module, PyObject *const *args, Py_ssize
         return NULL;
     }
     Py_RETURN_NONE;
-}
-
-/* --- written, continued ------------------------------------------------------------------ */
-
-/* length_delimited(tag: bytes, payload: bytes) -> bytes: tag, the payload's length, payload. */
-static PyObject *length_delimited(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "length_delimited takes two bytes arguments");
-        return NULL;
-    }
-    Py_ssize_t tag_size = PyBytes_GET_SIZE(args[0]);
-    Py_ssize_t payload_size = PyBytes_GET_SIZE(args[1]);
-    PyObject *result = PyBytes_FromStringAndSize(
-        NULL, tag_size + varint_size((uint64_t)payload_size) + payload_size);
-    if (result == NULL) {
-        return NULL;
-    }
-    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
-    memcpy(out, PyBytes_AS_STRING(args[0]), (size_t)tag_size);
-    out = put_varint(out + tag_size, (uint64_t)payload_size);
-    memcpy(out, PyBytes_AS_STRING(args[1]), (size_t)payload_size);
-    return result;
 }
 
 static PyMethodDef wire_methods[] = {
