@@ -6,7 +6,9 @@ library: this module imports only the standard library and the agent's own modul
 the bytes against the protobuf parser, the SDK path and the collector's processors.
 
 Separate from the layout (``spans``): this is the agent's hot path, written for speed (caches,
-a big-integer fast path for token offsets), while the layout is the span contract.
+a big-integer fast path for token offsets), while the layout is the span contract. Where the
+package was built with a C compiler, attributes and length-delimited fields are written in C
+(``_wire.c``; this module's Python is then the twin, and the answer where C declines).
 """
 
 from __future__ import annotations
