@@ -310,7 +310,7 @@ def test_a_ttft_target_missed_by_long_prompts_names_prefill(
     record = run_load(
         loop, "long-prompts",
         "--concurrency", "1", "--requests", "12", "--prompt-tokens", "1400",
-        "--output-tokens", "2", "--api", "completions", "--seed", "5",
+        "--output-tokens", "2", "--api", "completions", "--seed", "5", "--warmup", "1",
         "--tokenizer", str(loop.model_dir),
         capsys=capsys,
     )  # fmt: skip
@@ -325,6 +325,8 @@ def test_a_ttft_target_missed_by_long_prompts_names_prefill(
     assert ttft["met"] is False
     assert ttft["segment"] == semconv.SEGMENT_PREFILL
     assert ttft["cause"] == "long_prompt"
+    # Each measured request's own verdict too (the unmeasured first one paid the API server's
+    # first long tokenisation in `http`: 20 ms against its 26 ms prefill here, more on a busy CI).
     for doc in stored_documents(loop, record):
         assert doc["verdicts"]["ttft"]["cause"] == "long_prompt"
 
