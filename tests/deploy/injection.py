@@ -70,7 +70,8 @@ def _source_files() -> Iterable[Path]:
         yield from sorted(
             path
             for path in (REPOSITORY / folder).rglob("*")
-            if path.is_file() and "__pycache__" not in path.parts
+            # The checkout's compiled extensions: an install builds its own (test_images).
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".so"
         )
 
 
@@ -82,11 +83,12 @@ def tree_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def run_install(target: str, prefix: Path) -> float:
-    """Run the images' install step for `target` into `prefix`; its duration in seconds."""
+def run_install(target: str, prefix: Path, *, source: Path = REPOSITORY) -> float:
+    """Run the images' install step for `target` into `prefix` from `source` (a checkout);
+    its duration in seconds."""
     started = time.monotonic()
     result = subprocess.run(
-        ["sh", str(INSTALL_SCRIPT), str(REPOSITORY), target, str(prefix)],
+        ["sh", str(INSTALL_SCRIPT), str(source), target, str(prefix)],
         env={**os.environ, "PYTHON": images_python(), "PIP_NO_WARN_SCRIPT_LOCATION": "1"},
         capture_output=True,
         text=True,

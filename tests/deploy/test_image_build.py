@@ -45,7 +45,7 @@ def _source_hash() -> str:
     for folder in _SOURCES:
         paths += sorted(p for p in (_ROOT / folder).rglob("*") if p.is_file())
     for path in paths:
-        if "__pycache__" in path.parts:
+        if "__pycache__" in path.parts or path.suffix == ".so":  # an install builds its own
             continue
         digest.update(str(path.relative_to(_ROOT)).encode())
         digest.update(path.read_bytes())

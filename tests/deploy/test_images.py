@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
+import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -353,3 +355,38 @@ def test_the_collector_and_node_agent_installs_run_their_command(
         assert result.returncode == 0, result.stderr
         outputs.append(result.stdout)
     assert outputs[0].startswith(f"usage: tokentrace {command}")
+
+
+@pytest.mark.slow
+def test_an_install_builds_its_own_c_extensions_never_the_checkouts(tmp_path: Path) -> None:
+    """A checkout's compiled extensions (``make install`` builds them in place, for that
+    machine's Python) never reach an install: pip compiles them anew for the images' Python
+    where a compiler is (the images' build stage has none: the pure-Python twins run there)."""
+    source = tmp_path / "checkout"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "constraints.txt"):
+        shutil.copy(REPOSITORY / name, source / name)
+    for folder in ("agent", "collector", "processors", "loadgen"):
+        shutil.copytree(
+            REPOSITORY / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    suffix = str(sysconfig.get_config_var("EXT_SUFFIX"))
+    for module in ("agent/_wire", "processors/_native"):
+        (source / f"{module}{suffix}").write_bytes(b"built for another machine")
+    prefix = tmp_path / "opt-tokentrace"
+    run_install("node-agent", prefix, source=source)
+    installed = [*prefix.rglob(f"_wire{suffix}"), *prefix.rglob(f"_native{suffix}")]
+    assert all(path.read_bytes() != b"built for another machine" for path in installed)
+    probe = (
+        "from tokentrace.agent import span_encoding; from tokentrace.collector.receivers "
+        "import wire; from tokentrace.processors import native; "
+        "print(span_encoding.BUILT, wire.BUILT, native.BUILT)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TOKENTRACE_PURE_PYTHON")}
+    result = subprocess.run(
+        [str(prefix / "bin" / "python"), "-c", probe],
+        capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    compiler = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0])
+    assert result.stdout.split() == [str(compiler is not None)] * 3
