@@ -16,6 +16,7 @@ import argparse
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from tokentrace.agent.frameworks.vllm_engine import (
@@ -35,10 +36,18 @@ class _Request:
 
 @dataclass
 class _Cached:
-    outputs: dict[str, int]
+    """vLLM 0.32's ``CachedRequestData``: the ids and output counts, and its lookup by id."""
+
+    req_ids: list[str]
+    num_output_tokens: list[int]
+
+    @cached_property
+    def _req_id_to_num_output_tokens(self) -> dict[str, int]:
+        return dict(zip(self.req_ids, self.num_output_tokens, strict=True))
 
     def is_context_phase(self, request_id: str) -> bool:
-        return self.outputs.get(request_id) == 0
+        num_output_tokens = self._req_id_to_num_output_tokens.get(request_id)
+        return num_output_tokens is not None and num_output_tokens == 0
 
 
 @dataclass
@@ -70,7 +79,7 @@ class _Scheduler:
         header = engine_parent_header(b"\x01" * 16, b"\x02" * 8, b"\x03" * 8)
         self.requests = {i: _Request({ENGINE_PARENT_HEADER: header}) for i in ids}
         self.kv_cache_manager = _KvCache()
-        self.output = _SchedulerOutput({i: 1 for i in ids}, [], _Cached({i: 5 for i in ids}))
+        self.output = _SchedulerOutput({i: 1 for i in ids}, [], _Cached(ids, [5] * len(ids)))
         self.outputs = {0: _Outputs([_Output(i) for i in ids], time.monotonic())}
 
     def get_request_counts(self) -> tuple[int, int]:

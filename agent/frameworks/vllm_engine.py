@@ -37,12 +37,14 @@ engine never show a finish reason here: their step lists are dropped by a sweep 
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import random
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import compress
 from typing import Any, Final, NamedTuple
 
 from tokentrace.agent import semconv
@@ -154,6 +156,30 @@ def outlier_gap_ends(token_step_ends: Sequence[tuple[int, int]], ratio: float) -
     return [i + 1 for i, gap in enumerate(gaps) if gap > threshold]
 
 
+_UNSEEN: Final[Any] = object()
+"""``EngineStepTracer._requests``' answer for a request not seen before (None: not tracked)."""
+
+
+def _prefill_ids(output: Any) -> set[str]:
+    """The ids of the step's requests still in prefill, vLLM's own split: the new ones, and the
+    cached ones without an output token yet (``CachedRequestData.is_context_phase``, here for
+    the whole batch in one pass over its columns)."""
+    new_requests = output.scheduled_new_reqs
+    cached = output.scheduled_cached_reqs
+    ids = getattr(cached, "req_ids", None)
+    output_tokens = getattr(cached, "num_output_tokens", None)
+    if ids is not None and output_tokens is not None:
+        prefill = set(compress(ids, map(operator.not_, output_tokens)))
+    else:  # another layout: ask it request by request
+        in_context = cached.is_context_phase
+        prefill = {
+            request_id for request_id in output.num_scheduled_tokens if in_context(request_id)
+        }
+    if new_requests:
+        prefill.update([new.req_id for new in new_requests])
+    return prefill
+
+
 class EngineStepTracer:
     """Records engine steps (serving path: the EngineCore busy loop) and plans their spans
     (emitter thread). ``submit`` is the emitter's non-blocking ``submit``: it gets deferred jobs
@@ -205,18 +231,14 @@ class EngineStepTracer:
             return
         index = self._next_index
         self._next_index = index + 1
-        new_requests = output.scheduled_new_reqs
-        new_ids = {new.req_id for new in new_requests} if new_requests else ()
-        in_context = output.scheduled_cached_reqs.is_context_phase
+        prefill_ids = _prefill_ids(output)
         requests = self._requests
         prefill_requests = prefill_tokens = decode_requests = decode_tokens = 0
         for request_id, tokens in scheduled.items():
-            prefill = request_id in new_ids or in_context(request_id)
-            if request_id in requests:
-                tracked = requests[request_id]
-            else:
+            tracked = requests.get(request_id, _UNSEEN)
+            if tracked is _UNSEEN:
                 tracked = requests[request_id] = _track(scheduler.requests.get(request_id))
-            if prefill:
+            if request_id in prefill_ids:
                 prefill_requests += 1
                 prefill_tokens += tokens
                 if tracked is not None:

@@ -20,10 +20,13 @@ from tests.agent.vllm_stand_ins import (
     CLOCK,
     SCHEDULED,
     AsyncLLM,
+    CachedRequestData,
     CoreRequest,
     EngineRequest,
     Event,
+    NewRequestData,
     Scheduler,
+    SchedulerOutput,
     Setup,
     engine_monotonic_ns,
 )
@@ -34,6 +37,7 @@ from tokentrace.agent.frameworks.vllm_engine import (
     HOOK_STEP_DONE,
     EngineStepTracer,
     StepRecord,
+    _prefill_ids,
     engine_parent_header,
     outlier_gap_ends,
     parse_engine_parent,
@@ -531,3 +535,19 @@ def test_the_token_steps_of_a_retracted_request_stay_in_order_for_the_outlier_ru
     assert [(s.start_ns, s.end_ns) for s in job.spans] == [
         (CLOCK.to_unix_ns(120 * ms), CLOCK.to_unix_ns(130 * ms))
     ]
+
+
+def test_the_prefill_split_reads_vllms_columns_or_asks_request_by_request() -> None:
+    class AskOnly:  # a CachedRequestData without the columns: is_context_phase alone
+        def __init__(self, outputs: dict[str, int]) -> None:
+            self._outputs = outputs
+
+        def is_context_phase(self, req_id: str) -> bool:
+            return self._outputs.get(req_id) == 0
+
+    scheduled = {"new": 4, "prompt-left": 2, "decoding": 1}
+    outputs = {"prompt-left": 0, "decoding": 3}
+    columns = CachedRequestData(list(outputs), list(outputs.values()))
+    for cached in (columns, AskOnly(outputs)):
+        output = SchedulerOutput(scheduled, [NewRequestData("new")], cached)  # type: ignore[arg-type]
+        assert _prefill_ids(output) == {"new", "prompt-left"}

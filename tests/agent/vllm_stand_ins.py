@@ -176,10 +176,13 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    output_tokens: dict[str, int]
+    """vLLM's: the ids of the scheduled requests it has seen before and their output counts."""
+
+    req_ids: list[str]
+    num_output_tokens: list[int]
 
     def is_context_phase(self, req_id: str) -> bool:
-        return self.output_tokens.get(req_id) == 0
+        return dict(zip(self.req_ids, self.num_output_tokens, strict=True)).get(req_id) == 0
 
 
 @dataclass
@@ -265,7 +268,9 @@ class Scheduler:
             for rid in scheduled
             if rid not in {n.req_id for n in new}
         }
-        return SchedulerOutput(scheduled, new, CachedRequestData(cached))
+        return SchedulerOutput(
+            scheduled, new, CachedRequestData(list(cached), list(cached.values()))
+        )
 
     def update_from_output(self, output: SchedulerOutput, model_output: Any) -> dict[int, Any]:
         _engine_clock_s[0] += self.slow_steps.get(self.step_index, self.step_s)
