@@ -179,6 +179,20 @@ def test_the_collector_and_node_agent_images_run_their_command(
     assert writable.returncode == 0, writable.stderr
 
 
+def test_the_images_run_the_c_extensions_their_build_stage_compiled(
+    containers: dict[str, Container],
+) -> None:
+    # The build stages have a compiler (the final stages none: the test above); the collector's
+    # per-trace work and the agent's span encoding then run in C.
+    probe = "from tokentrace.agent import span_encoding; from tokentrace.processors import native"
+    show = "; print(span_encoding.BUILT, native.BUILT)"
+    collector = containers["collector"].run("/opt/tokentrace/bin/python", "-c", probe + show)
+    assert collector.stdout.split() == ["True", "True"], collector.stderr[-2000:]
+    tree = "import sys; sys.path.append('/autoinstrumentation/tokentrace-packages'); "
+    agent = containers["autoinstrumentation"].run("python3", "-c", tree + probe + show)
+    assert agent.stdout.split() == ["True", "True"], agent.stderr[-2000:]
+
+
 def test_the_injection_image_holds_the_operator_layout_and_activates_the_agent(
     containers: dict[str, Container],
 ) -> None:
