@@ -8,10 +8,8 @@ skips the C functions (to compare, or to rule them out). ``BUILT`` says which on
 
 from __future__ import annotations
 
-import math
 import operator
 from bisect import bisect_left
-from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import cache
 from itertools import islice
@@ -87,17 +85,6 @@ def gap_median_python(gaps_ns: Sequence[int]) -> tuple[float | None, int]:
     return median_of_sorted(ordered), ordered[-1] if ordered else -1
 
 
-def count_keys_ns_python(
-    durations_ns: Sequence[int], multiplier: float
-) -> tuple[list[int], list[int]]:
-    """The distinct sketch keys (ascending) of positive durations in ns taken as seconds,
-    ``ceil(log2(ns / 1e9) * multiplier)`` each, and how many durations have each key. (The
-    reference for ``count_keys_ns``; ``KeyedValues.of_ns`` has faster Python of its own.)"""
-    counted = Counter(math.ceil(math.log2(ns / 1e9) * multiplier) for ns in durations_ns)
-    keys = sorted(counted)
-    return keys, [counted[key] for key in keys]
-
-
 _NATIVE: Final[Any] = compiled.load("tokentrace.processors._native")
 BUILT: Final = _NATIVE is not None
 """Whether the C functions run (built, and not turned off by ``TOKENTRACE_PURE_PYTHON``)."""
@@ -129,8 +116,10 @@ def gap_median(gaps_ns: Sequence[int]) -> tuple[float | None, int]:
 def count_keys_ns(
     durations_ns: Sequence[int], multiplier: float
 ) -> tuple[list[int], list[int]] | None:
-    """``count_keys_ns_python``'s answer in C, or ``None`` when not built or a duration is not
-    an int in (0, 2**53): the caller keys them in Python then."""
+    """The distinct sketch keys (ascending) of positive durations in ns taken as seconds,
+    ``ceil(log2(ns / 1e9) * multiplier)`` each, and how many durations have each key: in C, or
+    ``None`` when not built or a duration is not an int in (0, 2**53) (the caller,
+    ``KeyedValues.of_ns``, keys them in Python then)."""
     if _NATIVE is None:
         return None
     counted: tuple[list[int], list[int]] | None = _NATIVE.count_keys_ns(durations_ns, multiplier)

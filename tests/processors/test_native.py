@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue
 
 from tokentrace.agent import compiled
 from tokentrace.processors import native
+from tokentrace.processors.sketches import KeyedValues
 
 _native = pytest.importorskip("tokentrace.processors._native") if native.BUILT else None
 needs_c = pytest.mark.skipif(_native is None, reason="the C functions are not built here")
@@ -107,6 +109,18 @@ def test_gap_median_is_the_mean_of_the_middle_two_and_ignores_negative_gaps() ->
     assert native.gap_median([-1, -2]) == (None, -1)
 
 
+def _python_keys(durations_ns: list[int], scale: int) -> tuple[list[int], list[int]]:
+    """The sketch's own keying in Python (``KeyedValues.of`` over the seconds), counted."""
+    keyed = KeyedValues.of([ns / 1e9 for ns in durations_ns], scale=scale)
+    counted = (
+        Counter(keyed.keys)
+        if keyed.counts is None
+        else dict(zip(keyed.keys, keyed.counts, strict=True))
+    )
+    keys = sorted(counted)
+    return keys, [counted[key] for key in keys]
+
+
 @needs_c
 @settings(max_examples=300, deadline=None)
 @given(
@@ -114,19 +128,14 @@ def test_gap_median_is_the_mean_of_the_middle_two_and_ignores_negative_gaps() ->
     st.integers(min_value=0, max_value=12),
 )
 def test_sketch_keys_match_python_for_every_scale(durations: list[int], scale: int) -> None:
-    multiplier = float(2**scale)
-    assert native.count_keys_ns(durations, multiplier) == native.count_keys_ns_python(
-        durations, multiplier
-    )
+    multiplier = float(2**scale)  # the OTLP-aligned mapping's (KeyedValues' own)
+    assert native.count_keys_ns(durations, multiplier) == _python_keys(durations, scale)
 
 
 @needs_c
 def test_sketch_keys_over_a_wide_range_are_counted_by_sorting() -> None:
     durations = [1, 2**52, 3, 2**52, 1_000_000]  # keys ~ 2**16 apart at scale 12
-    multiplier = float(2**12)
-    assert native.count_keys_ns(durations, multiplier) == native.count_keys_ns_python(
-        durations, multiplier
-    )
+    assert native.count_keys_ns(durations, float(2**12)) == _python_keys(durations, 12)
 
 
 @needs_c
