@@ -102,7 +102,7 @@ from tokentrace.collector.consumer import Overloaded, Unavailable
 from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.collector.factories import FACTORIES
 from tokentrace.collector.memory_limiter import MemoryLimiter
-from tokentrace.collector.receivers import wire
+from tokentrace.collector.receivers import count_spans, wire
 from tokentrace.collector.record_processors import RecordProcessor, RequestProcessor
 from tokentrace.collector.self_telemetry import Counter, SelfTelemetry
 from tokentrace.collector.spool import Spool, SpoolError
@@ -249,12 +249,8 @@ def group_by_trace(
     groups: dict[bytes, list[SpanRef]] = {}
     count = 0
     entries = None if encoded is None else wire.span_entries(encoded)
-    if entries is not None and len(entries) != sum(
-        len(scope_spans.spans)
-        for resource_spans in request.resource_spans
-        for scope_spans in resource_spans.scope_spans
-    ):  # not the bytes ``request`` was parsed from: its spans are re-serialised
-        entries = None
+    if entries is not None and len(entries) != count_spans(request):
+        entries = None  # not the bytes ``request`` was parsed from: its spans are re-serialised
     for resource_spans in request.resource_spans:
         resource = resource_spans.resource
         service = _service_name(resource)
@@ -419,13 +415,7 @@ class Pipeline:
             raise Unavailable("the collector is shutting down")
         if self._memory_limiter is not None:
             # Before grouping: a refused request should cost as little as it can.
-            self._memory_limiter.admit(
-                sum(
-                    len(scope.spans)
-                    for spans in request.resource_spans
-                    for scope in spans.scope_spans
-                )
-            )
+            self._memory_limiter.admit(count_spans(request))
         groups, count = group_by_trace(request, encoded=encoded)
         if not count:
             return

@@ -26,6 +26,7 @@ __all__ = [
     "ReceiverStartError",
     "ValidExport",
     "bearer_token_matches",
+    "count_spans",
     "deliver",
     "hand_over",
     "join_endpoint",
@@ -190,8 +191,9 @@ class OtlpReceiverBase:
         return self._counters.snapshot()
 
 
-def _count_spans(request: ExportTraceServiceRequest) -> int:
-    # Per scope, not per span: len() of a repeated field does not touch the spans.
+def count_spans(request: ExportTraceServiceRequest) -> int:
+    """The spans of an export request, counted per scope: len() of a repeated field does not
+    touch the spans."""
     return sum(
         len(scope_spans.spans)
         for resource_spans in request.resource_spans
@@ -232,7 +234,7 @@ def validate_export(
     return ValidExport(
         request,
         None if modified else encoded,
-        _count_spans(request),
+        count_spans(request),
         response,
     )
 
