@@ -209,6 +209,14 @@ static Py_ssize_t attribute_value_size(PyObject *value) {
     return any_value_size(value, 0);
 }
 
+static unsigned char *put_attribute_value(unsigned char *out, PyObject *value) {
+    if (PyList_CheckExact(value)) {
+        out = put_field_head(out, TAG_ARRAY, array_content_size(value, 1, 1));
+        return put_array_content(out, value, 1, 1);
+    }
+    return put_any_value(out, value, 0);
+}
+
 static Py_ssize_t key_value_size(Py_ssize_t key_size, Py_ssize_t value_size) {
     return field_size(key_size) + field_size(value_size);
 }
@@ -259,12 +267,7 @@ static PyObject *attributes(PyObject *module, PyObject *items) {
         memcpy(out, key_data, (size_t)key_size);
         out += key_size;
         out = put_field_head(out, TAG_VALUE, value_size);
-        if (PyList_CheckExact(value)) {
-            out = put_field_head(out, TAG_ARRAY, array_content_size(value, 1, 1));
-            out = put_array_content(out, value, 1, 1);
-        } else {
-            out = put_any_value(out, value, 0);
-        }
+        out = put_attribute_value(out, value);
     }
     return result;
 }
