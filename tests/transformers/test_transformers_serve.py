@@ -13,7 +13,8 @@ The issue's measures: the budget partitions the client's E2E (within 2 %); the c
 (less the delays the client measured in itself) and the server's part of it agree within 5 % at
 the median, with a millisecond of slack for the loopback hop; the mean inter-token gap agrees
 within 5 % (the server streams a token that completes no character with the next one, so the
-client's gaps are compared as a whole); queue wait appears where the engine queues; the cold
+client's gaps are compared as a whole, from the first token's hand-over, over the requests the
+client read on time); queue wait appears where the engine queues; the cold
 start is recorded; ``explain`` and the API show the requests as they show a vLLM one; a client
 that goes away leaves an aborted request.
 """
@@ -50,6 +51,9 @@ targets:
   - {name: e2e-p95, metric: e2e, percentile: 95, threshold: 60s}
 """
 _SPAN_WAIT_S = 30.0
+_CLIENT_LATE_NS = 2_000_000
+"""A request whose first token the client read later than this (its own account) is left out
+of the decode comparison."""
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +115,7 @@ def check_budget_and_agreement(
     client_ttft, server_ttft, client_itl, server_itl, queues = [], [], [], [], []
     client_decode: list[int] = []
     server_decode: list[int] = []
+    decode_gaps = 0
     for result in record.results:
         collected = stored[result.trace_id]
         client_e2e = result.end_ns - result.start_ns
@@ -135,30 +140,42 @@ def check_budget_and_agreement(
                 if segment not in semconv.CLIENT_SIDE_SEGMENTS
             )
         )
-        # The decode as a whole (the sum of the gaps): the server streams a token that completes
-        # no character with the next one, and sends the tokens it has together.
-        client_decode.append(sum(result.chunk_gaps_ns))
-        server_decode.append(sum(collected.metrics.itl))
         client_itl.extend(result.chunk_gaps_ns)
         server_itl.extend(collected.metrics.itl)
+        # The decode as a whole (the sum of the gaps): the server streams a token that completes
+        # no character with the next one, and sends the tokens it has together. Both from the
+        # first token's hand-over: while generate() holds the GIL, the server's event loop may
+        # send a first token milliseconds late (busy with the next request's arrival), which
+        # the client sees as TTFT (the budget's ``http``), not decode. A request the client
+        # itself read late (its own ``client`` TTFT segment) measured the client: left out.
+        timeline = collected.timeline
+        assert timeline.server_first_body is not None and timeline.first_token is not None
+        if budget.client_ttft_segments.get(semconv.SEGMENT_CLIENT, 0) <= _CLIENT_LATE_NS:
+            handed_over_late = max(0, timeline.server_first_body - timeline.first_token)
+            client_decode.append(sum(result.chunk_gaps_ns))
+            server_decode.append(max(0, sum(collected.metrics.itl) - handed_over_late))
+            decode_gaps += len(collected.metrics.itl)
         queues.append(budget.segments.get(semconv.SEGMENT_QUEUE, 0))
     show = (
         f"{name}: TTFT p50 client {statistics.median(client_ttft) / 1e6:.2f} ms, the server's "
         f"part {statistics.median(server_ttft) / 1e6:.2f} ms; ITL p50 client "
         f"{statistics.median(client_itl) / 1e6:.3f} ms, server "
         f"{statistics.median(server_itl) / 1e6:.3f} ms; mean ITL client "
-        f"{sum(client_decode) / max(1, len(server_itl)) / 1e6:.3f} ms, server "
-        f"{sum(server_decode) / max(1, len(server_itl)) / 1e6:.3f} ms; queue (ms) "
+        f"{sum(client_decode) / max(1, decode_gaps) / 1e6:.3f} ms, server "
+        f"{sum(server_decode) / max(1, decode_gaps) / 1e6:.3f} ms over {len(client_decode)} "
+        f"requests the client read on time; queue (ms) "
         f"{sorted(round(q / 1e6, 1) for q in queues)}"
     )
     with capsys.disabled():
         print(show)
     client_p50 = statistics.median(client_ttft)
     assert abs(client_p50 - statistics.median(server_ttft)) <= 0.05 * client_p50 + 1_000_000, show
-    # ITL: the mean gap over all the run's tokens (decode time / gaps), the client's and the
-    # server's, within 5 % (the client's gaps may merge tokens: their sum is the same time).
-    client_mean = sum(client_decode) / len(server_itl)
-    server_mean = sum(server_decode) / len(server_itl)
+    # ITL: the mean gap over the tokens of the requests the client read on time (decode time /
+    # gaps), the client's and the server's, within 5 % (the client's gaps may merge tokens:
+    # their sum is the same time). Most requests count.
+    assert len(client_decode) >= len(record.results) // 2, show
+    client_mean = sum(client_decode) / decode_gaps
+    server_mean = sum(server_decode) / decode_gaps
     assert abs(client_mean - server_mean) <= 0.05 * client_mean + 100_000, show
     return queues
 
