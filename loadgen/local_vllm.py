@@ -145,8 +145,12 @@ def spawn_until_healthy(
     is not healthy within ``ready_timeout_s``; it is stopped then."""
     started = time.monotonic()
     with log_path.open("wb") as log:
+        # A process group, not a session: Linux schedules each session as one group (autogroup),
+        # and a busy engine's group on the core it is pinned to starved the load generator's
+        # group there for up to 2.6 s at a time on a 2-core machine (its runqueue wait, read
+        # from /proc/PID/schedstat); in one session the scheduler is fair to each process.
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0
         )
     try:
         while not _healthy(health_url):

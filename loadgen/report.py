@@ -131,8 +131,9 @@ def render(record: RunRecord, *, record_path: str | None, store_hint: str | None
     if summary["duration_s"] and stalled_s >= _SATURATED_CLIENT_SHARE * summary["duration_s"]:
         lines.append(
             f"WARNING: this client's event loop stalled for {stalled_s / summary['duration_s']:.0%}"
-            " of the run: the client was itself saturated (CPU, concurrency); its delays are in"
-            " its latencies here and in the collector's `client` segment"
+            " of the run: the client was itself saturated or short of CPU (concurrency, a busy"
+            " server on this machine); its delays are in its latencies here and in the"
+            " collector's `client` segment"
         )
     if summary.get("errors"):
         kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(summary["errors"].items()))
