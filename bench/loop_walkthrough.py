@@ -26,9 +26,9 @@ from tokentrace.loadgen.tiny_model import build_tiny_model
 
 SLO_FILE = """\
 targets:
-  - {name: chat-ttft-p95, metric: ttft, percentile: 95, threshold: 60ms,
+  - {name: chat-ttft-p95, metric: ttft, percentile: 95, threshold: 15ms,
      selector: {operation: chat}}
-  - {name: e2e-p95, metric: e2e, percentile: 95, threshold: 150ms}
+  - {name: e2e-p95, metric: e2e, percentile: 95, threshold: 60ms}
 """
 COLLECTOR_CONFIG = """\
 receivers:
@@ -75,7 +75,7 @@ def main() -> int:
     load_args = (
         "--otlp-endpoint", otlp, "--slo", "slo.yaml", "--quiet",
         "--concurrency", "1", "--requests", str(args.requests), "--warmup", "2",
-        "--shared-prefix-fraction", "1", "--shared-prefix-tokens", "1024",
+        "--shared-prefix-fraction", "1", "--shared-prefix-tokens", "1792",
         "--prompt-tokens", "32", "--output-tokens", "16", "--tokenizer", str(model_dir),
     )  # fmt: skip
     try:
