@@ -209,12 +209,13 @@ def test_an_idle_emitter_thread_sleeps_until_something_is_queued(
     emitter = SpanEmitter(sent, resource_attributes=RESOURCE, scope_name="t", interval_s=0.001)
     drains: list[float] = []
     original = emitter._drain
-    monkeypatch.setattr(emitter, "_drain", lambda: (drains.append(1.0), original()))
+    monkeypatch.setattr(emitter, "_drain", lambda: (drains.append(1.0), original())[1])
     emitter.submit(finished_timer("r0"))
     deadline = time.monotonic() + 5
     while not sent.payloads and time.monotonic() < deadline:
         time.sleep(0.005)
     assert sent.request_spans() == [semconv.SPAN_REQUEST]
+    time.sleep(0.05)  # the interval after the last batch brings nothing: the thread parks
     settled = len(drains)
     time.sleep(0.3)  # 300 intervals
     assert len(drains) == settled
@@ -223,6 +224,37 @@ def test_an_idle_emitter_thread_sleeps_until_something_is_queued(
     while len(sent.payloads) < 2 and time.monotonic() < deadline:
         time.sleep(0.005)
     assert sent.request_spans() == [semconv.SPAN_REQUEST] * 2
+    emitter.shutdown(1.0)
+
+
+class _CountingEvent(threading.Event):
+    """An Event that counts the waits that had to sleep (the flag was not set)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slept = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self.is_set():
+            self.slept += 1
+        return super().wait(timeout)
+
+
+def test_under_steady_load_the_serving_threads_never_wake_the_emitter() -> None:
+    # Each batch's interval ends by its timer; the thread parks (and a submit must wake it) only
+    # after an interval that brought nothing. (Parking after every batch: ~15 times here.)
+    sent = Sent()
+    emitter = SpanEmitter(sent, resource_attributes=RESOURCE, scope_name="t", interval_s=0.02)
+    wake = _CountingEvent()
+    emitter._wake = wake
+    for index in range(150):  # a request every ~2 ms: about 15 intervals
+        emitter.submit(finished_timer(f"r{index}"))
+        time.sleep(0.002)
+    assert emitter.flush(5.0)
+    assert len(sent.request_spans()) == 150
+    assert len(sent.payloads) >= 5  # batches per interval, not one at the end
+    # A 20 ms pause of this thread on a busy machine may park it once or twice.
+    assert wake.slept <= 2, wake.slept
     emitter.shutdown(1.0)
 
 
