@@ -209,7 +209,11 @@ def test_an_idle_emitter_thread_sleeps_until_something_is_queued(
     emitter = SpanEmitter(sent, resource_attributes=RESOURCE, scope_name="t", interval_s=0.001)
     drains: list[float] = []
     original = emitter._drain
-    monkeypatch.setattr(emitter, "_drain", lambda: (drains.append(1.0), original())[1])
+    def counted_drain() -> int:
+        drains.append(1.0)
+        return original()
+
+    monkeypatch.setattr(emitter, "_drain", counted_drain)
     emitter.submit(finished_timer("r0"))
     deadline = time.monotonic() + 5
     while not sent.payloads and time.monotonic() < deadline:
