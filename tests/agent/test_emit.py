@@ -209,6 +209,7 @@ def test_an_idle_emitter_thread_sleeps_until_something_is_queued(
     emitter = SpanEmitter(sent, resource_attributes=RESOURCE, scope_name="t", interval_s=0.001)
     drains: list[float] = []
     original = emitter._drain
+
     def counted_drain() -> int:
         drains.append(1.0)
         return original()
