@@ -36,7 +36,14 @@ if [ -n "${PIP_CA_BUNDLE:-}" ]; then
     set -- -v "$PIP_CA_BUNDLE:/etc/ssl/certs/ca-certificates.crt:ro" -v "$workdir/pip.conf:/etc/pip.conf:ro"
 fi
 for target in autoinstrumentation collector node-agent; do
+    tag="ghcr.io/tokentrace/tokentrace-$target:0.1.0"
+    previous=$($buildah inspect --type image --format '{{.FromImageID}}' "$tag" 2>/dev/null || true)
     $buildah bud --isolation chroot "$@" -f deploy/images/Dockerfile \
-        --build-arg "PYTHON_BASE=$base" --target "$target" \
-        -t "ghcr.io/tokentrace/tokentrace-$target:0.1.0" .
+        --build-arg "PYTHON_BASE=$base" --target "$target" -t "$tag" .
+    # The image this build replaced lost its tag: remove it, or every rebuild leaves a full
+    # copy behind (vfs storage shares no layers).
+    current=$($buildah inspect --type image --format '{{.FromImageID}}' "$tag")
+    if [ -n "$previous" ] && [ "$previous" != "$current" ]; then
+        $buildah rmi "$previous" >/dev/null 2>&1 || true
+    fi
 done

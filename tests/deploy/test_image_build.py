@@ -60,11 +60,15 @@ def _buildah(
     )
 
 
-def _images_present() -> bool:
-    return all(
-        _buildah("inspect", "--type", "image", image, check=False).returncode == 0
-        for image in _IMAGES.values()
+def _image_id(reference: str) -> str | None:
+    found = _buildah(
+        "inspect", "--type", "image", "--format", "{{.FromImageID}}", reference, check=False
     )
+    return found.stdout.strip() if found.returncode == 0 else None
+
+
+def _images_present() -> bool:
+    return all(_image_id(image) is not None for image in _IMAGES.values())
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +90,11 @@ def images() -> dict[str, dict[str, Any]]:
         bundle = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
         if bundle and Path(bundle).is_file():
             environment["PIP_CA_BUNDLE"] = bundle
+        replaced = {image: _image_id(image) for image in _IMAGES.values()}
+        for image in _IMAGES.values():  # a killed run's containers would keep its images
+            leftovers = _buildah("containers", "--quiet", "--filter", f"ancestor={image}")
+            for container in leftovers.stdout.split():
+                _buildah("rm", container, check=False)
         built = subprocess.run(
             ["sh", str(_BUILD_SCRIPT), str(_CACHE / "work")],
             cwd=_ROOT,
@@ -95,6 +104,10 @@ def images() -> dict[str, dict[str, Any]]:
             timeout=_BUILD_TIMEOUT_S,
         )
         assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+        # A rebuild removes the images it replaced (vfs storage keeps a full copy of each).
+        for image, previous in replaced.items():
+            if previous is not None and previous != _image_id(image):
+                assert _image_id(previous) is None, f"{image}: {previous} was left behind"
         for stale in _CACHE.glob("built-*"):
             stale.unlink()
         marker.touch()
