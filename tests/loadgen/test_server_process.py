@@ -5,6 +5,7 @@ which ``stop_server`` ends whole, the server's children included."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,18 @@ class _Failed(RuntimeError):
     pass
 
 
+def _spawn(command: list[str], port: int, tmp_path: Path) -> subprocess.Popen[bytes]:
+    return spawn_until_healthy(
+        command,
+        env=dict(os.environ),
+        log_path=tmp_path / "server.log",
+        health_url=f"http://127.0.0.1:{port}/health",
+        ready_timeout_s=30.0,
+        name="test server",
+        error=_Failed,
+    )
+
+
 def _gone(pid: int, *, within_s: float) -> bool:
     """The process ended (a zombie not yet reaped by whoever adopted it counts as ended)."""
     deadline = time.monotonic() + within_s
@@ -50,14 +63,8 @@ def test_the_server_shares_the_callers_session_in_its_own_group_that_stop_ends_w
 ) -> None:
     port = free_loopback_port()
     child_pid_file = tmp_path / "child.pid"
-    process = spawn_until_healthy(
-        [sys.executable, "-c", _SERVER, str(port), str(child_pid_file)],
-        env=dict(os.environ),
-        log_path=tmp_path / "server.log",
-        health_url=f"http://127.0.0.1:{port}/health",
-        ready_timeout_s=30.0,
-        name="test server",
-        error=_Failed,
+    process = _spawn(
+        [sys.executable, "-c", _SERVER, str(port), str(child_pid_file)], port, tmp_path
     )
     child = int(child_pid_file.read_text())
     try:
@@ -74,12 +81,8 @@ def test_a_server_that_exits_before_it_is_healthy_is_an_error_with_its_log(
     tmp_path: Path,
 ) -> None:
     with pytest.raises(_Failed, match=r"test server exited with 3 .*\n.*no model here"):
-        spawn_until_healthy(
+        _spawn(
             [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"],
-            env=dict(os.environ),
-            log_path=tmp_path / "server.log",
-            health_url=f"http://127.0.0.1:{free_loopback_port()}/health",
-            ready_timeout_s=30.0,
-            name="test server",
-            error=_Failed,
+            free_loopback_port(),
+            tmp_path,
         )
