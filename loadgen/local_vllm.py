@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SERVED_MODEL_NAME = "tiny-llama"
 
@@ -35,6 +36,11 @@ _DEFAULT_SERVER_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
+_OWN_PROCESS_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+)
+"""``Popen`` options for a new process group in the caller's session (``process_group`` is
+Python 3.11's; before it, ``setpgrp`` in the child)."""
 
 
 class VllmServerError(RuntimeError):
@@ -150,7 +156,7 @@ def spawn_until_healthy(
         # group there for up to 2.6 s at a time on a 2-core machine (its runqueue wait, read
         # from /proc/PID/schedstat); in one session the scheduler is fair to each process.
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, **_OWN_PROCESS_GROUP
         )
     try:
         while not _healthy(health_url):
