@@ -199,8 +199,11 @@ def test_the_images_run_the_c_extensions_their_build_stage_compiled(
     # per-trace work and the agent's span encoding then run in C.
     probe = "from tokentrace.agent import span_encoding; from tokentrace.processors import native"
     show = "; print(span_encoding.BUILT, native.BUILT)"
-    collector = containers["collector"].run("/opt/tokentrace/bin/python", "-c", probe + show)
-    assert collector.stdout.split() == ["True", "True"], collector.stderr[-2000:]
+    receiver = "; from tokentrace.collector.receivers import wire; print(wire.BUILT)"
+    collector = containers["collector"].run(
+        "/opt/tokentrace/bin/python", "-c", probe + show + receiver
+    )
+    assert collector.stdout.split() == ["True", "True", "True"], collector.stderr[-2000:]
     tree = "import sys; sys.path.append('/autoinstrumentation/tokentrace-packages'); "
     agent = containers["autoinstrumentation"].run("python3", "-c", tree + probe + show)
     assert agent.stdout.split() == ["True", "True"], agent.stderr[-2000:]

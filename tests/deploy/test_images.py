@@ -361,7 +361,7 @@ def test_the_collector_and_node_agent_installs_run_their_command(
 def test_an_install_builds_its_own_c_extensions_never_the_checkouts(tmp_path: Path) -> None:
     """A checkout's compiled extensions (``make install`` builds them in place, for that
     machine's Python) never reach an install: pip compiles them anew for the images' Python
-    where a compiler is (the images' build stage has none: the pure-Python twins run there)."""
+    where a compiler is (the images' build stages install one), else the pure-Python twins run."""
     source = tmp_path / "checkout"
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "constraints.txt"):
