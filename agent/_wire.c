@@ -9,6 +9,11 @@
  *   and the receiver's cheap checks over them. None where the walk does not take the input (the
  *   receiver then works from the parsed message, as without C).
  *
+ * - and one that is not wire format but has the same reason to be C: `tcp_info`, the two
+ *   TCP_INFO facts of a connection's descriptor (tokentrace.agent.tcp_info), which the HTTP
+ *   server span reads once per request on the serving thread. uvloop's socket stand-in builds
+ *   and detaches a Python socket object for every getsockopt (~2 us there; this: one syscall).
+ *
  * Nothing here raises for odd input or calls back into Python code (the inputs cannot change
  * under it); the tests compare every function with its Python counterpart on generated input.
  */
@@ -18,6 +23,13 @@
 #include <string.h>
 
 #include "_varint.h"
+
+#ifdef __linux__
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stddef.h>
+#include <sys/socket.h>
+#endif
 
 /* Field tags of opentelemetry/proto/{trace,common}/v1/*.proto (as in span_encoding.py). */
 #define TAG_ATTRIBUTE 0x4a   /* Span.attributes = 9 */
@@ -559,6 +571,29 @@ static PyObject *unclean_spans(PyObject *module, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* tcp_info(fd) -> (tcpi_last_data_recv in ms, tcpi_rtt in us), or None where the kernel cannot
+ * tell: not Linux, not a TCP socket, a closed descriptor, a short answer. */
+static PyObject *tcp_info(PyObject *module, PyObject *arg) {
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+#if defined(__linux__) && defined(TCP_INFO)
+    struct tcp_info info;
+    socklen_t size = sizeof(info);
+    if (fd < 0 || fd > INT32_MAX ||
+        getsockopt((int)fd, IPPROTO_TCP, TCP_INFO, &info, &size) != 0 ||
+        size < offsetof(struct tcp_info, tcpi_rtt) + sizeof(info.tcpi_rtt)) {
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(kk)", (unsigned long)info.tcpi_last_data_recv,
+                         (unsigned long)info.tcpi_rtt);
+#else
+    Py_RETURN_NONE;
+#endif
+}
+
 static PyMethodDef wire_methods[] = {
     {"attributes", attributes, METH_O,
      "attributes(items: dict | list | tuple of (str, value)) -> bytes | None"},
@@ -568,6 +603,8 @@ static PyMethodDef wire_methods[] = {
     {"unclean_spans", (PyCFunction)(void (*)(void))unclean_spans, METH_FASTCALL,
      "unclean_spans(request: bytes, fast_path_bytes: int, min_time_ns: int, max_time_ns: int)"
      " -> list[tuple[int, int, int]] | None"},
+    {"tcp_info", tcp_info, METH_O,
+     "tcp_info(fd: int) -> tuple[int, int] | None: (last_data_recv ms, rtt us)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -4,9 +4,12 @@ The serving path only calls ``submit`` (a length check, a deque append and a fla
 emitter's thread (started by the first ``submit``) sleeps until something is queued, then every
 ``interval_s`` (until an interval brings nothing) takes the batch that gathered, converts the
 finished timers to Unix time, builds and encodes their spans in one batch
-(``span_encoding.SpanBatchEncoder``) and hands the bytes to ``send`` (the OTLP sender's
-non-blocking ``submit``). Bounded: a full queue drops the new request and counts it, so a
-stalled exporter never grows the host's memory; a sender without room (``has_room``) makes the
+(``span_encoding.SpanBatchEncoder``) and hands the bytes to ``send``: in the agent the OTLP
+sender's ``send_now``, which exports them on this thread, like the OpenTelemetry SDK's
+``BatchSpanProcessor`` (a second thread to hand them to would be woken once per batch, which
+costs the waker, holding the GIL, a context switch on a busy machine). Bounded: a full queue
+drops the new request and counts it, so a stalled exporter (this thread waits in its retries
+meanwhile) never grows the host's memory; a sender without room (``has_room``) makes the
 emitter drop batches before encoding them.
 """
 
@@ -33,7 +36,7 @@ _DEFAULT_INTERVAL_S = 0.2
 _DROP_WARNING_INTERVAL_S = 60.0
 
 Send = Callable[[bytes, int], bool]
-"""Queue one encoded export request of N spans; False when it could not be queued."""
+"""Export (or queue) one encoded export request of N spans; False when it was not taken."""
 HasRoom = Callable[[int], bool]
 """Whether the sender would take N more spans now (``OtlpSender.has_room``)."""
 

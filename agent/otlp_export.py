@@ -12,8 +12,10 @@ the bytes of one serialised ``Export*ServiceRequest`` go to a bounded queue; whe
 are dropped and counted. The worker thread sends one request at a time over gRPC (the
 pre-serialised bytes through a raw unary call; ``grpc`` is imported only then) or OTLP/HTTP
 (``application/x-protobuf``, gzip), retries retryable failures and counts everything it could not
-deliver. Configuration (``OtlpExporterConfig``, ``OTEL_EXPORTER_OTLP_*``) is ``otlp_config``'s;
-the gRPC and HTTP transports, one attempt each, are ``otlp_transport``'s.
+deliver. A caller with a thread of its own (the agent's span emitter) sends on it instead
+(``send_now``: the same retry and counting, no second thread to wake). Configuration
+(``OtlpExporterConfig``, ``OTEL_EXPORTER_OTLP_*``) is ``otlp_config``'s; the gRPC and HTTP
+transports, one attempt each, are ``otlp_transport``'s.
 
 A misconfigured endpoint (OTLP/HTTP sent to a gRPC port, TLS against plain text or the reverse,
 a path with no OTLP receiver: see ``otlp_transport``) is not retried: the first answer that shows
@@ -230,6 +232,26 @@ class OtlpSender:
         self._warn_dropped(items, reason)
         return False
 
+    def send_now(self, payload: bytes, items: int) -> bool:
+        """Deliver one serialised export request on the calling thread, with the retry and the
+        counting of a submitted one: for a caller with a worker thread of its own (the agent's
+        span emitter), which then wakes no second thread. Waking one costs the waker, holding
+        the GIL, a context switch on a busy machine (~0.5 % of vLLM's API server's samples,
+        docs/performance.md). Blocks for up to the retry budget (``retry.max_elapsed_s`` and one
+        ``timeout_s``); ``shutdown`` cancels it. False when not sent: the sender was shut down
+        (counted as dropped) or is disabled (not counted)."""
+        if self._endpoint is None:
+            return False
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._in_flight_items += items
+        if closed:
+            self.count_dropped(items, "sender shut down")
+            return False
+        self._deliver(payload, items)
+        return True
+
     def count_dropped(self, items: int, reason: str | None = None) -> None:
         """Count ``items`` the caller gave up before submitting them (``has_room`` said no, or
         encoding failed); ``reason`` None: why ``has_room`` said no."""
@@ -279,7 +301,8 @@ class OtlpSender:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while self._queue or self._in_flight_items:
-                if self._worker is None or not self._worker.is_alive():
+                # (A request in flight without a worker is a ``send_now`` caller's.)
+                if self._queue and (self._worker is None or not self._worker.is_alive()):
                     return False
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -299,7 +322,7 @@ class OtlpSender:
             self._work_ready.notify_all()
         if worker is not None:
             worker.join(max(0.0, deadline - time.monotonic()))
-        if worker is not None and worker.is_alive():
+        if (worker is not None and worker.is_alive()) or not self._idle_by(deadline):
             # Out of time: stop retrying, cancel the call in flight, count what is left.
             with self._lock:
                 self._aborted = True
@@ -311,9 +334,11 @@ class OtlpSender:
             self._abort_event.set()
             if transport is not None:
                 transport.close()
-            worker.join(_SHUTDOWN_ABORT_GRACE_S)
+            if worker is not None:
+                worker.join(_SHUTDOWN_ABORT_GRACE_S)
+            self._idle_by(time.monotonic() + _SHUTDOWN_ABORT_GRACE_S)
             with self._lock:
-                if self._in_flight_items:  # the worker is stuck; it will not count this batch
+                if self._in_flight_items:  # the sending thread is stuck; it will not count these
                     left += self._in_flight_items
                     self._dropped += self._in_flight_items
                     self._in_flight_items = 0
@@ -324,6 +349,17 @@ class OtlpSender:
             transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()
+
+    def _idle_by(self, deadline: float) -> bool:
+        """Wait until no request is in flight (the worker's or a ``send_now`` caller's) or the
+        ``time.monotonic()`` deadline passes; whether none is."""
+        with self._lock:
+            while self._in_flight_items:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+        return True
 
     # --- worker thread ----------------------------------------------------------------------
     def _start_worker(self) -> bool:
@@ -350,21 +386,25 @@ class OtlpSender:
                     return  # closed and drained
                 payload, items = self._queue.popleft()
                 self._queued_items -= items
-                self._in_flight_items = items
-            rejected: int | None = None
-            try:
-                rejected = self._send_with_retry(payload, items)
-            except Exception:  # the worker must survive anything one batch does
-                logger.exception("OTLP %s export: unexpected error", self._signal.name)
-            with self._lock:
-                if not self._in_flight_abandoned:
-                    if rejected is None:
-                        self._dropped += items
-                    else:
-                        self._rejected += rejected
-                        self._sent += items - rejected
-                self._in_flight_items = 0
-                self._idle.notify_all()
+                self._in_flight_items += items
+            self._deliver(payload, items)
+
+    def _deliver(self, payload: bytes, items: int) -> None:
+        """Send one request counted in ``_in_flight_items``; count how it ended."""
+        rejected: int | None = None
+        try:
+            rejected = self._send_with_retry(payload, items)
+        except Exception:  # the worker (or the caller's thread) must survive anything one does
+            logger.exception("OTLP %s export: unexpected error", self._signal.name)
+        with self._lock:
+            if not self._in_flight_abandoned:  # else shutdown counted it as dropped already
+                if rejected is None:
+                    self._dropped += items
+                else:
+                    self._rejected += rejected
+                    self._sent += items - rejected
+                self._in_flight_items -= items
+            self._idle.notify_all()
 
     def _get_transport(self) -> Transport:
         with self._lock:

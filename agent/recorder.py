@@ -70,9 +70,13 @@ class MonotonicToUnix:
         self._measured_at = self._monotonic_ns()
 
     def to_unix_ns(self, monotonic_ns: int) -> int:
+        return monotonic_ns + self.offset_ns()
+
+    def offset_ns(self) -> int:
+        """Unix ns minus monotonic ns now: for converting many readings with one clock check."""
         if self._monotonic_ns() - self._measured_at > _OFFSET_REFRESH_NS:
             self.refresh()
-        return monotonic_ns + self._offset_ns
+        return self._offset_ns
 
 
 @dataclass(slots=True)
@@ -121,7 +125,7 @@ class RequestTimer:
 
 def to_finished_request(timer: RequestTimer, clock: MonotonicToUnix) -> FinishedRequest:
     """The request in Unix time, for the span builder (runs on the emitter's thread)."""
-    unix = clock.to_unix_ns
+    offset = clock.offset_ns()  # one clock check per request, not one per timestamp
     end_ns = timer.end_ns if timer.end_ns is not None else timer.arrival_ns
     if timer.preempted_since_ns is not None:  # finished while evicted (aborted)
         timer.preempted_ns.append((timer.preempted_since_ns, end_ns))
@@ -135,19 +139,21 @@ def to_finished_request(timer: RequestTimer, clock: MonotonicToUnix) -> Finished
         request_id=timer.request_id,
         model=str(timer.attributes.get("model", "unknown")),
         operation=str(timer.attributes.get("operation", "unknown")),
-        arrival_ns=unix(timer.arrival_ns),
-        end_ns=unix(end_ns),
-        queued_ns=None if timer.queued_ns is None else unix(timer.queued_ns),
+        arrival_ns=timer.arrival_ns + offset,
+        end_ns=end_ns + offset,
+        queued_ns=None if timer.queued_ns is None else timer.queued_ns + offset,
         first_scheduled_ns=None
         if timer.first_scheduled_ns is None
-        else unix(timer.first_scheduled_ns),
-        first_token_ns=None if first is None else unix(first),
-        last_token_ns=None if first is None else unix(tokens[-1]),
+        else timer.first_scheduled_ns + offset,
+        first_token_ns=None if first is None else first + offset,
+        last_token_ns=None if first is None else tokens[-1] + offset,
         token_offsets_us=[] if first is None else [(t - first) // _NS_PER_US for t in tokens],
-        prefill_chunks=[PrefillChunk(unix(s), unix(e), n) for s, e, n in timer.prefill_chunks],
-        preempted=[(unix(s), unix(e)) for s, e in timer.preempted_ns],
+        prefill_chunks=[
+            PrefillChunk(s + offset, e + offset, n) for s, e, n in timer.prefill_chunks
+        ],
+        preempted=[(s + offset, e + offset) for s, e in timer.preempted_ns],
         status_error=timer.status_error,
-        ready_ns=None if timer.ready_ns is None else unix(timer.ready_ns),
+        ready_ns=None if timer.ready_ns is None else timer.ready_ns + offset,
         cold_start_link=timer.cold_start_link,
     )
     for name, value in timer.attributes.items():

@@ -44,7 +44,7 @@ class AgentRuntime:
         """The process's one monotonic -> Unix mapping: spans and instrumentations share it."""
         self.sender = OtlpSender(config.exporter, signal="traces")
         self.emitter = SpanEmitter(
-            self.sender.submit,
+            self.sender.send_now,  # on the emitter's thread: one background thread, not two
             resource_attributes=config.resource(),
             scope_name=SCOPE_NAME,
             scope_version=_package_version(),

@@ -1,18 +1,16 @@
-"""The agent core end to end: hot-path timers -> emitter -> OTLP sender -> a running collector."""
+"""The agent core end to end: hot-path timers -> emitter (which sends) -> a running collector."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tokentrace.agent import semconv
-from tokentrace.agent.emit import SpanEmitter
-from tokentrace.agent.otlp_config import OtlpExporterConfig
-from tokentrace.agent.otlp_export import OtlpSender
-from tokentrace.agent.recorder import Recorder
+from tokentrace.agent.config import load_agent_config
+from tokentrace.agent.runtime import AgentRuntime
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
 from tokentrace.collector.store import RequestStore
@@ -40,14 +38,17 @@ def test_recorded_requests_reach_the_collector_with_their_timings(
     )
     collector.start()
     port = collector.grpc_port if protocol == "grpc" else collector.http_port
-    sender = OtlpSender(
-        OtlpExporterConfig(endpoint=f"http://127.0.0.1:{port}", protocol=protocol),
-        signal="traces",
+    runtime = AgentRuntime(
+        load_agent_config(
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+                "OTEL_SERVICE_NAME": "agent-e2e",
+            }
+        )
     )
-    emitter = SpanEmitter(
-        sender.submit, resource_attributes={semconv.SERVICE_NAME: "agent-e2e"}, scope_name="t"
-    )
-    recorder = Recorder(emitter.submit)
+    recorder = runtime.recorder
+    threads_before = set(threading.enumerate())
     expected_ttft_ns = {}
     try:
         for index in range(5):
@@ -63,12 +64,20 @@ def test_recorded_requests_reach_the_collector_with_their_timings(
                 timer.token_ns.append(recorder.clock())
             expected_ttft_ns[request_id] = timer.token_ns[0] - timer.arrival_ns
             recorder.finish(request_id)
-        assert emitter.flush(10.0)
-        assert sender.force_flush(10.0)
+        # The emitter's thread exports itself: its flush means delivered, and no sender
+        # thread was started beside it.
+        assert runtime.emitter.flush(10.0)
+        assert (
+            runtime.stats()["sender.sent_spans"]
+            == runtime.stats()["emitter.handed_to_sender_spans"]
+            > 0
+        )
+        threads = {thread.name for thread in set(threading.enumerate()) - threads_before}
+        assert "tokentrace-emitter" in threads
+        assert not any(name.startswith("tokentrace-otlp-") for name in threads)
         collector.flush()
     finally:
-        emitter.shutdown(1.0)
-        sender.shutdown(1.0)
+        runtime.shutdown(1.0)
         collector.shutdown()
     store = RequestStore.open_readonly(tmp_path / "r.db")
     try:

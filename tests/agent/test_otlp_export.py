@@ -408,6 +408,50 @@ def test_force_flush_reports_timeout_and_success(upstream: UpstreamOtlp) -> None
     sender.shutdown(FLUSH_S)
 
 
+# --- send_now: on the caller's thread (the agent's emitter) ------------------------------------
+def _sender_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("tokentrace-otlp-")]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_send_now_delivers_on_the_calling_thread_without_a_worker(
+    upstream: UpstreamOtlp, protocol: str
+) -> None:
+    upstream.reject_next(2, "bad spans")
+    sender = make_sender(upstream, protocol)
+    assert sender.send_now(encoded(5), 5)
+    assert upstream.span_count() == 5  # delivered when it returns: no flush needed
+    assert sender.force_flush(0.1)
+    assert _sender_threads() == []
+    stats = sender.stats()
+    assert (stats["sent_spans"], stats["rejected_spans"], stats["dropped_spans"]) == (3, 2, 0)
+    sender.shutdown(FLUSH_S)
+    assert not sender.send_now(encoded(4), 4)  # after shutdown: counted, never sent
+    assert sender.stats()["dropped_spans"] == 4
+    assert upstream.span_count() == 5
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_flush_waits_for_a_send_now_and_shutdown_cancels_it(
+    upstream: UpstreamOtlp, protocol: str
+) -> None:
+    upstream.hold()
+    sender = make_sender(upstream, protocol, timeout_s=30)
+    returned = []
+    caller = threading.Thread(target=lambda: returned.append(sender.send_now(encoded(10), 10)))
+    caller.start()
+    assert upstream.wait_for_started_calls(1)
+    assert not sender.force_flush(0.1)  # the caller's request is still in flight
+    started = time.perf_counter()
+    sender.shutdown(0.2)
+    elapsed = time.perf_counter() - started
+    caller.join(FLUSH_S)
+    assert returned == [True]
+    stats = sender.stats()
+    assert (stats["sent_spans"], stats["dropped_spans"]) == (0, 10)
+    assert 0.2 <= elapsed < 0.8  # cancelled the held call instead of waiting out its timeout
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_forked_child_gets_a_fresh_queue_and_worker(upstream: UpstreamOtlp) -> None:
     sender = make_sender(upstream, PROTOCOL_HTTP_PROTOBUF)

@@ -10,9 +10,21 @@ from collections.abc import Iterator
 
 import pytest
 
+from tokentrace.agent import tcp_info
 from tokentrace.agent.tcp_info import TcpFacts, read_tcp_info
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO: Linux")
+
+
+@pytest.fixture(autouse=True, params=["C", "Python"])
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs against the C function on the descriptor and against its Python twin."""
+    if request.param == "C" and tcp_info._C_TCP_INFO is None:
+        pytest.skip("the C extension is not built here (or TOKENTRACE_PURE_PYTHON is set)")
+    if request.param == "Python":
+        monkeypatch.setattr(tcp_info, "_C_TCP_INFO", None)
+    return str(request.param)
+
 
 _IDLE_S = 0.2
 _NS_PER_MS = 1_000_000

@@ -1,7 +1,11 @@
-"""Span attributes in C (agent/_wire.c) against their pure-Python twins in span_encoding."""
+"""Span attributes in C (agent/_wire.c) against their pure-Python twins in span_encoding, and the
+C TCP_INFO read against its twin in tcp_info."""
 
 from __future__ import annotations
 
+import socket
+import sys
+import time
 from typing import Any
 
 import pytest
@@ -9,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from tokentrace.agent import span_encoding
+from tokentrace.agent import span_encoding, tcp_info
 
 _wire = pytest.importorskip("tokentrace.agent._wire") if span_encoding.BUILT else None
 pytestmark = pytest.mark.skipif(_wire is None, reason="the C encoding is not built here")
@@ -99,3 +103,24 @@ def test_length_delimited_matches_its_twin(tag: bytes, payload: bytes) -> None:
     assert span_encoding.length_delimited(tag, payload) == expected
     with pytest.raises(TypeError):
         _wire.length_delimited(tag, bytearray(payload))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO: Linux")
+def test_tcp_info_reads_the_facts_its_twin_reads() -> None:
+    assert _wire is not None
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    with client, server:
+        client.sendall(b"request")
+        time.sleep(0.05)
+        through_c = tcp_info.read_tcp_info(server)
+        twin = tcp_info._read_with_getsockopt(server)
+        assert through_c is not None and twin is not None
+        assert through_c.rtt_ns == twin.rtt_ns > 0
+        # Read a moment apart: the kernel's ms count may tick between them.
+        assert 0 <= twin.last_data_recv_ns - through_c.last_data_recv_ns <= 10_000_000
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        assert _wire.tcp_info(udp.fileno()) is None  # not TCP
+    assert _wire.tcp_info(-1) is None and _wire.tcp_info(2**70) is None  # no descriptor
+    assert tcp_info.read_tcp_info(server) is None  # closed: fileno() is -1
