@@ -242,7 +242,13 @@ class _TracingMiddleware:
         ):
             await self._app(scope, receive, send)
             return
-        span: HttpServerSpan | None = tracer.guard.run(HOOK_HTTP_SERVER, tracer.begin, scope, send)
+        guard = tracer.guard
+        span: HttpServerSpan | None = None
+        if HOOK_HTTP_SERVER not in guard.disabled:
+            try:  # HookGuard.run inlined: once per request
+                span = tracer.begin(scope, send)
+            except Exception:
+                guard.failed(HOOK_HTTP_SERVER)
         if span is None:
             await self._app(scope, receive, send)
             return
@@ -276,4 +282,8 @@ class _TracingMiddleware:
             raise
         finally:
             _current.reset(token)
-            tracer.guard.run(HOOK_HTTP_SERVER, tracer.end, span, scope)
+            if HOOK_HTTP_SERVER not in guard.disabled:
+                try:
+                    tracer.end(span, scope)
+                except Exception:
+                    guard.failed(HOOK_HTTP_SERVER)

@@ -166,7 +166,10 @@ class FrontendRequestHooks:
     ) -> Any:
         result = wrapped(*args, **kwargs)
         if self._active and not self._requests_disabled():
-            self._guard.run(HOOK_ADD_REQUEST, self._on_add_request, instance, args, kwargs)
+            try:  # HookGuard.run inlined (once per request); disabled: tested above
+                self._on_add_request(instance, args, kwargs)
+            except Exception:
+                self._guard.failed(HOOK_ADD_REQUEST)
         return result
 
     def _wrap_outputs(
@@ -174,10 +177,18 @@ class FrontendRequestHooks:
     ) -> Any:
         if not self._active or not self._recorder.in_flight or self._requests_disabled():
             return wrapped(*args, **kwargs)
-        pending = self._guard.run(HOOK_OUTPUTS, self._before_outputs, instance, args, kwargs)
+        # HookGuard.run inlined (twice per engine step); disabled: tested above.
+        try:
+            pending = self._before_outputs(instance, args, kwargs)
+        except Exception:
+            pending = None
+            self._guard.failed(HOOK_OUTPUTS)
         result = wrapped(*args, **kwargs)
         if pending is not None:
-            self._guard.run(HOOK_OUTPUTS, self._after_outputs, instance, pending)
+            try:
+                self._after_outputs(instance, pending)
+            except Exception:
+                self._guard.failed(HOOK_OUTPUTS)
         return result
 
     def _wrap_abort(
@@ -208,7 +219,7 @@ class FrontendRequestHooks:
         if recorder.get(request_id) is not None:  # a streaming-input update of a traced request
             return
         # vLLM's wall-clock arrival, moved to the monotonic domain of every other timestamp.
-        arrival_ns = int(request.arrival_time * _NS_PER_S) - self._clock.to_unix_ns(0)
+        arrival_ns = int(request.arrival_time * _NS_PER_S) - self._clock.offset_ns()
         timer = recorder.begin(request_id, arrival_ns=arrival_ns)
         if timer is None:
             return

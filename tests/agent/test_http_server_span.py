@@ -263,6 +263,21 @@ def test_a_failing_http_hook_is_disabled_and_requests_are_served_and_traced_with
     ] * 2
 
 
+def test_a_failing_span_end_is_disabled_and_the_responses_are_whole(
+    vllm_stand_in: Setup, app: FastAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: HttpServerTracer, span: Any, scope: Any) -> None:
+        raise KeyError("a scope we misread")
+
+    monkeypatch.setattr(HttpServerTracer, "end", broken)
+    for index in range(2):
+        response = serve(app, "POST", "/v1/completions", id=f"cmpl-{index}")
+        assert response.status_code == 200 and response.text
+    assert vllm_stand_in.guard.failures == {HOOK_HTTP_SERVER: 1}
+    assert vllm_stand_in.http_jobs == []
+    assert len(vllm_stand_in.finished) == 2  # the engine's requests are traced still
+
+
 def test_the_span_ends_when_the_response_was_sent_not_after_the_apps_background_work(
     vllm_stand_in: Setup, app: FastAPI
 ) -> None:

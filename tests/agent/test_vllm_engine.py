@@ -35,6 +35,7 @@ from tokentrace.agent.frameworks.vllm_engine import (
     _SWEEP_EVERY_STEPS,
     ENGINE_PARENT_HEADER,
     HOOK_STEP_DONE,
+    HOOK_STEP_SCHEDULED,
     EngineStepTracer,
     StepRecord,
     _prefill_ids,
@@ -244,22 +245,31 @@ def test_the_ring_keeps_only_the_latest_steps_and_gaps_across_evicted_steps_are_
     assert planned_jobs(jobs) == []
 
 
+@pytest.mark.parametrize(
+    ("method", "hook"),
+    [("on_step_done", HOOK_STEP_DONE), ("on_scheduled", HOOK_STEP_SCHEDULED)],
+)
 def test_a_raising_engine_hook_is_disabled_and_the_scheduler_keeps_working(
-    vllm_stand_in: Setup, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    vllm_stand_in: Setup,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    method: str,
+    hook: str,
 ) -> None:
     vllm_stand_in.instrument()
 
     def broken(*_args: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(vllm_stand_in.tracer, "on_step_done", broken)
+    monkeypatch.setattr(vllm_stand_in.tracer, method, broken)
     scheduler = Scheduler(max_tokens=3)
     scheduler.add(traced("a", 2))
     with caplog.at_level(logging.WARNING, logger="tokentrace"):
         run_until_idle(scheduler)
     assert not scheduler.requests  # served in full
-    assert vllm_stand_in.guard.failures == {HOOK_STEP_DONE: 1}
-    assert HOOK_STEP_DONE in vllm_stand_in.guard.disabled
+    assert vllm_stand_in.guard.failures == {hook: 1}
+    assert hook in vllm_stand_in.guard.disabled
+    assert any(hook in record.getMessage() for record in caplog.records)
     # The schedule hook stops too: nothing accumulates that the disabled hook would release.
     tracer = vllm_stand_in.tracer
     scheduler.add(traced("b", 2))

@@ -28,7 +28,7 @@ from tests.agent.vllm_stand_ins import (
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks import vllm as instrumentation
 from tokentrace.agent.frameworks.vllm import VllmInstrumentor
-from tokentrace.agent.frameworks.vllm_requests import HOOK_OUTPUTS
+from tokentrace.agent.frameworks.vllm_requests import HOOK_ADD_REQUEST, HOOK_OUTPUTS
 from tokentrace.agent.recorder import PROMPT_TOKEN_IDS
 from tokentrace.agent.span_ids import parse_traceparent
 
@@ -157,20 +157,32 @@ def test_an_aborted_request_finishes_with_an_error(vllm_stand_in: Setup) -> None
     assert vllm_stand_in.recorder.in_flight == 0
 
 
+@pytest.mark.parametrize(
+    ("method", "hook", "timers_left_open"),
+    [
+        ("_after_outputs", HOOK_OUTPUTS, 1),
+        ("_before_outputs", HOOK_OUTPUTS, 1),
+        ("_on_add_request", HOOK_ADD_REQUEST, 0),
+    ],
+)
 def test_a_hook_that_raises_is_counted_disabled_and_vllm_still_gets_its_result(
-    vllm_stand_in: Setup, monkeypatch: pytest.MonkeyPatch
+    vllm_stand_in: Setup,
+    monkeypatch: pytest.MonkeyPatch,
+    method: str,
+    hook: str,
+    timers_left_open: int,
 ) -> None:
     def broken(*args: object) -> None:
         raise RuntimeError("bug in a hook")
 
-    monkeypatch.setattr(VllmInstrumentor, "_after_outputs", broken)
+    monkeypatch.setattr(VllmInstrumentor, method, broken)
     vllm_stand_in.instrument()
     run_one_request(vllm_stand_in)  # asserts vLLM's own result came back
     run_one_request(vllm_stand_in, external_id="cmpl-second-0")
-    assert vllm_stand_in.guard.failures == {HOOK_OUTPUTS: 1}
+    assert vllm_stand_in.guard.failures == {hook: 1}
     assert vllm_stand_in.finished == []
     # Request tracing stopped as a whole: the second request opened no timer.
-    assert vllm_stand_in.recorder.in_flight == 1
+    assert vllm_stand_in.recorder.in_flight == timers_left_open
 
 
 def test_an_unsupported_vllm_version_warns_once_and_patches_nothing(
