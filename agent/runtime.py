@@ -49,6 +49,7 @@ class AgentRuntime:
             scope_name=SCOPE_NAME,
             scope_version=_package_version(),
             max_queue=config.max_queue,
+            interval_s=config.batch_delay_s,
             max_token_offsets=config.max_token_offsets,
             to_unix=self.clock,
             has_room=self.sender.has_room,

@@ -146,6 +146,28 @@ def test_engine_step_settings_are_read_and_bad_ones_fall_back(
     assert "between 0 and 1" in messages and "TOKENTRACE_ITL_OUTLIER_RATIO" in messages
 
 
+def test_the_batch_delay_is_the_sdks_variable_in_ms_and_bad_values_fall_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tokentrace.agent.runtime import AgentRuntime
+
+    assert load_agent_config({}).batch_delay_s == 0.2
+    config = load_agent_config(
+        {"OTEL_BSP_SCHEDULE_DELAY": "1000", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
+    )
+    assert config.batch_delay_s == 1.0
+    runtime = AgentRuntime(config)
+    try:
+        assert runtime.emitter._interval_s == 1.0
+    finally:
+        runtime.shutdown(1.0)
+    for bad in ("0", "soon", "3600000"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert load_agent_config({"OTEL_BSP_SCHEDULE_DELAY": bad}).batch_delay_s == 0.2
+        assert "OTEL_BSP_SCHEDULE_DELAY" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("environ", "warned"),
     [
