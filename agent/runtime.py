@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ _log = logging.getLogger(__name__)
 
 SCOPE_NAME = "tokentrace.agent"
 _EXIT_FLUSH_TIMEOUT_S = 2.0
+_EMITTER_STOP_S = 1.0
+"""For the emitter's thread to finish once the sender is shut down (its sends return at once)."""
 
 
 def _package_version() -> str:
@@ -97,12 +100,19 @@ class AgentRuntime:
         return stats
 
     def flush(self, timeout_s: float = _EXIT_FLUSH_TIMEOUT_S) -> bool:
+        """Send what is queued; within ``timeout_s`` in all (the emitter's thread sends, so a
+        hung endpoint holds its flush and the sender's alike: they share the time)."""
+        deadline = time.monotonic() + timeout_s
         emitted = self.emitter.flush(timeout_s)
-        return self.sender.force_flush(timeout_s) and emitted
+        return self.sender.force_flush(max(0.0, deadline - time.monotonic())) and emitted
 
     def shutdown(self, timeout_s: float = _EXIT_FLUSH_TIMEOUT_S) -> None:
-        self.emitter.shutdown(timeout_s)
-        self.sender.shutdown(timeout_s)
+        """Send what is queued within ``timeout_s``, then stop: the sender first, which cancels
+        a send the emitter's thread may still be stuck in, then that thread."""
+        deadline = time.monotonic() + timeout_s
+        self.emitter.flush(timeout_s)
+        self.sender.shutdown(max(0.0, deadline - time.monotonic()))
+        self.emitter.shutdown(_EMITTER_STOP_S)
 
 
 _runtime: AgentRuntime | None = None

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.collector.upstream import UpstreamOtlp
 from tokentrace.agent.config import load_agent_config
 from tokentrace.agent.runtime import AgentRuntime
 from tokentrace.collector.config import parse_config
@@ -91,3 +92,33 @@ def test_recorded_requests_reach_the_collector_with_their_timings(
         assert doc["metrics_ms"]["ttft"] == pytest.approx(expected_ms, abs=0.002)
         assert doc["tokens"]["output"] == 3
         assert doc["service"] == "agent-e2e"
+
+
+def test_a_hung_endpoint_holds_the_runtimes_flush_and_shutdown_only_for_their_timeout(
+    upstream: UpstreamOtlp,
+) -> None:
+    upstream.hold()  # accepts the export call and never answers it
+    runtime = AgentRuntime(
+        load_agent_config(
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": upstream.grpc_endpoint,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                "OTEL_EXPORTER_OTLP_TIMEOUT": "30000",
+            }
+        )
+    )
+    timer = runtime.recorder.begin("cmpl-hung")
+    assert timer is not None
+    timer.trace_id = os.urandom(16)
+    runtime.recorder.finish("cmpl-hung")
+    started = time.perf_counter()
+    assert not runtime.flush(1.0)  # the emitter's thread is in the held call
+    flushed_s = time.perf_counter() - started
+    assert upstream.started_calls == 1
+    started = time.perf_counter()
+    runtime.shutdown(0.5)
+    shutdown_s = time.perf_counter() - started
+    assert 1.0 <= flushed_s < 1.8  # the emitter's flush and the sender's share the 1 s
+    assert shutdown_s < 2.0  # cancelled the held call instead of waiting out its 30 s timeout
+    stats = runtime.stats()
+    assert stats["sender.dropped_spans"] >= 1 and stats["sender.sent_spans"] == 0
