@@ -379,20 +379,31 @@ def test_shutdown_sends_everything_queued_then_refuses(
     sender.shutdown(FLUSH_S)  # idempotent
 
 
+@pytest.mark.parametrize("caller", ["submit", "send_now"])
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_shutdown_timeout_cancels_the_call_and_counts_the_rest(
-    upstream: UpstreamOtlp, protocol: str
+    upstream: UpstreamOtlp, protocol: str, caller: str
 ) -> None:
     upstream.hold()
     sender = make_sender(upstream, protocol, timeout_s=30)
-    for _ in range(3):
-        sender.submit(encoded(10), 10)
+    if caller == "submit":  # the worker thread's call, two more queued
+        for _ in range(3):
+            sender.submit(encoded(10), 10)
+        sending = None
+    else:  # a call on the caller's own thread (the agent's emitter)
+        sending = threading.Thread(target=sender.send_now, args=(encoded(10), 10))
+        sending.start()
     assert upstream.wait_for_started_calls(1)
+    assert not sender.force_flush(0.1)  # a request is in flight
     started = time.perf_counter()
     sender.shutdown(0.2)
     elapsed = time.perf_counter() - started
+    if sending is not None:
+        sending.join(FLUSH_S)
+        assert not sending.is_alive()
     stats = sender.stats()
-    assert (stats["sent_spans"], stats["dropped_spans"], stats["queue_len"]) == (0, 30, 0)
+    dropped = 30 if caller == "submit" else 10
+    assert (stats["sent_spans"], stats["dropped_spans"], stats["queue_len"]) == (0, dropped, 0)
     assert 0.2 <= elapsed < 0.8  # cancelled the held call instead of waiting out its timeout
 
 
@@ -429,27 +440,6 @@ def test_send_now_delivers_on_the_calling_thread_without_a_worker(
     assert not sender.send_now(encoded(4), 4)  # after shutdown: counted, never sent
     assert sender.stats()["dropped_spans"] == 4
     assert upstream.span_count() == 5
-
-
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_flush_waits_for_a_send_now_and_shutdown_cancels_it(
-    upstream: UpstreamOtlp, protocol: str
-) -> None:
-    upstream.hold()
-    sender = make_sender(upstream, protocol, timeout_s=30)
-    returned = []
-    caller = threading.Thread(target=lambda: returned.append(sender.send_now(encoded(10), 10)))
-    caller.start()
-    assert upstream.wait_for_started_calls(1)
-    assert not sender.force_flush(0.1)  # the caller's request is still in flight
-    started = time.perf_counter()
-    sender.shutdown(0.2)
-    elapsed = time.perf_counter() - started
-    caller.join(FLUSH_S)
-    assert returned == [True]
-    stats = sender.stats()
-    assert (stats["sent_spans"], stats["dropped_spans"]) == (0, 10)
-    assert 0.2 <= elapsed < 0.8  # cancelled the held call instead of waiting out its timeout
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
