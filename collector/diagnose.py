@@ -22,6 +22,8 @@ from tokentrace.collector.store import Store
 from tokentrace.collector.window import records_of_traces
 from tokentrace.loadgen.record import RunRecord
 from tokentrace.loadgen.report import target_text
+from tokentrace.processors.budget import has_server_view
+from tokentrace.processors.model import RequestRecord
 from tokentrace.processors.slo import SloTarget
 from tokentrace.processors.window.analysis import DEFAULT_PERCENTILES, analyze_window
 from tokentrace.processors.window.compare import compare_metrics
@@ -52,13 +54,15 @@ def diagnose_run(
     ``wait_s``: for a run that ended less than ``RECENT_RUN_S`` ago, poll up to this long for
     requests that have not reached the store yet (the collector writes a trace once it has
     been quiet for its assembly period, so a diagnosis right after the load would miss the
-    last requests)."""
+    last requests), or reached it with their client span alone (``client_only_requests``)."""
     trace_ids = [bytes.fromhex(result.trace_id) for result in record.results if result.ok]
     window = records_of_traces(store, trace_ids)
     ended_s_ago = time.time() - record.window_end_ns / 1e9
     if wait_s > 0 and ended_s_ago < RECENT_RUN_S:
         deadline = clock() + wait_s
-        while window.traces_found < window.traces_asked and clock() < deadline:
+        while (
+            window.traces_found < window.traces_asked or client_only_requests(window.records)
+        ) and clock() < deadline:
             sleep(_POLL_INTERVAL_S)
             window = records_of_traces(store, trace_ids)
     analysis = analyze_window(window.records, targets=targets, diagnosis=window.diagnosis)
@@ -68,10 +72,29 @@ def diagnose_run(
         "run_requests": len(record.results),
         "traces_asked": window.traces_asked,
         "traces_found": window.traces_found,
+        "client_only": client_only_requests(window.records),
         "undecodable": window.undecodable,
     }
     analysis["run"] = {"model": record.model, "client": record.summary.get("metrics", {})}
     return analysis
+
+
+def client_only_requests(records: Sequence[RequestRecord]) -> int:
+    """Requests with only their client span stored, among others that have a server view.
+
+    The collector stores a trace as soon as its first spans are quiet; a request's client span
+    and its server's spans come from different processes, and the later ones join the stored
+    trace when they arrive. Until then the request is client-only: its time is not split into
+    server segments, and a diagnosis would blame the wrong one. When no request of the window
+    has a server view, the server is not traced at all (nothing is missing): 0."""
+    with_server = sum(1 for record in records if has_server_view(record.timeline))
+    if not with_server:
+        return 0
+    return sum(
+        1
+        for record in records
+        if record.timeline.client_start is not None and not has_server_view(record.timeline)
+    )
 
 
 def diagnose_range(
@@ -92,6 +115,7 @@ def diagnose_range(
         "start_ns": since_ns,
         "end_ns": until_ns,
         "traces_found": window.traces_found,
+        "client_only": client_only_requests(window.records),
         "undecodable": window.undecodable,
         "cut_at": max_requests if cut else None,
     }
@@ -151,6 +175,13 @@ def _window_notes(analysis: Mapping[str, Any]) -> list[str]:
             f"  note: {found:,} of the run's {asked:,} completed requests are in the store; the "
             "rest never reached the collector (no agent on the server? dropped spans?) or are "
             "still being assembled: wait a few seconds and run again"
+        )
+    client_only = window.get("client_only")
+    if client_only:
+        notes.append(
+            f"  note: {client_only:,} of them have only their client span in the store: their "
+            "server's spans are missing or still being assembled, so their time is not split "
+            "into server segments; wait a few seconds and run again"
         )
     if window.get("cut_at"):
         notes.append(f"  note: the window was cut to its most recent {window['cut_at']:,} requests")

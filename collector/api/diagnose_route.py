@@ -109,6 +109,11 @@ class DiagnosisWindow(BaseModel):
     start_ns: int
     end_ns: int | None
     traces_found: int = Field(description="traces read (a trace may hold several requests)")
+    client_only: int = Field(
+        0,
+        description="requests with only their client span stored while others of the window have "
+        "a server view: their server's spans are missing or not yet joined",
+    )
     undecodable: int = Field(description="stored traces that could not be re-derived")
     cut_at: int | None = Field(
         description="the window held more traces: only its most recent cut_at were read"

@@ -3,10 +3,12 @@ a running collector's OTLP/HTTP receiver, assembled, processed and stored by its
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import httpx
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
@@ -36,11 +38,18 @@ def collector_config(store_path: Path, *, ui: dict[str, Any] | None = None) -> d
 
 def post_scenario(collector: Collector, *, scenario: str, requests: int, seed: int) -> int:
     """Post a simulated scenario's spans to the collector's OTLP/HTTP receiver; the span count."""
+    return post_messages(
+        collector, to_otlp_requests(simulate(scenario, requests=requests, seed=seed))
+    )
+
+
+def post_messages(collector: Collector, messages: Iterable[ExportTraceServiceRequest]) -> int:
+    """Post export requests to the collector's OTLP/HTTP receiver; the span count."""
     port = collector.http_port
     assert port is not None
     sent = 0
     with httpx.Client(timeout=30.0) as client:
-        for message in to_otlp_requests(simulate(scenario, requests=requests, seed=seed)):
+        for message in messages:
             response = client.post(
                 f"http://127.0.0.1:{port}/v1/traces",
                 content=message.SerializeToString(),

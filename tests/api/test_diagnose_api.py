@@ -70,6 +70,7 @@ def test_findings_are_diagnose_range_of_the_window_with_the_cli_lines(
     assert body["slo_errors"] == []
     assert body["window"]["cut_at"] is None
     assert body["window"]["traces_found"] == REQUESTS
+    assert body["window"]["client_only"] == 0  # every replayed request has both sides
 
 
 def test_the_breached_ttft_target_comes_first_and_names_the_queue(client: TestClient) -> None:

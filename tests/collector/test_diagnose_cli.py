@@ -18,16 +18,22 @@ from typing import Any
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from tests.api.replayed import SLO_TARGETS, replayed_store
+from tests.api.replayed import SLO_TARGETS, collector_config, post_messages, replayed_store
 from tests.collector.test_cli_read import run_cli
+from tests.collector.upstream import iter_spans
 from tokentrace.agent import semconv
-from tokentrace.collector.config import ConfigError, load_config
+from tokentrace.collector.config import ConfigError, load_config, parse_config
+from tokentrace.collector.diagnose import client_only_requests, diagnose_run
+from tokentrace.collector.service import Collector
 from tokentrace.collector.store import RequestStore
 from tokentrace.collector.store.contract import META_DIAGNOSIS, diagnosis_to_json
 from tokentrace.collector.store.row import request_start_ns
 from tokentrace.collector.window import records_of_traces
 from tokentrace.loadgen import record as run_record
+from tokentrace.loadgen.replay.emit import to_otlp_requests
+from tokentrace.loadgen.replay.simulation import simulate
 from tokentrace.loadgen.results import CLIENT_METRICS, RequestResult, summarize
 from tokentrace.loadgen.workload import LoadConfig
 from tokentrace.processors.diagnosis import DiagnosisConfig
@@ -590,3 +596,77 @@ def test_a_span_stored_twice_is_one_request_when_the_window_is_re_derived(
     original = [r for r in replayed.records if r.timeline.trace_id == trace_id]
     assert len(window.records) == len(original) >= 1
     assert window.records[0].budget.e2e_ns == original[0].budget.e2e_ns
+
+
+def _split_server_spans(
+    messages: list[ExportTraceServiceRequest], late: set[bytes]
+) -> tuple[list[ExportTraceServiceRequest], list[ExportTraceServiceRequest]]:
+    """``messages`` without the server spans of the ``late`` traces, and those spans alone."""
+    first, rest = [], []
+    for message in messages:
+        early, later = ExportTraceServiceRequest(), ExportTraceServiceRequest()
+        early.CopyFrom(message)
+        later.CopyFrom(message)
+        for kept, keep_late in ((early, False), (later, True)):
+            for resource_spans in kept.resource_spans:
+                for scope_spans in resource_spans.scope_spans:
+                    spans = [
+                        span
+                        for span in scope_spans.spans
+                        if (span.trace_id in late and span.kind != Span.SPAN_KIND_CLIENT)
+                        is keep_late
+                    ]
+                    del scope_spans.spans[:]
+                    scope_spans.spans.extend(spans)
+        first.append(early)
+        rest.append(later)
+    return first, rest
+
+
+def test_diagnose_run_waits_for_client_only_requests_to_join_their_server_spans(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The collector stores a trace once its first spans are quiet: a request whose client span
+    came first is client-only until its server's spans join it. ``diagnose --run`` says so, and
+    waits for them."""
+    messages = to_otlp_requests(simulate("mixed", requests=30, seed=7))
+    trace_ids = list(dict.fromkeys(span.trace_id for _, _, span in iter_spans(messages)))
+    late = set(trace_ids[:10])
+    first, rest = _split_server_spans(messages, late)
+    path = tmp_path / "tokentrace.db"
+    collector = Collector(parse_config(collector_config(path), environ={}))
+    collector.start()
+    try:
+        post_messages(collector, first)
+        collector.flush()
+        store = RequestStore.open_readonly(path)
+        try:
+            window = records_of_traces(store, trace_ids)
+            assert client_only_requests(window.records) == 10
+            run = run_record.load(write_run(tmp_path / "run.json", window.records))
+
+            code, out, err = run_cli(
+                capsys, "diagnose", "--run", str(tmp_path / "run.json"), "--store", str(path),
+                "--wait", "0",
+            )  # fmt: skip
+            assert code == 0, err
+            assert "note: 10 of them have only their client span in the store" in out
+
+            waits: list[float] = []
+
+            def sleep(seconds: float) -> None:  # the server spans arrive while diagnose waits
+                if not waits:
+                    post_messages(collector, rest)
+                    collector.flush()
+                waits.append(seconds)
+
+            analysis = diagnose_run(store, run, targets=[], wait_s=30.0, sleep=sleep)
+        finally:
+            store.close()
+    finally:
+        collector.shutdown()
+    assert len(waits) == 1
+    assert analysis["window"]["traces_found"] == 30
+    assert analysis["window"]["client_only"] == 0
+    assert analysis["requests"] == 30
+    assert analysis["segments"][semconv.SEGMENT_QUEUE]["count"] == 30  # server segments for all

@@ -195,6 +195,7 @@ function diagnosisContent(analysis, filtered) {
   const notes = [`${formatCount(analysis.requests ?? 0)} requests re-derived from their spans; exact percentiles.`];
   if (isNumber(read.cut_at)) notes.push(`The window held more: only its most recent ${formatCount(read.cut_at)} traces were read.`);
   if (read.undecodable) notes.push(`${formatCount(read.undecodable)} stored traces could not be re-derived.`);
+  if (read.client_only) notes.push(`${formatCount(read.client_only)} requests have only their client span so far: their server's spans are missing or still being assembled.`);
   if (filtered) notes.push("Over every request of the window: the diagnosis does not apply the service, model, operation and prompt filters.");
   const parts = [el("p", { class: "muted", "data-testid": "diagnosis-summary", text: notes.join(" ") })];
   for (const error of analysis.slo_errors ?? []) parts.push(el("p", { class: "bad", text: `target not judged: ${error}` }));
