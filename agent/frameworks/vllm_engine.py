@@ -41,7 +41,7 @@ import operator
 import os
 import random
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence, Set
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import compress
@@ -160,7 +160,10 @@ _UNSEEN: Final[Any] = object()
 """``EngineStepTracer._requests``' answer for a request not seen before (None: not tracked)."""
 
 
-def _prefill_ids(output: Any) -> set[str]:
+_NO_PREFILL: Final[frozenset[str]] = frozenset()
+
+
+def _prefill_ids(output: Any) -> Set[str]:
     """The ids of the step's requests still in prefill, vLLM's own split: the new ones, and the
     cached ones without an output token yet (``CachedRequestData.is_context_phase``, here for
     the whole batch in one pass over its columns)."""
@@ -169,6 +172,8 @@ def _prefill_ids(output: Any) -> set[str]:
     ids = getattr(cached, "req_ids", None)
     output_tokens = getattr(cached, "num_output_tokens", None)
     if ids is not None and output_tokens is not None:
+        if not new_requests and 0 not in output_tokens:  # decode only: one scan in C
+            return _NO_PREFILL
         prefill = set(compress(ids, map(operator.not_, output_tokens)))
     else:  # another layout: ask it request by request
         in_context = cached.is_context_phase
@@ -233,21 +238,20 @@ class EngineStepTracer:
         self._next_index = index + 1
         prefill_ids = _prefill_ids(output)
         requests = self._requests
-        prefill_requests = prefill_tokens = decode_requests = decode_tokens = 0
-        for request_id, tokens in scheduled.items():
+        for request_id in scheduled:
             tracked = requests.get(request_id, _UNSEEN)
             if tracked is _UNSEEN:
                 tracked = requests[request_id] = _track(scheduler.requests.get(request_id))
-            if request_id in prefill_ids:
-                prefill_requests += 1
-                prefill_tokens += tokens
-                if tracked is not None:
-                    tracked.prefill_steps.append((index, tokens))
-            else:
-                decode_requests += 1
-                decode_tokens += tokens
-                if tracked is not None:
+            if tracked is not None:
+                if request_id in prefill_ids:
+                    tracked.prefill_steps.append((index, scheduled[request_id]))
+                else:
                     tracked.decode_steps.append(index)
+        # The step's counts in C-level calls: most steps decode only (no prefill ids).
+        prefill = [scheduled[request_id] for request_id in prefill_ids if request_id in scheduled]
+        prefill_requests, prefill_tokens = len(prefill), sum(prefill)
+        decode_requests = len(scheduled) - prefill_requests
+        decode_tokens = sum(scheduled.values()) - prefill_tokens
         if len(self._open) >= _MAX_OPEN_STEPS:  # updates that never came (cannot happen in
             self._open.clear()  # vLLM 0.32: at most the batch queue's size are in flight)
         self._open[id(output)] = (

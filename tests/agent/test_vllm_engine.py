@@ -561,3 +561,9 @@ def test_the_prefill_split_reads_vllms_columns_or_asks_request_by_request() -> N
     for cached in (columns, AskOnly(outputs)):
         output = SchedulerOutput(scheduled, [NewRequestData("new")], cached)  # type: ignore[arg-type]
         assert _prefill_ids(output) == {"new", "prompt-left"}
+        # Without the new request: the one still in its prompt, then none (decode only).
+        output = SchedulerOutput(scheduled, [], cached)  # type: ignore[arg-type]
+        assert _prefill_ids(output) == {"prompt-left"}
+    decoding = CachedRequestData(["decoding", "also"], [3, 1])
+    output = SchedulerOutput({"decoding": 1, "also": 1}, [], decoding)  # type: ignore[arg-type]
+    assert _prefill_ids(output) == set()
