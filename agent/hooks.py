@@ -1,9 +1,8 @@
 """Zero harm: instrumentation code runs beside the host's code, never instead of it.
 
-Every hook body runs through ``HookGuard.run`` (or, on vLLM's per-step and per-request paths,
-``run`` inlined: see ``failed``): an exception is caught, counted, logged once, and the hook is
-disabled for the rest of the process, so a bug in tracing (or a host version we misread) costs
-a trace, never a request. The host's own call always happens outside the guard.
+Every hook body runs through ``HookGuard.run``: an exception is caught, counted, logged once,
+and the hook is disabled for the rest of the process, so a bug in tracing (or a host version we
+misread) costs a trace, never a request. The host's own call always happens outside the guard.
 """
 
 from __future__ import annotations
@@ -28,22 +27,15 @@ class HookGuard:
         try:
             return hook(*args)
         except Exception:
-            self.failed(name)
+            self.failures[name] = self.failures.get(name, 0) + 1
+            self.disabled.add(name)
+            _log.warning(
+                "tokentrace: hook %r failed and is now disabled; the host keeps running "
+                "(its requests are no longer traced by this hook)",
+                name,
+                exc_info=True,
+            )
             return None
-
-    def failed(self, name: str) -> None:
-        """Count, log and disable ``name``: ``run``'s ``except`` body, for the wrappers that
-        inline ``run`` (a ``name in disabled`` test, then the hook in a ``try`` whose ``except
-        Exception`` calls this) because they run once per engine step or request on vLLM's
-        serving paths, where ``run``'s own Python frame sampled at ~0.25 % of a process."""
-        self.failures[name] = self.failures.get(name, 0) + 1
-        self.disabled.add(name)
-        _log.warning(
-            "tokentrace: hook %r failed and is now disabled; the host keeps running "
-            "(its requests are no longer traced by this hook)",
-            name,
-            exc_info=True,
-        )
 
     def stats(self) -> dict[str, int]:
         return {f"hook_failures.{name}": count for name, count in self.failures.items()}

@@ -242,13 +242,7 @@ class _TracingMiddleware:
         ):
             await self._app(scope, receive, send)
             return
-        guard = tracer.guard
-        span: HttpServerSpan | None = None
-        if HOOK_HTTP_SERVER not in guard.disabled:
-            try:  # HookGuard.run inlined: once per request
-                span = tracer.begin(scope, send)
-            except Exception:
-                guard.failed(HOOK_HTTP_SERVER)
+        span: HttpServerSpan | None = tracer.guard.run(HOOK_HTTP_SERVER, tracer.begin, scope, send)
         if span is None:
             await self._app(scope, receive, send)
             return
@@ -282,8 +276,4 @@ class _TracingMiddleware:
             raise
         finally:
             _current.reset(token)
-            if HOOK_HTTP_SERVER not in guard.disabled:
-                try:
-                    tracer.end(span, scope)
-                except Exception:
-                    guard.failed(HOOK_HTTP_SERVER)
+            tracer.guard.run(HOOK_HTTP_SERVER, tracer.end, span, scope)

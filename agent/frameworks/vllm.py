@@ -255,10 +255,7 @@ class VllmInstrumentor(FrontendRequestHooks, EngineInstrumentor):
             return wrapped(*args, **kwargs)
         start_ns = tracer.clock()
         output = wrapped(*args, **kwargs)
-        try:  # HookGuard.run inlined (once per engine step); disabled: tested above
-            tracer.on_scheduled(instance, output, start_ns)
-        except Exception:
-            self._guard.failed(HOOK_STEP_SCHEDULED)
+        self._guard.run(HOOK_STEP_SCHEDULED, tracer.on_scheduled, instance, output, start_ns)
         return output
 
     def _wrap_update_from_output(
@@ -266,12 +263,9 @@ class VllmInstrumentor(FrontendRequestHooks, EngineInstrumentor):
     ) -> Any:
         result = wrapped(*args, **kwargs)
         tracer = self._step_tracer
-        if self._active and tracer is not None and HOOK_STEP_DONE not in self._guard.disabled:
-            try:  # HookGuard.run inlined: once per engine step
-                scheduler_output = args[0] if args else kwargs["scheduler_output"]
-                tracer.on_step_done(instance, scheduler_output, result)
-            except Exception:
-                self._guard.failed(HOOK_STEP_DONE)
+        if self._active and tracer is not None:
+            scheduler_output = args[0] if args else kwargs["scheduler_output"]
+            self._guard.run(HOOK_STEP_DONE, tracer.on_step_done, instance, scheduler_output, result)
         return result
 
     def _wrap_kv_cache(

@@ -166,10 +166,7 @@ class FrontendRequestHooks:
     ) -> Any:
         result = wrapped(*args, **kwargs)
         if self._active and not self._requests_disabled():
-            try:  # HookGuard.run inlined (once per request); disabled: tested above
-                self._on_add_request(instance, args, kwargs)
-            except Exception:
-                self._guard.failed(HOOK_ADD_REQUEST)
+            self._guard.run(HOOK_ADD_REQUEST, self._on_add_request, instance, args, kwargs)
         return result
 
     def _wrap_outputs(
@@ -177,18 +174,10 @@ class FrontendRequestHooks:
     ) -> Any:
         if not self._active or not self._recorder.in_flight or self._requests_disabled():
             return wrapped(*args, **kwargs)
-        # HookGuard.run inlined (twice per engine step); disabled: tested above.
-        try:
-            pending = self._before_outputs(instance, args, kwargs)
-        except Exception:
-            pending = None
-            self._guard.failed(HOOK_OUTPUTS)
+        pending = self._guard.run(HOOK_OUTPUTS, self._before_outputs, instance, args, kwargs)
         result = wrapped(*args, **kwargs)
         if pending is not None:
-            try:
-                self._after_outputs(instance, pending)
-            except Exception:
-                self._guard.failed(HOOK_OUTPUTS)
+            self._guard.run(HOOK_OUTPUTS, self._after_outputs, instance, pending)
         return result
 
     def _wrap_abort(
