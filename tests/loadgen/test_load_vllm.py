@@ -157,15 +157,12 @@ def diagnose(
     capsys: pytest.CaptureFixture[str],
     *,
     targets: str | None = None,
-    whole: RunRecord | None = None,
 ) -> dict[str, Any]:
     """``tokentrace diagnose --run`` (JSON, and the text printed to the test log), against the
-    store's targets or, with ``targets``, an SLO file of these YAML target lines. ``whole``: the
-    run (with client spans) whose every request must be in the store with both its client and
-    its server spans first; ``diagnose`` itself waits only until each trace is there (once in
-    CI, one of 48 saturated streams had its client span stored and not yet the engine's)."""
-    if whole is not None:
-        stored_records(loop, whole)
+    store's targets or, with ``targets``, an SLO file of these YAML target lines. Right after a
+    load, as users run it: it waits for the run's requests to be in the store, each with its
+    server's spans too (once in CI, one of 48 saturated streams had only its client span there).
+    """
     capsys.readouterr()  # drop what the test printed so far
     command = ["diagnose", "--run", str(record_path), "--store", str(loop.store_path)]
     if targets is not None:
@@ -287,7 +284,7 @@ def test_a_ttft_target_missed_by_queueing_names_the_queue_not_decode(
         "--output-tokens", "160", "--api", "chat", "--seed", "21",
         capsys=capsys,
     )  # fmt: skip
-    analysis = diagnose(loop, loop.workdir / "queueing.json", capsys, whole=record)
+    analysis = diagnose(loop, loop.workdir / "queueing.json", capsys)
     ttft = finding(analysis, "ttft-p95")
     assert ttft["met"] is False
     assert analysis["findings"][0]["target"] == "ttft-p95"  # breached first
@@ -325,7 +322,6 @@ def test_a_ttft_target_missed_by_long_prompts_names_prefill(
         loop,
         loop.workdir / "long-prompts.json",
         capsys,
-        whole=record,
         targets="  - {name: fast-ttft, metric: ttft, percentile: 50, threshold: 5ms}\n",
     )
     ttft = finding(analysis, "fast-ttft")
@@ -373,7 +369,6 @@ def test_a_blocked_event_loop_misses_a_ttft_target_by_http_time_not_network(
         loop,
         loop.workdir / "frontend-busy.json",
         capsys,
-        whole=busy,
         targets="  - {name: snappy-ttft, metric: ttft, percentile: 50, threshold: 50ms}\n",
     )
     ttft = finding(analysis, "snappy-ttft")
@@ -404,7 +399,7 @@ def test_an_injected_delay_is_network_within_ten_percent_and_is_diagnosed(
     )
     assert growth_s == pytest.approx(2 * one_way_s, rel=0.10)
 
-    analysis = diagnose(loop, loop.workdir / "delayed.json", capsys, whole=delayed)
+    analysis = diagnose(loop, loop.workdir / "delayed.json", capsys)
     for group in ("typical", "tail"):
         e2e = metric_finding(analysis, semconv.METRIC_E2E, group)
         assert e2e["clock"] == "client"
@@ -444,7 +439,7 @@ def test_a_saturated_server_with_no_delay_on_the_wire_is_never_called_network(
         "--output-tokens", "128", "--api", "completions", "--seed", "3",
         capsys=capsys,
     )  # fmt: skip
-    analysis = diagnose(loop, loop.workdir / "saturated-streams.json", capsys, whole=record)
+    analysis = diagnose(loop, loop.workdir / "saturated-streams.json", capsys)
     named = [(f.get("target") or f["metric"], f["segment"], f["cause"]) for f in (
         *analysis["findings"], *analysis["metric_findings"])]  # fmt: skip
     assert all(segment != semconv.SEGMENT_NETWORK for _, segment, _ in named), named
@@ -473,7 +468,6 @@ def test_a_tpot_target_missed_by_long_outputs_names_decode(
         loop,
         loop.workdir / "long-outputs.json",
         capsys,
-        whole=record,
         targets="  - {name: quick-tokens, metric: tpot, percentile: 50, threshold: 0.2ms}\n",
     )
     tpot = finding(analysis, "quick-tokens")
@@ -511,14 +505,14 @@ def test_diagnose_names_queueing_when_far_more_requests_arrive_than_the_batch_ad
 def test_diagnose_names_a_shared_prefix_recomputed_with_prefix_caching_off(
     loop: Loop, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    record = run_load(
+    run_load(
         loop, "shared-prefix",
         "--concurrency", "1", "--requests", "12", "--shared-prefix-fraction", "1",
         "--shared-prefix-tokens", "1200", "--prompt-tokens", "16", "--output-tokens", "2",
         "--seed", "9", "--tokenizer", str(loop.model_dir),
         capsys=capsys,
     )  # fmt: skip
-    analysis = diagnose(loop, loop.workdir / "shared-prefix.json", capsys, whole=record)
+    analysis = diagnose(loop, loop.workdir / "shared-prefix.json", capsys)
     typical = metric_finding(analysis, semconv.METRIC_TTFT, "typical")
     assert typical["cause"] == "prefix_cache_miss"
     assert analysis["segments"]["prefill"]["share"] > 0.4
