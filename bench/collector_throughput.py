@@ -10,6 +10,9 @@ where the time goes.
     python bench/collector_throughput.py            # ~1-2 minutes
     python bench/collector_throughput.py --requests 2000   # quick look
 
+``--compression none`` exports upstream uncompressed (default: gzip, the exporter's default,
+which gRPC applies at zlib's level 6; docs/performance.md says what it costs).
+
 ``--replicas N`` measures N collector processes behind trace-ID routing (the senders split every
 export request by trace id with the node agent's rendezvous hashing) writing one store
 (``--store postgresql``, the default then: a PostgreSQL server this benchmark starts with
@@ -112,7 +115,11 @@ def _build_batches(requests: int, seed: int) -> tuple[list[bytes], int, int]:
 
 
 def _collector_config(
-    store_path: Path | str, upstream_port: int, spool_directory: Path | None = None
+    store_path: Path | str,
+    upstream_port: int,
+    spool_directory: Path | None = None,
+    *,
+    compression: str = "gzip",
 ) -> Any:
     from tokentrace.collector.config import parse_config
 
@@ -135,6 +142,7 @@ def _collector_config(
                 "otlp": {
                     "endpoint": f"http://127.0.0.1:{upstream_port}",
                     "tls": {"insecure": True},
+                    "compression": compression,
                     "sending_queue": {"queue_size": 10_000_000},
                 },
             },
@@ -143,7 +151,9 @@ def _collector_config(
     )
 
 
-def end_to_end(batches: list[bytes], spans: int, requests: int) -> dict[str, float]:
+def end_to_end(
+    batches: list[bytes], spans: int, requests: int, *, compression: str
+) -> dict[str, float]:
     from tokentrace.collector.service import Collector, tune_gc_for_throughput
 
     _pin(0)
@@ -155,7 +165,9 @@ def end_to_end(batches: list[bytes], spans: int, requests: int) -> dict[str, flo
     neighbour.start()
     upstream_port = ready.get(timeout=60)
     with tempfile.TemporaryDirectory(prefix="tokentrace-bench-") as tmp:
-        collector = Collector(_collector_config(Path(tmp) / "bench.db", upstream_port))
+        collector = Collector(
+            _collector_config(Path(tmp) / "bench.db", upstream_port, compression=compression)
+        )
         collector.start()
         tune_gc_for_throughput()  # as `tokentrace collector` does
         cpu_before = time.process_time()
@@ -217,13 +229,20 @@ def _route(batches: list[bytes], replicas: int) -> list[list[bytes]]:
 
 
 def _replica(
-    number: int, store: str, spool: Path, upstream_port: int, ports: Any, stop: Any, results: Any
+    number: int,
+    store: str,
+    spool: Path,
+    upstream_port: int,
+    compression: str,
+    ports: Any,
+    stop: Any,
+    results: Any,
 ) -> None:
     """One collector process: reports its port, runs until ``stop``, reports its CPU time."""
     from tokentrace.collector.service import Collector, tune_gc_for_throughput
 
     _pin(number % (os.cpu_count() or 1))
-    collector = Collector(_collector_config(store, upstream_port, spool))
+    collector = Collector(_collector_config(store, upstream_port, spool, compression=compression))
     collector.start()
     tune_gc_for_throughput()
     cpu_before = time.process_time()
@@ -308,7 +327,13 @@ def _process_cpu_s(pid: int) -> float:
 
 
 def replicas_end_to_end(
-    batches: list[bytes], spans: int, requests: int, *, replicas: int, store: str
+    batches: list[bytes],
+    spans: int,
+    requests: int,
+    *,
+    replicas: int,
+    store: str,
+    compression: str,
 ) -> dict[str, float]:
     """``replicas`` collector processes behind trace-ID routing into one store: wall clock from
     the first send until every request is stored."""
@@ -336,6 +361,7 @@ def replicas_end_to_end(
                     locations[n],
                     Path(tmp) / f"spool{n}",
                     upstream_port,
+                    compression,
                     ports,
                     stop,
                     results,
@@ -381,8 +407,10 @@ def replicas_end_to_end(
     }
 
 
-def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
+def stage_profile(batches: list[bytes], spans: int, *, compression: str) -> list[tuple[str, float]]:
     """Each stage alone over the same data, single-threaded: seconds per stage."""
+    import zlib
+
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     from tokentrace.collector.pipeline import Pipeline, group_by_trace
@@ -428,7 +456,13 @@ def stage_profile(batches: list[bytes], spans: int) -> list[tuple[str, float]]:
         store.close()
     for start in range(0, len(processed), 64):
         chunk = processed[start : start + 64]
-        timed("OTLP out: join pre-encoded traces", lambda c=chunk: b"".join(p.otlp for p in c))
+        joined = timed(
+            "OTLP out: join pre-encoded traces", lambda c=chunk: b"".join(p.otlp for p in c)
+        )
+        if compression == "gzip":  # what gRPC's C core does to each export, at its level
+            timed(
+                "OTLP out: gzip (gRPC's fixed zlib level 6)", lambda j=joined: zlib.compress(j, 6)
+            )
     return [(name, seconds) for name, seconds in timings.items()]
 
 
@@ -449,6 +483,12 @@ def main() -> int:
         help="with --replicas: the store the replicas share (default postgresql; sqlite: one "
         "file per replica)",
     )
+    parser.add_argument(
+        "--compression",
+        choices=("gzip", "none"),
+        default="gzip",
+        help="of the collector's OTLP/gRPC export upstream (default gzip, the exporter's default)",
+    )
     args = parser.parse_args()
     if args.replicas > 1:
         return _main_replicas(args)
@@ -461,9 +501,11 @@ def main() -> int:
         flush=True,
     )
 
-    results = [end_to_end(batches, spans, requests) for _ in range(args.runs)]
+    results = [
+        end_to_end(batches, spans, requests, compression=args.compression) for _ in range(args.runs)
+    ]
     rate = statistics.median(r["spans_per_s"] for r in results)
-    print("\nend to end, collector pinned to one CPU:")
+    print(f"\nend to end, collector pinned to one CPU, upstream export {args.compression}:")
     for r in results:
         print(
             f"  {r['spans_per_s']:>9,.0f} spans/s wall ({r['wall_s']:.2f} s), "
@@ -476,7 +518,7 @@ def main() -> int:
     )
 
     print("\nwhere the time goes (each stage alone, one thread, same data):")
-    profile = stage_profile(batches, spans)
+    profile = stage_profile(batches, spans, compression=args.compression)
     total = sum(seconds for _, seconds in profile)
     for name, seconds in sorted(profile, key=lambda item: -item[1]):
         print(f"  {name:<70} {seconds / spans * 1e6:6.2f} us/span  {seconds / total:6.1%}")
@@ -486,7 +528,7 @@ def main() -> int:
     )
     print(
         f"\nreproduce: python bench/collector_throughput.py --requests {args.requests} "
-        f"--seed {args.seed} --runs {args.runs}"
+        f"--seed {args.seed} --runs {args.runs} --compression {args.compression}"
     )
     return 0
 
@@ -506,7 +548,12 @@ def _main_replicas(args: argparse.Namespace) -> int:
             for replicas in order:
                 location = server.create_database() if store_kind == "postgresql" else "sqlite"
                 result = replicas_end_to_end(
-                    batches, spans, requests, replicas=replicas, store=location
+                    batches,
+                    spans,
+                    requests,
+                    replicas=replicas,
+                    store=location,
+                    compression=args.compression,
                 )
                 rows[replicas].append(result)
                 print(
@@ -525,7 +572,8 @@ def _main_replicas(args: argparse.Namespace) -> int:
     )
     print(
         f"\nreproduce: python bench/collector_throughput.py --requests {args.requests} "
-        f"--seed {args.seed} --runs {args.runs} --replicas {args.replicas} --store {store_kind}"
+        f"--seed {args.seed} --runs {args.runs} --replicas {args.replicas} --store {store_kind} "
+        f"--compression {args.compression}"
     )
     return 0
 
