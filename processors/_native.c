@@ -256,12 +256,13 @@ static int compare_int64(const void *left, const void *right) {
 }
 
 /* count_keys_ns(durations_ns: list[int], multiplier: float)
- *     -> tuple[list[int], list[int]] | None
+ *     -> tuple[list[int], list[int], int, int, int] | None
  *
  * The distinct sketch keys, ascending, of durations in ns taken as seconds, with how many
  * durations have each: the key of d is ceil(log2(d / 1e9) * multiplier), the same IEEE
- * operations as math.log2 and math.ceil in Python. None unless every duration is an int in
- * (0, 2**53) (exact as a float).
+ * operations as math.log2 and math.ceil in Python; then the smallest and largest duration and
+ * their exact sum. None unless there is a duration and every one is an int in (0, 2**53)
+ * (exact as a float) and the sum fits 64 bits.
  */
 static PyObject *count_keys_ns(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -285,22 +286,30 @@ static PyObject *count_keys_ns(PyObject *module, PyObject *const *args, Py_ssize
         Py_RETURN_NONE;
     }
     int64_t lowest = INT64_MAX, highest = INT64_MIN;
+    int64_t shortest = INT64_MAX, longest = 0, total = 0;
     for (Py_ssize_t index = 0; index < count; index++) {
         int64_t duration = keys[index];
-        if (duration <= 0 || duration >= (INT64_C(1) << 53)) {
+        if (duration <= 0 || duration >= (INT64_C(1) << 53) ||
+            __builtin_add_overflow(total, duration, &total)) {
             PyMem_Free(keys);
             Py_RETURN_NONE;
         }
+        shortest = duration < shortest ? duration : shortest;
+        longest = duration > longest ? duration : longest;
         int64_t key = (int64_t)ceil(log2((double)duration / 1e9) * multiplier);
         keys[index] = key;
         lowest = key < lowest ? key : lowest;
         highest = key > highest ? key : highest;
     }
+    if (count == 0) {
+        PyMem_Free(keys);
+        Py_RETURN_NONE;
+    }
     PyObject *distinct = PyList_New(0), *counts = PyList_New(0);
     if (distinct == NULL || counts == NULL) {
         goto failed;
     }
-    if (count && highest - lowest < COUNTING_WIDTH) {
+    if (highest - lowest < COUNTING_WIDTH) {
         /* Keys of one request or one slice span a few hundred values: count them in place. */
         Py_ssize_t width = (Py_ssize_t)(highest - lowest) + 1;
         Py_ssize_t *tally = PyMem_Calloc((size_t)width, sizeof(Py_ssize_t));
@@ -329,7 +338,8 @@ static PyObject *count_keys_ns(PyObject *module, PyObject *const *args, Py_ssize
         }
     }
     PyMem_Free(keys);
-    return Py_BuildValue("(NN)", distinct, counts);
+    return Py_BuildValue("(NNLLL)", distinct, counts, (long long)shortest, (long long)longest,
+                         (long long)total);
 failed:
     PyMem_Free(keys);
     Py_XDECREF(distinct);
@@ -345,7 +355,7 @@ static PyMethodDef native_methods[] = {
      "gap_median(gaps_ns: list[int], min_gaps: int) -> tuple[float | None, int] | None"},
     {"count_keys_ns", (PyCFunction)(void (*)(void))count_keys_ns, METH_FASTCALL,
      "count_keys_ns(durations_ns: list[int], multiplier: float)"
-     " -> tuple[list[int], list[int]] | None"},
+     " -> tuple[list[int], list[int], int, int, int] | None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -115,12 +115,15 @@ def gap_median(gaps_ns: Sequence[int]) -> tuple[float | None, int]:
 
 def count_keys_ns(
     durations_ns: Sequence[int], multiplier: float
-) -> tuple[list[int], list[int]] | None:
+) -> tuple[list[int], list[int], int, int, int] | None:
     """The distinct sketch keys (ascending) of positive durations in ns taken as seconds,
-    ``ceil(log2(ns / 1e9) * multiplier)`` each, and how many durations have each key: in C, or
-    ``None`` when not built or a duration is not an int in (0, 2**53) (the caller,
-    ``KeyedValues.of_ns``, keys them in Python then)."""
+    ``ceil(log2(ns / 1e9) * multiplier)`` each, how many durations have each key, and the
+    durations' ``min``, ``max`` and ``sum``: in one pass in C, or ``None`` when not built, when
+    there is no duration or one is not an int in (0, 2**53), or when the sum passes 64 bits (the
+    caller, ``KeyedValues.of_ns``, keys them in Python then)."""
     if _NATIVE is None:
         return None
-    counted: tuple[list[int], list[int]] | None = _NATIVE.count_keys_ns(durations_ns, multiplier)
+    counted: tuple[list[int], list[int], int, int, int] | None = _NATIVE.count_keys_ns(
+        durations_ns, multiplier
+    )
     return counted

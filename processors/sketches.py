@@ -210,29 +210,32 @@ class KeyedValues:
         ``of([ns / 1e9 for ns in durations_ns])`` (the sum is the exact total over 1e9),
         without building the list of seconds first."""
         mapping = _mapping_for(_check_scale(scale))
-        lowest = min(durations_ns, default=0)
-        if lowest <= 0:  # empty, or values for the zero bucket: the general path
-            return cls.of([ns / _NS_PER_S for ns in durations_ns], scale=scale)
         multiplier = mapping.index_multiplier
-        highest = max(durations_ns)
-        counts: list[int] | None = None
-        counted = native.count_keys_ns(durations_ns, multiplier)  # in C when built
+        counts: list[int] | None
+        counted = native.count_keys_ns(durations_ns, multiplier)  # in C, one pass, when built
         if counted is not None:
-            keys, counts = counted
-        elif len(durations_ns) >= _NUMPY_MIN_BATCH and highest < _EXACT_FLOAT_INTS:
-            seconds = np.asarray(durations_ns, dtype=np.float64)
-            seconds /= _NS_PER_S  # the same IEEE division as ns / 1e9 in Python
-            keys, counts = _count_keys_vectorised(seconds, multiplier)
+            keys, counts, lowest, highest, total = counted
         else:
-            log2, ceil = math.log2, math.ceil
-            keys = [ceil(log2(ns / _NS_PER_S) * multiplier) for ns in durations_ns]
+            lowest = min(durations_ns, default=0)
+            if lowest <= 0:  # empty, or values for the zero bucket: the general path
+                return cls.of([ns / _NS_PER_S for ns in durations_ns], scale=scale)
+            highest = max(durations_ns)
+            total = sum(durations_ns)
+            counts = None
+            if len(durations_ns) >= _NUMPY_MIN_BATCH and highest < _EXACT_FLOAT_INTS:
+                seconds = np.asarray(durations_ns, dtype=np.float64)
+                seconds /= _NS_PER_S  # the same IEEE division as ns / 1e9 in Python
+                keys, counts = _count_keys_vectorised(seconds, multiplier)
+            else:
+                log2, ceil = math.log2, math.ceil
+                keys = [ceil(log2(ns / _NS_PER_S) * multiplier) for ns in durations_ns]
         return cls(
             scale=scale,
             keys=keys,
             counts=counts,
             zeros=0,
             dropped=0,
-            total=sum(durations_ns) / _NS_PER_S,
+            total=total / _NS_PER_S,
             lowest=lowest / _NS_PER_S,  # dividing by 1e9 keeps the order
             highest=highest / _NS_PER_S,
         )

@@ -109,8 +109,13 @@ def test_gap_median_is_the_mean_of_the_middle_two_and_ignores_negative_gaps() ->
     assert native.gap_median([-1, -2]) == (None, -1)
 
 
-def _python_keys(durations_ns: list[int], scale: int) -> tuple[list[int], list[int]]:
-    """The sketch's own keying in Python (``KeyedValues.of`` over the seconds), counted."""
+def _python_keys(
+    durations_ns: list[int], scale: int
+) -> tuple[list[int], list[int], int, int, int] | None:
+    """The sketch's own keying in Python (``KeyedValues.of`` over the seconds), counted, with
+    the durations' min, max and sum (None for no durations: ``count_keys_ns``'s answer)."""
+    if not durations_ns:
+        return None
     keyed = KeyedValues.of([ns / 1e9 for ns in durations_ns], scale=scale)
     counted = (
         Counter(keyed.keys)
@@ -118,7 +123,8 @@ def _python_keys(durations_ns: list[int], scale: int) -> tuple[list[int], list[i
         else dict(zip(keyed.keys, keyed.counts, strict=True))
     )
     keys = sorted(counted)
-    return keys, [counted[key] for key in keys]
+    counts = [counted[key] for key in keys]
+    return keys, counts, min(durations_ns), max(durations_ns), sum(durations_ns)
 
 
 @needs_c
@@ -139,7 +145,10 @@ def test_sketch_keys_over_a_wide_range_are_counted_by_sorting() -> None:
 
 
 @needs_c
-@pytest.mark.parametrize("durations", [[0, 5], [-3], [2**53], [1.5], ["x"]])
+@pytest.mark.parametrize(
+    "durations",
+    [[], [0, 5], [-3], [2**53], [1.5], ["x"], [2**53 - 1] * 1025],  # last: sum > 2**63
+)
 def test_sketch_keys_leave_what_python_must_check_to_python(durations: list[object]) -> None:
     assert _native.count_keys_ns(durations, 1.0) is None
 

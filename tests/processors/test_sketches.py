@@ -346,6 +346,18 @@ def test_keying_ns_durations_equals_keying_their_seconds(size: int) -> None:
     assert from_ns.total == pytest.approx(from_seconds.total, rel=1e-12)
 
 
+def test_ns_durations_whose_sum_passes_64_bits_are_keyed_as_their_seconds() -> None:
+    durations = [2**53 - 1] * 1025 + [7]  # the C pass declines (its sum would overflow)
+    from_ns = KeyedValues.of_ns(durations, scale=6)
+    from_seconds = KeyedValues.of([ns / 1e9 for ns in durations], scale=6)
+    assert key_counts(from_ns) == key_counts(from_seconds)
+    assert (from_ns.lowest, from_ns.highest, from_ns.total) == (
+        7e-9,
+        (2**53 - 1) / 1e9,
+        sum(durations) / 1e9,
+    )
+
+
 def test_ns_durations_of_zero_or_below_go_to_the_zero_bucket() -> None:
     batch = KeyedValues.of_ns([0, -5, 1_000_000], scale=6)
     assert (batch.zeros, batch.positives, batch.lowest, batch.highest) == (2, 1, 0.0, 0.001)
