@@ -311,49 +311,7 @@ static PyObject *length_delimited(PyObject *module, PyObject *const *args, Py_ss
  * protobuf parser counts them (a field of another wire type than its declared one is an unknown
  * field, skipped), for the spans' own bytes and the receiver's cheap checks. */
 
-#define WIRE_VARINT 0
-#define WIRE_I64 1
-#define WIRE_LEN 2
-#define WIRE_I32 5
-#define MAX_FIELD_NUMBER ((1u << 29) - 1)
 #define SPAN_ENTRY_TAG 0x12 /* ScopeSpans.spans = 2 */
-
-/* The next field's number and wire type, and for a LEN field its content [*start, *stop);
- * *pos moves past the field. 0 for malformed input or a group (the Python path decides). */
-static int next_field(const unsigned char *data, Py_ssize_t end, Py_ssize_t *pos,
-                      uint32_t *number, int *wire_type, Py_ssize_t *start, Py_ssize_t *stop) {
-    uint64_t tag, length;
-    if (!read_varint(data, end, pos, &tag) || (tag >> 3) == 0 || (tag >> 3) > MAX_FIELD_NUMBER) {
-        return 0;
-    }
-    *number = (uint32_t)(tag >> 3);
-    *wire_type = (int)(tag & 7);
-    switch (*wire_type) {
-    case WIRE_VARINT:
-        return read_varint(data, end, pos, &length);
-    case WIRE_I64:
-    case WIRE_I32: {
-        Py_ssize_t width = *wire_type == WIRE_I64 ? 8 : 4;
-        if (end - *pos < width) {
-            return 0;
-        }
-        *start = *pos;
-        *pos += width;
-        *stop = *pos;
-        return 1;
-    }
-    case WIRE_LEN:
-        if (!read_varint(data, end, pos, &length) || length > (uint64_t)(end - *pos)) {
-            return 0;
-        }
-        *start = *pos;
-        *pos += (Py_ssize_t)length;
-        *stop = *pos;
-        return 1;
-    default:
-        return 0;
-    }
-}
 
 typedef struct {
     PyObject *entries;      /* span_entries: the list being built */

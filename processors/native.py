@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from itertools import islice
 from typing import Any, Final
@@ -127,3 +127,16 @@ def count_keys_ns(
         durations_ns, multiplier
     )
     return counted
+
+
+def attribute_slots(
+    entry: bytes, slot_of: Mapping[str, int], slot_count: int, other: object
+) -> list[Any] | None:
+    """``span_attributes.attribute_slots`` of the span whose ``ScopeSpans.spans`` entry (as
+    received: ``SpanRef.wire``) is ``entry``, read from its bytes in C (``other``: the
+    ``OTHER_VALUE`` marker); None when not built, or for bytes the walk leaves to the parsed
+    span (malformed, a field the parser would merge, a string that is not UTF-8)."""
+    if _NATIVE is None or type(slot_of) is not dict:
+        return None
+    slots: list[Any] | None = _NATIVE.attribute_slots(entry, slot_of, slot_count, other)
+    return slots

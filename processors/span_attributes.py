@@ -9,7 +9,8 @@ OTLP value types (and one wire-format shortcut for integer arrays), not about an
 from __future__ import annotations
 
 import math
-from typing import Final
+from collections.abc import Mapping
+from typing import Final, TypeAlias
 
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
@@ -92,6 +93,106 @@ def first_str(value: AnyValue | None) -> str | None:
             return element.string_value
         return None
     return None
+
+
+# --- plain values: attributes read once into Python values ---------------------------------------
+class _OtherValue:
+    """The plain value of an attribute that holds no string, bool, int, double or array."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "OTHER_VALUE"
+
+
+OTHER_VALUE: Final = _OtherValue()
+"""An attribute that is there but holds no value these readers take (unset, bytes, a key-value
+list, or, inside an array, an array): present, so ``slot is not None`` still says so."""
+
+PlainValue: TypeAlias = "str | bool | int | float | list[PlainValue] | _OtherValue"
+
+
+def plain_value(value: AnyValue, *, top: bool = True) -> PlainValue:
+    """``value`` as a Python value: its string, bool, int or float, its array's elements (each
+    read the same way, an array inside it as ``OTHER_VALUE``), else ``OTHER_VALUE``. What
+    ``native.attribute_slots`` reads from a span's bytes; the ``plain_*`` readers below take it
+    as the ``as_*`` readers above take the ``AnyValue``."""
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        return value.string_value
+    if kind == "int_value":
+        return value.int_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "double_value":
+        return value.double_value
+    if kind == "array_value" and top:
+        return [plain_value(element, top=False) for element in value.array_value.values]
+    return OTHER_VALUE
+
+
+def attribute_slots(
+    span: Span, slot_of: Mapping[str, int], slot_count: int
+) -> list[PlainValue | None]:
+    """The plain values of ``span``'s attributes whose keys ``slot_of`` maps to a slot (the last
+    of a key winning), None in the others: ``native.attribute_slots``'s twin, over the parsed
+    span."""
+    slots: list[PlainValue | None] = [None] * slot_count
+    for kv in span.attributes:
+        slot = slot_of.get(kv.key)
+        if slot is not None:
+            slots[slot] = plain_value(kv.value)
+    return slots
+
+
+def plain_int(value: PlainValue | None) -> int | None:
+    """``as_int`` of a plain value: a non-negative integer (not a bool)."""
+    return value if type(value) is int and value >= 0 else None
+
+
+def plain_timestamp(value: PlainValue | None) -> int | None:
+    """``as_timestamp`` of a plain value: a Unix-ns integer; 0 means unset."""
+    number = plain_int(value)
+    return number if number else None
+
+
+def plain_str(value: PlainValue | None) -> str | None:
+    return value if type(value) is str else None
+
+
+def plain_bool(value: PlainValue | None) -> bool | None:
+    return value if type(value) is bool else None
+
+
+def plain_seconds_ns(value: PlainValue | None) -> int | None:
+    """``as_seconds_ns`` of a plain value: finite non-negative seconds (a double, or an int for
+    lenient writers) in ns."""
+    kind = type(value)
+    if kind is not float and kind is not int:
+        return None
+    number = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(number) or number < 0.0:
+        return None
+    return round(number * _NS_PER_SECOND)
+
+
+def plain_first_str(value: PlainValue | None) -> str | None:
+    """``first_str`` of a plain value: a string, or a string array's first element."""
+    if type(value) is str:
+        return value
+    if type(value) is list and value and type(value[0]) is str:
+        return value[0]
+    return None
+
+
+def plain_str_tuple(value: PlainValue | None) -> tuple[str, ...]:
+    """``as_str_tuple`` of a plain value: an array's non-empty strings, a non-empty string as
+    one; () for anything else."""
+    if type(value) is list:
+        return tuple(element for element in value if type(element) is str and element)
+    if type(value) is str and value:
+        return (value,)
+    return ()
 
 
 def int_array(value: AnyValue | None) -> list[int]:

@@ -48,24 +48,32 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Final, TypeAlias
 
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope
+from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
+from tokentrace.processors import native
 from tokentrace.processors.model import AssembledTrace, RequestTimeline, SpanRef
 from tokentrace.processors.span_attributes import (
-    as_bool,
+    OTHER_VALUE,
+    PlainValue,
     as_float,
     as_int,
-    as_seconds_ns,
     as_str,
     as_str_tuple,
     as_timestamp,
+    attribute_slots,
     error_of,
-    first_str,
     int_array,
     int_attribute,
+    plain_bool,
+    plain_first_str,
+    plain_int,
+    plain_seconds_ns,
+    plain_str,
+    plain_str_tuple,
+    plain_timestamp,
     span_times,
 )
 
@@ -194,27 +202,27 @@ _REQUEST_SLOT: Final = {key: slot for slot, key in enumerate(_REQUEST_KEYS)}
 ) = range(len(_REQUEST_KEYS))
 _VLLM_MARKER_SLOTS: Final = (_VLLM_TTFT, _VLLM_QUEUE, _VLLM_PREFILL, _VLLM_DECODE, _VLLM_REQUEST_ID)
 
-_Slots: TypeAlias = "list[AnyValue | None]"
+_Slots: TypeAlias = "list[PlainValue | None]"
 
 
 # --- request span attributes, by slot -----------------------------------------------------------
-def _read_request_slots(span: Span) -> _Slots:
-    slots: _Slots = [None] * len(_REQUEST_KEYS)
-    slot_of = _REQUEST_SLOT
-    for kv in span.attributes:
-        slot = slot_of.get(kv.key)
-        if slot is not None:
-            slots[slot] = kv.value
-    return slots
+def _read_request_slots(ref: SpanRef) -> _Slots:
+    """The plain values of the request keys' attributes (``span_attributes.plain_value``), read
+    from the span's bytes as received where C can (no protobuf object per attribute)."""
+    if ref.wire is not None:
+        slots = native.attribute_slots(ref.wire, _REQUEST_SLOT, len(_REQUEST_KEYS), OTHER_VALUE)
+        if slots is not None:
+            return slots
+    return attribute_slots(ref.span, _REQUEST_SLOT, len(_REQUEST_KEYS))
 
 
 def _model_and_operation(slots: _Slots, client_slots: _Slots | None) -> tuple[str, str]:
     """Model and operation from the request span, else from its client span's GenAI attributes."""
-    model = as_str(slots[_MODEL]) or as_str(slots[_RESPONSE_MODEL])
-    operation = as_str(slots[_OPERATION])
+    model = plain_str(slots[_MODEL]) or plain_str(slots[_RESPONSE_MODEL])
+    operation = plain_str(slots[_OPERATION])
     if (model is None or operation is None) and client_slots is not None:
-        model = model or as_str(client_slots[_MODEL]) or as_str(client_slots[_RESPONSE_MODEL])
-        operation = operation or as_str(client_slots[_OPERATION])
+        model = model or plain_str(client_slots[_MODEL]) or plain_str(client_slots[_RESPONSE_MODEL])
+        operation = operation or plain_str(client_slots[_OPERATION])
     return model or UNKNOWN, operation or UNKNOWN
 
 
@@ -276,11 +284,12 @@ class _TraceIndex:
 class _Context:
     """Server and client views around one request span, from its ancestors."""
 
-    __slots__ = ("client", "client_slots", "server")
+    __slots__ = ("client", "client_ref", "client_slots", "server")
 
     def __init__(self, chain: list[SpanRef], *, self_is_server: Span | None = None) -> None:
         self.server: Span | None = self_is_server
         self.client: Span | None = None
+        self.client_ref: SpanRef | None = None
         self.client_slots: _Slots | None = None
         for ref in chain:
             kind = ref.span.kind
@@ -288,6 +297,7 @@ class _Context:
                 self.server = ref.span
             elif kind == _KIND_CLIENT:
                 self.client = ref.span
+                self.client_ref = ref
                 break
 
     def apply(self, timeline: RequestTimeline, *, request_start: int | None = None) -> None:
@@ -309,10 +319,10 @@ class _Context:
             _apply_client(timeline, client, self.slots_of_client())
 
     def slots_of_client(self) -> _Slots | None:
-        if self.client is None:
+        if self.client_ref is None:
             return None
         if self.client_slots is None:
-            self.client_slots = _read_request_slots(self.client)
+            self.client_slots = _read_request_slots(self.client_ref)
         return self.client_slots
 
 
@@ -322,16 +332,18 @@ def _apply_client(timeline: RequestTimeline, client: Span, slots: _Slots | None)
         timeline.client_start, timeline.client_end = times
     if slots is None:
         return
-    timeline.client_first_token = as_timestamp(slots[_CLIENT_FIRST_TOKEN])
-    timeline.client_first_byte = as_timestamp(slots[_CLIENT_FIRST_BYTE])
-    stream = as_bool(slots[_CLIENT_STREAM])
-    timeline.client_stream = stream if stream is not None else as_bool(slots[_OPENLLMETRY_STREAM])
-    timeline.client_connection_reused = as_bool(slots[_CLIENT_REUSED])
-    timeline.client_connect_ns = as_int(slots[_CLIENT_CONNECT])
-    timeline.client_send_wait_ns = as_int(slots[_CLIENT_SEND_WAIT])
-    timeline.client_first_token_read_wait_ns = as_int(slots[_CLIENT_FIRST_TOKEN_READ_WAIT])
-    timeline.client_read_wait_ns = as_int(slots[_CLIENT_READ_WAIT])
-    timeline.client_rtt_ns = as_int(slots[_CLIENT_RTT])
+    timeline.client_first_token = plain_timestamp(slots[_CLIENT_FIRST_TOKEN])
+    timeline.client_first_byte = plain_timestamp(slots[_CLIENT_FIRST_BYTE])
+    stream = plain_bool(slots[_CLIENT_STREAM])
+    timeline.client_stream = (
+        stream if stream is not None else plain_bool(slots[_OPENLLMETRY_STREAM])
+    )
+    timeline.client_connection_reused = plain_bool(slots[_CLIENT_REUSED])
+    timeline.client_connect_ns = plain_int(slots[_CLIENT_CONNECT])
+    timeline.client_send_wait_ns = plain_int(slots[_CLIENT_SEND_WAIT])
+    timeline.client_first_token_read_wait_ns = plain_int(slots[_CLIENT_FIRST_TOKEN_READ_WAIT])
+    timeline.client_read_wait_ns = plain_int(slots[_CLIENT_READ_WAIT])
+    timeline.client_rtt_ns = plain_int(slots[_CLIENT_RTT])
 
 
 def _apply_http_server(timeline: RequestTimeline, server: Span) -> None:
@@ -351,7 +363,7 @@ def _apply_http_server(timeline: RequestTimeline, server: Span) -> None:
 # --- dialects ------------------------------------------------------------------------------------
 def _tokentrace_timeline(trace_id: bytes, index: _TraceIndex, ref: SpanRef) -> RequestTimeline:
     span = ref.span
-    slots = _read_request_slots(span)
+    slots = _read_request_slots(ref)
     context = _Context(index.ancestors(span))
     model, operation = _model_and_operation(slots, context.slots_of_client())
     start = span.start_time_unix_nano or None
@@ -365,22 +377,22 @@ def _tokentrace_timeline(trace_id: bytes, index: _TraceIndex, ref: SpanRef) -> R
         operation=operation,
         engine_arrival=start,
         end=end,
-        ready=as_timestamp(slots[_READY_TIME]),
-        input_tokens=as_int(slots[_INPUT_TOKENS]),
-        output_tokens=as_int(slots[_OUTPUT_TOKENS]),
-        cached_tokens=as_int(slots[_CACHED_TOKENS]),
-        finish_reason=first_str(slots[_FINISH_REASONS]),
-        request_id=as_str(slots[_REQUEST_ID]),
+        ready=plain_timestamp(slots[_READY_TIME]),
+        input_tokens=plain_int(slots[_INPUT_TOKENS]),
+        output_tokens=plain_int(slots[_OUTPUT_TOKENS]),
+        cached_tokens=plain_int(slots[_CACHED_TOKENS]),
+        finish_reason=plain_first_str(slots[_FINISH_REASONS]),
+        request_id=plain_str(slots[_REQUEST_ID]),
         status_error=error_of(span),
-        requests_ahead=as_int(slots[_REQUESTS_AHEAD]),
-        running_at_arrival=as_int(slots[_RUNNING_AT_ARRIVAL]),
-        max_running=as_int(slots[_MAX_RUNNING]),
-        prefix_hash=as_str(slots[_PREFIX_HASH]),
+        requests_ahead=plain_int(slots[_REQUESTS_AHEAD]),
+        running_at_arrival=plain_int(slots[_RUNNING_AT_ARRIVAL]),
+        max_running=plain_int(slots[_MAX_RUNNING]),
+        prefix_hash=plain_str(slots[_PREFIX_HASH]),
     )
-    not_reported = as_str_tuple(slots[_NOT_REPORTED])
+    not_reported = plain_str_tuple(slots[_NOT_REPORTED])
     if not_reported:
         timeline.not_reported = not_reported
-        timeline.not_reported_by = as_str(slots[_NOT_REPORTED_BY]) or _AGENT_SOURCE
+        timeline.not_reported_by = plain_str(slots[_NOT_REPORTED_BY]) or _AGENT_SOURCE
     _apply_phases(timeline, index, span.span_id)
     context.apply(timeline, request_start=start)
     return timeline
@@ -497,12 +509,12 @@ def _vllm_timeline(
     model, operation = _model_and_operation(slots, context.slots_of_client())
     start = span.start_time_unix_nano or None
     end = span.end_time_unix_nano or None
-    output_tokens = as_int(slots[_VLLM_COMPLETION_TOKENS])
+    output_tokens = plain_int(slots[_VLLM_COMPLETION_TOKENS])
     if output_tokens is None:
-        output_tokens = as_int(slots[_OUTPUT_TOKENS])
-    input_tokens = as_int(slots[_VLLM_PROMPT_TOKENS])
+        output_tokens = plain_int(slots[_OUTPUT_TOKENS])
+    input_tokens = plain_int(slots[_VLLM_PROMPT_TOKENS])
     if input_tokens is None:
-        input_tokens = as_int(slots[_INPUT_TOKENS])
+        input_tokens = plain_int(slots[_INPUT_TOKENS])
     timeline = RequestTimeline(
         trace_id=trace_id,
         span_id=span.span_id,
@@ -513,9 +525,9 @@ def _vllm_timeline(
         end=end,
         input_tokens=input_tokens,
         output_tokens=output_tokens,
-        cached_tokens=as_int(slots[_CACHED_TOKENS]),
-        finish_reason=first_str(slots[_FINISH_REASONS]),
-        request_id=as_str(slots[_VLLM_REQUEST_ID]) or as_str(slots[_REQUEST_ID]),
+        cached_tokens=plain_int(slots[_CACHED_TOKENS]),
+        finish_reason=plain_first_str(slots[_FINISH_REASONS]),
+        request_id=plain_str(slots[_VLLM_REQUEST_ID]) or plain_str(slots[_REQUEST_ID]),
         status_error=error_of(span),
     )
     if start is not None and end is not None and end >= start:
@@ -532,38 +544,38 @@ def _reconstruct_vllm(timeline: RequestTimeline, slots: _Slots, start: int, end:
 
     timeline.server_start = start
     timeline.server_end = end
-    ttft = as_seconds_ns(slots[_VLLM_TTFT])
+    ttft = plain_seconds_ns(slots[_VLLM_TTFT])
     if ttft is None:
         return  # without TTFT no boundary can be placed; the budget sees only the span itself
     first_token = clamp(start + ttft)
     timeline.first_token = first_token
-    prefill = as_seconds_ns(slots[_VLLM_PREFILL])
+    prefill = plain_seconds_ns(slots[_VLLM_PREFILL])
     first_scheduled = None if prefill is None else clamp(first_token - prefill)
     timeline.first_scheduled = first_scheduled
-    queue = as_seconds_ns(slots[_VLLM_QUEUE])
+    queue = plain_seconds_ns(slots[_VLLM_QUEUE])
     if first_scheduled is not None and queue is not None:
         timeline.engine_arrival = clamp(first_scheduled - queue)
     else:
         timeline.engine_arrival = start
-    decode = as_seconds_ns(slots[_VLLM_DECODE])
+    decode = plain_seconds_ns(slots[_VLLM_DECODE])
     if decode is not None:
         timeline.last_token = clamp(first_token + decode)
     elif timeline.output_tokens == 1:
         timeline.last_token = first_token
 
 
-def _count(value: AnyValue | None) -> int | None:
+def _count(value: PlainValue | None) -> int | None:
     """A non-negative count, as an integer or (SGLang) a string of digits."""
-    number = as_int(value)
+    number = plain_int(value)
     if number is not None:
         return number
-    text = as_str(value)
+    text = plain_str(value)
     return int(text) if text is not None and text.isdigit() else None
 
 
-def _sglang_finish_reason(value: AnyValue | None) -> str | None:
+def _sglang_finish_reason(value: PlainValue | None) -> str | None:
     """SGLang writes the finish reasons as a JSON list in a string (``'["length"]'``)."""
-    text = first_str(value)
+    text = plain_first_str(value)
     if text is None or not text.startswith("["):
         return text
     try:
@@ -645,7 +657,7 @@ def _earlier(current: Span | None, candidate: Span) -> Span:
 
 def _sglang_timeline(trace_id: bytes, index: _TraceIndex, ref: SpanRef) -> RequestTimeline:
     span = ref.span
-    slots = _read_request_slots(span)
+    slots = _read_request_slots(ref)
     context = _Context(index.ancestors(span))
     model, operation = _model_and_operation(slots, context.slots_of_client())
     start = span.start_time_unix_nano or None
@@ -664,7 +676,7 @@ def _sglang_timeline(trace_id: bytes, index: _TraceIndex, ref: SpanRef) -> Reque
         output_tokens=_count(slots[_VLLM_COMPLETION_TOKENS]),
         cached_tokens=cached_tokens,
         finish_reason=_sglang_finish_reason(slots[_FINISH_REASONS]),
-        request_id=as_str(slots[_VLLM_REQUEST_ID]),
+        request_id=plain_str(slots[_VLLM_REQUEST_ID]),
         status_error=error_of(span),
     )
     timeline.not_reported_by, timeline.not_reported = dialect_not_reported(DIALECT_SGLANG)
@@ -692,14 +704,14 @@ def _place_sglang_phases(
         timeline.prefill_chunks = [
             (prefill.start_time_unix_nano, prefill.end_time_unix_nano, computed)
         ]
-    ttft_ns = as_seconds_ns(slots[_VLLM_TTFT])
+    ttft_ns = plain_seconds_ns(slots[_VLLM_TTFT])
     if ttft_ns is not None:
         timeline.first_token = clamp(start + ttft_ns)
     elif prefill is not None:
         timeline.first_token = clamp(prefill.end_time_unix_nano)
     first_token = timeline.first_token
     loops = phases.decode_loops
-    decode_ns = as_seconds_ns(slots[_VLLM_DECODE])
+    decode_ns = plain_seconds_ns(slots[_VLLM_DECODE])
     if first_token is not None:
         if ttft_ns is not None and decode_ns is not None:
             # The frontend's clock, as for the first token: the last token arrives with the
@@ -725,11 +737,11 @@ def _client_timeline(trace_id: bytes, ref: SpanRef, slots: _Slots) -> RequestTim
         service=ref.service,
         model=model,
         operation=operation,
-        input_tokens=as_int(slots[_INPUT_TOKENS]),
-        output_tokens=as_int(slots[_OUTPUT_TOKENS]),
-        cached_tokens=as_int(slots[_CACHED_TOKENS]),
-        finish_reason=first_str(slots[_FINISH_REASONS]),
-        request_id=as_str(slots[_REQUEST_ID]) or as_str(slots[_RESPONSE_ID]),
+        input_tokens=plain_int(slots[_INPUT_TOKENS]),
+        output_tokens=plain_int(slots[_OUTPUT_TOKENS]),
+        cached_tokens=plain_int(slots[_CACHED_TOKENS]),
+        finish_reason=plain_first_str(slots[_FINISH_REASONS]),
+        request_id=plain_str(slots[_REQUEST_ID]) or plain_str(slots[_RESPONSE_ID]),
         status_error=error_of(span),
     )
     _apply_client(timeline, span, slots)
@@ -767,13 +779,13 @@ def normalize(trace: AssembledTrace) -> list[RequestTimeline]:
 
     for ref in index.vllm:
         try:
-            slots = _read_request_slots(ref.span)
+            slots = _read_request_slots(ref)
             if not _is_vllm_span(ref, slots):
                 continue
             server_request_spans.append(ref.span)
             if ref.span.parent_span_id in tokentrace_parents:
                 continue  # the same request, already read from tokentrace's own spans
-            request_id = as_str(slots[_VLLM_REQUEST_ID])
+            request_id = plain_str(slots[_VLLM_REQUEST_ID])
             if request_id is not None and request_id in tokentrace_ids:
                 continue
             timelines.append(_vllm_timeline(trace_id, index, ref, slots))
@@ -806,7 +818,7 @@ def _client_only_timelines(
     for ref in index.client_candidates:
         if ref.span.span_id in covered:
             continue
-        slots = _read_request_slots(ref.span)
+        slots = _read_request_slots(ref)
         if ref.span.name == semconv.SPAN_CLIENT_REQUEST or slots[_OPERATION] is not None:
             candidates.append((ref, slots))
     if not candidates:

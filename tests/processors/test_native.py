@@ -1,4 +1,5 @@
-"""The per-token work in C (processors/_native.c) against its pure-Python twins.
+"""The per-token work and the attribute reading in C (processors/_native.c) against their
+pure-Python twins.
 
 Each C function must give its twin's answer or ``None`` (the twin then answers), on generated
 input including what a malformed span can carry; and the whole pipeline must produce the same
@@ -18,10 +19,12 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue, KeyValueList
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import compiled
-from tokentrace.processors import native
+from tokentrace.agent.span_encoding import length_delimited
+from tokentrace.processors import native, span_attributes
 from tokentrace.processors.sketches import KeyedValues
 
 _native = pytest.importorskip("tokentrace.processors._native") if native.BUILT else None
@@ -151,6 +154,102 @@ def test_sketch_keys_over_a_wide_range_are_counted_by_sorting() -> None:
 )
 def test_sketch_keys_leave_what_python_must_check_to_python(durations: list[object]) -> None:
     assert _native.count_keys_ns(durations, 1.0) is None
+
+
+# --- request span attributes read from the span's bytes ----------------------------------------
+_KEYS = ("gen_ai.request.model", "a", "", "unmapped")
+_SLOT_OF = {"gen_ai.request.model": 0, "a": 1, "": 2}
+_ANY_VALUE = st.recursive(
+    _ELEMENT,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4).map(lambda xs: AnyValue(array_value=ArrayValue(values=xs))),
+        st.lists(st.tuples(st.sampled_from(_KEYS), inner), max_size=2).map(
+            lambda pairs: AnyValue(
+                kvlist_value=KeyValueList(values=[KeyValue(key=k, value=v) for k, v in pairs])
+            )
+        ),
+    ),
+    max_leaves=8,
+)
+_ATTRIBUTE = st.tuples(st.sampled_from(_KEYS), st.none() | _ANY_VALUE).map(
+    lambda pair: KeyValue(key=pair[0]) if pair[1] is None else KeyValue(key=pair[0], value=pair[1])
+)
+
+
+def _typed(value: object) -> object:
+    """``value`` with every element's type beside it (so that True and 1 differ)."""
+    if isinstance(value, list):
+        return ["list", [_typed(element) for element in value]]
+    return [type(value).__name__, value]
+
+
+def _entry(span_bytes: bytes) -> bytes:
+    return length_delimited(b"\x12", span_bytes)  # a ScopeSpans.spans entry, as SpanRef.wire
+
+
+@needs_c
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_ATTRIBUTE, max_size=12), st.text(max_size=3))
+def test_attribute_slots_read_from_the_bytes_as_from_the_parsed_span(
+    attributes: list[KeyValue], name: str
+) -> None:
+    span_bytes = Span(
+        name=name, attributes=attributes, kind=Span.SPAN_KIND_SERVER
+    ).SerializeToString()
+    expected = span_attributes.attribute_slots(Span.FromString(span_bytes), _SLOT_OF, 3)
+    answer = _native.attribute_slots(_entry(span_bytes), _SLOT_OF, 3, span_attributes.OTHER_VALUE)
+    assert _typed(answer) == _typed(expected)
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "attribute",
+    [
+        # a key-value's value given twice, and an AnyValue's oneof set twice: the parser merges
+        KeyValue(key="a", value=AnyValue(int_value=1)).SerializeToString()
+        + KeyValue(value=AnyValue(string_value="x")).SerializeToString(),
+        KeyValue(key="a").SerializeToString()
+        + b"\x12\x05"
+        + AnyValue(int_value=1).SerializeToString()
+        + AnyValue(string_value="x").SerializeToString(),
+        KeyValue(key="a").SerializeToString() + KeyValue(key="b").SerializeToString(),
+    ],
+)
+def test_attribute_slots_leave_fields_the_parser_merges_to_the_parsed_span(
+    attribute: bytes,
+) -> None:
+    span_bytes = b"\x4a" + bytes([len(attribute)]) + attribute
+    assert Span.FromString(span_bytes).attributes  # protobuf reads it (merging)
+    assert _native.attribute_slots(_entry(span_bytes), _SLOT_OF, 3, object()) is None
+
+
+@needs_c
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=48))
+def test_attribute_slots_answer_arbitrary_bytes_only_as_protobuf_reads_them(data: bytes) -> None:
+    answer = _native.attribute_slots(_entry(data), _SLOT_OF, 3, span_attributes.OTHER_VALUE)
+    if answer is None:
+        return
+    expected = span_attributes.attribute_slots(Span.FromString(data), _SLOT_OF, 3)
+    assert _typed(answer) == _typed(expected)
+    assert _native.attribute_slots(data + b"\x00", _SLOT_OF, 3, object()) is None  # no entry
+
+
+@settings(max_examples=400, deadline=None)
+@given(_ANY_VALUE)
+def test_plain_value_readers_answer_as_the_any_value_readers(value: AnyValue) -> None:
+    plain = span_attributes.plain_value(value)
+    pairs = [
+        (span_attributes.plain_int, span_attributes.as_int),
+        (span_attributes.plain_timestamp, span_attributes.as_timestamp),
+        (span_attributes.plain_str, span_attributes.as_str),
+        (span_attributes.plain_bool, span_attributes.as_bool),
+        (span_attributes.plain_seconds_ns, span_attributes.as_seconds_ns),
+        (span_attributes.plain_first_str, span_attributes.first_str),
+        (span_attributes.plain_str_tuple, span_attributes.as_str_tuple),
+    ]
+    for plain_reader, reader in pairs:
+        assert _typed(plain_reader(plain)) == _typed(reader(value)), plain_reader.__name__
 
 
 _PIPELINE_DIGEST = """
