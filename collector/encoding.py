@@ -4,7 +4,8 @@ Written as protobuf wire format by hand around each span's own serialisation: bu
 ``ExportTraceServiceRequest`` of protobuf objects copied every span once more (about a third of
 the cost). A span may get extra bytes appended (``appended``): the enrichment's attribute
 entries (``processors.enrich.enrichment_attributes``), which parse as attributes after its own.
-Every other span the receiver kept the bytes of (``SpanRef.wire``) goes out as it came in.
+Every span the receiver kept the bytes of (``SpanRef.wire``) goes out as it came in, its
+enrichment appended to them (a span that had attributes to remove before lost its bytes).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def encode_trace_request(
             for ref in scope_refs:
                 span = ref.span
                 extra = appended.get(span.span_id) if appended else None
-                if ref.wire is not None and extra is None:
-                    encoded.append(ref.wire)  # as received: the same span, not re-serialised
+                if ref.wire is not None:  # as received: the same span, not re-serialised
+                    encoded.append(ref.wire if extra is None else _extended_entry(ref.wire, extra))
                     continue
                 serialised = span.SerializeToString()
                 if extra:
@@ -60,3 +61,11 @@ def encode_trace_request(
             content.append(length_delimited(_TAG_SCOPE_SPANS, b"".join(encoded)))
         parts.append(length_delimited(_TAG_REQUEST_RESOURCE_SPANS, b"".join(content)))
     return b"".join(parts)
+
+
+def _extended_entry(entry: bytes, extra: bytes) -> bytes:
+    """A ``ScopeSpans.spans`` entry (tag, length, span) with ``extra`` appended to the span."""
+    body = 2  # after the tag and the length's last byte
+    while entry[body - 1] & 0x80:
+        body += 1
+    return length_delimited(_TAG_SPAN, entry[body:] + extra)

@@ -109,7 +109,7 @@ from tokentrace.collector.spool import Spool, SpoolError
 from tokentrace.collector.tail_sampling import TailSampler
 from tokentrace.processors.budget import request_record
 from tokentrace.processors.diagnosis import DiagnosisConfig
-from tokentrace.processors.enrich import enrichment_attributes, remove_enrichment
+from tokentrace.processors.enrich import enrichment_attributes, remove_received_enrichment
 from tokentrace.processors.model import (
     AssembledTrace,
     RequestMetrics,
@@ -589,8 +589,7 @@ class Pipeline:
             if record_or_none is not None:
                 try:
                     appended[span_id] = enrichment_attributes(record_or_none)
-                    ref.wire = None  # the span changes: its received bytes no longer say it
-                    remove_enrichment(ref.span)
+                    remove_received_enrichment(ref)
                 except Exception:
                     appended.pop(span_id, None)
                     self._processor_errors.add(_ENRICH)

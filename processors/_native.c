@@ -475,6 +475,100 @@ static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t s
     return 1;
 }
 
+/* The key of the KeyValue [start, stop) as a new str: NULL with no error set where the parser's
+ * answer is not this one (a key given twice) or the key is not UTF-8; NULL with an error set on
+ * failure. */
+static PyObject *key_of(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop,
+                        Py_ssize_t *value_start, Py_ssize_t *value_stop, int *values) {
+    Py_ssize_t inner = start, key_start = 0, key_stop = 0;
+    int keys = 0;
+    *values = 0;
+    while (inner < stop) {
+        uint32_t number;
+        int wire_type;
+        Py_ssize_t field_start = 0, field_stop = 0;
+        if (!next_field(data, stop, &inner, &number, &wire_type, &field_start, &field_stop)) {
+            return NULL;
+        }
+        if (wire_type == WIRE_LEN && number == 1) {
+            keys++, key_start = field_start, key_stop = field_stop;
+        } else if (wire_type == WIRE_LEN && number == 2) {
+            (*values)++, *value_start = field_start, *value_stop = field_stop;
+        }
+    }
+    if (keys > 1 || *values > 1) {
+        return NULL;
+    }
+    PyObject *key = PyUnicode_DecodeUTF8((const char *)data + key_start, key_stop - key_start, NULL);
+    if (key == NULL) {
+        PyErr_Clear();
+    }
+    return key;
+}
+
+/* The span's bytes [*pos, *size) inside a ScopeSpans.spans entry (tag, length, span); 0 when
+ * `entry` is not one. */
+static int span_of_entry(PyObject *entry, const unsigned char **data, Py_ssize_t *pos,
+                         Py_ssize_t *size) {
+    if (!PyBytes_Check(entry)) {
+        return 0;
+    }
+    uint64_t length;
+    *data = (const unsigned char *)PyBytes_AS_STRING(entry);
+    *size = PyBytes_GET_SIZE(entry);
+    *pos = 1;
+    return *size >= 1 && (*data)[0] == SPAN_ENTRY_TAG && read_varint(*data, *size, pos, &length) &&
+           length == (uint64_t)(*size - *pos);
+}
+
+/* has_attribute_key(entry: bytes, keys: frozenset[str], prefixes: tuple[str, ...]) -> bool | None
+ *
+ * Whether an attribute of the span (a ScopeSpans.spans entry, as attribute_slots takes) has a
+ * key in `keys` or starting with one of `prefixes`; None where attribute_slots would be. */
+static PyObject *has_attribute_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 3 || !PyAnySet_Check(args[1]) || !PyTuple_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "has_attribute_key takes (bytes, frozenset, tuple)");
+        return NULL;
+    }
+    const unsigned char *data;
+    Py_ssize_t pos, size;
+    if (!span_of_entry(args[0], &data, &pos, &size)) {
+        Py_RETURN_NONE;
+    }
+    while (pos < size) {
+        uint32_t number;
+        int wire_type, values;
+        Py_ssize_t start = 0, stop = 0, value_start, value_stop;
+        if (!next_field(data, size, &pos, &number, &wire_type, &start, &stop)) {
+            Py_RETURN_NONE;
+        }
+        if (number != SPAN_ATTRIBUTES || wire_type != WIRE_LEN) {
+            continue;
+        }
+        PyObject *key = key_of(data, start, stop, &value_start, &value_stop, &values);
+        if (key == NULL) {
+            if (PyErr_Occurred()) {
+                return NULL;
+            }
+            Py_RETURN_NONE;
+        }
+        int found = PySet_Contains(args[1], key);
+        for (Py_ssize_t i = 0; found == 0 && i < PyTuple_GET_SIZE(args[2]); i++) {
+            found = (int)PyUnicode_Tailmatch(key, PyTuple_GET_ITEM(args[2], i), 0,
+                                             PY_SSIZE_T_MAX, -1);
+        }
+        Py_DECREF(key);
+        if (found != 0) {
+            if (found < 0) {
+                return NULL;
+            }
+            Py_RETURN_TRUE;
+        }
+    }
+    Py_RETURN_FALSE;
+}
+
 /* attribute_slots(entry: bytes, slot_of: dict[str, int], slot_count: int, other: object)
  *     -> list[object] | None
  *
@@ -499,14 +593,9 @@ static PyObject *attribute_slots(PyObject *module, PyObject *const *args, Py_ssi
         }
         return NULL;
     }
-    if (!PyBytes_Check(args[0])) {
-        Py_RETURN_NONE;
-    }
-    const unsigned char *data = (const unsigned char *)PyBytes_AS_STRING(args[0]);
-    Py_ssize_t size = PyBytes_GET_SIZE(args[0]), pos = 1;
-    uint64_t length;
-    if (size < 1 || data[0] != SPAN_ENTRY_TAG || !read_varint(data, size, &pos, &length) ||
-        length != (uint64_t)(size - pos)) {
+    const unsigned char *data;
+    Py_ssize_t pos, size;
+    if (!span_of_entry(args[0], &data, &pos, &size)) {
         Py_RETURN_NONE;
     }
     PyObject *slots = PyList_New(slot_count);
@@ -527,27 +616,13 @@ static PyObject *attribute_slots(PyObject *module, PyObject *const *args, Py_ssi
         if (number != SPAN_ATTRIBUTES || wire_type != WIRE_LEN) {
             continue;
         }
-        /* KeyValue: key = 1, value = 2 (both LEN) */
-        Py_ssize_t inner = start, key_start = 0, key_stop = 0, value_start = 0, value_stop = 0;
-        int keys = 0, values = 0;
-        while (inner < stop) {
-            Py_ssize_t field_start = 0, field_stop = 0;
-            if (!next_field(data, stop, &inner, &number, &wire_type, &field_start, &field_stop)) {
-                goto outside;
-            }
-            if (wire_type == WIRE_LEN && number == 1) {
-                keys++, key_start = field_start, key_stop = field_stop;
-            } else if (wire_type == WIRE_LEN && number == 2) {
-                values++, value_start = field_start, value_stop = field_stop;
-            }
-        }
-        if (keys > 1 || values > 1) {
-            goto outside;
-        }
-        PyObject *key = PyUnicode_DecodeUTF8((const char *)data + key_start, key_stop - key_start,
-                                             NULL);
+        Py_ssize_t value_start = 0, value_stop = 0;
+        int values;
+        PyObject *key = key_of(data, start, stop, &value_start, &value_stop, &values);
         if (key == NULL) {
-            PyErr_Clear();
+            if (PyErr_Occurred()) {
+                goto failed;
+            }
             goto outside;
         }
         PyObject *slot_number = PyDict_GetItemWithError(slot_of, key); /* borrowed */
@@ -600,6 +675,9 @@ static PyMethodDef native_methods[] = {
     {"attribute_slots", (PyCFunction)(void (*)(void))attribute_slots, METH_FASTCALL,
      "attribute_slots(entry: bytes, slot_of: dict[str, int], slot_count: int, other: object)"
      " -> list[object] | None"},
+    {"has_attribute_key", (PyCFunction)(void (*)(void))has_attribute_key, METH_FASTCALL,
+     "has_attribute_key(entry: bytes, keys: frozenset[str], prefixes: tuple[str, ...])"
+     " -> bool | None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,3 +8,6 @@ def count_keys_ns(
 def attribute_slots(
     entry: bytes, slot_of: dict[str, int], slot_count: int, other: object, /
 ) -> list[object] | None: ...
+def has_attribute_key(
+    entry: bytes, keys: frozenset[str], prefixes: tuple[str, ...], /
+) -> bool | None: ...

@@ -21,7 +21,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from tokentrace.agent import semconv
 from tokentrace.agent.span_encoding import span_attributes
 from tokentrace.agent.spans import AttrValue
-from tokentrace.processors.model import RequestRecord
+from tokentrace.processors import native
+from tokentrace.processors.model import RequestRecord, SpanRef
 
 _OWNED_KEYS: Final = frozenset(
     {
@@ -112,6 +113,18 @@ def _int64(ns: int) -> int:
 def remove_enrichment(span: Span) -> None:
     """Remove every attribute the collector owns from ``span`` (a previous enrichment)."""
     _remove_owned(span.attributes)
+
+
+def remove_received_enrichment(ref: SpanRef) -> None:
+    """``remove_enrichment`` of a received span. Where its bytes as received show no attribute
+    the collector owns (the usual case, read in C), the span is left as it is and keeps its
+    bytes (``SpanRef.wire``), to which the encoder appends the new enrichment; otherwise the
+    span loses those attributes and, changed, its bytes."""
+    if ref.wire is not None:
+        if native.has_attribute_key(ref.wire, _OWNED_KEYS, _OWNED_PREFIXES) is False:
+            return
+        ref.wire = None
+    remove_enrichment(ref.span)
 
 
 def enrich_span(span: Span, record: RequestRecord) -> None:

@@ -29,7 +29,8 @@ class SpanRef:
     wire: bytes | None = None
     """The span's ``ScopeSpans.spans`` entry as received (tag and length included), when the
     receiver kept it: exporters send it as it came instead of re-serialising ``span``, so
-    whoever changes ``span`` must drop it (the enrichment does: its spans are re-serialised)."""
+    whoever changes ``span`` must drop it (the enrichment does where it removes an earlier
+    enrichment: those spans are re-serialised)."""
 
 
 @dataclass(slots=True)

@@ -140,3 +140,13 @@ def attribute_slots(
         return None
     slots: list[Any] | None = _NATIVE.attribute_slots(entry, slot_of, slot_count, other)
     return slots
+
+
+def has_attribute_key(entry: bytes, keys: frozenset[str], prefixes: tuple[str, ...]) -> bool | None:
+    """Whether an attribute of the span whose ``ScopeSpans.spans`` entry is ``entry`` has a key
+    in ``keys`` or starting with one of ``prefixes``, read from its bytes in C; None when not
+    built or where ``attribute_slots`` would be (the caller asks the parsed span then)."""
+    if _NATIVE is None:
+        return None
+    found: bool | None = _NATIVE.has_attribute_key(entry, keys, prefixes)
+    return found

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
@@ -13,6 +14,7 @@ from tokentrace.agent import semconv
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.encoding import encode_trace_request
 from tokentrace.collector.pipeline import Pipeline, group_by_trace
+from tokentrace.collector.receivers import wire
 from tokentrace.loadgen.replay.emit import to_otlp_requests
 from tokentrace.loadgen.replay.simulation import simulate
 from tokentrace.processors.enrich import enrich_span, enrichment_attributes, remove_enrichment
@@ -99,3 +101,66 @@ def test_a_previous_enrichment_is_replaced_not_repeated() -> None:
     remove_enrichment(span)
     assert not any(kv.key.startswith("tokentrace.budget.") for kv in span.attributes)
     assert semconv.E2E_NS not in [kv.key for kv in span.attributes]
+
+
+def _received(requests: int, seed: int) -> tuple[Pipeline, list[AssembledTrace]]:
+    """As ``_processed``, but grouped as a receiver does: each span keeps its received bytes
+    where C reads them (``SpanRef.wire``)."""
+    pipeline = Pipeline(parse_config({}, environ={}))
+    for message in to_otlp_requests(simulate("mixed", requests=requests, seed=seed)):
+        received = message.SerializeToString()
+        groups, count = group_by_trace(type(message).FromString(received), encoded=received)
+        pipeline.assembler.add(groups, count)
+    return pipeline, pipeline.assembler.pop_finished(flush_all=True)
+
+
+def _written_request_spans(otlp: bytes, span_ids: set[bytes]) -> dict[bytes, Span]:
+    encoded = ExportTraceServiceRequest.FromString(otlp)
+    return {
+        span.span_id: span
+        for resource in encoded.resource_spans
+        for scope in resource.scope_spans
+        for span in scope.spans
+        if span.span_id in span_ids
+    }
+
+
+@pytest.mark.skipif(not wire.BUILT, reason="received bytes are kept only with the C functions")
+def test_enrichment_appended_to_the_received_bytes_parses_as_merged_into_the_span() -> None:
+    pipeline, traces = _received(40, seed=4)
+    originals = {
+        ref.span.span_id: ref.span.SerializeToString() for trace in traces for ref in trace.spans
+    }
+    for trace in traces:
+        processed = pipeline.process_trace(trace)
+        assert processed is not None and processed.records
+        by_id = {record.timeline.span_id: record for record in processed.records}
+        refs = [ref for ref in trace.spans if ref.span.span_id in by_id]
+        assert all(ref.wire is not None for ref in refs)  # kept: nothing was there to remove
+        written = _written_request_spans(processed.otlp, set(by_id))
+        for span_id, record in by_id.items():
+            expected = Span.FromString(originals[span_id])
+            enrich_span(expected, record)
+            assert written[span_id] == expected
+
+
+@pytest.mark.skipif(not wire.BUILT, reason="received bytes are kept only with the C functions")
+def test_a_received_span_enriched_before_is_enriched_once_and_loses_its_bytes() -> None:
+    pipeline, traces = _processed(3, seed=6)
+    processed = pipeline.process_trace(traces[0])
+    assert processed is not None
+    # The collector's own output received again (a second collector, a replayed export).
+    again = ExportTraceServiceRequest.FromString(processed.otlp)
+    received = again.SerializeToString()
+    groups, count = group_by_trace(again, encoded=received)
+    pipeline.assembler.add(groups, count)
+    (trace,) = pipeline.assembler.pop_finished(flush_all=True)
+    reprocessed = pipeline.process_trace(trace)
+    assert reprocessed is not None
+    (record,) = reprocessed.records
+    (ref,) = [ref for ref in trace.spans if ref.span.span_id == record.timeline.span_id]
+    assert ref.wire is None  # changed: re-serialised
+    written = _written_request_spans(reprocessed.otlp, {record.timeline.span_id})
+    keys = [kv.key for kv in written[record.timeline.span_id].attributes]
+    assert keys.count(semconv.E2E_NS) == 1 and keys.count(semconv.PROMPT_BUCKET) == 1
+    assert len(keys) == len(set(keys))

@@ -235,6 +235,25 @@ def test_attribute_slots_answer_arbitrary_bytes_only_as_protobuf_reads_them(data
     assert _native.attribute_slots(data + b"\x00", _SLOT_OF, 3, object()) is None  # no entry
 
 
+_OWNED = frozenset({"a"})
+_OWNED_PREFIXES = ("gen_ai.", "un")
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_ATTRIBUTE, max_size=8))
+def test_has_attribute_key_reads_the_bytes_as_the_parsed_span_says(
+    attributes: list[KeyValue],
+) -> None:
+    span_bytes = Span(name="request", attributes=attributes).SerializeToString()
+    expected = any(
+        kv.key in _OWNED or kv.key.startswith(_OWNED_PREFIXES)
+        for kv in Span.FromString(span_bytes).attributes
+    )
+    assert _native.has_attribute_key(_entry(span_bytes), _OWNED, _OWNED_PREFIXES) is expected
+    assert native.has_attribute_key(b"\x0a" + _entry(span_bytes)[1:], _OWNED, ()) is None
+
+
 @settings(max_examples=400, deadline=None)
 @given(_ANY_VALUE)
 def test_plain_value_readers_answer_as_the_any_value_readers(value: AnyValue) -> None:
