@@ -381,12 +381,17 @@ static int any_value_wire_type(uint32_t number) {
     }
 }
 
-/* The AnyValue [start, stop) as span_attributes.plain_value reads it (`top`) or as it reads an
- * array's element (not `top`): a str, bool, int, float, a list of the elements (at the top), or
- * `other`. 1 with *out a new reference; 0 where the parser's rules for repeated fields would
+#define PLAIN_ELEMENT 0   /* an array's element: an array in it is `other` */
+#define PLAIN_TOP 1       /* an attribute's value */
+#define PLAIN_INT_ARRAY 2 /* an attribute's value read as span_attributes.int_array reads it */
+
+/* The AnyValue [start, stop) as span_attributes.plain_value reads it (PLAIN_TOP) or as it reads
+ * an array's element (PLAIN_ELEMENT): a str, bool, int, float, a list of the elements (at the
+ * top), or `other`; or (PLAIN_INT_ARRAY) the list of an array's int elements, empty for any
+ * other value. 1 with *out a new reference; 0 where the parser's rules for repeated fields would
  * decide (a oneof field set twice) or a string is not UTF-8 (the Python path answers then); -1
  * on error. */
-static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop, int top,
+static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop, int mode,
                        PyObject *other, PyObject **out) {
     Py_ssize_t pos = start, field_start = 0, field_stop = 0, chosen_start = 0, chosen_stop = 0;
     uint32_t chosen = 0;
@@ -403,6 +408,10 @@ static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t s
             return 0;
         }
         chosen = number, chosen_start = field_start, chosen_stop = field_stop;
+    }
+    if (mode == PLAIN_INT_ARRAY && chosen != ANY_ARRAY) {
+        *out = PyList_New(0);
+        return *out == NULL ? -1 : 1;
     }
     const char *bytes = (const char *)data + chosen_start;
     uint64_t varint = 0;
@@ -432,7 +441,7 @@ static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t s
         return *out == NULL ? -1 : 1;
     }
     case ANY_ARRAY:
-        if (top) {
+        if (mode != PLAIN_ELEMENT) {
             break; /* read below */
         }
         Py_INCREF(other); /* an array inside an array */
@@ -459,12 +468,14 @@ static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t s
             continue;
         }
         PyObject *element;
-        int read = plain_value(data, field_start, field_stop, 0, other, &element);
+        int read = plain_value(data, field_start, field_stop, PLAIN_ELEMENT, other, &element);
         if (read <= 0) {
             Py_DECREF(elements);
             return read;
         }
-        int appended = PyList_Append(elements, element);
+        int appended = mode == PLAIN_INT_ARRAY && !PyLong_CheckExact(element)
+                           ? 0
+                           : PyList_Append(elements, element);
         Py_DECREF(element);
         if (appended < 0) {
             Py_DECREF(elements);
@@ -576,16 +587,19 @@ static PyObject *has_attribute_key(PyObject *module, PyObject *const *args, Py_s
  * a ScopeSpans.spans entry (SpanRef.wire: tag, length, the span's bytes), and every attribute
  * whose key slot_of maps to a slot puts its plain value there (span_attributes.plain_value;
  * `other` when the attribute has no value), the last one of a key winning, as the parser
- * lists them. None for a malformed entry, a key or value field given twice in one attribute
- * (the parser merges those), or what plain_value leaves to Python.
+ * lists them; the slots in `int_arrays` (optional, a frozenset) take their value as
+ * span_attributes.int_array reads it. None for a malformed entry, a key or value field given
+ * twice in one attribute (the parser merges those), or what plain_value leaves to Python.
  */
 static PyObject *attribute_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 4 || !PyDict_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "attribute_slots takes (bytes, dict, int, object)");
+    if (nargs < 4 || nargs > 5 || !PyDict_Check(args[1]) ||
+        (nargs == 5 && !PyAnySet_Check(args[4]))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "attribute_slots takes (bytes, dict, int, object[, frozenset])");
         return NULL;
     }
-    PyObject *slot_of = args[1], *other = args[3];
+    PyObject *slot_of = args[1], *other = args[3], *int_arrays = nargs == 5 ? args[4] : NULL;
     Py_ssize_t slot_count = PyLong_AsSsize_t(args[2]);
     if (slot_count < 0) {
         if (!PyErr_Occurred()) {
@@ -640,13 +654,23 @@ static PyObject *attribute_slots(PyObject *module, PyObject *const *args, Py_ssi
             }
             goto failed;
         }
+        int mode = int_arrays == NULL ? 0 : PySet_Contains(int_arrays, slot_number);
+        if (mode < 0) {
+            goto failed;
+        }
+        mode = mode ? PLAIN_INT_ARRAY : PLAIN_TOP;
         PyObject *value = other;
         if (values) {
-            int read = plain_value(data, value_start, value_stop, 1, other, &value);
+            int read = plain_value(data, value_start, value_stop, mode, other, &value);
             if (read == 0) {
                 goto outside;
             }
             if (read < 0) {
+                goto failed;
+            }
+        } else if (mode == PLAIN_INT_ARRAY) {
+            value = PyList_New(0);
+            if (value == NULL) {
                 goto failed;
             }
         } else {
@@ -673,8 +697,8 @@ static PyMethodDef native_methods[] = {
      "count_keys_ns(durations_ns: list[int], multiplier: float)"
      " -> tuple[list[int], list[int], int, int, int] | None"},
     {"attribute_slots", (PyCFunction)(void (*)(void))attribute_slots, METH_FASTCALL,
-     "attribute_slots(entry: bytes, slot_of: dict[str, int], slot_count: int, other: object)"
-     " -> list[object] | None"},
+     "attribute_slots(entry: bytes, slot_of: dict[str, int], slot_count: int, other: object,"
+     " int_arrays: frozenset[int] = ...) -> list[object] | None"},
     {"has_attribute_key", (PyCFunction)(void (*)(void))has_attribute_key, METH_FASTCALL,
      "has_attribute_key(entry: bytes, keys: frozenset[str], prefixes: tuple[str, ...])"
      " -> bool | None"},

@@ -6,7 +6,12 @@ def count_keys_ns(
     durations_ns: object, multiplier: float, /
 ) -> tuple[list[int], list[int], int, int, int] | None: ...
 def attribute_slots(
-    entry: bytes, slot_of: dict[str, int], slot_count: int, other: object, /
+    entry: bytes,
+    slot_of: dict[str, int],
+    slot_count: int,
+    other: object,
+    int_arrays: frozenset[int] = ...,
+    /,
 ) -> list[object] | None: ...
 def has_attribute_key(
     entry: bytes, keys: frozenset[str], prefixes: tuple[str, ...], /

@@ -130,7 +130,11 @@ def count_keys_ns(
 
 
 def attribute_slots(
-    entry: bytes, slot_of: Mapping[str, int], slot_count: int, other: object
+    entry: bytes,
+    slot_of: Mapping[str, int],
+    slot_count: int,
+    other: object,
+    int_arrays: frozenset[int] = frozenset(),
 ) -> list[Any] | None:
     """``span_attributes.attribute_slots`` of the span whose ``ScopeSpans.spans`` entry (as
     received: ``SpanRef.wire``) is ``entry``, read from its bytes in C (``other``: the
@@ -138,7 +142,7 @@ def attribute_slots(
     span (malformed, a field the parser would merge, a string that is not UTF-8)."""
     if _NATIVE is None or type(slot_of) is not dict:
         return None
-    slots: list[Any] | None = _NATIVE.attribute_slots(entry, slot_of, slot_count, other)
+    slots: list[Any] | None = _NATIVE.attribute_slots(entry, slot_of, slot_count, other, int_arrays)
     return slots
 
 

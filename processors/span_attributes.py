@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
@@ -132,16 +132,19 @@ def plain_value(value: AnyValue, *, top: bool = True) -> PlainValue:
 
 
 def attribute_slots(
-    span: Span, slot_of: Mapping[str, int], slot_count: int
-) -> list[PlainValue | None]:
+    span: Span,
+    slot_of: Mapping[str, int],
+    slot_count: int,
+    int_arrays: frozenset[int] = frozenset(),
+) -> list[Any]:
     """The plain values of ``span``'s attributes whose keys ``slot_of`` maps to a slot (the last
-    of a key winning), None in the others: ``native.attribute_slots``'s twin, over the parsed
-    span."""
-    slots: list[PlainValue | None] = [None] * slot_count
+    of a key winning; the slots in ``int_arrays`` read by ``int_array``), None in the others:
+    ``native.attribute_slots``'s twin, over the parsed span."""
+    slots: list[Any] = [None] * slot_count
     for kv in span.attributes:
         slot = slot_of.get(kv.key)
         if slot is not None:
-            slots[slot] = plain_value(kv.value)
+            slots[slot] = int_array(kv.value) if slot in int_arrays else plain_value(kv.value)
     return slots
 
 
@@ -164,16 +167,20 @@ def plain_bool(value: PlainValue | None) -> bool | None:
     return value if type(value) is bool else None
 
 
-def plain_seconds_ns(value: PlainValue | None) -> int | None:
-    """``as_seconds_ns`` of a plain value: finite non-negative seconds (a double, or an int for
-    lenient writers) in ns."""
+def plain_float(value: PlainValue | None) -> float | None:
+    """``as_float`` of a plain value: a finite non-negative number (a double, or an int for
+    lenient writers)."""
     kind = type(value)
     if kind is not float and kind is not int:
         return None
     number = float(value)  # type: ignore[arg-type]
-    if not math.isfinite(number) or number < 0.0:
-        return None
-    return round(number * _NS_PER_SECOND)
+    return number if math.isfinite(number) and number >= 0.0 else None
+
+
+def plain_seconds_ns(value: PlainValue | None) -> int | None:
+    """``as_seconds_ns`` of a plain value: ``plain_float`` seconds in ns."""
+    seconds = plain_float(value)
+    return None if seconds is None else round(seconds * _NS_PER_SECOND)
 
 
 def plain_first_str(value: PlainValue | None) -> str | None:

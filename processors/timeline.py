@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterable, Mapping
-from typing import Final, TypeAlias
+from typing import Final, TypeAlias, cast
 
 from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
@@ -58,17 +58,16 @@ from tokentrace.processors.model import AssembledTrace, RequestTimeline, SpanRef
 from tokentrace.processors.span_attributes import (
     OTHER_VALUE,
     PlainValue,
-    as_float,
     as_int,
     as_str,
     as_str_tuple,
     as_timestamp,
     attribute_slots,
     error_of,
-    int_array,
     int_attribute,
     plain_bool,
     plain_first_str,
+    plain_float,
     plain_int,
     plain_seconds_ns,
     plain_str,
@@ -202,18 +201,42 @@ _REQUEST_SLOT: Final = {key: slot for slot, key in enumerate(_REQUEST_KEYS)}
 ) = range(len(_REQUEST_KEYS))
 _VLLM_MARKER_SLOTS: Final = (_VLLM_TTFT, _VLLM_QUEUE, _VLLM_PREFILL, _VLLM_DECODE, _VLLM_REQUEST_ID)
 
+_DECODE_SLOT: Final = {  # the decode span's attributes, in the order _apply_decode_attributes reads
+    key: slot
+    for slot, key in enumerate(
+        (
+            semconv.DECODE_TOKEN_OFFSETS,
+            semconv.DECODE_TOKEN_OFFSETS_DROPPED,
+            semconv.GPU_MEMORY_BANDWIDTH_PEAK_RATIO,
+            semconv.DECODE_ROOFLINE_RATIO,
+            semconv.DECODE_OUTLIER_STEPS_WITH_PREFILL,
+        )
+    )
+}
+_DECODE_INT_ARRAYS: Final = frozenset({_DECODE_SLOT[semconv.DECODE_TOKEN_OFFSETS]})
+
 _Slots: TypeAlias = "list[PlainValue | None]"
 
 
 # --- request span attributes, by slot -----------------------------------------------------------
-def _read_request_slots(ref: SpanRef) -> _Slots:
-    """The plain values of the request keys' attributes (``span_attributes.plain_value``), read
-    from the span's bytes as received where C can (no protobuf object per attribute)."""
-    if ref.wire is not None:
-        slots = native.attribute_slots(ref.wire, _REQUEST_SLOT, len(_REQUEST_KEYS), OTHER_VALUE)
+def _read_slots(
+    span: Span,
+    wire: bytes | None,
+    slot_of: dict[str, int],
+    int_arrays: frozenset[int] = frozenset(),
+) -> _Slots:
+    """The plain values of the attributes whose keys ``slot_of`` maps to a slot
+    (``span_attributes.attribute_slots``), read from the span's bytes as received (``wire``)
+    where C can: no protobuf object per attribute."""
+    if wire is not None:
+        slots = native.attribute_slots(wire, slot_of, len(slot_of), OTHER_VALUE, int_arrays)
         if slots is not None:
             return slots
-    return attribute_slots(ref.span, _REQUEST_SLOT, len(_REQUEST_KEYS))
+    return attribute_slots(span, slot_of, len(slot_of), int_arrays)
+
+
+def _read_request_slots(ref: SpanRef) -> _Slots:
+    return _read_slots(ref.span, ref.wire, _REQUEST_SLOT)
 
 
 def _model_and_operation(slots: _Slots, client_slots: _Slots | None) -> tuple[str, str]:
@@ -450,7 +473,7 @@ def _apply_phases(timeline: RequestTimeline, index: _TraceIndex, request_id: byt
         timeline.first_token = decode.start_time_unix_nano
     if decode is not None:
         timeline.last_token = decode.end_time_unix_nano
-        _apply_decode_attributes(timeline, decode)
+        _apply_decode_attributes(timeline, index, decode)
     elif timeline.output_tokens == 1:
         timeline.last_token = timeline.first_token
     if outlier_steps and timeline.outlier_steps_with_prefill is None:
@@ -478,19 +501,22 @@ def _apply_prefill_chunks(timeline: RequestTimeline, index: _TraceIndex, span: S
     timeline.prefill_chunks = chunks
 
 
-def _apply_decode_attributes(timeline: RequestTimeline, decode: Span) -> None:
-    for kv in decode.attributes:
-        key = kv.key
-        if key == semconv.DECODE_TOKEN_OFFSETS:
-            timeline.token_offsets_us = int_array(kv.value)
-        elif key == semconv.DECODE_TOKEN_OFFSETS_DROPPED:
-            timeline.token_offsets_dropped = as_int(kv.value) or 0
-        elif key == semconv.GPU_MEMORY_BANDWIDTH_PEAK_RATIO:
-            timeline.decode_bandwidth_peak_ratio = as_float(kv.value)
-        elif key == semconv.DECODE_ROOFLINE_RATIO:
-            timeline.decode_roofline_ratio = as_float(kv.value)
-        elif key == semconv.DECODE_OUTLIER_STEPS_WITH_PREFILL:
-            timeline.outlier_steps_with_prefill = as_int(kv.value)
+def _apply_decode_attributes(timeline: RequestTimeline, index: _TraceIndex, decode: Span) -> None:
+    ref = index.by_id.get(decode.span_id)
+    wire = ref.wire if ref is not None and ref.span is decode else None
+    offsets, dropped, bandwidth, roofline, outliers = _read_slots(
+        decode, wire, _DECODE_SLOT, _DECODE_INT_ARRAYS
+    )
+    if offsets is not None:
+        timeline.token_offsets_us = cast(list[int], offsets)  # an int array slot
+    if dropped is not None:
+        timeline.token_offsets_dropped = plain_int(dropped) or 0
+    if bandwidth is not None:
+        timeline.decode_bandwidth_peak_ratio = plain_float(bandwidth)
+    if roofline is not None:
+        timeline.decode_roofline_ratio = plain_float(roofline)
+    if outliers is not None:
+        timeline.outlier_steps_with_prefill = plain_int(outliers)
 
 
 def _is_vllm_span(ref: SpanRef, slots: _Slots) -> bool:

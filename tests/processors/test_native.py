@@ -189,15 +189,19 @@ def _entry(span_bytes: bytes) -> bytes:
 
 @needs_c
 @settings(max_examples=400, deadline=None)
-@given(st.lists(_ATTRIBUTE, max_size=12), st.text(max_size=3))
+@given(st.lists(_ATTRIBUTE, max_size=12), st.text(max_size=3), st.booleans())
 def test_attribute_slots_read_from_the_bytes_as_from_the_parsed_span(
-    attributes: list[KeyValue], name: str
+    attributes: list[KeyValue], name: str, int_array_slot: bool
 ) -> None:
     span_bytes = Span(
         name=name, attributes=attributes, kind=Span.SPAN_KIND_SERVER
     ).SerializeToString()
-    expected = span_attributes.attribute_slots(Span.FromString(span_bytes), _SLOT_OF, 3)
-    answer = _native.attribute_slots(_entry(span_bytes), _SLOT_OF, 3, span_attributes.OTHER_VALUE)
+    int_arrays = frozenset({1}) if int_array_slot else frozenset()
+    parsed = Span.FromString(span_bytes)
+    expected = span_attributes.attribute_slots(parsed, _SLOT_OF, 3, int_arrays)
+    answer = _native.attribute_slots(
+        _entry(span_bytes), _SLOT_OF, 3, span_attributes.OTHER_VALUE, int_arrays
+    )
     assert _typed(answer) == _typed(expected)
 
 

@@ -620,11 +620,11 @@ def test_a_request_that_fails_to_read_is_left_out_alone(monkeypatch: pytest.Monk
     real = timeline_module._apply_decode_attributes
     calls: list[int] = []
 
-    def fail_first(timeline: RequestTimeline, decode: Span) -> None:
+    def fail_first(timeline: RequestTimeline, index: object, decode: Span) -> None:
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("unexpected")
-        real(timeline, decode)
+        real(timeline, index, decode)  # type: ignore[arg-type]
 
     monkeypatch.setattr(timeline_module, "_apply_decode_attributes", fail_first)
     first = request_spans(first_span_id=1)
