@@ -151,7 +151,7 @@ def test_only_the_spans_that_fail_a_cheap_check_are_singled_out() -> None:
     assert wire.unclean_spans(data, limits.fast_path_bytes, -1, limits.max_time_ns) is None
 
 
-def test_exporters_send_the_received_bytes_of_every_span_but_the_enriched() -> None:
+def test_exporters_send_the_received_bytes_of_every_span_that_kept_them() -> None:
     spans = [
         Span(trace_id=b"\x01" * 16, span_id=bytes([n]) * 8, start_time_unix_nano=_T0,
              end_time_unix_nano=_T0 + n, name=f"s{n}")
@@ -164,18 +164,24 @@ def test_exporters_send_the_received_bytes_of_every_span_but_the_enriched() -> N
     assert count == 2
     refs = groups[b"\x01" * 16]
     assert [ref.wire for ref in refs] == wire.span_entries(data)
-    # The span objects change; the bytes of the first still go out as received, the second is
-    # enriched (its bytes appended to): re-serialised from the object.
+    # The bytes go out as received while a span keeps them, whatever its object says (whoever
+    # changes a span drops them); the second's enrichment is appended to its bytes.
     for ref in refs:
         ref.span.name = "changed"
     enrichment = key_value("tokentrace.e2e_ns", 5).SerializeToString()
-    out = ExportTraceServiceRequest.FromString(
-        encode_trace_request(
-            refs, appended={spans[1].span_id: b"\x4a" + bytes([len(enrichment)]) + enrichment}
-        )
+    appended = {spans[1].span_id: b"\x4a" + bytes([len(enrichment)]) + enrichment}
+    first, second = _spans_of(
+        ExportTraceServiceRequest.FromString(encode_trace_request(refs, appended=appended))
     )
-    first, second = _spans_of(out)
     assert first == spans[0]
+    assert second.name == "s2" and second.attributes[-1].key == "tokentrace.e2e_ns"
+    second.ClearField("attributes")
+    assert second == spans[1]
+    # Dropped bytes: re-serialised from the object.
+    refs[1].wire = None
+    _, second = _spans_of(
+        ExportTraceServiceRequest.FromString(encode_trace_request(refs, appended=appended))
+    )
     assert second.name == "changed" and second.attributes[-1].key == "tokentrace.e2e_ns"
     # Bytes that are not this request's: no wire for anyone, the spans re-serialised.
     groups, _ = group_by_trace(ExportTraceServiceRequest.FromString(data), encoded=b"")
