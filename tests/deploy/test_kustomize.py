@@ -789,6 +789,7 @@ def test_the_injection_component_puts_the_agent_into_the_inference_pod() -> None
     assert env["PYTHONPATH"]["value"] == f"{_INJECTION_MOUNT}/bootstrap"
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == f"{_NODE_AGENT_OTLP}:4317"
     assert env["OTEL_EXPORTER_OTLP_PROTOCOL"]["value"] == "grpc"
+    assert env["OTEL_EXPORTER_OTLP_COMPRESSION"]["value"] == "none"  # a node-local hop
     token = env["TOKENTRACE_NODE_AGENT_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert token == {"name": "tokentrace-node-agent-token", "key": "token"}
     assert env["OTEL_EXPORTER_OTLP_HEADERS"]["value"] == (
@@ -892,6 +893,7 @@ def test_the_injection_component_patches_only_labelled_workloads_and_keeps_their
         "PYTHONPATH",
         "OTEL_EXPORTER_OTLP_ENDPOINT",
         "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_COMPRESSION",
         "TOKENTRACE_NODE_AGENT_TOKEN",
         "OTEL_EXPORTER_OTLP_HEADERS",
         "OTEL_SERVICE_NAME",
@@ -947,6 +949,7 @@ def test_the_operator_instrumentation_uses_the_injection_image() -> None:
         ("4317", "grpc"),
         ("4318", "http/protobuf"),
     }
+    assert env["OTEL_EXPORTER_OTLP_COMPRESSION"]["value"] == "none"  # a node-local hop
     token = env["TOKENTRACE_NODE_AGENT_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert token == {"name": "tokentrace-node-agent-token", "key": "token"}
     names = [v["name"] for v in python["env"]]
