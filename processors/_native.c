@@ -532,6 +532,34 @@ static int span_of_entry(PyObject *entry, const unsigned char **data, Py_ssize_t
            length == (uint64_t)(*size - *pos);
 }
 
+#define LEFT_TO_PYTHON 2
+
+/* The span's next attribute from *pos (the span's bytes end at `size`): 1 with its key (a new
+ * reference) and its value's bytes (`values`: 0 when it has none); 0 past the last attribute;
+ * LEFT_TO_PYTHON where the parsed span must answer (malformed, a field the parser merges, a key
+ * that is not UTF-8); -1 on error. */
+static int next_attribute(const unsigned char *data, Py_ssize_t size, Py_ssize_t *pos,
+                          PyObject **key, Py_ssize_t *value_start, Py_ssize_t *value_stop,
+                          int *values) {
+    while (*pos < size) {
+        uint32_t number;
+        int wire_type;
+        Py_ssize_t start = 0, stop = 0;
+        if (!next_field(data, size, pos, &number, &wire_type, &start, &stop)) {
+            return LEFT_TO_PYTHON;
+        }
+        if (number != SPAN_ATTRIBUTES || wire_type != WIRE_LEN) {
+            continue;
+        }
+        *key = key_of(data, start, stop, value_start, value_stop, values);
+        if (*key == NULL) {
+            return PyErr_Occurred() ? -1 : LEFT_TO_PYTHON;
+        }
+        return 1;
+    }
+    return 0;
+}
+
 /* has_attribute_key(entry: bytes, keys: frozenset[str], prefixes: tuple[str, ...]) -> bool | None
  *
  * Whether an attribute of the span (a ScopeSpans.spans entry, as attribute_slots takes) has a
@@ -547,23 +575,11 @@ static PyObject *has_attribute_key(PyObject *module, PyObject *const *args, Py_s
     if (!span_of_entry(args[0], &data, &pos, &size)) {
         Py_RETURN_NONE;
     }
-    while (pos < size) {
-        uint32_t number;
-        int wire_type, values;
-        Py_ssize_t start = 0, stop = 0, value_start, value_stop;
-        if (!next_field(data, size, &pos, &number, &wire_type, &start, &stop)) {
-            Py_RETURN_NONE;
-        }
-        if (number != SPAN_ATTRIBUTES || wire_type != WIRE_LEN) {
-            continue;
-        }
-        PyObject *key = key_of(data, start, stop, &value_start, &value_stop, &values);
-        if (key == NULL) {
-            if (PyErr_Occurred()) {
-                return NULL;
-            }
-            Py_RETURN_NONE;
-        }
+    PyObject *key;
+    Py_ssize_t value_start = 0, value_stop = 0;
+    int values, next;
+    while ((next = next_attribute(data, size, &pos, &key, &value_start, &value_stop, &values)) ==
+           1) {
         int found = PySet_Contains(args[1], key);
         for (Py_ssize_t i = 0; found == 0 && i < PyTuple_GET_SIZE(args[2]); i++) {
             found = (int)PyUnicode_Tailmatch(key, PyTuple_GET_ITEM(args[2], i), 0,
@@ -576,6 +592,12 @@ static PyObject *has_attribute_key(PyObject *module, PyObject *const *args, Py_s
             }
             Py_RETURN_TRUE;
         }
+    }
+    if (next < 0) {
+        return NULL;
+    }
+    if (next == LEFT_TO_PYTHON) {
+        Py_RETURN_NONE;
     }
     Py_RETURN_FALSE;
 }
@@ -620,25 +642,11 @@ static PyObject *attribute_slots(PyObject *module, PyObject *const *args, Py_ssi
         Py_INCREF(Py_None);
         PyList_SET_ITEM(slots, slot, Py_None);
     }
-    while (pos < size) {
-        uint32_t number;
-        int wire_type;
-        Py_ssize_t start = 0, stop = 0;
-        if (!next_field(data, size, &pos, &number, &wire_type, &start, &stop)) {
-            goto outside;
-        }
-        if (number != SPAN_ATTRIBUTES || wire_type != WIRE_LEN) {
-            continue;
-        }
-        Py_ssize_t value_start = 0, value_stop = 0;
-        int values;
-        PyObject *key = key_of(data, start, stop, &value_start, &value_stop, &values);
-        if (key == NULL) {
-            if (PyErr_Occurred()) {
-                goto failed;
-            }
-            goto outside;
-        }
+    PyObject *key;
+    Py_ssize_t value_start = 0, value_stop = 0;
+    int values, next;
+    while ((next = next_attribute(data, size, &pos, &key, &value_start, &value_stop, &values)) ==
+           1) {
         PyObject *slot_number = PyDict_GetItemWithError(slot_of, key); /* borrowed */
         Py_DECREF(key);
         if (slot_number == NULL) {
@@ -677,6 +685,12 @@ static PyObject *attribute_slots(PyObject *module, PyObject *const *args, Py_ssi
             Py_INCREF(other);
         }
         PyList_SetItem(slots, slot, value); /* steals value, releases the earlier one */
+    }
+    if (next < 0) {
+        goto failed;
+    }
+    if (next == LEFT_TO_PYTHON) {
+        goto outside;
     }
     return slots;
 outside:
