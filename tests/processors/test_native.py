@@ -267,6 +267,7 @@ def test_plain_value_readers_answer_as_the_any_value_readers(value: AnyValue) ->
         (span_attributes.plain_timestamp, span_attributes.as_timestamp),
         (span_attributes.plain_str, span_attributes.as_str),
         (span_attributes.plain_bool, span_attributes.as_bool),
+        (span_attributes.plain_float, span_attributes.as_float),
         (span_attributes.plain_seconds_ns, span_attributes.as_seconds_ns),
         (span_attributes.plain_first_str, span_attributes.first_str),
         (span_attributes.plain_str_tuple, span_attributes.as_str_tuple),
