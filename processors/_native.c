@@ -350,6 +350,50 @@ failed:
     return NULL;
 }
 
+/* outlier_positions(gaps_ns: list[int], threshold_ns: int) -> list[int] | None
+ *
+ * The 1-based positions of the gaps longer than threshold_ns, in order (decode_split's outlier
+ * gaps: gap i lies between tokens i - 1 and i). None unless every gap and the threshold fit
+ * int64.
+ */
+static PyObject *outlier_positions(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "outlier_positions takes 2 arguments");
+        return NULL;
+    }
+    int overflow = 0;
+    long long threshold = PyLong_Check(args[1]) ? PyLong_AsLongLongAndOverflow(args[1], &overflow)
+                                                : 0;
+    if (!PyLong_Check(args[1]) || overflow || (threshold == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (!PyList_Check(args[0])) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t count;
+    int64_t *gaps = int64_buffer(args[0], &count);
+    if (gaps == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    PyObject *positions = PyList_New(0);
+    for (Py_ssize_t index = 0; positions != NULL && index < count; index++) {
+        if (gaps[index] > threshold) {
+            PyObject *position = PyLong_FromSsize_t(index + 1);
+            if (position == NULL || PyList_Append(positions, position) < 0) {
+                Py_CLEAR(positions);
+            }
+            Py_XDECREF(position);
+        }
+    }
+    PyMem_Free(gaps);
+    return positions;
+}
+
 /* --- span attributes read ------------------------------------------------------------------ */
 
 #define SPAN_ENTRY_TAG 0x12 /* ScopeSpans.spans = 2: SpanRef.wire's head */
@@ -710,6 +754,8 @@ static PyMethodDef native_methods[] = {
     {"count_keys_ns", (PyCFunction)(void (*)(void))count_keys_ns, METH_FASTCALL,
      "count_keys_ns(durations_ns: list[int], multiplier: float)"
      " -> tuple[list[int], list[int], int, int, int] | None"},
+    {"outlier_positions", (PyCFunction)(void (*)(void))outlier_positions, METH_FASTCALL,
+     "outlier_positions(gaps_ns: list[int], threshold_ns: int) -> list[int] | None"},
     {"attribute_slots", (PyCFunction)(void (*)(void))attribute_slots, METH_FASTCALL,
      "attribute_slots(entry: bytes, slot_of: dict[str, int], slot_count: int, other: object,"
      " int_arrays: frozenset[int] = ...) -> list[object] | None"},

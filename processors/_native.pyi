@@ -5,6 +5,7 @@ def gap_median(gaps_ns: object, min_gaps: int, /) -> tuple[float | None, int] | 
 def count_keys_ns(
     durations_ns: object, multiplier: float, /
 ) -> tuple[list[int], list[int], int, int, int] | None: ...
+def outlier_positions(gaps_ns: object, threshold_ns: int, /) -> list[int] | None: ...
 def attribute_slots(
     entry: bytes,
     slot_of: dict[str, int],

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterable, Sequence
-from itertools import compress, islice
+from itertools import islice
 from typing import Final
 
 from tokentrace.agent import semconv
@@ -61,8 +61,8 @@ def gap_parts(
     first_token = timeline.first_token
     if len(offsets) < 2 or first_token is None:
         return []
-    # Per-token work stays in C (map, the median, compress): the Python below runs per outlier
-    # gap.
+    # Per-token work stays in C (map, the median, the outlier positions): the Python below
+    # runs per outlier gap.
     if gaps_ns is None or len(gaps_ns) != len(offsets) - 1:  # not given, or some negative
         gaps_ns = list(
             map(_NS_PER_US.__mul__, map(operator.sub, islice(offsets, 1, None), offsets))
@@ -79,8 +79,7 @@ def gap_parts(
         if highest_ns <= threshold_ns:
             return []  # the usual request: no outlier gap
         # Integer gaps: above the threshold is above its floor (an int compares faster).
-        above = map(math.floor(threshold_ns).__lt__, gaps_ns)
-        positions: Iterable[int] = list(compress(range(1, len(offsets)), above))
+        positions: Iterable[int] = native.outlier_positions(gaps_ns, math.floor(threshold_ns))
     else:
         positions = range(1, len(offsets))
     steps = timeline.engine_steps

@@ -12,7 +12,7 @@ import operator
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
-from itertools import islice
+from itertools import compress, islice
 from typing import Any, Final
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -111,6 +111,20 @@ def gap_median(gaps_ns: Sequence[int]) -> tuple[float | None, int]:
         if answer is not None:
             return answer
     return gap_median_python(gaps_ns)
+
+
+def outlier_positions_python(gaps_ns: Sequence[int], threshold_ns: int) -> list[int]:
+    """The 1-based positions of the gaps longer than ``threshold_ns``, in order."""
+    return list(compress(range(1, len(gaps_ns) + 1), map(threshold_ns.__lt__, gaps_ns)))
+
+
+def outlier_positions(gaps_ns: Sequence[int], threshold_ns: int) -> list[int]:
+    """``outlier_positions_python``'s answer (in C when built and the values fit 64 bits)."""
+    if _NATIVE is not None:
+        positions: list[int] | None = _NATIVE.outlier_positions(gaps_ns, threshold_ns)
+        if positions is not None:
+            return positions
+    return outlier_positions_python(gaps_ns, threshold_ns)
 
 
 def count_keys_ns(

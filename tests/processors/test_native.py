@@ -113,6 +113,17 @@ def test_gap_median_is_the_mean_of_the_middle_two_and_ignores_negative_gaps() ->
     assert native.gap_median([-1, -2]) == (None, -1)
 
 
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=-(2**64), max_value=2**64), max_size=60), st.integers())
+def test_outlier_positions_match_python(gaps: list[int], threshold: int) -> None:
+    expected = native.outlier_positions_python(gaps, threshold)
+    assert native.outlier_positions(gaps, threshold) == expected
+    answer = _native.outlier_positions(gaps, threshold)
+    fits = all(-(2**63) <= value < 2**63 for value in (*gaps, threshold))
+    assert answer == (expected if fits else None)
+
+
 def _python_keys(
     durations_ns: list[int], scale: int
 ) -> tuple[list[int], list[int], int, int, int] | None:
