@@ -58,10 +58,6 @@ from tokentrace.processors.model import AssembledTrace, RequestTimeline, SpanRef
 from tokentrace.processors.span_attributes import (
     OTHER_VALUE,
     PlainValue,
-    as_int,
-    as_str,
-    as_str_tuple,
-    as_timestamp,
     attribute_slots,
     error_of,
     int_attribute,
@@ -214,6 +210,17 @@ _DECODE_SLOT: Final = {  # the decode span's attributes, in the order _apply_dec
     )
 }
 _DECODE_INT_ARRAYS: Final = frozenset({_DECODE_SLOT[semconv.DECODE_TOKEN_OFFSETS]})
+_HTTP_SERVER_SLOT: Final = {  # the HTTP server span's, in the order _apply_http_server reads
+    key: slot
+    for slot, key in enumerate(
+        (
+            semconv.HTTP_RECEIVE_WAIT_NS,
+            semconv.HTTP_FIRST_BODY_TIME,
+            semconv.PROXY_NOT_REPORTED,
+            semconv.PROXY_ENGINE,
+        )
+    )
+}
 
 _Slots: TypeAlias = "list[PlainValue | None]"
 
@@ -309,15 +316,15 @@ class _Context:
 
     __slots__ = ("client", "client_ref", "client_slots", "server")
 
-    def __init__(self, chain: list[SpanRef], *, self_is_server: Span | None = None) -> None:
-        self.server: Span | None = self_is_server
+    def __init__(self, chain: list[SpanRef], *, self_is_server: SpanRef | None = None) -> None:
+        self.server: SpanRef | None = self_is_server
         self.client: Span | None = None
         self.client_ref: SpanRef | None = None
         self.client_slots: _Slots | None = None
         for ref in chain:
             kind = ref.span.kind
             if kind == _KIND_SERVER and self.server is None:
-                self.server = ref.span
+                self.server = ref
             elif kind == _KIND_CLIENT:
                 self.client = ref.span
                 self.client_ref = ref
@@ -328,7 +335,7 @@ class _Context:
         (``request_start``, default the engine arrival, to its end)."""
         server = self.server
         if server is not None:
-            times = span_times(server)
+            times = span_times(server.span)
             if times is not None:
                 timeline.server_start, timeline.server_end = times
                 _apply_http_server(timeline, server)
@@ -369,18 +376,19 @@ def _apply_client(timeline: RequestTimeline, client: Span, slots: _Slots | None)
     timeline.client_rtt_ns = plain_int(slots[_CLIENT_RTT])
 
 
-def _apply_http_server(timeline: RequestTimeline, server: Span) -> None:
+def _apply_http_server(timeline: RequestTimeline, server: SpanRef) -> None:
     """The HTTP server span's own facts: the kernel wait before the app, the first body."""
-    for kv in server.attributes:
-        key = kv.key
-        if key == semconv.HTTP_RECEIVE_WAIT_NS:
-            timeline.http_receive_wait_ns = as_int(kv.value)
-        elif key == semconv.HTTP_FIRST_BODY_TIME:
-            timeline.server_first_body = as_timestamp(kv.value)
-        elif key == semconv.PROXY_NOT_REPORTED:
-            timeline.not_reported = as_str_tuple(kv.value)
-        elif key == semconv.PROXY_ENGINE:
-            timeline.not_reported_by = f"{as_str(kv.value)}'s timing report (tokentrace proxy)"
+    receive_wait, first_body, not_reported, engine = _read_slots(
+        server.span, server.wire, _HTTP_SERVER_SLOT
+    )
+    if receive_wait is not None:
+        timeline.http_receive_wait_ns = plain_int(receive_wait)
+    if first_body is not None:
+        timeline.server_first_body = plain_timestamp(first_body)
+    if not_reported is not None:
+        timeline.not_reported = plain_str_tuple(not_reported)
+    if engine is not None:
+        timeline.not_reported_by = f"{plain_str(engine)}'s timing report (tokentrace proxy)"
 
 
 # --- dialects ------------------------------------------------------------------------------------
@@ -530,7 +538,7 @@ def _vllm_timeline(
     trace_id: bytes, index: _TraceIndex, ref: SpanRef, slots: _Slots
 ) -> RequestTimeline:
     span = ref.span
-    self_server = span if span.kind == _KIND_SERVER else None
+    self_server = ref if span.kind == _KIND_SERVER else None
     context = _Context(index.ancestors(span), self_is_server=self_server)
     model, operation = _model_and_operation(slots, context.slots_of_client())
     start = span.start_time_unix_nano or None
