@@ -314,20 +314,18 @@ class _TraceIndex:
 class _Context:
     """Server and client views around one request span, from its ancestors."""
 
-    __slots__ = ("client", "client_ref", "client_slots", "server")
+    __slots__ = ("client", "client_slots", "server")
 
     def __init__(self, chain: list[SpanRef], *, self_is_server: SpanRef | None = None) -> None:
         self.server: SpanRef | None = self_is_server
-        self.client: Span | None = None
-        self.client_ref: SpanRef | None = None
+        self.client: SpanRef | None = None
         self.client_slots: _Slots | None = None
         for ref in chain:
             kind = ref.span.kind
             if kind == _KIND_SERVER and self.server is None:
                 self.server = ref
             elif kind == _KIND_CLIENT:
-                self.client = ref.span
-                self.client_ref = ref
+                self.client = ref
                 break
 
     def apply(self, timeline: RequestTimeline, *, request_start: int | None = None) -> None:
@@ -346,13 +344,13 @@ class _Context:
             timeline.server_end = timeline.end
         client = self.client
         if client is not None:
-            _apply_client(timeline, client, self.slots_of_client())
+            _apply_client(timeline, client.span, self.slots_of_client())
 
     def slots_of_client(self) -> _Slots | None:
-        if self.client_ref is None:
+        if self.client is None:
             return None
         if self.client_slots is None:
-            self.client_slots = _read_request_slots(self.client_ref)
+            self.client_slots = _read_request_slots(self.client)
         return self.client_slots
 
 
