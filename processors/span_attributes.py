@@ -2,8 +2,10 @@
 
 Every span dialect ``timeline.normalize`` reads goes through these, so that an attribute of the
 wrong type, a negative count, a non-finite or negative latency or a zero (unset) timestamp reads
-as absent instead of breaking the pipeline. Separate from the dialects because they are about the
-OTLP value types (and one wire-format shortcut for integer arrays), not about any span's meaning.
+as absent instead of breaking the pipeline. An attribute is read once into a plain Python value
+(``plain_value``; in C from the span's received bytes, ``native.attribute_slots``), which the
+``plain_*`` readers type. Separate from the dialects because they are about the OTLP value types
+(and one wire-format shortcut for integer arrays), not about any span's meaning.
 """
 
 from __future__ import annotations
@@ -20,79 +22,6 @@ from tokentrace.processors import native
 _STATUS_ERROR: Final = Status.STATUS_CODE_ERROR
 _DEFAULT_ERROR_MESSAGE: Final = "error"
 _NS_PER_SECOND: Final = 1_000_000_000
-
-
-def as_int(value: AnyValue | None) -> int | None:
-    """A non-negative integer attribute."""
-    if value is None or value.WhichOneof("value") != "int_value":
-        return None
-    number = value.int_value
-    return number if number >= 0 else None
-
-
-def as_timestamp(value: AnyValue | None) -> int | None:
-    """A Unix-ns integer attribute; 0 means unset in OTLP."""
-    number = as_int(value)
-    return number if number else None
-
-
-def as_str(value: AnyValue | None) -> str | None:
-    if value is None or value.WhichOneof("value") != "string_value":
-        return None
-    return value.string_value
-
-
-def as_str_tuple(value: AnyValue | None) -> tuple[str, ...]:
-    """A string array's strings (a single string as one); () for anything else."""
-    if value is None:
-        return ()
-    kind = value.WhichOneof("value")
-    if kind == "array_value":
-        return tuple(v.string_value for v in value.array_value.values if v.string_value)
-    if kind == "string_value" and value.string_value:
-        return (value.string_value,)
-    return ()
-
-
-def as_bool(value: AnyValue | None) -> bool | None:
-    if value is None or value.WhichOneof("value") != "bool_value":
-        return None
-    return value.bool_value
-
-
-def as_float(value: AnyValue | None) -> float | None:
-    """A finite non-negative number (doubles, and ints for lenient writers)."""
-    if value is None:
-        return None
-    which = value.WhichOneof("value")
-    if which == "double_value":
-        number = value.double_value
-    elif which == "int_value":
-        number = float(value.int_value)
-    else:
-        return None
-    return number if math.isfinite(number) and number >= 0.0 else None
-
-
-def as_seconds_ns(value: AnyValue | None) -> int | None:
-    seconds = as_float(value)
-    return None if seconds is None else round(seconds * _NS_PER_SECOND)
-
-
-def first_str(value: AnyValue | None) -> str | None:
-    """First element of a string array (a plain string is accepted too)."""
-    if value is None:
-        return None
-    which = value.WhichOneof("value")
-    if which == "string_value":
-        return value.string_value
-    if which != "array_value":
-        return None
-    for element in value.array_value.values:
-        if element.WhichOneof("value") == "string_value":
-            return element.string_value
-        return None
-    return None
 
 
 # --- plain values: attributes read once into Python values ---------------------------------------
@@ -115,8 +44,8 @@ PlainValue: TypeAlias = "str | bool | int | float | list[PlainValue] | _OtherVal
 def plain_value(value: AnyValue, *, top: bool = True) -> PlainValue:
     """``value`` as a Python value: its string, bool, int or float, its array's elements (each
     read the same way, an array inside it as ``OTHER_VALUE``), else ``OTHER_VALUE``. What
-    ``native.attribute_slots`` reads from a span's bytes; the ``plain_*`` readers below take it
-    as the ``as_*`` readers above take the ``AnyValue``."""
+    ``native.attribute_slots`` reads from a span's bytes, and what the ``plain_*`` readers
+    below take."""
     kind = value.WhichOneof("value")
     if kind == "string_value":
         return value.string_value
@@ -149,12 +78,12 @@ def attribute_slots(
 
 
 def plain_int(value: PlainValue | None) -> int | None:
-    """``as_int`` of a plain value: a non-negative integer (not a bool)."""
+    """A non-negative integer (not a bool)."""
     return value if type(value) is int and value >= 0 else None
 
 
 def plain_timestamp(value: PlainValue | None) -> int | None:
-    """``as_timestamp`` of a plain value: a Unix-ns integer; 0 means unset."""
+    """A Unix-ns integer; 0 means unset in OTLP."""
     number = plain_int(value)
     return number if number else None
 
@@ -168,8 +97,7 @@ def plain_bool(value: PlainValue | None) -> bool | None:
 
 
 def plain_float(value: PlainValue | None) -> float | None:
-    """``as_float`` of a plain value: a finite non-negative number (a double, or an int for
-    lenient writers)."""
+    """A finite non-negative number (a double, or an int for lenient writers)."""
     kind = type(value)
     if kind is not float and kind is not int:
         return None
@@ -178,13 +106,13 @@ def plain_float(value: PlainValue | None) -> float | None:
 
 
 def plain_seconds_ns(value: PlainValue | None) -> int | None:
-    """``as_seconds_ns`` of a plain value: ``plain_float`` seconds in ns."""
+    """``plain_float`` seconds in ns."""
     seconds = plain_float(value)
     return None if seconds is None else round(seconds * _NS_PER_SECOND)
 
 
 def plain_first_str(value: PlainValue | None) -> str | None:
-    """``first_str`` of a plain value: a string, or a string array's first element."""
+    """A string, or a string array's first element (None when that is not a string)."""
     if type(value) is str:
         return value
     if type(value) is list and value and type(value[0]) is str:
@@ -193,8 +121,7 @@ def plain_first_str(value: PlainValue | None) -> str | None:
 
 
 def plain_str_tuple(value: PlainValue | None) -> tuple[str, ...]:
-    """``as_str_tuple`` of a plain value: an array's non-empty strings, a non-empty string as
-    one; () for anything else."""
+    """An array's non-empty strings, a non-empty string as one; () for anything else."""
     if type(value) is list:
         return tuple(element for element in value if type(element) is str and element)
     if type(value) is str and value:
@@ -244,7 +171,8 @@ def span_times(span: Span) -> tuple[int, int] | None:
 
 
 def int_attribute(span: Span, key: str) -> int | None:
+    """``plain_int`` of the first attribute named ``key``."""
     for kv in span.attributes:
         if kv.key == key:
-            return as_int(kv.value)
+            return plain_int(plain_value(kv.value))
     return None

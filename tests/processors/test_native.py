@@ -15,6 +15,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf.message import DecodeError
@@ -283,22 +284,41 @@ def test_has_attribute_key_reads_the_bytes_as_the_parsed_span_says(
     assert native.has_attribute_key(b"\x0a" + _entry(span_bytes)[1:], _OWNED, ()) is None
 
 
-@settings(max_examples=400, deadline=None)
-@given(_ANY_VALUE)
-def test_plain_value_readers_answer_as_the_any_value_readers(value: AnyValue) -> None:
-    plain = span_attributes.plain_value(value)
-    pairs = [
-        (span_attributes.plain_int, span_attributes.as_int),
-        (span_attributes.plain_timestamp, span_attributes.as_timestamp),
-        (span_attributes.plain_str, span_attributes.as_str),
-        (span_attributes.plain_bool, span_attributes.as_bool),
-        (span_attributes.plain_float, span_attributes.as_float),
-        (span_attributes.plain_seconds_ns, span_attributes.as_seconds_ns),
-        (span_attributes.plain_first_str, span_attributes.first_str),
-        (span_attributes.plain_str_tuple, span_attributes.as_str_tuple),
-    ]
-    for plain_reader, reader in pairs:
-        assert _typed(plain_reader(plain)) == _typed(reader(value)), plain_reader.__name__
+_NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("reader", "value", "expected"),
+    [
+        (span_attributes.plain_int, 7, 7),
+        (span_attributes.plain_int, -1, None),  # a count below zero is no count
+        (span_attributes.plain_int, True, None),  # a bool is not an int here
+        (span_attributes.plain_int, "7", None),
+        (span_attributes.plain_timestamp, 0, None),  # 0: unset in OTLP
+        (span_attributes.plain_timestamp, 1_700_000_000_000_000_000, 1_700_000_000_000_000_000),
+        (span_attributes.plain_str, "m", "m"),
+        (span_attributes.plain_str, span_attributes.OTHER_VALUE, None),
+        (span_attributes.plain_bool, False, False),
+        (span_attributes.plain_bool, 0, None),
+        (span_attributes.plain_float, 2, 2.0),  # ints from lenient writers
+        (span_attributes.plain_float, _NAN, None),
+        (span_attributes.plain_float, float("inf"), None),
+        (span_attributes.plain_float, -0.5, None),
+        (span_attributes.plain_float, True, None),
+        (span_attributes.plain_seconds_ns, 0.25, 250_000_000),
+        (span_attributes.plain_seconds_ns, -1.0, None),
+        (span_attributes.plain_first_str, ["stop", "length"], "stop"),
+        (span_attributes.plain_first_str, [3, "stop"], None),  # the first element decides
+        (span_attributes.plain_first_str, [], None),
+        (span_attributes.plain_first_str, "", ""),
+        (span_attributes.plain_str_tuple, ["a", "", 3, "b"], ("a", "b")),
+        (span_attributes.plain_str_tuple, "a", ("a",)),
+        (span_attributes.plain_str_tuple, "", ()),
+        (span_attributes.plain_str_tuple, None, ()),
+    ],
+)
+def test_plain_value_readers(reader: Any, value: object, expected: object) -> None:
+    assert _typed(reader(value)) == _typed(expected)
 
 
 _PIPELINE_DIGEST = """
