@@ -128,9 +128,12 @@ not_fast:
     Py_RETURN_NONE;
 }
 
-/* Reads a list of ints into a new int64 buffer; NULL (no exception) when an element is not an
- * int that fits 64 bits, NULL with MemoryError set when out of memory. */
+/* Reads a list of ints into a new int64 buffer; NULL (no exception) when `list` is not a list
+ * or an element is not an int that fits 64 bits, NULL with MemoryError set when out of memory. */
 static int64_t *int64_buffer(PyObject *list, Py_ssize_t *count) {
+    if (!PyList_Check(list)) {
+        return NULL;
+    }
     *count = PyList_GET_SIZE(list);
     int64_t *buffer = PyMem_Malloc(sizeof(int64_t) * (size_t)(*count ? *count : 1));
     if (buffer == NULL) {
@@ -193,9 +196,6 @@ static PyObject *gap_median(PyObject *module, PyObject *const *args, Py_ssize_t 
     Py_ssize_t min_gaps = PyLong_AsSsize_t(args[1]);
     if (min_gaps == -1 && PyErr_Occurred()) {
         return NULL;
-    }
-    if (!PyList_Check(args[0])) {
-        Py_RETURN_NONE;
     }
     Py_ssize_t count;
     int64_t *gaps = int64_buffer(args[0], &count);
@@ -276,9 +276,6 @@ static PyObject *count_keys_ns(PyObject *module, PyObject *const *args, Py_ssize
     double multiplier = PyFloat_AsDouble(args[1]);
     if (multiplier == -1.0 && PyErr_Occurred()) {
         return NULL;
-    }
-    if (!PyList_Check(args[0])) {
-        Py_RETURN_NONE;
     }
     Py_ssize_t count;
     int64_t *keys = int64_buffer(args[0], &count);
@@ -367,9 +364,6 @@ static PyObject *outlier_positions(PyObject *module, PyObject *const *args, Py_s
                                                 : 0;
     if (!PyLong_Check(args[1]) || overflow || (threshold == -1 && PyErr_Occurred())) {
         PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    if (!PyList_Check(args[0])) {
         Py_RETURN_NONE;
     }
     Py_ssize_t count;

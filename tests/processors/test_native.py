@@ -163,7 +163,7 @@ def test_sketch_keys_over_a_wide_range_are_counted_by_sorting() -> None:
 @needs_c
 @pytest.mark.parametrize(
     "durations",
-    [[], [0, 5], [-3], [2**53], [1.5], ["x"], [2**53 - 1] * 1025],  # last: sum > 2**63
+    [[], [0, 5], [-3], [2**53], [1.5], ["x"], [2**53 - 1] * 1025, (5, 3)],  # sum > 2**63; a tuple
 )
 def test_sketch_keys_leave_what_python_must_check_to_python(durations: list[object]) -> None:
     assert _native.count_keys_ns(durations, 1.0) is None
