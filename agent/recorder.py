@@ -70,10 +70,7 @@ class MonotonicToUnix:
         self._measured_at = self._monotonic_ns()
 
     def to_unix_ns(self, monotonic_ns: int) -> int:
-        # ``offset_ns`` inlined: one Python call per converted timestamp, not two.
-        if self._monotonic_ns() - self._measured_at > _OFFSET_REFRESH_NS:
-            self.refresh()
-        return monotonic_ns + self._offset_ns
+        return monotonic_ns + self.offset_ns()
 
     def offset_ns(self) -> int:
         """Unix ns minus monotonic ns now: for converting many readings with one clock check."""
