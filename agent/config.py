@@ -19,6 +19,10 @@
   (each its own trace), besides those overlapping requests' inter-token outliers.
 - ``TOKENTRACE_ITL_OUTLIER_RATIO`` (3.0): an inter-token gap above this many times the request's
   median gap is an outlier; the engine steps inside it are exported under the request.
+- ``TOKENTRACE_NODE_SOCKET``: the node agent's local socket (``tokentrace node --local-socket``).
+  Set: finished requests go there as plain data and the node agent builds their spans, which
+  takes that work out of this process (``local_relay``); OTLP is used whenever it cannot be
+  reached.
 - ``TOKENTRACE_GPU_UUIDS``: the process's GPUs, comma-separated, for the node agent; by default
   from ``CUDA_VISIBLE_DEVICES`` / ``NVIDIA_VISIBLE_DEVICES`` (UUIDs) or NVML (indices).
 - ``K8S_POD_NAME`` / ``K8S_NAMESPACE_NAME`` / ``K8S_NODE_NAME`` (or ``POD_NAME`` /
@@ -68,6 +72,7 @@ _DEFAULT_MAX_REQUEST_AGE_S = 600
 _DEFAULT_ENGINE_STEPS = 4096
 _DEFAULT_STEP_SAMPLE_RATE = 0.01
 _DEFAULT_ITL_OUTLIER_RATIO = DEFAULT_ITL_OUTLIER_RATIO
+NODE_SOCKET_ENV: Final = "TOKENTRACE_NODE_SOCKET"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -93,6 +98,8 @@ class AgentConfig:
     itl_outlier_ratio: float = _DEFAULT_ITL_OUTLIER_RATIO
     gpu_uuids: tuple[str, ...] = ()
     """The GPUs this process may use (``identity.visible_gpu_uuids``)."""
+    node_socket: str | None = None
+    """The node agent's local socket (``TOKENTRACE_NODE_SOCKET``); None: export OTLP only."""
 
     def resource(self) -> dict[str, AttrValue]:
         """Resource attributes of every span: identity of this process, its service, its pod
@@ -176,6 +183,7 @@ def load_agent_config(environ: Mapping[str, str] | None = None) -> AgentConfig:
             env, "TOKENTRACE_ITL_OUTLIER_RATIO", _DEFAULT_ITL_OUTLIER_RATIO, low=1.0
         ),
         gpu_uuids=tuple(visible_gpu_uuids(env)) if enabled else (),
+        node_socket=env.get(NODE_SOCKET_ENV, "").strip() or None,
     )
 
 

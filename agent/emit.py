@@ -11,6 +11,10 @@ costs the waker, holding the GIL, a context switch on a busy machine). Bounded: 
 drops the new request and counts it, so a stalled exporter (this thread waits in its retries
 meanwhile) never grows the host's memory; a sender without room (``has_room``) makes the
 emitter drop batches before encoding them.
+
+With the node agent's local socket (``local_relay``; ``TOKENTRACE_NODE_SOCKET``), a batch goes
+there as the integers the serving path recorded: the node agent converts, builds and encodes it,
+and this thread does none of that. Whenever the socket cannot take a batch, it is exported here.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tokentrace.agent.local_relay import (
+    ACK_BUSY,
+    LocalRelayClient,
+    RelayRefused,
+    RelayUnreachable,
+)
 from tokentrace.agent.otlp_export import RateLimitedWarning
 from tokentrace.agent.recorder import MonotonicToUnix, RequestTimer, to_finished_request
 from tokentrace.agent.span_encoding import SpanBatchEncoder
@@ -61,10 +71,14 @@ class SpanEmitter:
         max_token_offsets: int = DEFAULT_MAX_TOKEN_OFFSETS,
         to_unix: MonotonicToUnix | None = None,
         has_room: HasRoom | None = None,
+        relay: LocalRelayClient | None = None,
     ) -> None:
         """``has_room``: checked before a batch is encoded (with its request count, a lower
-        bound of its spans); when it says no, the batch is dropped unencoded."""
+        bound of its spans); when it says no, the batch is dropped unencoded. ``relay``: the
+        node agent's local socket; batches go there as plain data while it answers, and are
+        encoded and sent here otherwise."""
         self._send = send
+        self._relay = relay
         self._has_room = has_room
         self._encoder = SpanBatchEncoder(
             resource_attributes=resource_attributes,
@@ -81,6 +95,8 @@ class SpanEmitter:
         """Requests whose spans the sender accepted for export (not necessarily delivered: the
         sender's ``sent_spans`` / ``dropped_spans`` say what became of them)."""
         self.handed_to_sender_spans = 0
+        self.handed_to_node_requests = 0
+        """Requests the node agent took over the local socket (it builds and sends their spans)."""
         self.dropped_queue_full = 0
         """Finished requests dropped on the serving path: ``max_queue`` were already waiting
         (or the emitter was shut down)."""
@@ -171,36 +187,76 @@ class SpanEmitter:
             while self._queue and len(batch) < self._max_batch:
                 batch.append(self._queue.popleft())
             taken += len(batch)
-            if self._has_room is not None and not self._has_room(len(batch)):
-                self._count_unsent(len(batch))  # endpoint down or slow: do not encode for nothing
+            timers: list[RequestTimer] = []
+            jobs: list[SpanJob] = []
+            for item in batch:
+                if type(item) is RequestTimer:
+                    timers.append(item)
+                elif type(item) is SpanJob:
+                    jobs.append(item)
+                else:
+                    jobs += self._plan(item)  # type: ignore[arg-type]
+            relay = self._relay
+            if (
+                relay is not None
+                and relay.available
+                and self._hand_to_node(relay, timers, jobs, len(batch))
+            ):
                 continue
-            try:
-                finished_requests = []
-                jobs: list[SpanJob] = []
-                for item in batch:
-                    if type(item) is RequestTimer:
-                        finished_requests.append(to_finished_request(item, self._clock))
-                    elif type(item) is SpanJob:
-                        jobs.append(item)
-                    else:
-                        jobs += self._plan(item)  # type: ignore[arg-type]
-                skipped_before = self._encoder.skipped
-                payload, spans = self._encoder.encode(finished_requests, jobs)
-                skipped = self._encoder.skipped - skipped_before
-            except Exception:  # a bad timer must not stop the emitter
-                self.failed_batches += 1
-                self._count_unencodable(len(batch), exc_info=True)
-                continue
-            if skipped:  # the encoder left out what it could not encode
-                self._count_unencodable(skipped, exc_info=False)
-            if not spans:
-                continue
-            if self._send(payload, spans):
-                self.handed_to_sender_requests += len(batch) - skipped
-                self.handed_to_sender_spans += spans
-            else:
-                self._count_unsent(len(batch) - skipped)
+            self._export(timers, jobs, len(batch))
         return taken
+
+    def _hand_to_node(
+        self,
+        relay: LocalRelayClient,
+        timers: list[RequestTimer],
+        jobs: list[SpanJob],
+        requests: int,
+    ) -> bool:
+        """The batch (``requests`` items) as plain data to the node agent, which builds its
+        spans; False when it was not delivered (the caller exports it by OTLP)."""
+        if not timers and not jobs:
+            return True  # deferred jobs that planned no spans: nothing to hand over
+        try:
+            relay.send(timers, jobs, self._clock.offset_ns())
+        except (RelayUnreachable, TypeError, ValueError, OverflowError):
+            return False  # not sent (unreachable, or a value a frame cannot carry)
+        except RelayRefused as refused:
+            if refused.answer == ACK_BUSY:
+                self._count_unsent(requests)
+            else:
+                self._count_unencodable(requests, exc_info=False)
+            return True
+        except OSError:  # written, then the socket failed: taken or not, unknown; never twice
+            self._count_unsent(requests)
+            return True
+        self.handed_to_node_requests += requests
+        return True
+
+    def _export(self, timers: list[RequestTimer], jobs: list[SpanJob], requests: int) -> None:
+        """Encode the batch's spans here and hand them to ``send`` (the OTLP sender)."""
+        if self._has_room is not None and not self._has_room(requests):
+            self._count_unsent(requests)  # endpoint down or slow: do not encode for nothing
+            return
+        try:
+            clock = self._clock
+            finished_requests = [to_finished_request(timer, clock) for timer in timers]
+            skipped_before = self._encoder.skipped
+            payload, spans = self._encoder.encode(finished_requests, jobs)
+            skipped = self._encoder.skipped - skipped_before
+        except Exception:  # a bad timer must not stop the emitter
+            self.failed_batches += 1
+            self._count_unencodable(requests, exc_info=True)
+            return
+        if skipped:  # the encoder left out what it could not encode
+            self._count_unencodable(skipped, exc_info=False)
+        if not spans:
+            return
+        if self._send(payload, spans):
+            self.handed_to_sender_requests += requests - skipped
+            self.handed_to_sender_spans += spans
+        else:
+            self._count_unsent(requests - skipped)
 
     def _plan(self, deferred: DeferredSpans) -> Sequence[SpanJob]:
         try:
@@ -213,7 +269,8 @@ class SpanEmitter:
         self.dropped_unsent += requests
         self._unsent_warning.warn(
             "tokentrace: %d finished requests dropped so far (emitter.dropped_unsent): the OTLP "
-            "sender's queue was full or closed (OTLP exporter queue_size; see sender.stats)",
+            "sender's queue was full or closed (OTLP exporter queue_size; see sender.stats), or "
+            "the node agent's socket was busy or failed after a batch was written",
             self.dropped_unsent,
         )
 
@@ -244,19 +301,26 @@ class SpanEmitter:
         self._wake.set()
         if self._worker is not None:
             self._worker.join(timeout_s)
+        if self._relay is not None:
+            self._relay.close()
 
     def stats(self) -> dict[str, int]:
         """``handed_to_sender_*``: accepted by the sender's queue, not delivered (the sender's
         own stats count deliveries); ``dropped_*``: finished requests lost, by cause."""
-        return {
+        stats: dict[str, int] = {
             "handed_to_sender_requests": self.handed_to_sender_requests,
             "handed_to_sender_spans": self.handed_to_sender_spans,
+            "handed_to_node_requests": self.handed_to_node_requests,
             "dropped_queue_full": self.dropped_queue_full,
             "dropped_unsent": self.dropped_unsent,
             "dropped_unencodable": self.dropped_unencodable,
             "failed_batches": self.failed_batches,
             "queued_requests": len(self._queue),
         }
+        if self._relay is not None:
+            stats["node_socket_connects"] = self._relay.connects
+            stats["node_socket_failures"] = self._relay.failures
+        return stats
 
 
 def _reinit_in_child(reference: weakref.ref[SpanEmitter]) -> None:

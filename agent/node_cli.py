@@ -32,6 +32,7 @@ TLS_CERT_VARIABLE = "TOKENTRACE_NODE_TLS_CERT_FILE"
 TLS_KEY_VARIABLE = "TOKENTRACE_NODE_TLS_KEY_FILE"
 ALLOW_UNAUTHENTICATED_VARIABLE = "TOKENTRACE_NODE_ALLOW_UNAUTHENTICATED"
 ADMIN_ENDPOINT_VARIABLE = "TOKENTRACE_NODE_ADMIN_ENDPOINT"
+LOCAL_SOCKET_VARIABLE = "TOKENTRACE_NODE_LOCAL_SOCKET"
 ROUTE_ENDPOINTS_VARIABLE = "TOKENTRACE_NODE_ROUTE_ENDPOINTS"
 ROUTE_DNS_VARIABLE = "TOKENTRACE_NODE_ROUTE_DNS"
 _TRUE = ("1", "true", "yes", "on")
@@ -136,6 +137,13 @@ class NodeAgentCommand:
             f"reaches it can relay spans to the collector ({ALLOW_UNAUTHENTICATED_VARIABLE}=true)",
         )
         parser.add_argument(
+            "--local-socket",
+            metavar="PATH",
+            help="also take finished requests as plain data on this Unix socket from agents "
+            f"with TOKENTRACE_NODE_SOCKET set, and build their spans here ({LOCAL_SOCKET_VARIABLE}"
+            "; deploy/ uses /var/run/tokentrace/node.sock; default: off)",
+        )
+        parser.add_argument(
             "--admin-endpoint",
             metavar="HOST:PORT",
             help="serve /healthz, /readyz and Prometheus /metrics here, unauthenticated: bind it "
@@ -156,6 +164,7 @@ class NodeAgentCommand:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         try:
             config = config_from_args(args, os.environ)
+            from tokentrace.agent.node.local_relay import LocalSocketReceiver
             from tokentrace.agent.node.routing import TraceRouter
             from tokentrace.agent.node.service import NodeAgent
 
@@ -171,7 +180,11 @@ class NodeAgentCommand:
         gpus = agent.sampler.devices
         listening = ", ".join(
             f"{type(r).__name__.removeprefix('Otlp').removesuffix('Receiver')} "
-            f"{r.endpoint.rpartition(':')[0]}:{r.port}"
+            + (
+                r.path
+                if isinstance(r, LocalSocketReceiver)
+                else f"{r.endpoint.rpartition(':')[0]}:{r.port}"
+            )
             for r in agent.receivers
         )
         security = ("TLS" if config.tls_cert_file else "plaintext") + (
@@ -272,6 +285,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> An
         tls_key_file=tls_key_file,
         allow_unauthenticated=_allow_unauthenticated(args, environ),
         admin_endpoint=_admin_endpoint(args, environ),
+        local_socket=_setting(args.local_socket, environ, LOCAL_SOCKET_VARIABLE),
         **_routing(args, environ),
     )
     config.validate()

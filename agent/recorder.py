@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from tokentrace.agent.finished_request import FinishedRequest, PrefillChunk, prompt_prefix_hash
 from tokentrace.agent.otlp_export import RateLimitedWarning
@@ -123,8 +123,16 @@ class RequestTimer:
             self.preempted_since_ns = None
 
 
-def to_finished_request(timer: RequestTimer, clock: MonotonicToUnix) -> FinishedRequest:
-    """The request in Unix time, for the span builder (runs on the emitter's thread)."""
+class UnixOffset(Protocol):
+    """What ``to_finished_request`` converts with: ``MonotonicToUnix``, or a fixed offset that
+    another process measured (the node agent's local socket)."""
+
+    def offset_ns(self) -> int: ...
+
+
+def to_finished_request(timer: RequestTimer, clock: UnixOffset) -> FinishedRequest:
+    """The request in Unix time, for the span builder (on the emitter's thread, or on the node
+    agent's for timers it received)."""
     offset = clock.offset_ns()  # one clock check per request, not one per timestamp
     end_ns = timer.end_ns if timer.end_ns is not None else timer.arrival_ns
     if timer.preempted_since_ns is not None:  # finished while evicted (aborted)

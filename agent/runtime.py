@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tokentrace.agent.config import AgentConfig, load_agent_config
 from tokentrace.agent.emit import SpanEmitter
 from tokentrace.agent.hooks import HookGuard
+from tokentrace.agent.local_relay import LocalRelayClient, hello
 from tokentrace.agent.otlp_export import OtlpSender
 from tokentrace.agent.recorder import MonotonicToUnix, Recorder
 
@@ -46,9 +47,21 @@ class AgentRuntime:
         self.clock = MonotonicToUnix()
         """The process's one monotonic -> Unix mapping: spans and instrumentations share it."""
         self.sender = OtlpSender(config.exporter, signal="traces")
+        resource = config.resource()
+        relay = None
+        if config.node_socket:
+            relay = LocalRelayClient(
+                config.node_socket,
+                hello_message=hello(
+                    resource=resource,
+                    scope_name=SCOPE_NAME,
+                    scope_version=_package_version(),
+                    max_token_offsets=config.max_token_offsets,
+                ),
+            )
         self.emitter = SpanEmitter(
             self.sender.send_now,  # on the emitter's thread: one background thread, not two
-            resource_attributes=config.resource(),
+            resource_attributes=resource,
             scope_name=SCOPE_NAME,
             scope_version=_package_version(),
             max_queue=config.max_queue,
@@ -56,6 +69,7 @@ class AgentRuntime:
             max_token_offsets=config.max_token_offsets,
             to_unix=self.clock,
             has_room=self.sender.has_room,
+            relay=relay,
         )
         self.recorder = Recorder(
             self.emitter.submit,

@@ -61,10 +61,14 @@ _TOP_FUNCTIONS: Final = 6
 
 TRACER_TOKENTRACE: Final = "tokentrace"
 TRACER_BUILTIN: Final = "vLLM's tracing"
+TRACER_TOKENTRACE_SOCKET: Final = "tokentrace via socket"
+"""tokentrace handing finished requests to a node agent's local socket (``--tracers``)."""
 _CONFIG_OF: Final = {
     TRACER_TOKENTRACE: overhead.CONFIG_TOKENTRACE,
     TRACER_BUILTIN: overhead.CONFIG_BUILTIN,
+    TRACER_TOKENTRACE_SOCKET: overhead.CONFIG_TOKENTRACE_SOCKET,
 }
+_TOKENTRACE_TRACERS: Final = frozenset({TRACER_TOKENTRACE, TRACER_TOKENTRACE_SOCKET})
 
 OWNER_TRACING: Final = "tracing"
 OWNER_HOST: Final = "host"
@@ -105,14 +109,14 @@ def parse_frame(text: str) -> Frame:
 def _is_library(path: str, tracer: str) -> bool:
     if any(marker in path for marker in _SHARED_LIBRARY_PATHS):
         return True
-    if tracer == TRACER_TOKENTRACE and any(marker in path for marker in _OPENTELEMETRY_PATHS):
+    if tracer in _TOKENTRACE_TRACERS and any(marker in path for marker in _OPENTELEMETRY_PATHS):
         return True
     # The standard library, not a site-packages folder under it.
     return any(marker in path for marker in _STDLIB_MARKERS) and "-packages/" not in path
 
 
 def _is_tracing(path: str, tracer: str) -> bool:
-    if tracer == TRACER_TOKENTRACE:
+    if tracer in _TOKENTRACE_TRACERS:
         return any(marker in path for marker in _TOKENTRACE_PATHS)
     return any(marker in path for marker in _BUILTIN_TRACING_PATHS + _OPENTELEMETRY_PATHS)
 
@@ -341,8 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=overhead._DEFAULT_OUTPUT_TOKENS)
     parser.add_argument(
         "--tracers",
-        default=",".join(_CONFIG_OF),
-        help=f"which to measure, comma-separated (default: {', '.join(_CONFIG_OF)})",
+        default=f"{TRACER_TOKENTRACE},{TRACER_BUILTIN}",
+        help=f"which to measure, comma-separated, of {', '.join(_CONFIG_OF)} (default: the "
+        "first two)",
     )
     parser.add_argument(
         "--only",

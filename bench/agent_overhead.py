@@ -76,10 +76,13 @@ _CLOCK_TICKS_PER_S: Final = os.sysconf("SC_CLK_TCK")
 CONFIG_BARE: Final = "A"
 CONFIG_TOKENTRACE: Final = "B"
 CONFIG_BUILTIN: Final = "C"
+CONFIG_TOKENTRACE_SOCKET: Final = "D"
+"""tokentrace handing its finished requests to a node agent's local socket (``agent_cpu_share``)."""
 _CONFIG_LABELS: Final = {
     CONFIG_BARE: "bare vLLM",
     CONFIG_TOKENTRACE: "vLLM + tokentrace (OTLP/gRPC)",
     CONFIG_BUILTIN: "vLLM --otlp-traces-endpoint",
+    CONFIG_TOKENTRACE_SOCKET: "vLLM + tokentrace (the node agent's local socket)",
 }
 
 
@@ -283,12 +286,27 @@ _RECEIVER_STOP: Final = "stop"
 _RECEIVER_START_TIMEOUT_S: Final = 60.0
 
 
-def _serve_receiver(connection: Connection, span_name: str) -> None:
-    """The receiver process: answers each ``count`` with the spans named ``span_name`` so far."""
+def _serve_receiver(connection: Connection, span_name: str, node_socket: str | None) -> None:
+    """The receiver process: answers each ``count`` with the spans named ``span_name`` so far.
+    With ``node_socket``, a node agent (without NVML here) listens there too and relays what
+    it builds from the agents' finished requests to the receiver."""
     _import_test_support()
     from tests.collector.upstream import UpstreamOtlp
+    from tokentrace.agent.node.service import NodeAgent, NodeAgentConfig
+    from tokentrace.agent.otlp_config import OtlpExporterConfig
 
     with UpstreamOtlp() as upstream:
+        node_agent = None
+        if node_socket is not None:
+            node_agent = NodeAgent(
+                NodeAgentConfig(
+                    grpc_endpoint=None,
+                    http_endpoint=None,
+                    local_socket=node_socket,
+                    exporter=OtlpExporterConfig(endpoint=upstream.grpc_endpoint, protocol="grpc"),
+                )
+            )
+            node_agent.start()
         connection.send(upstream.grpc_port)
         counted_requests = 0
         found = 0
@@ -300,17 +318,22 @@ def _serve_receiver(connection: Connection, span_name: str) -> None:
                         found += sum(span.name == span_name for span in scope_spans.spans)
             counted_requests = len(requests)
             connection.send(found)
+        if node_agent is not None:
+            node_agent.shutdown(2.0)
 
 
 class _ReceiverProcess:
     """The test OTLP receiver (tests/collector/upstream.py) in a process of its own, as a node's
     collector would be: decoding the exports must not take the load client's CPU and GIL."""
 
-    def __init__(self, span_name: str) -> None:
+    def __init__(self, span_name: str, *, node_socket: str | None = None) -> None:
         context = multiprocessing.get_context("spawn")
         self._connection, child = context.Pipe()
         self._process = context.Process(
-            target=_serve_receiver, args=(child, span_name), name="otlp-receiver", daemon=True
+            target=_serve_receiver,
+            args=(child, span_name, node_socket),
+            name="otlp-receiver",
+            daemon=True,
         )
         self._process.start()
         child.close()
@@ -429,6 +452,15 @@ def _start(
         env |= {
             "VLLM_PLUGINS": "tokentrace",
             "OTEL_EXPORTER_OTLP_ENDPOINT": upstream.grpc_endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        }
+    elif config == CONFIG_TOKENTRACE_SOCKET:
+        node_socket = str(options.work_dir / "node.sock")
+        upstream = _ReceiverProcess(semconv.SPAN_REQUEST, node_socket=node_socket)
+        env |= {
+            "VLLM_PLUGINS": "tokentrace",
+            "TOKENTRACE_NODE_SOCKET": node_socket,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": upstream.grpc_endpoint,  # where the socket is not
             "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
         }
     elif config == CONFIG_BUILTIN:

@@ -41,6 +41,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from tokentrace.agent import semconv
 from tokentrace.agent.identity import host_resource
 from tokentrace.agent.node.enrich import SpanEnricher
+from tokentrace.agent.node.local_relay import LocalSocketReceiver, validate_socket_path
 from tokentrace.agent.node.metrics import GpuMetrics
 from tokentrace.agent.node.routing import (
     DEFAULT_RESOLVE_INTERVAL_S,
@@ -53,7 +54,7 @@ from tokentrace.agent.node.sampler import NvmlSampler
 from tokentrace.agent.otlp_config import PROTOCOL_GRPC, TOKENTRACE_VERSION, OtlpExporterConfig
 from tokentrace.agent.otlp_export import OtlpSender
 from tokentrace.collector.consumer import Overloaded, Unavailable
-from tokentrace.collector.receivers import is_loopback_endpoint
+from tokentrace.collector.receivers import ReceiverStartError, is_loopback_endpoint
 
 _log = logging.getLogger(__name__)
 
@@ -114,13 +115,21 @@ class NodeAgentConfig:
     allow_unauthenticated: bool = False
     """Permit a receiver on a non-loopback address without ``auth_token``: whoever reaches it
     could then put spans into the collector under the node agent's upstream credentials."""
+    local_socket: str | None = None
+    """A Unix socket (absolute path) where the node's agents hand over finished requests as
+    plain data (``TOKENTRACE_NODE_SOCKET`` on their side): this process builds their spans, not
+    theirs (``agent/node/local_relay.py``). None: off."""
     admin_endpoint: str | None = None
     """``/healthz``, ``/readyz`` and Prometheus ``/metrics`` (unauthenticated: scraped inside the
     cluster, a NetworkPolicy limits who reaches it). None: off."""
 
     def validate(self) -> None:
-        if not self.grpc_endpoint and not self.http_endpoint:
-            raise ValueError("grpc_endpoint/http_endpoint: at least one receiver is needed")
+        if not self.grpc_endpoint and not self.http_endpoint and not self.local_socket:
+            raise ValueError(
+                "grpc_endpoint/http_endpoint/local_socket: at least one receiver is needed"
+            )
+        if self.local_socket is not None:
+            validate_socket_path(self.local_socket)
         if self.auth_token is not None:
             if not self.auth_token:
                 raise ValueError("auth_token: must not be empty (None: no token)")
@@ -412,6 +421,15 @@ class NodeAgent:
                 )
                 receiver.start()
                 self._receivers.append(receiver)
+            if config.local_socket:
+                local = LocalSocketReceiver(config.local_socket, self.consume_traces)
+                try:
+                    local.start()
+                except OSError as error:
+                    raise ReceiverStartError(
+                        f"local socket {config.local_socket}: {error.strerror or error}"
+                    ) from None
+                self._receivers.append(local)
         except Exception:
             self.shutdown()
             raise

@@ -28,7 +28,13 @@ import yaml
 
 _REPO: Final = Path(__file__).resolve().parents[2]
 _DEPLOY: Final = _REPO / "deploy"
-_OVERLAYS: Final = ("single-node", "gpu", "otelcol-loadbalancing", "replicas-postgresql")
+_OVERLAYS: Final = (
+    "single-node",
+    "gpu",
+    "otelcol-loadbalancing",
+    "replicas-postgresql",
+    "node-socket",
+)
 _EXAMPLES: Final = ("examples/inference",)
 _RENDERED: Final = tuple(f"overlays/{name}" for name in _OVERLAYS) + _EXAMPLES
 _KUBERNETES_VERSION: Final = "1.30.0"
@@ -188,9 +194,29 @@ def _security_problems(workload: dict[str, Any]) -> list[str]:
     return problems
 
 
+_ROOT_INIT_CONTAINERS: Final = {
+    ("overlays/node-socket", "DaemonSet/tokentrace-node-agent"): "node-socket-directory",
+}
+"""The one init container that runs as root: it hands the node agent's hostPath socket directory
+(the kubelet creates it owned by root) to the node agent's user, with CAP_CHOWN and nothing else
+(deploy/components/node-socket)."""
+
+
 @pytest.mark.parametrize("directory", _RENDERED)
 def test_every_workload_is_locked_down(directory: str) -> None:
     for workload in _workloads(_render(directory)):
+        exempt = _ROOT_INIT_CONTAINERS.get((directory, _name(workload)))
+        if exempt is not None:
+            pod_spec = _pod(workload)["spec"]
+            (container,) = [c for c in pod_spec["initContainers"] if c["name"] == exempt]
+            pod_spec["initContainers"].remove(container)
+            security = {**pod_spec["securityContext"], **container["securityContext"]}
+            assert security["runAsUser"] == 0
+            assert security["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+            assert security["allowPrivilegeEscalation"] is False
+            assert security["readOnlyRootFilesystem"] is True
+            assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+            assert container["command"][:2] == ["python", "-c"]
         assert _security_problems(workload) == [], f"deploy/{directory}: {_name(workload)}"
 
 
@@ -415,13 +441,17 @@ _EXPECTED_UPSTREAM: Final = {
     "otelcol-loadbalancing": "http://tokentrace-otelcol.tokentrace.svc:4317",
     # Routed by trace ID over the headless Service; this endpoint until its first answer.
     "replicas-postgresql": "http://tokentrace-collector.tokentrace.svc:4317",
+    "node-socket": "http://tokentrace-collector.tokentrace.svc:4317",
 }
 _EXPECTED_ROUTE_DNS: Final = {
     "single-node": None,
     "gpu": None,
     "otelcol-loadbalancing": None,  # the OpenTelemetry Collector routes
     "replicas-postgresql": "dns:///tokentrace-collector-headless.tokentrace.svc:4317",
+    "node-socket": None,
 }
+_NODE_SOCKET: Final = "/var/run/tokentrace/node.sock"
+"""Where deploy/components/node-socket puts the node agent's local socket."""
 
 
 @pytest.mark.parametrize("overlay", _OVERLAYS)
@@ -482,6 +512,13 @@ def test_the_node_agent_of_every_overlay_is_a_valid_node_agent(
     assert config.exporter.endpoint_for("traces") == _EXPECTED_UPSTREAM[overlay]
     assert config.upstream_dns == _EXPECTED_ROUTE_DNS[overlay]
     assert config.upstream_endpoints == ()
+    if overlay == "node-socket":  # in the hostPath directory the inference pods mount
+        assert config.local_socket == _NODE_SOCKET
+        (directory,) = [m for m in container["volumeMounts"] if m["name"] == "node-socket"]
+        assert directory["mountPath"] == str(Path(_NODE_SOCKET).parent)
+        assert volumes["node-socket"]["hostPath"]["path"] == directory["mountPath"]
+    else:
+        assert config.local_socket is None
     if config.upstream_dns is not None:
         # Each resolved replica is sent to in the upstream's scheme: plaintext, like deploy/'s
         # receivers.
@@ -496,6 +533,7 @@ _COLLECTOR_CONFIG_CHANGES: Final[dict[str, tuple[str, ...]]] = {
     # Its own copy of collector.yaml (kustomize cannot patch inside a generated file): the
     # store's location (its retention stays the base's) and the spool.
     "replicas-postgresql": ("exporters.store.path", "service.durability"),
+    "node-socket": (),
 }
 """The keys of base/collector/collector.yaml that each overlay's ConfigMap changes (dotted
 paths): every other key stays the base's, so a change to the base reaches every overlay or fails
@@ -553,6 +591,7 @@ _EXPECTED_SECRETS: Final = {
     "gpu": _BASE_SECRETS,
     "otelcol-loadbalancing": _BASE_SECRETS,
     "replicas-postgresql": _BASE_SECRETS | {_POSTGRESQL_SECRET},
+    "node-socket": _BASE_SECRETS,
 }
 
 
@@ -818,8 +857,14 @@ def test_the_injection_component_puts_the_agent_into_the_inference_pod() -> None
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
-def _kustomization(directory: Path, workloads: list[dict[str, Any]]) -> Path:
-    """A kustomization in ``directory`` with these objects and the injection component."""
+def _kustomization(
+    directory: Path,
+    workloads: list[dict[str, Any]],
+    *,
+    components: tuple[str, ...] = ("injection",),
+) -> Path:
+    """A kustomization in ``directory`` with these objects and the injection component (or
+    the ``components`` named)."""
     directory.mkdir()
     (directory / "workloads.yaml").write_text(yaml.safe_dump_all(workloads), encoding="utf-8")
     (directory / "kustomization.yaml").write_text(
@@ -829,7 +874,9 @@ def _kustomization(directory: Path, workloads: list[dict[str, Any]]) -> Path:
                 "kind": "Kustomization",
                 "resources": ["workloads.yaml"],
                 # kustomize takes relative paths only.
-                "components": [os.path.relpath(_DEPLOY / "components" / "injection", directory)],
+                "components": [
+                    os.path.relpath(_DEPLOY / "components" / name, directory) for name in components
+                ],
             }
         ),
         encoding="utf-8",
@@ -906,6 +953,39 @@ def test_the_injection_component_patches_only_labelled_workloads_and_keeps_their
         "tokentrace-autoinstrumentation",
     ]
     assert sidecar == {"name": "sidecar", "image": "envoy:1.30"}
+
+
+def test_the_injected_agent_reaches_the_node_agents_socket_read_only(tmp_path: Path) -> None:
+    """deploy/components/injection-node-socket mounts the directory where the node-socket
+    overlay's node agent listens, read-only, and points the agent at the socket in it."""
+    import kubernetes_validate
+
+    engine = {"name": "engine", "image": "vllm:1", "env": [], "volumeMounts": []}
+    directory = _kustomization(
+        tmp_path / "app",
+        [_deployment("traced", {"tokentrace.io/inject": "true"}, engine)],
+        components=("injection", "injection-node-socket"),
+    )
+    result = subprocess.run(
+        [*_kustomize_command(), str(directory)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    (deployment,) = yaml.safe_load_all(result.stdout)
+    kubernetes_validate.validate(deployment, _KUBERNETES_VERSION, strict=True)
+    pod_spec = deployment["spec"]["template"]["spec"]
+    engine_out = pod_spec["containers"][0]
+    env = {v["name"]: v.get("value") for v in engine_out["env"]}
+    assert env["TOKENTRACE_NODE_SOCKET"] == _NODE_SOCKET
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"{_NODE_AGENT_OTLP}:4317"  # the fallback
+    (mount,) = [m for m in engine_out["volumeMounts"] if m["mountPath"] == "/var/run/tokentrace"]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod_spec["volumes"] if v["name"] == mount["name"]]
+    (daemonset,) = [o for o in _render("overlays/node-socket") if o["kind"] == "DaemonSet"]
+    (node_volume,) = [
+        v for v in daemonset["spec"]["template"]["spec"]["volumes"] if v["name"] == "node-socket"
+    ]
+    assert volume["hostPath"] == {"path": node_volume["hostPath"]["path"], "type": "Directory"}
+    assert Path(_NODE_SOCKET).parent == Path(mount["mountPath"])
 
 
 def test_the_injection_component_says_what_a_container_lacks(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -75,9 +76,13 @@ def _expected(samples: list[GpuSample]) -> dict[str, float]:
     }
 
 
+@pytest.mark.parametrize("handover", ["otlp", "local socket"])
 def test_each_phase_span_carries_the_aggregates_of_the_samples_inside_its_window(
-    nvml: NvmlStandIn, upstream: UpstreamOtlp
+    nvml: NvmlStandIn, upstream: UpstreamOtlp, tmp_path: Path, handover: str
 ) -> None:
+    """The agent exports OTLP to the node agent, or hands it its finished requests over the
+    local socket (``agent/local_relay.py``) for the node agent to build their spans: the same
+    spans, enriched alike."""
     # Values that change every read, so every window has its own mean and max.
     nvml.set_ramp(0, "gpu_util", 5, 3)
     nvml.set_ramp(0, "dram_bw_util", 10, 2)
@@ -86,17 +91,17 @@ def test_each_phase_span_carries_the_aggregates_of_the_samples_inside_its_window
     sampler = NvmlSampler()
     assert sampler.open()
     gpu = sampler.devices[0]
-    agent = _node_agent(upstream, sampler)
-    runtime = AgentRuntime(
-        load_agent_config(
-            {
-                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{agent.receivers[0].port}",
-                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-                "CUDA_VISIBLE_DEVICES": gpu.uuid,
-                "OTEL_SERVICE_NAME": "vllm-test",
-            }
-        )
-    )
+    local_socket = str(tmp_path / "node.sock") if handover == "local socket" else None
+    agent = _node_agent(upstream, sampler, local_socket=local_socket)
+    environment = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{agent.receivers[0].port}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "CUDA_VISIBLE_DEVICES": gpu.uuid,
+        "OTEL_SERVICE_NAME": "vllm-test",
+    }
+    if local_socket is not None:
+        environment["TOKENTRACE_NODE_SOCKET"] = local_socket
+    runtime = AgentRuntime(load_agent_config(environment))
     try:
 
         def tick(n: int) -> None:
@@ -123,6 +128,13 @@ def test_each_phase_span_carries_the_aggregates_of_the_samples_inside_its_window
         assert relayed(upstream) == []
         tick(1)
         assert upstream.wait_for(lambda: len(relayed(upstream)) >= 4)
+        stats = runtime.stats()
+        if local_socket is None:
+            assert stats["emitter.handed_to_sender_requests"] == 1
+        else:
+            assert stats["emitter.handed_to_node_requests"] == 1
+            assert stats["sender.sent_spans"] == 0  # nothing exported by this process
+            assert agent.stats()["LocalSocketReceiver.accepted_spans"] == len(relayed(upstream))
     finally:
         runtime.shutdown(1.0)
         agent.shutdown(2.0)
