@@ -1,7 +1,7 @@
 """The agent's local channel to the node agent: finished requests as plain data, not spans.
 
-Building and encoding spans and the OTLP export call cost an inference server's process about a
-third of tokentrace's share of its interpreter time (docs/performance.md). With
+Building and encoding spans and the OTLP export call are about 40 % of tokentrace's share of an
+inference server's interpreter time (vLLM's API server: docs/performance.md). With
 ``TOKENTRACE_NODE_SOCKET`` set, the emitter's thread instead writes each batch as it was recorded
 - the finished timers' integers, the span jobs' plans - to the node agent's Unix socket, and the
 node agent (``agent/node/local_relay.py``) turns them into spans with the same code

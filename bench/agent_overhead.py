@@ -56,6 +56,7 @@ from types import ModuleType
 from typing import Final
 
 from tokentrace.agent import semconv
+from tokentrace.agent.config import NODE_SOCKET_ENV
 
 _DEFAULT_ROUNDS: Final = 8
 _DEFAULT_REQUESTS: Final = 512
@@ -459,7 +460,7 @@ def _start(
         upstream = _ReceiverProcess(semconv.SPAN_REQUEST, node_socket=node_socket)
         env |= {
             "VLLM_PLUGINS": "tokentrace",
-            "TOKENTRACE_NODE_SOCKET": node_socket,
+            NODE_SOCKET_ENV: node_socket,
             "OTEL_EXPORTER_OTLP_ENDPOINT": upstream.grpc_endpoint,  # where the socket is not
             "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
         }

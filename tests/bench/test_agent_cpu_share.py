@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.agent_cpu_share import (
     OWNER_HOST,
     OWNER_LIBRARY,
     OWNER_TRACING,
     TRACER_BUILTIN,
     TRACER_TOKENTRACE,
+    TRACER_TOKENTRACE_SOCKET,
     attribute,
     owner_of,
     parse_frame,
@@ -64,13 +67,16 @@ def test_the_innermost_owner_wins_over_a_wrapper_around_it() -> None:
     assert owner_of(frames, TRACER_TOKENTRACE)[0] == OWNER_HOST
 
 
-def test_an_installed_tokentrace_counts_but_a_venv_named_tokentrace_does_not() -> None:
+@pytest.mark.parametrize("tracer", [TRACER_TOKENTRACE, TRACER_TOKENTRACE_SOCKET])
+def test_an_installed_tokentrace_counts_but_a_venv_named_tokentrace_does_not(tracer: str) -> None:
+    """Both of tokentrace's configurations (OTLP, the node agent's socket) own its frames."""
     installed = [parse_frame(text) for text in (*_THREAD, _INSTALLED_EMITTER)]
-    assert owner_of(installed, TRACER_TOKENTRACE)[0] == OWNER_TRACING
+    assert owner_of(installed, tracer)[0] == OWNER_TRACING
+    assert owner_of(installed, TRACER_BUILTIN)[0] == OWNER_HOST
     host_in_our_venv = parse_frame(
         _frame("EngineCore.step", "/root/.cache/tokentrace/venvs/x/site-packages/vllm/core.py")
     )
-    assert owner_of([host_in_our_venv], TRACER_TOKENTRACE)[0] == OWNER_HOST
+    assert owner_of([host_in_our_venv], tracer)[0] == OWNER_HOST
 
 
 def test_opentelemetry_is_the_tracing_for_vllms_own_and_a_library_for_tokentrace() -> None:
