@@ -33,7 +33,7 @@ import weakref
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from tokentrace.agent.finished_request import FinishedRequest, prompt_prefix_hash
 from tokentrace.agent.recorder import PROMPT_TOKEN_IDS, RequestTimer
@@ -253,6 +253,59 @@ def hello(
     }
 
 
+class Hello(NamedTuple):
+    """What a connection's hello says (``read_hello``)."""
+
+    resource: dict[str, AttrValue]
+    scope_name: str
+    scope_version: str
+    max_token_offsets: int
+
+
+def read_hello(message: Any) -> Hello:
+    """The hello ``hello`` wrote. Raises ValueError for anything else."""
+    try:
+        if not isinstance(message, dict) or message.get("hello") != PROTOCOL_VERSION:
+            raise ValueError(f"not a protocol {PROTOCOL_VERSION} hello")
+        scope_name, scope_version = message["scope"]
+        return Hello(
+            resource={_str(k): _attribute_value(v) for k, v in _dict(message["resource"]).items()},
+            scope_name=_str(scope_name),
+            scope_version=_str(scope_version),
+            max_token_offsets=_int(message["max_token_offsets"]),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"hello refused: {error}") from None
+
+
+def batch(
+    timers: Sequence[RequestTimer], jobs: Sequence[SpanJob], offset_ns: int
+) -> dict[str, Any]:
+    """A batch frame's message: ``offset_ns`` is the sender's Unix-minus-monotonic offset, which
+    converts its timers."""
+    return {
+        "offset_ns": offset_ns,
+        "timers": [timer_row(timer) for timer in timers],
+        "jobs": [job_row(job) for job in jobs],
+    }
+
+
+def read_batch(message: Any) -> tuple[int, list[RequestTimer], list[SpanJob]]:
+    """(offset_ns, timers, span jobs) of the batch ``batch`` wrote. Raises ValueError /
+    TypeError for a malformed one."""
+    if not isinstance(message, dict):
+        raise ValueError("a batch is an object")
+    try:
+        offset_ns, timers, jobs = message["offset_ns"], message["timers"], message["jobs"]
+    except KeyError as error:
+        raise ValueError(f"a batch without {error}") from None
+    return (
+        _int(offset_ns),
+        [timer_of(row) for row in _list(timers)],
+        [job_of(row) for row in _list(jobs)],
+    )
+
+
 def read_frame(connection: socket.socket) -> Any | None:
     """The next frame's message (parsed JSON); None at a clean end of stream. Raises ValueError
     for an oversized or malformed frame, OSError for a failed read."""
@@ -341,13 +394,7 @@ class LocalRelayClient:
         ``RelayRefused`` when the node agent answered no; OSError when the socket failed after
         the batch was written (whether the node agent took it is unknown: the caller counts it
         as lost rather than send it twice)."""
-        data = frame(
-            {
-                "offset_ns": offset_ns,
-                "timers": [timer_row(timer) for timer in timers],
-                "jobs": [job_row(job) for job in jobs],
-            }
-        )
+        data = frame(batch(timers, jobs, offset_ns))
         connection = self._socket or self._connect()
         try:
             connection.sendall(data)

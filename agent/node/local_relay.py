@@ -34,15 +34,13 @@ from tokentrace.agent.local_relay import (
     ACK_BUSY,
     ACK_REJECTED,
     ACK_TAKEN,
-    PROTOCOL_VERSION,
-    job_of,
+    read_batch,
     read_frame,
-    timer_of,
+    read_hello,
 )
 from tokentrace.agent.otlp_export import RateLimitedWarning
 from tokentrace.agent.recorder import to_finished_request
 from tokentrace.agent.span_encoding import SpanBatchEncoder
-from tokentrace.agent.spans import DEFAULT_MAX_TOKEN_OFFSETS
 from tokentrace.collector.consumer import Overloaded, Unavailable
 
 _log = logging.getLogger(__name__)
@@ -191,33 +189,24 @@ class LocalSocketReceiver:
         message = read_frame(connection)
         if message is None:
             return None
+        hello = read_hello(message)
         try:
-            if not isinstance(message, dict) or message.get("hello") != PROTOCOL_VERSION:
-                raise ValueError(f"not a protocol {PROTOCOL_VERSION} hello")
-            resource = message["resource"]
-            scope_name, scope_version = message["scope"]
-            max_token_offsets = message.get("max_token_offsets", DEFAULT_MAX_TOKEN_OFFSETS)
-            if not isinstance(resource, dict) or type(max_token_offsets) is not int:
-                raise ValueError("malformed hello")
             return SpanBatchEncoder(
-                resource_attributes={
-                    str(k): tuple(v) if isinstance(v, list) else v for k, v in resource.items()
-                },
-                scope_name=str(scope_name),
-                scope_version=str(scope_version),
-                max_token_offsets=max_token_offsets,
+                resource_attributes=hello.resource,
+                scope_name=hello.scope_name,
+                scope_version=hello.scope_version,
+                max_token_offsets=hello.max_token_offsets,
             )
-        except (KeyError, TypeError, ValueError) as error:
+        except (TypeError, ValueError) as error:  # a resource OTLP cannot carry
             raise ValueError(f"hello refused: {error}") from None
 
     def _take(self, message: Any, encoder: SpanBatchEncoder) -> bytes:
         """One batch: its spans to ``consume``; the answer for the agent."""
         try:
-            offset = _FrameOffset(int(message["offset_ns"]))
-            timers = [timer_of(row) for row in message["timers"]]
-            jobs = [job_of(row) for row in message["jobs"]]
+            offset_ns, timers, jobs = read_batch(message)
+            offset = _FrameOffset(offset_ns)
             finished = [to_finished_request(timer, offset) for timer in timers]
-        except (KeyError, TypeError, ValueError, OverflowError) as error:
+        except (TypeError, ValueError, OverflowError) as error:
             self.rejected_frames += 1
             self._warning.warn("tokentrace node agent: a local batch was refused: %r", error)
             return ACK_REJECTED

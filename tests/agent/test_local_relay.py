@@ -27,10 +27,13 @@ from tokentrace.agent.local_relay import (
     ACK_TAKEN,
     LocalRelayClient,
     RelayUnreachable,
+    batch,
     frame,
     hello,
     job_of,
     job_row,
+    read_batch,
+    read_hello,
     timer_of,
     timer_row,
 )
@@ -173,6 +176,44 @@ def test_timers_and_span_jobs_read_back_encode_to_the_same_bytes() -> None:
 def test_a_malformed_timer_row_is_refused(row: Any) -> None:
     with pytest.raises((TypeError, ValueError)):
         timer_of(json.loads(json.dumps(row)))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        [],
+        {"timers": [], "jobs": []},
+        {"offset_ns": "0", "timers": [], "jobs": []},
+        {"offset_ns": 0, "timers": {}, "jobs": []},
+        {
+            "offset_ns": 0,
+            "timers": [],
+            "jobs": [["00", "00", [[0, -1, "s", 1, 0, 1, {}, None]], None]],
+        },
+    ],
+)
+def test_a_malformed_batch_is_refused(message: Any) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        read_batch(message)
+
+
+def test_a_hello_reads_back_and_a_stranger_is_refused() -> None:
+    message = hello(
+        resource={"service.name": "s", "tokentrace.gpu.uuids": ("GPU-1",), "process.pid": 7},
+        scope_name="n",
+        scope_version="v",
+        max_token_offsets=3,
+    )
+    read = read_hello(json.loads(json.dumps(message)))
+    assert read.resource == {
+        "service.name": "s",
+        "tokentrace.gpu.uuids": ("GPU-1",),
+        "process.pid": 7,
+    }
+    assert (read.scope_name, read.scope_version, read.max_token_offsets) == ("n", "v", 3)
+    for stranger in ({**message, "hello": 2}, {**message, "resource": []}, {"hello": 1}):
+        with pytest.raises(ValueError, match="hello refused"):
+            read_hello(stranger)
 
 
 @pytest.fixture
@@ -369,9 +410,7 @@ def test_a_malformed_batch_is_answered_rejected_and_the_connection_goes_on(
         )
         connection.sendall(frame({"offset_ns": 0, "timers": [["bad"]], "jobs": []}))
         assert connection.recv(1) == ACK_REJECTED
-        connection.sendall(
-            frame({"offset_ns": 0, "timers": [timer_row(plain_timer(1))], "jobs": []})
-        )
+        connection.sendall(frame(batch([plain_timer(1)], [], 0)))
         assert connection.recv(1) == ACK_TAKEN
     assert server.stats()["rejected_frames"] == 1
     assert [span.name for _, span in consumed.spans()].count(semconv.SPAN_REQUEST) == 1
@@ -400,7 +439,7 @@ def test_a_connection_that_does_not_speak_the_protocol_is_closed(
         connection.sendall(
             frame(hello(resource={}, scope_name="t", scope_version="", max_token_offsets=4))
         )
-        connection.sendall(frame({"offset_ns": 0, "timers": [], "jobs": []}))
+        connection.sendall(frame(batch([], [], 0)))
         assert connection.recv(1) == ACK_TAKEN
 
 
@@ -433,7 +472,7 @@ def test_connections_beyond_the_cap_are_closed_at_once(socket_path: Path) -> Non
             )
             with _raw_connection(socket_path) as refused:
                 assert refused.recv(1) == b""
-            kept.sendall(frame({"offset_ns": 0, "timers": [], "jobs": []}))
+            kept.sendall(frame(batch([], [], 0)))
             assert kept.recv(1) == ACK_TAKEN
         assert server.stats()["refused_connections"] == 1
     finally:
