@@ -10,20 +10,19 @@ OTLP it receives. Where the socket cannot be reached the emitter exports OTLP it
 it, and tries the socket again after ``_RETRY_AFTER_S``.
 
 The protocol, on a stream socket: frames of a 4-byte big-endian length and that many bytes of
-UTF-8 JSON (safe to parse from any sender on the node, unlike ``marshal`` or ``pickle``). The
-connection opens with a hello (``{"hello": 1, "resource": {...}, "scope": [name, version],
-"max_token_offsets": N}``: what every span of this process carries); each later frame is a batch
-(``{"offset_ns": N, "timers": [...], "jobs": [...]}``, rows as ``timer_row`` / ``job_row``
-write them) that the node agent answers with one byte: ``ACK_TAKEN`` (queued for upstream),
-``ACK_BUSY`` (its queue is full: dropped, counted by both) or ``ACK_REJECTED`` (malformed). The
-answer is what makes the hand-off exact: a batch is counted as sent only once the node agent
-has it.
+plain data in ``marshal`` format version 0, which ``marshal.dumps`` writes in C (a third of
+JSON's cost here) and the node agent reads with a reader of its own for that subset
+(``plain_marshal``: ``marshal.loads`` is not safe against what any sender on the node may write).
+The connection opens with a hello (``hello``: the resource and scope every span of this process
+carries); each later frame is a batch (``batch``: the timers and span jobs as ``timer_row`` /
+``job_row`` write them) that the node agent answers with one byte: ``ACK_TAKEN`` (queued for
+upstream), ``ACK_BUSY`` (its queue is full: dropped, counted by both) or ``ACK_REJECTED``
+(malformed). The answer is what makes the hand-off exact: a batch is counted as sent only once
+the node agent has it.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
 import socket
@@ -35,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
 from typing import Any, Final, NamedTuple
 
+from tokentrace.agent import plain_marshal
 from tokentrace.agent.finished_request import FinishedRequest, prompt_prefix_hash
 from tokentrace.agent.recorder import PROMPT_TOKEN_IDS, RequestTimer
 from tokentrace.agent.spans import AttrValue, PlannedSpan, SpanJob
@@ -61,105 +61,98 @@ _FINISHED_FIELDS: Final = frozenset(f.name for f in fields(FinishedRequest))
 # --- rows: what one timer or span job is on the wire --------------------------------------------
 
 
-def timer_row(timer: RequestTimer) -> list[Any]:
-    """``timer`` as a JSON-ready row (``timer_of`` reads it back). The prompt's token ids are
-    hashed here (the hash is what the request keeps) rather than shipped. Raises TypeError /
-    OverflowError for values the row cannot carry."""
+def timer_row(timer: RequestTimer) -> tuple[Any, ...]:
+    """``timer`` as a row of plain values (``timer_of`` reads it back). The prompt's token ids
+    are hashed here (the hash is what the request keeps) rather than shipped. Raises TypeError /
+    OverflowError for token times that are not int64s."""
     attributes = {k: v for k, v in timer.attributes.items() if k in _FINISHED_FIELDS}
     prompt = timer.attributes.get(PROMPT_TOKEN_IDS)
     if prompt is not None and attributes.get("prefix_hash") is None:
         attributes["prefix_hash"] = prompt_prefix_hash(prompt)
-    link = timer.cold_start_link
-    return [
+    return (
         timer.request_id,
         timer.arrival_ns,
         timer.queued_ns,
         timer.first_scheduled_ns,
-        _int64s(timer.token_ns),
+        array("q", timer.token_ns).tobytes(),  # the node agent's reader takes it in one call
         timer.prefill_chunks,
         timer.preempted_ns,
         timer.preempted_since_ns,
         timer.end_ns,
         timer.status_error,
-        timer.trace_id.hex(),
-        timer.parent_span_id.hex(),
-        timer.span_id.hex(),
-        timer.prefill_span_id.hex(),
+        timer.trace_id,
+        timer.parent_span_id,
+        timer.span_id,
+        timer.prefill_span_id,
         timer.ready_ns,
-        None if link is None else [link[0].hex(), link[1].hex()],
+        timer.cold_start_link,
         attributes,
-    ]
+    )
 
 
 def timer_of(row: Any) -> RequestTimer:
     """The timer ``timer_row`` wrote. Raises ValueError / TypeError for a malformed row."""
-    if not isinstance(row, list) or len(row) != 17:
-        raise ValueError("a timer row is a list of 17 fields")
+    if type(row) is not tuple or len(row) != 17:
+        raise ValueError("a timer row is a tuple of 17 fields")
     request_id, arrival, queued, scheduled, tokens, chunks, preempted, since, end = row[:9]
     error, trace_id, parent_id, span_id, prefill_id, ready, link, attributes = row[9:]
-    if not isinstance(attributes, dict):
-        raise ValueError("timer attributes must be an object")
     return RequestTimer(
         request_id=_str(request_id),
         arrival_ns=_int(arrival),
         queued_ns=_optional_int(queued),
         first_scheduled_ns=_optional_int(scheduled),
-        token_ns=_int64s_of(tokens),
+        token_ns=_int64s(tokens),
         prefill_chunks=[(_int(s), _int(e), _int(n)) for s, e, n in _list(chunks)],
         preempted_ns=[(_int(s), _int(e)) for s, e in _list(preempted)],
         preempted_since_ns=_optional_int(since),
         end_ns=_optional_int(end),
         status_error=None if error is None else _str(error),
-        trace_id=_hex(trace_id),
-        parent_span_id=_hex(parent_id),
-        span_id=_hex(span_id),
-        prefill_span_id=_hex(prefill_id),
+        trace_id=_bytes(trace_id),
+        parent_span_id=_bytes(parent_id),
+        span_id=_bytes(span_id),
+        prefill_span_id=_bytes(prefill_id),
         ready_ns=_optional_int(ready),
-        cold_start_link=None if link is None else (_hex(link[0]), _hex(link[1])),
+        cold_start_link=None if link is None else (_bytes(link[0]), _bytes(link[1])),
         attributes={
             _str(k): None if v is None else _attribute_value(v)
-            for k, v in attributes.items()
+            for k, v in _dict(attributes).items()
             if k in _FINISHED_FIELDS
         },
     )
 
 
-def job_row(job: SpanJob) -> list[Any]:
-    """``job`` as a JSON-ready row (``job_of`` reads it back). A ``PlannedSpan`` is a tuple, which
-    JSON writes as the 9-field array ``job_of`` reads; only its links' ids need hex."""
-    spans: Sequence[Any] = job.spans
-    if any(span.links for span in spans):
-        spans = [
-            span._replace(links=[[t.hex(), s.hex()] for t, s in span.links]) if span.links else span
-            for span in spans
-        ]
-    return [
-        job.trace_id.hex(),
-        job.parent_span_id.hex(),
-        spans,
-        None if job.fixed_ids is None else {str(k): v.hex() for k, v in job.fixed_ids.items()},
-    ]
+def job_row(job: SpanJob) -> tuple[Any, ...]:
+    """``job`` as a row of plain values (``job_of`` reads it back): each ``PlannedSpan`` as the
+    plain tuple of its fields."""
+    return (
+        job.trace_id,
+        job.parent_span_id,
+        [tuple(span) for span in job.spans],
+        None if job.fixed_ids is None else dict(job.fixed_ids),
+    )
 
 
 def job_of(row: Any) -> SpanJob:
     """The span job ``job_row`` wrote. Raises ValueError / TypeError for a malformed row."""
-    if not isinstance(row, list) or len(row) != 4:
-        raise ValueError("a span job row is a list of 4 fields")
+    if type(row) is not tuple or len(row) != 4:
+        raise ValueError("a span job row is a tuple of 4 fields")
     trace_id, parent_id, spans, fixed_ids = row
     return SpanJob(
-        trace_id=_hex(trace_id),
-        parent_span_id=_hex(parent_id),
+        trace_id=_bytes(trace_id),
+        parent_span_id=_bytes(parent_id),
         spans=[_planned_span(span) for span in _list(spans)],
         fixed_ids=None
         if fixed_ids is None
-        else {int(_str(k)): _hex(v) for k, v in _dict(fixed_ids).items()},
+        else {_int(k): _bytes(v) for k, v in _dict(fixed_ids).items()},
     )
 
 
 def _planned_span(row: Any) -> PlannedSpan:
-    if not isinstance(row, list) or len(row) != 9:
-        raise ValueError("a planned span row is a list of 9 fields")
+    if type(row) is not tuple or len(row) != 9:
+        raise ValueError("a planned span row is a tuple of 9 fields")
     local_id, parent_id, name, kind, start, end, attributes, error, links = row
+    if type(links) is not tuple:
+        raise TypeError("a span's links are a tuple")
     return PlannedSpan(
         local_id=_int(local_id),
         parent_local_id=_int(parent_id),
@@ -169,29 +162,30 @@ def _planned_span(row: Any) -> PlannedSpan:
         end_ns=_int(end),
         attributes={_str(k): _attribute_value(v) for k, v in _dict(attributes).items()},
         status_error=None if error is None else _str(error),
-        links=tuple((_hex(t), _hex(s)) for t, s in _list(links)),
+        links=tuple((_bytes(t), _bytes(s)) for t, s in links),
     )
 
 
 def _attribute_value(value: Any) -> AttrValue:
-    """A JSON value as ``AttrValue``: arrays of strings are tuples (the string arrays of
-    ``PlannedSpan`` and ``FinishedRequest``), other arrays lists (int arrays)."""
-    if isinstance(value, list) and value and all(type(item) is str for item in value):
-        return tuple(value)
-    if isinstance(value, str | int | float | list):
+    """``value`` when it is an attribute value (``AttrValue``: arrays of strings are tuples, int
+    arrays lists, as the agent wrote them)."""
+    if isinstance(value, str | int | float | list | tuple):
         return value
     raise ValueError(f"unsupported attribute value {type(value).__name__}")
 
 
-def _int64s(values: list[int]) -> str:
-    return base64.b64encode(array("q", values)).decode("ascii") if values else ""
-
-
-def _int64s_of(text: Any) -> list[int]:
-    raw = base64.b64decode(_str(text), validate=True)
+def _int64s(value: Any) -> list[int]:
+    """Native int64s (sender and node agent share the machine, so its byte order)."""
+    raw = _bytes(value)
     if len(raw) % 8:
         raise ValueError("an int64 array's length is a multiple of 8")
     return array("q", raw).tolist()
+
+
+def _bytes(value: Any) -> bytes:
+    if type(value) is not bytes:
+        raise TypeError(f"expected bytes, got {type(value).__name__}")
+    return value
 
 
 def _int(value: Any) -> int:
@@ -210,10 +204,6 @@ def _str(value: Any) -> str:
     return value
 
 
-def _hex(value: Any) -> bytes:
-    return bytes.fromhex(_str(value))
-
-
 def _list(value: Any) -> list[Any]:
     if type(value) is not list:
         raise TypeError(f"expected an array, got {type(value).__name__}")
@@ -230,8 +220,8 @@ def _dict(value: Any) -> dict[Any, Any]:
 
 
 def frame(message: Mapping[str, Any]) -> bytes:
-    """``message`` as one frame. Raises TypeError / ValueError when it is not JSON."""
-    body = json.dumps(message, separators=(",", ":"), check_circular=False).encode()
+    """``message`` as one frame. Raises ValueError when it holds more than plain data."""
+    body = plain_marshal.dumps(message)
     if len(body) > MAX_FRAME_BYTES:
         raise ValueError(f"frame of {len(body)} bytes is over {MAX_FRAME_BYTES}")
     return _HEADER.pack(len(body)) + body
@@ -307,8 +297,8 @@ def read_batch(message: Any) -> tuple[int, list[RequestTimer], list[SpanJob]]:
 
 
 def read_frame(connection: socket.socket) -> Any | None:
-    """The next frame's message (parsed JSON); None at a clean end of stream. Raises ValueError
-    for an oversized or malformed frame, OSError for a failed read."""
+    """The next frame's message; None at a clean end of stream. Raises ValueError for an
+    oversized or malformed frame, OSError for a failed read."""
     header = _read_exactly(connection, _HEADER.size)
     if header is None:
         return None
@@ -318,10 +308,7 @@ def read_frame(connection: socket.socket) -> Any | None:
     body = _read_exactly(connection, length)
     if body is None:
         raise ValueError("the stream ended inside a frame")
-    try:
-        return json.loads(body)
-    except RecursionError:
-        raise ValueError("a frame nested too deeply") from None
+    return plain_marshal.loads(body)
 
 
 def _read_exactly(connection: socket.socket, count: int) -> bytes | None:

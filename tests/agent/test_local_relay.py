@@ -5,21 +5,20 @@ by OTLP or is counted."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tests.agent.test_emit import Sent
-from tokentrace.agent import semconv
+from tokentrace.agent import plain_marshal, semconv
 from tokentrace.agent.config import load_agent_config
 from tokentrace.agent.emit import SpanEmitter
 from tokentrace.agent.local_relay import (
@@ -30,8 +29,6 @@ from tokentrace.agent.local_relay import (
     batch,
     frame,
     hello,
-    job_of,
-    job_row,
     read_batch,
     read_hello,
     timer_of,
@@ -147,35 +144,33 @@ def _encoded(timers: list[RequestTimer], jobs: list[SpanJob]) -> bytes:
 def test_timers_and_span_jobs_read_back_encode_to_the_same_bytes() -> None:
     timers = [full_timer(1), plain_timer(2)]
     jobs = [step_job(3)]
-    message = json.loads(
-        json.dumps({"timers": [timer_row(t) for t in timers], "jobs": [job_row(j) for j in jobs]})
-    )
-    read_timers = [timer_of(row) for row in message["timers"]]
-    read_jobs = [job_of(row) for row in message["jobs"]]
+    body = plain_marshal.dumps(batch(timers, jobs, 0))
+    _, read_timers, read_jobs = read_batch(plain_marshal.loads(body))
     # to_finished_request closes the open preemption on the timer: compare against fresh ones.
     assert _encoded(read_timers, read_jobs) == _encoded([full_timer(1), timers[1]], [step_job(3)])
     finished = to_finished_request(read_timers[0], _Offset())
     assert finished.prefix_hash is not None  # hashed by the sender, the ids never sent
     assert "not_a_request_field" not in read_timers[0].attributes
-    assert PROMPT_TOKEN_IDS not in json.dumps(message)
+    assert PROMPT_TOKEN_IDS.encode() not in body
 
 
 @pytest.mark.parametrize(
     "row",
     [
-        "not a list",
-        [1, 2, 3],
-        [*timer_row(plain_timer(1))[:1], "1", *timer_row(plain_timer(1))[2:]],  # arrival a string
-        [*timer_row(plain_timer(1))[:4], "not base64!", *timer_row(plain_timer(1))[5:]],
-        [*timer_row(plain_timer(1))[:4], "AAAA", *timer_row(plain_timer(1))[5:]],  # 3 bytes
-        [*timer_row(plain_timer(1))[:10], "zz", *timer_row(plain_timer(1))[11:]],  # not hex
-        [*timer_row(plain_timer(1))[:16], ["model"]],  # attributes not an object
-        [*timer_row(plain_timer(1))[:5], [[1, 2]], *timer_row(plain_timer(1))[6:]],  # chunk of 2
+        "not a tuple",
+        (1, 2, 3),
+        list(timer_row(plain_timer(1))),  # a list, not the tuple written
+        (*timer_row(plain_timer(1))[:1], "1", *timer_row(plain_timer(1))[2:]),  # arrival a str
+        (*timer_row(plain_timer(1))[:4], [1, 2], *timer_row(plain_timer(1))[5:]),  # not int64s
+        (*timer_row(plain_timer(1))[:4], b"\0" * 7, *timer_row(plain_timer(1))[5:]),  # 7 bytes
+        (*timer_row(plain_timer(1))[:10], "00" * 16, *timer_row(plain_timer(1))[11:]),  # not bytes
+        (*timer_row(plain_timer(1))[:16], ["model"]),  # attributes not a dict
+        (*timer_row(plain_timer(1))[:5], [(1, 2)], *timer_row(plain_timer(1))[6:]),  # chunk of 2
     ],
 )
 def test_a_malformed_timer_row_is_refused(row: Any) -> None:
     with pytest.raises((TypeError, ValueError)):
-        timer_of(json.loads(json.dumps(row)))
+        timer_of(plain_marshal.loads(plain_marshal.dumps(row)))
 
 
 @pytest.mark.parametrize(
@@ -188,7 +183,7 @@ def test_a_malformed_timer_row_is_refused(row: Any) -> None:
         {
             "offset_ns": 0,
             "timers": [],
-            "jobs": [["00", "00", [[0, -1, "s", 1, 0, 1, {}, None]], None]],
+            "jobs": [(b"\0" * 16, b"", [(0, -1, "s", 1, 0, 1, {}, None)], None)],  # 8 fields
         },
     ],
 )
@@ -204,7 +199,7 @@ def test_a_hello_reads_back_and_a_stranger_is_refused() -> None:
         scope_version="v",
         max_token_offsets=3,
     )
-    read = read_hello(json.loads(json.dumps(message)))
+    read = read_hello(plain_marshal.loads(plain_marshal.dumps(message)))
     assert read.resource == {
         "service.name": "s",
         "tokentrace.gpu.uuids": ("GPU-1",),
@@ -416,14 +411,25 @@ def test_a_malformed_batch_is_answered_rejected_and_the_connection_goes_on(
     assert [span.name for _, span in consumed.spans()].count(semconv.SPAN_REQUEST) == 1
 
 
+_NESTED: Final = b"[\x01\x00\x00\x00" * 1000 + b"N"
+"""A list in a list ... 1,000 deep: past the reader's depth."""
+
+
 @pytest.mark.parametrize(
     "first_bytes",
     [
-        struct.pack(">I", 64 * 1024 * 1024),  # a frame over the limit
-        frame({"hello": 99}),  # another protocol
-        frame({"offset_ns": 0, "timers": [], "jobs": []}),  # a batch before the hello
-        struct.pack(">I", 5) + b"{nope",  # not JSON
-        struct.pack(">I", 4000) + b"[" * 4000,  # nested past the parser's depth
+        struct.pack(">I", 64 * 1024 * 1024),
+        frame({"hello": 99}),
+        frame({"offset_ns": 0, "timers": [], "jobs": []}),
+        struct.pack(">I", 5) + b"cnope",
+        struct.pack(">I", len(_NESTED)) + _NESTED,
+    ],
+    ids=[
+        "a frame over the limit",
+        "another protocol",
+        "a batch before the hello",
+        "a code object's type code",
+        "nested past the reader's depth",
     ],
 )
 def test_a_connection_that_does_not_speak_the_protocol_is_closed(
