@@ -128,6 +128,43 @@ def test_the_node_agent_command_relays_with_and_without_nvml(
         assert "NVML is not available" in output
 
 
+def test_the_node_agent_command_takes_finished_requests_on_its_local_socket(
+    tmp_path: Path, upstream: UpstreamOtlp
+) -> None:
+    """``--local-socket``: an agent's batch becomes spans upstream; the socket file goes away
+    with the process."""
+    from tests.agent.test_local_relay import plain_timer
+    from tokentrace.agent.local_relay import LocalRelayClient, hello
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.pop("LD_LIBRARY_PATH", None)  # no NVML: relayed as built
+    path = tmp_path / "run" / "node.sock"
+    process, _, startup = start_node_agent(
+        "--upstream", upstream.grpc_endpoint, "--local-socket", str(path), env=env, cwd=tmp_path
+    )
+    try:
+        assert f"LocalSocket {path}" in startup
+        client = LocalRelayClient(
+            str(path),
+            hello_message=hello(
+                resource={semconv.SERVICE_NAME: "vllm-test"},
+                scope_name="t",
+                scope_version="",
+                max_token_offsets=8,
+            ),
+        )
+        client.send([plain_timer(1)], [], time.time_ns() - time.monotonic_ns())
+        client.close()
+        assert upstream.wait_for(lambda: len(relayed(upstream)) >= 1)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=10)
+    assert process.returncode == 0, startup + output
+    names = [span.name for _, span in relayed(upstream)]
+    assert semconv.SPAN_REQUEST in names
+    assert not path.exists()
+
+
 def test_bad_configuration_is_one_line_and_exit_2(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "tokentrace.agent.cli", "node-agent", "--sample-interval", "0"],
