@@ -78,6 +78,9 @@ class _FrameOffset:
 
 
 class LocalSocketReceiver:
+    """The node agent's Unix socket for its agents' finished requests (module docstring): a
+    receiver beside the OTLP ones, started and stopped with them."""
+
     def __init__(
         self, path: str, consume: Consume, *, max_connections: int = DEFAULT_MAX_CONNECTIONS
     ) -> None:
@@ -175,7 +178,7 @@ class LocalSocketReceiver:
                 while (message := read_frame(connection)) is not None:
                     connection.sendall(self._take(message, encoder))
         except ValueError as error:  # not the protocol: this connection cannot go on
-            self.rejected_frames += 1
+            self._count(rejected_frames=1)
             self._warning.warn("tokentrace node agent: a local connection was refused: %s", error)
         except OSError as error:
             if not self._stopping:
@@ -207,22 +210,27 @@ class LocalSocketReceiver:
             offset = _FrameOffset(offset_ns)
             finished = [to_finished_request(timer, offset) for timer in timers]
         except (TypeError, ValueError, OverflowError) as error:
-            self.rejected_frames += 1
+            self._count(rejected_frames=1)
             self._warning.warn("tokentrace node agent: a local batch was refused: %r", error)
             return ACK_REJECTED
         requests = len(timers) + len(jobs)
-        skipped_before = encoder.skipped
+        skipped_before = encoder.skipped  # the connection's own encoder: this thread's alone
         payload, spans = encoder.encode(finished, jobs)
-        self.skipped_requests += encoder.skipped - skipped_before
+        skipped = encoder.skipped - skipped_before
         if spans:
             try:
                 self._consume(ExportTraceServiceRequest.FromString(payload), encoded=payload)
             except (Overloaded, Unavailable):
-                self.busy_requests += requests
+                self._count(busy_requests=requests, skipped_requests=skipped)
                 return ACK_BUSY
-            self.accepted_spans += spans
-        self.taken_requests += requests
+        self._count(taken_requests=requests, skipped_requests=skipped, accepted_spans=spans)
         return ACK_TAKEN
+
+    def _count(self, **increments: int) -> None:
+        """Add to counters that every connection's thread writes."""
+        with self._lock:
+            for name, increment in increments.items():
+                setattr(self, name, getattr(self, name) + increment)
 
     def shutdown(self, timeout_s: float = 2.0) -> None:
         """Stop accepting, close every connection (their agents export OTLP from then on) and

@@ -258,6 +258,13 @@ def _client(path: Path) -> LocalRelayClient:
     )
 
 
+def _relaying_emitter(sent: Sent, relay: LocalRelayClient) -> SpanEmitter:
+    """An emitter whose batches go to ``relay`` (else to ``sent``), on ``flush`` only."""
+    return SpanEmitter(
+        sent, resource_attributes=RESOURCE, scope_name="t", interval_s=60, relay=relay
+    )
+
+
 def _without_ids(span: Span) -> tuple[Any, ...]:
     copy = Span()
     copy.CopyFrom(span)
@@ -342,9 +349,7 @@ def test_without_the_socket_batches_go_by_otlp_and_the_socket_is_retried_later(
         ),
         monotonic=lambda: clock[0],
     )
-    emitter = SpanEmitter(
-        sent, resource_attributes=RESOURCE, scope_name="t", interval_s=60, relay=relay
-    )
+    emitter = _relaying_emitter(sent, relay)
     emitter.submit(plain_timer(1))
     assert emitter.flush(5.0)
     emitter.submit(plain_timer(2))
@@ -368,13 +373,7 @@ def test_a_busy_node_agent_drops_the_batch_and_both_sides_count_it(
     server, consumed = receiver
     consumed.refuse = True
     sent = Sent()
-    emitter = SpanEmitter(
-        sent,
-        resource_attributes=RESOURCE,
-        scope_name="t",
-        interval_s=60,
-        relay=_client(socket_path),
-    )
+    emitter = _relaying_emitter(sent, _client(socket_path))
     emitter.submit(plain_timer(1))
     emitter.submit(plain_timer(2))
     assert emitter.flush(5.0)
@@ -491,13 +490,7 @@ def test_shutdown_closes_open_connections_and_the_agent_falls_back_to_otlp(
     server = LocalSocketReceiver(str(socket_path), Consumed())
     server.start()
     sent = Sent()
-    emitter = SpanEmitter(
-        sent,
-        resource_attributes=RESOURCE,
-        scope_name="t",
-        interval_s=60,
-        relay=_client(socket_path),
-    )
+    emitter = _relaying_emitter(sent, _client(socket_path))
     emitter.submit(plain_timer(1))
     assert emitter.flush(5.0)
     assert emitter.stats()["handed_to_node_requests"] == 1
@@ -550,7 +543,7 @@ def test_a_batch_that_plans_no_spans_sends_nothing(
     """EngineCore's deferred jobs mostly plan nothing (no chunks, no preemption, no outlier):
     no frame, no round trip to the node agent."""
     relay = _client(socket_path)
-    emitter = SpanEmitter(Sent(), resource_attributes=RESOURCE, scope_name="t", relay=relay)
+    emitter = _relaying_emitter(Sent(), relay)
     emitter.submit(list)  # a deferred job that plans no spans
     assert emitter.flush(5.0)
     assert relay.connects == 0
