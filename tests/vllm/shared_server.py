@@ -13,10 +13,15 @@ its ``pynvml`` loads the NVML stand-in (tests/node/) and the server names the st
 GPU as its own (``TOKENTRACE_GPU_UUIDS``), so the node agent adds GPU aggregates to tokentrace's
 phase and step spans (tests/vllm/test_node_agent_vllm.py) and relays everything else unchanged
 (vLLM's spans get the node's ``host.name`` on their resource), holding a span at most
-``max_hold_s`` (1 s) for the samples of its window. vLLM's ``--otlp-traces-endpoint`` must name
-the node agent too: vLLM writes it to ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` in its processes,
-which its EngineCore and workers inherit and which the plugin there prefers to
-``OTEL_EXPORTER_OTLP_ENDPOINT`` (the standard precedence). Every test that can run
+``max_hold_s`` (1 s) for the samples of its window. tokentrace's agent hands its finished
+requests to the node agent's local socket (``TOKENTRACE_NODE_SOCKET``, as
+deploy/components/node-socket has it), so the node agent builds those spans; the servers of
+tests/vllm/test_injection.py, tests/vllm/test_instrumentation_zero_harm.py and
+tests/test_cli_end_to_end.py export OTLP from vLLM's processes themselves. vLLM's
+``--otlp-traces-endpoint`` must name the node agent too: vLLM writes it to
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` in its processes, which its EngineCore and workers inherit
+and which the plugin there prefers to ``OTEL_EXPORTER_OTLP_ENDPOINT`` (the standard precedence;
+it is where batches go that the socket cannot take). Every test that can run
 on the server does; a test that needs a server of its own says why next to its fixture. Tests on
 the shared server never assume the receiver or ``/metrics`` is fresh: they find their own
 requests by their ``X-Request-Id`` (or trace id), and a test that compares ``/metrics`` before
@@ -108,6 +113,8 @@ class NodeAgentProcess:
 
     port: int
     """Its OTLP/gRPC receiver on 127.0.0.1."""
+    local_socket: Path
+    """Its local socket (``--local-socket``), where the agents hand over finished requests."""
     startup: str
     """Its output up to the line saying where it receives (GPUs found or NVML missing)."""
     log_path: Path
@@ -124,8 +131,15 @@ def running_node_agent(upstream: UpstreamOtlp, directory: Path) -> Iterator[Node
     build_stand_in(directory)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env["LD_LIBRARY_PATH"] = library_env(directory)["LD_LIBRARY_PATH"]
+    local_socket = directory / "node.sock"
     process, port, startup = start_node_agent(
-        "--upstream", upstream.grpc_endpoint, "--stats-interval", "2", env=env
+        "--upstream",
+        upstream.grpc_endpoint,
+        "--stats-interval",
+        "2",
+        "--local-socket",
+        str(local_socket),
+        env=env,
     )
     log_path = directory / "node-agent.log"
     log_path.write_text(startup, encoding="utf-8")
@@ -140,7 +154,7 @@ def running_node_agent(upstream: UpstreamOtlp, directory: Path) -> Iterator[Node
     copier = threading.Thread(target=copy_output, args=(process,), daemon=True)
     copier.start()
     try:
-        yield NodeAgentProcess(port, startup, log_path)
+        yield NodeAgentProcess(port, local_socket, startup, log_path)
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -186,6 +200,10 @@ def traced_server(
             env={
                 **traced_server_env(upstream),
                 "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{node_agent.port}",
+                # tokentrace's finished requests go over the node agent's local socket (its
+                # spans built there, as deploy/components/node-socket has it); vLLM's own
+                # tracing and anything the socket cannot take go by OTLP.
+                "TOKENTRACE_NODE_SOCKET": str(node_agent.local_socket),
                 "TOKENTRACE_GPU_UUIDS": STAND_IN_GPU,
                 # Every engine step exported: tests check them against the requests.
                 "TOKENTRACE_STEP_SAMPLE_RATE": "1",

@@ -1,4 +1,5 @@
-"""The real vLLM's spans through a real ``tokentrace node-agent`` process.
+"""The real vLLM's spans through a real ``tokentrace node-agent`` process (tokentrace's built
+there from what the agent hands over on the node agent's local socket).
 
 The shared server (`traced_server`, tests/vllm/shared_server.py) runs with the agent, exporting to a
 node agent started as a command whose ``pynvml`` loads the stand-in NVML library from
@@ -36,6 +37,7 @@ def test_vllm_phase_spans_arrive_with_the_gpu_samples_of_their_windows(
     upstream, server = traced_server.upstream, traced_server.server
     startup = traced_server.node_agent.startup
     assert "sampling 2 GPU(s)" in startup, startup
+    assert f"LocalSocket {traced_server.node_agent.local_socket}" in startup, startup
     wait_until_idle(server)  # the request alone on the server, as on a server of its own
     marker = uuid.uuid4().hex
     response = httpx.post(
@@ -81,6 +83,11 @@ def test_vllm_phase_spans_arrive_with_the_gpu_samples_of_their_windows(
         assert attributes[semconv.GPU_MEMORY_BANDWIDTH_GBPS] == pytest.approx(
             _STAND_IN_DRAM_SHARE * _STAND_IN_PEAK_BPS / 1e9
         )
+    # Those spans were built by the node agent from what the agent handed it on the local
+    # socket (its counters, printed every 2 s).
+    assert upstream.wait_for(
+        lambda: "LocalSocketReceiver.taken_requests=" in traced_server.node_agent.log_tail(), 10
+    ), traced_server.node_agent.log_tail()
     # The worker's weight_load span taught the node agent the weights: decode's roofline.
     weight_loads = [
         attributes_of(span)
