@@ -36,6 +36,7 @@ from typing import Any, Final, NamedTuple
 
 from tokentrace.agent import plain_marshal
 from tokentrace.agent.finished_request import FinishedRequest, prompt_prefix_hash
+from tokentrace.agent.otlp_export import RateLimitedWarning
 from tokentrace.agent.recorder import PROMPT_TOKEN_IDS, RequestTimer
 from tokentrace.agent.spans import AttrValue, PlannedSpan, SpanJob
 
@@ -54,6 +55,7 @@ _DEFAULT_ANSWER_TIMEOUT_S: Final = 5.0
 """For the node agent's answer to a batch (it encodes and queues it first: milliseconds)."""
 _RETRY_AFTER_S: Final = 5.0
 """After the socket failed, batches go by OTLP for this long before the socket is tried again."""
+_FAILURE_WARNING_INTERVAL_S: Final = 300.0
 _FINISHED_FIELDS: Final = frozenset(f.name for f in fields(FinishedRequest))
 """The timer attributes ``to_finished_request`` copies onto the request; only those travel."""
 
@@ -366,6 +368,9 @@ class LocalRelayClient:
         self.connects = 0
         self.failures = 0
         """Connections that failed or broke (each sends batches by OTLP for a while)."""
+        self._failure_warning = RateLimitedWarning(
+            monotonic, interval_s=_FAILURE_WARNING_INTERVAL_S, log=_log
+        )
         reference = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _forget_in_child(reference))
 
@@ -386,16 +391,17 @@ class LocalRelayClient:
         try:
             connection.sendall(data)
         except OSError as error:  # closed by the other end before this batch: not delivered
-            self._fail()
+            self._fail(error)
             raise RelayUnreachable(str(error)) from error
         try:
             answer = connection.recv(1)
-        except OSError:
-            self._fail()
+        except OSError as error:
+            self._fail(error)
             raise
         if not answer:
-            self._fail()
-            raise ConnectionResetError("the node agent closed the connection")
+            closed = ConnectionResetError("the node agent closed the connection")
+            self._fail(closed)
+            raise closed
         if answer != ACK_TAKEN:
             raise RelayRefused(answer)
 
@@ -408,16 +414,24 @@ class LocalRelayClient:
             connection.sendall(self._hello)
         except OSError as error:
             connection.close()
-            self._fail()
+            self._fail(error)
             raise RelayUnreachable(f"{self.path}: {error.strerror or error}") from error
         self._socket = connection
         self.connects += 1
         return connection
 
-    def _fail(self) -> None:
+    def _fail(self, error: OSError) -> None:
         self.failures += 1
         self._retry_at = self._monotonic() + _RETRY_AFTER_S
         self.close()
+        self._failure_warning.warn(
+            "tokentrace: the node agent's socket %s: %s; batches go by OTLP meanwhile, the "
+            "socket is tried again every %g s (emitter.node_socket_failures: %d)",
+            self.path,
+            error.strerror or error,
+            _RETRY_AFTER_S,
+            self.failures,
+        )
 
     def close(self) -> None:
         connection, self._socket = self._socket, None

@@ -338,7 +338,7 @@ def test_the_node_agent_builds_the_spans_the_emitter_would_have_exported(
 
 
 def test_without_the_socket_batches_go_by_otlp_and_the_socket_is_retried_later(
-    socket_path: Path,
+    socket_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     sent = Sent()
     clock = [100.0]
@@ -364,6 +364,10 @@ def test_without_the_socket_batches_go_by_otlp_and_the_socket_is_retried_later(
     with pytest.raises(RelayUnreachable):
         relay.send([plain_timer(3)], [], 0)
     assert relay.failures == 2
+    # Said once (then at most every few minutes), naming the socket and the counter.
+    (warning,) = [r.getMessage() for r in caplog.records if "node agent's socket" in r.getMessage()]
+    assert str(socket_path) in warning
+    assert "emitter.node_socket_failures" in warning
     emitter.shutdown(1.0)
 
 
