@@ -19,7 +19,7 @@
   (each its own trace), besides those overlapping requests' inter-token outliers.
 - ``TOKENTRACE_ITL_OUTLIER_RATIO`` (3.0): an inter-token gap above this many times the request's
   median gap is an outlier; the engine steps inside it are exported under the request.
-- ``TOKENTRACE_NODE_SOCKET``: the node agent's local socket (``tokentrace node --local-socket``).
+- ``TOKENTRACE_NODE_SOCKET``: the node agent's local socket (``tokentrace node-agent --local-socket``).
   Set: finished requests go there as plain data and the node agent builds their spans, which
   takes that work out of this process (``local_relay``); OTLP is used whenever it cannot be
   reached.
