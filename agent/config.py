@@ -19,10 +19,10 @@
   (each its own trace), besides those overlapping requests' inter-token outliers.
 - ``TOKENTRACE_ITL_OUTLIER_RATIO`` (3.0): an inter-token gap above this many times the request's
   median gap is an outlier; the engine steps inside it are exported under the request.
-- ``TOKENTRACE_NODE_SOCKET``: the node agent's local socket (``tokentrace node-agent --local-socket``).
-  Set: finished requests go there as plain data and the node agent builds their spans, which
-  takes that work out of this process (``local_relay``); OTLP is used whenever it cannot be
-  reached.
+- ``TOKENTRACE_NODE_SOCKET``: the node agent's local socket (``tokentrace node-agent
+  --local-socket``). Set: finished requests go there as plain data and the node agent builds
+  their spans, which takes that work out of this process (``local_relay``); OTLP is used
+  whenever it cannot be reached.
 - ``TOKENTRACE_GPU_UUIDS``: the process's GPUs, comma-separated, for the node agent; by default
   from ``CUDA_VISIBLE_DEVICES`` / ``NVIDIA_VISIBLE_DEVICES`` (UUIDs) or NVML (indices).
 - ``K8S_POD_NAME`` / ``K8S_NAMESPACE_NAME`` / ``K8S_NODE_NAME`` (or ``POD_NAME`` /
