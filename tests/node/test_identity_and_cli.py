@@ -158,7 +158,12 @@ def test_the_node_agent_command_takes_finished_requests_on_its_local_socket(
         assert upstream.wait_for(lambda: len(relayed(upstream)) >= 1)
     finally:
         process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=10)
+        try:
+            output, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # say where it stopped, and leave nothing running
+            process.kill()
+            output, _ = process.communicate()
+            pytest.fail(f"the node agent did not stop within 30 s of SIGTERM:\n{startup}{output}")
     assert process.returncode == 0, startup + output
     names = [span.name for _, span in relayed(upstream)]
     assert semconv.SPAN_REQUEST in names
