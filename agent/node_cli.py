@@ -164,7 +164,6 @@ class NodeAgentCommand:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         try:
             config = config_from_args(args, os.environ)
-            from tokentrace.agent.node.local_relay import LocalSocketReceiver
             from tokentrace.agent.node.routing import TraceRouter
             from tokentrace.agent.node.service import NodeAgent
 
@@ -179,12 +178,7 @@ class NodeAgentCommand:
             return 1
         gpus = agent.sampler.devices
         listening = ", ".join(
-            f"{type(r).__name__.removeprefix('Otlp').removesuffix('Receiver')} "
-            + (
-                r.path
-                if isinstance(r, LocalSocketReceiver)
-                else f"{r.endpoint.rpartition(':')[0]}:{r.port}"
-            )
+            f"{type(r).__name__.removeprefix('Otlp').removesuffix('Receiver')} {r.listening}"
             for r in agent.receivers
         )
         security = ("TLS" if config.tls_cert_file else "plaintext") + (

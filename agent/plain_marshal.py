@@ -74,6 +74,8 @@ class _Reader:
         return count
 
     def take(self, count: int) -> bytes:
+        """The next ``count`` bytes; callers bound ``count`` first (``length``, or a check of
+        what came back), as slicing does not."""
         start = self.position
         self.position = start + count
         return self.data[start : start + count]

@@ -25,7 +25,6 @@ from prometheus_client.registry import Collector as PrometheusCollector
 
 from tokentrace.agent import semconv
 from tokentrace.agent.admin_http import AdminHttpServer, ReadinessCheck
-from tokentrace.agent.node.local_relay import LocalSocketReceiver
 from tokentrace.collector.receivers import split_endpoint
 
 if TYPE_CHECKING:
@@ -212,12 +211,7 @@ def readiness(agent: NodeAgent) -> Sequence[ReadinessCheck]:
         return [ReadinessCheck("receivers", False, "not listening yet (starting)")]
     stats = agent.stats()
     config = agent.config
-    listening = ", ".join(
-        f"{type(r).__name__} {r.path}"
-        if isinstance(r, LocalSocketReceiver)
-        else f"{type(r).__name__} :{r.port}"
-        for r in receivers
-    )
+    listening = ", ".join(f"{type(r).__name__} {r.listening}" for r in receivers)
     # With several collector replicas each has its own queue: the fullest one decides.
     queued = stats.get("route.max_queue_len", stats.get("sender.queue_len", 0))
     queue_size = config.exporter.queue_size

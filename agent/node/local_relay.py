@@ -108,6 +108,11 @@ class LocalSocketReceiver:
         """Spans of taken batches (the OTLP receivers' counter of the same name)."""
         self._warning = RateLimitedWarning(interval_s=_WARNING_INTERVAL_S, log=_log)
 
+    @property
+    def listening(self) -> str:
+        """Where it listens, for people (the receivers' property of the same name)."""
+        return self.path
+
     def start(self) -> None:
         """Bind and listen (OSError when the path is taken by a live listener or cannot be
         made), then accept on a thread."""

@@ -187,6 +187,11 @@ class OtlpReceiverBase:
             raise RuntimeError("receiver not started")
         return self._port
 
+    @property
+    def listening(self) -> str:
+        """Where it listens, for people: ``HOST:PORT`` with the bound port (after ``start``)."""
+        return join_endpoint(split_endpoint(self._endpoint)[0], self.port)
+
     def stats(self) -> dict[str, int]:
         return self._counters.snapshot()
 
