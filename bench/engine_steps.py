@@ -4,8 +4,9 @@ Per step the tracer reads one clock, walks the scheduled requests once (one list
 and stores one tuple in its ring buffer; finished requests are handed to the emitter as deferred
 jobs (planned off the busy loop). This measures ``on_scheduled`` + ``on_step_done`` on objects
 shaped like vLLM 0.32's ``SchedulerOutput`` / ``EngineCoreOutputs`` for a batch of N decoding
-requests, A/B interleaved against the same loop without the tracer, and prints ns per step and
-per scheduled request. For scale: a decode step of a real model takes milliseconds.
+requests, interleaved against the same loop without the tracer, with the per-request loops in C
+(``agent/_steps.c``) and with their Python twins, and prints ns per step and per scheduled
+request for each. For scale: a decode step of a real model takes milliseconds.
 
     python bench/engine_steps.py [--batch 16] [--steps 20000] [--rounds 7]
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from tokentrace.agent.frameworks import vllm_engine
 from tokentrace.agent.frameworks.vllm_engine import (
     ENGINE_PARENT_HEADER,
     EngineStepTracer,
@@ -95,7 +97,7 @@ def _run(scheduler: _Scheduler, tracer: EngineStepTracer | None, steps: int) -> 
     else:
         on_scheduled, on_step_done, clock = tracer.on_scheduled, tracer.on_step_done, tracer.clock
         for _ in range(steps):
-            on_scheduled(scheduler, output, clock())
+            on_scheduled(output, clock())
             on_step_done(scheduler, output, outputs)
     return (time.perf_counter_ns() - start) / steps
 
@@ -111,20 +113,27 @@ def main() -> None:
     tracer = EngineStepTracer(
         jobs.append, guard=HookGuard(), to_unix=MonotonicToUnix(), sample_rate=0.0
     )
-    traced, bare = [], []
+    loops = {"C": (vllm_engine._APPEND_INDEX, vllm_engine._IDS_WHERE_SET), "Python": (None, None)}
+    if not vllm_engine.BUILT:
+        del loops["C"]
+    bare: list[float] = []
+    traced: dict[str, list[float]] = {name: [] for name in loops}
     for _ in range(args.rounds):
         bare.append(_run(scheduler, None, args.steps))
-        traced.append(_run(scheduler, tracer, args.steps))
-        # Step lists grow by one index per step: keep them realistic (a request's length).
-        for tracked in tracer._requests.values():
-            if tracked is not None:
-                tracked.decode_steps.clear()
-    added = statistics.median(traced) - statistics.median(bare)
-    print(
-        f"engine-step tracer, batch {args.batch}: {added:,.0f} ns per step "
-        f"({added / args.batch:,.0f} ns per scheduled request); "
-        f"median of {args.rounds} interleaved rounds of {args.steps:,} steps"
-    )
+        for name, (append_index, ids_where_set) in loops.items():
+            vllm_engine._APPEND_INDEX, vllm_engine._IDS_WHERE_SET = append_index, ids_where_set
+            traced[name].append(_run(scheduler, tracer, args.steps))
+            # Step lists grow by one index per step: keep them realistic (a request's length).
+            for tracked in tracer._requests.values():
+                if tracked is not None:
+                    tracked.decode_steps.clear()
+    for name, times in traced.items():
+        added = statistics.median(times) - statistics.median(bare)
+        print(
+            f"engine-step tracer, batch {args.batch}, loops in {name}: {added:,.0f} ns per step "
+            f"({added / args.batch:,.0f} ns per scheduled request); "
+            f"median of {args.rounds} interleaved rounds of {args.steps:,} steps"
+        )
 
 
 if __name__ == "__main__":

@@ -11,11 +11,13 @@ import sysconfig
 import pytest
 
 from tokentrace.agent import compiled, span_encoding
+from tokentrace.agent.frameworks import vllm_engine
 from tokentrace.processors import native
 
 _EXTENSIONS = [
     ("tokentrace.processors._native", "processors/_native.c", native.BUILT),
     ("tokentrace.agent._wire", "agent/_wire.c", span_encoding.BUILT),
+    ("tokentrace.agent._steps", "agent/_steps.c", vllm_engine.BUILT),
 ]
 
 
@@ -35,11 +37,13 @@ def test_each_extension_is_built_where_a_compiler_is(module: str, source: str, b
 def test_the_environment_turns_every_extension_off() -> None:
     code = (
         "from tokentrace.agent import span_encoding\n"
+        "from tokentrace.agent.frameworks import vllm_engine\n"
         "from tokentrace.processors import native\n"
-        "print(span_encoding.BUILT, native.BUILT, span_encoding.length_delimited.__name__)\n"
+        "print(span_encoding.BUILT, native.BUILT, vllm_engine.BUILT,"
+        " span_encoding.length_delimited.__name__)\n"
     )
     environment = {**os.environ, compiled.PURE_PYTHON_ENV: "1"}
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environment
     )
-    assert done.stdout.split() == ["False", "False", "length_delimited_python"]
+    assert done.stdout.split() == ["False", "False", "False", "length_delimited_python"]

@@ -5,12 +5,13 @@ where the scheduler decides each step's batch, and answers what the frontend can
 requests shared the step that made a token late, and how much prefill they brought.
 
 - **a step** is one ``Scheduler.schedule`` -> ``Scheduler.update_from_output`` pair (both the
-  plain and the batch-queue busy loops call them once per step). The schedule wrapper reads one
-  clock before scheduling and, per scheduled request, appends the step's index to that request's
-  list (the per-request cost: one append per step, like a token); the update wrapper closes the
-  step at the timestamp vLLM stamps on the step's outputs (the very timestamp the frontend
-  gives the step's tokens) and stores one tuple in a fixed-size ring buffer
-  (``TOKENTRACE_ENGINE_STEPS``): start, end, prefill/decode requests and tokens (vLLM's own
+  plain and the batch-queue busy loops call them once per step). The schedule wrapper only
+  reads one clock before scheduling; the update wrapper reads the rest from the same
+  ``SchedulerOutput``: per scheduled request it appends the step's index to that request's list
+  (the per-request cost: one append per step, like a token; the loop is C, ``_steps.c``, where
+  built), closes the step at the timestamp vLLM stamps on the step's outputs (the very
+  timestamp the frontend gives the step's tokens) and stores one tuple in a fixed-size ring
+  buffer (``TOKENTRACE_ENGINE_STEPS``): start, end, prefill/decode requests and tokens (vLLM's own
   split: a request without output tokens yet is in prefill), KV-cache usage, waiting and
   running requests, and the batch's request ids.
 - **a finished request** (its output carries a finish reason) is handed to the emitter's thread
@@ -47,7 +48,7 @@ from functools import partial
 from itertools import compress
 from typing import Any, Final, NamedTuple
 
-from tokentrace.agent import semconv
+from tokentrace.agent import compiled, semconv
 from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO, gap_median
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import MonotonicToUnix
@@ -159,6 +160,39 @@ def outlier_gap_ends(token_step_ends: Sequence[tuple[int, int]], ratio: float) -
 _UNSEEN: Final[Any] = object()
 """``EngineStepTracer._requests``' answer for a request not seen before (None: not tracked)."""
 
+_STEPS: Final[Any] = compiled.load("tokentrace.agent._steps")
+"""The C twins of ``append_index_python`` and ``ids_where_set_python`` (``_steps.c``), if built."""
+BUILT: Final = _STEPS is not None
+"""Whether the per-request loops run in C (built, not turned off by ``TOKENTRACE_PURE_PYTHON``)."""
+_APPEND_INDEX: Callable[..., list[str] | None] | None = getattr(_STEPS, "append_index", None)
+_IDS_WHERE_SET: Callable[..., list[Any] | None] | None = getattr(_STEPS, "ids_where_set", None)
+_DECODE_STEPS: Final = "decode_steps"
+"""``_TrackedRequest``'s list of the steps that gave it a token (read by name in C)."""
+_new_step: Final = tuple.__new__
+"""``StepRecord``'s own constructor is a Python function; the tuple's is not."""
+
+
+def append_index_python(
+    scheduled: dict[str, int], skip: Set[str], tracked: dict[str, Any], attribute: str, index: int
+) -> list[str]:
+    """Appends ``index`` to ``getattr(tracked[id], attribute)`` for each id of ``scheduled`` not
+    in ``skip`` whose entry is not None; returns the ids ``tracked`` does not hold."""
+    unseen: list[str] = []
+    for request_id in scheduled:
+        if request_id in skip:
+            continue
+        entry = tracked.get(request_id, _UNSEEN)
+        if entry is _UNSEEN:
+            unseen.append(request_id)
+        elif entry is not None:
+            getattr(entry, attribute).append(index)
+    return unseen
+
+
+def ids_where_set_python(items: Sequence[Any], flag: str, name: str) -> list[Any]:
+    """``getattr(item, name)`` of each item whose ``getattr(item, flag)`` is not None."""
+    return [getattr(item, name) for item in items if getattr(item, flag) is not None]
+
 
 _NO_PREFILL: Final[frozenset[str]] = frozenset()
 
@@ -216,8 +250,8 @@ class EngineStepTracer:
         self.clock = monotonic_ns
         self._random = random.Random(os.urandom(16) if seed is None else seed).random
         self._next_index = 0
-        self._open: dict[int, tuple[int, int, int, int, int, int, tuple[str, ...]]] = {}
-        """id(scheduler output) -> the step's schedule-time facts, until its update."""
+        self._open: dict[int, int] = {}
+        """id(scheduler output) -> the step's start (monotonic ns), until its update."""
         self._requests: dict[str, _TrackedRequest | None] = {}
         """Requests the scheduler holds: None for those with no trace context (not tracked)."""
         self.steps = 0
@@ -230,74 +264,84 @@ class EngineStepTracer:
         """Request step lists dropped without a finish reason (aborted inside the engine)."""
 
     # --- serving path (EngineCore busy loop) ---------------------------------------------------
-    def on_scheduled(self, scheduler: Any, output: Any, start_ns: int) -> None:
+    def on_scheduled(self, output: Any, start_ns: int) -> None:
+        """A step was scheduled at ``start_ns``; all else is read at its update, from the same
+        ``SchedulerOutput`` (one hook's work per step, not two)."""
+        opened = self._open
+        if len(opened) >= _MAX_OPEN_STEPS:  # updates that never came (cannot happen in vLLM
+            opened.clear()  # 0.32: at most the batch queue's size are in flight)
+        opened[id(output)] = start_ns
+
+    def on_step_done(self, scheduler: Any, output: Any, outputs_by_client: Any) -> None:
+        start_ns = self._open.pop(id(output), None)
         scheduled = output.num_scheduled_tokens
-        if not scheduled:
+        if start_ns is None or not scheduled:
             return
+        # Steps are numbered in update order: the order vLLM schedules them (its batch queue is
+        # first in, first out).
         index = self._next_index
         self._next_index = index + 1
         prefill_ids = _prefill_ids(output)
         requests = self._requests
-        for request_id in scheduled:
+        # Most steps decode only: one C loop appends the step to every tracked request's list.
+        unseen = None
+        if _APPEND_INDEX is not None:
+            unseen = _APPEND_INDEX(scheduled, prefill_ids, requests, _DECODE_STEPS, index)
+        if unseen is None:
+            unseen = append_index_python(scheduled, prefill_ids, requests, _DECODE_STEPS, index)
+        held = scheduler.requests
+        for request_id in unseen:  # a request that finished in this step is gone from ``held``
+            tracked = requests[request_id] = _track(held.get(request_id))  # (and has no gaps)
+            if tracked is not None:
+                tracked.decode_steps.append(index)
+        prefill_requests = prefill_tokens = 0
+        for request_id in prefill_ids:
+            tokens = scheduled.get(request_id)
+            if tokens is None:
+                continue
+            prefill_requests += 1
+            prefill_tokens += tokens
             tracked = requests.get(request_id, _UNSEEN)
             if tracked is _UNSEEN:
-                tracked = requests[request_id] = _track(scheduler.requests.get(request_id))
+                tracked = requests[request_id] = _track(held.get(request_id))
             if tracked is not None:
-                if request_id in prefill_ids:
-                    tracked.prefill_steps.append((index, scheduled[request_id]))
-                else:
-                    tracked.decode_steps.append(index)
-        # The step's counts in C-level calls: most steps decode only (no prefill ids).
-        prefill = [scheduled[request_id] for request_id in prefill_ids if request_id in scheduled]
-        prefill_requests, prefill_tokens = len(prefill), sum(prefill)
-        decode_requests = len(scheduled) - prefill_requests
-        decode_tokens = sum(scheduled.values()) - prefill_tokens
-        if len(self._open) >= _MAX_OPEN_STEPS:  # updates that never came (cannot happen in
-            self._open.clear()  # vLLM 0.32: at most the batch queue's size are in flight)
-        self._open[id(output)] = (
-            index,
-            start_ns,
-            prefill_requests,
-            decode_requests,
-            prefill_tokens,
-            decode_tokens,
-            tuple(scheduled),
-        )
-
-    def on_step_done(self, scheduler: Any, output: Any, outputs_by_client: Any) -> None:
-        opened = self._open.pop(id(output), None)
-        if opened is None:
-            return
-        index, start_ns, prefill_requests, decode_requests, prefill_tokens, decode_tokens, ids = (
-            opened
-        )
+                tracked.prefill_steps.append((index, tokens))
         end_ns = 0
         finished: list[str] = []
         for client_outputs in outputs_by_client.values():
             if not end_ns and client_outputs.timestamp:
                 end_ns = int(client_outputs.timestamp * _NS_PER_S)
-            for request_output in client_outputs.outputs:
-                if request_output.finish_reason is not None:
-                    finished.append(request_output.request_id)
+            outputs = client_outputs.outputs
+            found = None
+            if _IDS_WHERE_SET is not None:
+                found = _IDS_WHERE_SET(outputs, "finish_reason", "request_id")
+            finished += (
+                ids_where_set_python(outputs, "finish_reason", "request_id")
+                if found is None
+                else found
+            )
         if not end_ns:
             end_ns = self.clock()
         running, waiting = scheduler.get_request_counts()
-        step = StepRecord(
-            index,
-            start_ns,
-            max(end_ns, start_ns),
-            prefill_requests,
-            decode_requests,
-            prefill_tokens,
-            decode_tokens,
-            float(scheduler.kv_cache_manager.usage),
-            waiting,
-            running,
-            ids,
+        step = _new_step(
+            StepRecord,
+            (
+                index,
+                start_ns,
+                max(end_ns, start_ns),
+                prefill_requests,
+                len(scheduled) - prefill_requests,
+                prefill_tokens,
+                sum(scheduled.values()) - prefill_tokens,
+                float(scheduler.kv_cache_manager.usage),
+                waiting,
+                running,
+                tuple(scheduled),
+            ),
         )
         self._store(step, finished)
         if not (index + 1) % _SWEEP_EVERY_STEPS:
-            self._sweep(scheduler.requests)
+            self._sweep(held)
 
     # --- the same for engines whose steps are one call (SGLang's scheduler) -----------------------
     def track(self, request_id: str, parent: tuple[bytes, bytes, bytes]) -> None:

@@ -19,6 +19,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from tests.agent.vllm_stand_ins import (
     CLOCK,
     SCHEDULED,
+    SCHEDULED_EVENT_DELAY_S,
     AsyncLLM,
     CachedRequestData,
     CoreRequest,
@@ -31,6 +32,7 @@ from tests.agent.vllm_stand_ins import (
     engine_monotonic_ns,
 )
 from tokentrace.agent import semconv
+from tokentrace.agent.frameworks import vllm_engine
 from tokentrace.agent.frameworks.vllm_engine import (
     _SWEEP_EVERY_STEPS,
     ENGINE_PARENT_HEADER,
@@ -51,6 +53,17 @@ NS = 1_000_000_000
 TRACE = bytes(range(1, 17))
 REQUEST_SPAN = bytes(range(21, 29))
 PREFILL_SPAN = bytes(range(31, 39))
+
+
+@pytest.fixture(autouse=True, params=["C", "Python"])
+def step_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the per-request loops in C (``_steps.c``) and with their twins."""
+    if request.param == "C" and not vllm_engine.BUILT:
+        pytest.skip("the C extension is not built here (or TOKENTRACE_PURE_PYTHON is set)")
+    if request.param == "Python":
+        monkeypatch.setattr(vllm_engine, "_APPEND_INDEX", None)
+        monkeypatch.setattr(vllm_engine, "_IDS_WHERE_SET", None)
+    return str(request.param)
 
 
 def traced(request_id: str, prompt_tokens: int, number: int = 0) -> CoreRequest:
@@ -83,7 +96,7 @@ def drive(tracer: EngineStepTracer, scheduler: Scheduler) -> None:
     while scheduler.requests:
         start = tracer.clock()
         output = scheduler.schedule()
-        tracer.on_scheduled(scheduler, output, start)
+        tracer.on_scheduled(output, start)
         tracer.on_step_done(scheduler, output, scheduler.update_from_output(output, None))
 
 
@@ -153,7 +166,7 @@ def test_a_chunked_prefill_becomes_chunk_spans_under_the_prefill_span(
     assert {c.parent_span_id for c in chunks} == {bytes([3]) * 8}
     assert {c.trace_id for c in chunks} == {bytes([1]) * 16}
     # Back to back, the first from vLLM's SCHEDULED event (the start of llm.prefill).
-    first_scheduled_ns = int(1000.0 * NS) + CLOCK.to_unix_ns(0)
+    first_scheduled_ns = CLOCK.to_unix_ns(int((1000.0 + SCHEDULED_EVENT_DELAY_S) * NS))
     assert chunks[0].start_time_unix_nano == first_scheduled_ns
     for before, after in itertools.pairwise(chunks):
         assert before.end_time_unix_nano <= after.start_time_unix_nano
@@ -358,8 +371,12 @@ def test_scheduled_event_is_read_from_the_request() -> None:
     scheduler.add(request)
     drive(tracer, scheduler)
     (chunk_job,) = planned_jobs(jobs)
-    # The latest SCHEDULED event (the stand-in appended one at 1000.0) starts the first chunk.
-    assert chunk_job.spans[0].start_ns == CLOCK.to_unix_ns(1000 * NS)
+    # The latest SCHEDULED event (the stand-in's, just after the step began) starts the first
+    # chunk, although the engine took the request's events with its first output.
+    assert request.events == []
+    assert chunk_job.spans[0].start_ns == CLOCK.to_unix_ns(
+        int((1000.0 + SCHEDULED_EVENT_DELAY_S) * NS)
+    )
 
 
 # --- the entry points for engines whose steps are one call (SGLang's scheduler) -----------------

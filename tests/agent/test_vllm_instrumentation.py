@@ -27,6 +27,7 @@ from tests.agent.vllm_stand_ins import (
 )
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks import vllm as instrumentation
+from tokentrace.agent.frameworks.patching import is_patch
 from tokentrace.agent.frameworks.vllm import VllmInstrumentor
 from tokentrace.agent.frameworks.vllm_requests import HOOK_ADD_REQUEST, HOOK_OUTPUTS
 from tokentrace.agent.recorder import PROMPT_TOKEN_IDS
@@ -41,12 +42,12 @@ def test_instrument_uninstrument_instrument_applies_and_restores_the_patch_table
     vllm_stand_in.instrument()
     patched = patched_attributes()
     for key, original in originals.items():
-        assert isinstance(patched[key], wrapt.FunctionWrapper), key
+        assert is_patch(patched[key]), key
         assert patched[key].__wrapped__ is original
     vllm_stand_in.instrumentor.uninstrument()
     assert patched_attributes() == originals
     vllm_stand_in.instrument()
-    assert all(isinstance(v, wrapt.FunctionWrapper) for v in patched_attributes().values())
+    assert all(is_patch(v) for v in patched_attributes().values())
     run_one_request(vllm_stand_in)
     assert len(vllm_stand_in.finished) == 1
 
@@ -56,14 +57,14 @@ def test_a_module_imported_after_instrument_is_patched_then_not_after_uninstrume
 ) -> None:
     monkeypatch.delitem(sys.modules, "vllm.v1.engine.output_processor")
     vllm_stand_in.instrument()
-    assert not isinstance(vars(OutputProcessor)["process_outputs"], wrapt.FunctionWrapper)
+    assert not is_patch(vars(OutputProcessor)["process_outputs"])
     module = stand_in_modules()["vllm.v1.engine.output_processor"]
     monkeypatch.setitem(sys.modules, module.__name__, module)
     wrapt.notify_module_loaded(module)
-    assert isinstance(vars(OutputProcessor)["process_outputs"], wrapt.FunctionWrapper)
+    assert is_patch(vars(OutputProcessor)["process_outputs"])
     vllm_stand_in.instrumentor.uninstrument()
     wrapt.notify_module_loaded(module)  # a stale hook of the earlier instrumentation
-    assert not isinstance(vars(OutputProcessor)["process_outputs"], wrapt.FunctionWrapper)
+    assert not is_patch(vars(OutputProcessor)["process_outputs"])
 
 
 def run_one_request(

@@ -196,6 +196,7 @@ class SchedulerOutput:
 class CoreOutput:
     request_id: str
     finish_reason: int | None = None
+    events: list[Event] | None = None
 
 
 @dataclass
@@ -208,6 +209,8 @@ class KvCacheManager:
     usage = 0.25
 
 
+SCHEDULED_EVENT_DELAY_S = 0.002
+"""How long after the step's start (the busy loop's clock) the stand-in stamps SCHEDULED."""
 _engine_clock_s = [1000.0]
 """The stand-in EngineCore's ``time.monotonic()``: schedulers advance it, tracers read it."""
 
@@ -260,7 +263,8 @@ class Scheduler:
             tokens = min(budget, request.prompt_tokens - request.computed_tokens)
             if not request.computed_tokens:
                 new.append(NewRequestData(request_id))
-                request.events.append(Event(SCHEDULED, self.clock))
+                # vLLM stamps it inside schedule(), after the busy loop read the step's start.
+                request.events.append(Event(SCHEDULED, self.clock + SCHEDULED_EVENT_DELAY_S))
             scheduled[request_id] = tokens
             budget -= tokens
         cached = {
@@ -286,7 +290,9 @@ class Scheduler:
                 self.running.append(request_id)
             request.output_tokens += 1
             finished = request.output_tokens >= self.max_tokens
-            outputs.append(CoreOutput(request_id, LENGTH if finished else None))
+            # As vLLM's: an output takes the request's events (its SCHEDULED event with them).
+            events, request.events = request.events or None, []
+            outputs.append(CoreOutput(request_id, LENGTH if finished else None, events))
             if finished:
                 self.running.remove(request_id)
                 del self.requests[request_id]

@@ -478,6 +478,7 @@ def test_patch_table_and_constants_match_the_installed_vllm() -> None:
     from tokentrace.agent.frameworks import vllm as instrumentation
     from tokentrace.agent.frameworks import vllm_requests
     from tokentrace.agent.frameworks.asgi import HttpServerTracer
+    from tokentrace.agent.frameworks.patching import is_patch
     from tokentrace.agent.frameworks.vllm_cold_start import ColdStartTracer
     from tokentrace.agent.frameworks.vllm_engine import (
         EVENT_PREEMPTED,
@@ -517,7 +518,10 @@ def test_patch_table_and_constants_match_the_installed_vllm() -> None:
     )
     try:
         wrapped = targets()
-        assert all(isinstance(target, wrapt.FunctionWrapper) for target in wrapped)
+        assert all(is_patch(target) for target in wrapped)
+        # The per-step patches are plain functions on the real classes (the cheaper kind).
+        kinds = [not isinstance(target, wrapt.FunctionWrapper) for target in wrapped]
+        assert kinds == [patch.plain for patch in instrumentation.PATCHES]
         assert [target.__wrapped__ for target in wrapped] == originals  # type: ignore[attr-defined]
     finally:
         instrumentor.uninstrument()

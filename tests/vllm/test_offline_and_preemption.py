@@ -87,10 +87,11 @@ def offline_generate(model_dir: str, result_path: str, *, max_tokens: list[int])
         num_gpu_blocks_override=_KV_BLOCKS,
     )
     # Nothing here instruments vLLM: only the plugin entry point could have patched it.
-    import wrapt
     from vllm.v1.engine.output_processor import OutputProcessor
 
-    patched = isinstance(vars(OutputProcessor)["process_outputs"], wrapt.FunctionWrapper)
+    from tokentrace.agent.frameworks.patching import is_patch
+
+    patched = is_patch(vars(OutputProcessor)["process_outputs"])
     runtime = get_runtime()
     runs = []
     for tokens in max_tokens:
