@@ -1,12 +1,12 @@
 """The engine-step tracer's cost inside vLLM's EngineCore busy loop, per step and per request.
 
-Per step the tracer reads one clock, walks the scheduled requests once (one list append each)
-and stores one tuple in its ring buffer; finished requests are handed to the emitter as deferred
-jobs (planned off the busy loop). This measures ``on_scheduled`` + ``on_step_done`` on objects
-shaped like vLLM 0.32's ``SchedulerOutput`` / ``EngineCoreOutputs`` for a batch of N decoding
-requests, interleaved against the same loop without the tracer, with the per-request loops in C
-(``agent/_steps.c``) and with their Python twins, and prints ns per step and per scheduled
-request for each. For scale: a decode step of a real model takes milliseconds.
+Per step the tracer reads one clock, records the step's prefill requests, reads the outputs'
+finish reasons and stores one tuple in its ring buffer; finished requests are handed to the
+emitter as deferred jobs (planned off the busy loop). This measures ``on_scheduled`` +
+``on_step_done`` on objects shaped like vLLM 0.32's ``SchedulerOutput`` / ``EngineCoreOutputs``
+for a batch of N decoding requests, interleaved against the same loop without the tracer, with
+the per-step work in C (``agent/_steps.c``) and with its Python twins, and prints ns per step
+and per scheduled request for each. For scale: a decode step of a real model takes milliseconds.
 
     python bench/engine_steps.py [--batch 16] [--steps 20000] [--rounds 7]
 """
@@ -113,24 +113,21 @@ def main() -> None:
     tracer = EngineStepTracer(
         jobs.append, guard=HookGuard(), to_unix=MonotonicToUnix(), sample_rate=0.0
     )
-    loops = {"C": (vllm_engine._APPEND_INDEX, vllm_engine._IDS_WHERE_SET), "Python": (None, None)}
+    loops = {"C": (vllm_engine._STEP_FACTS, vllm_engine._IDS_WHERE_SET), "Python": (None, None)}
     if not vllm_engine.BUILT:
         del loops["C"]
     bare: list[float] = []
     traced: dict[str, list[float]] = {name: [] for name in loops}
     for _ in range(args.rounds):
         bare.append(_run(scheduler, None, args.steps))
-        for name, (append_index, ids_where_set) in loops.items():
-            vllm_engine._APPEND_INDEX, vllm_engine._IDS_WHERE_SET = append_index, ids_where_set
+        for name, (step_facts, ids_where_set) in loops.items():
+            vllm_engine._STEP_FACTS, vllm_engine._IDS_WHERE_SET = step_facts, ids_where_set
             traced[name].append(_run(scheduler, tracer, args.steps))
-            # Step lists grow by one index per step: keep them realistic (a request's length).
-            for tracked in tracer._requests.values():
-                if tracked is not None:
-                    tracked.decode_steps.clear()
     for name, times in traced.items():
         added = statistics.median(times) - statistics.median(bare)
         print(
-            f"engine-step tracer, batch {args.batch}, loops in {name}: {added:,.0f} ns per step "
+            f"engine-step tracer, batch {args.batch}, per-step work in {name}: "
+            f"{added:,.0f} ns per step "
             f"({added / args.batch:,.0f} ns per scheduled request); "
             f"median of {args.rounds} interleaved rounds of {args.steps:,} steps"
         )

@@ -6,7 +6,8 @@ Patches are ``wrapt`` wrappers set on the owning class or module when the module
 post-import hook), so importing an instrumentation never imports its engine, and each one is
 reverted by putting the original back (only where it is still our wrapper). A method the engine
 calls on every step may instead be patched by a plain function (``Patch.plain``) that calls the
-same wrapper the same way, for half the call's cost.
+same wrapper the same way, for half the call's cost, or by a function the instrumentor builds for
+it (``Patch.direct``) that runs the hook itself, with no wrapper call between.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ __all__ = [
     "installed_distribution",
     "is_patch",
     "revert_patches",
+    "unbound",
     "version_supported",
 ]
 
@@ -91,6 +93,11 @@ class Patch:
     same way: ~2,700 instructions a call against wrapt's ~6,200 (cachegrind,
     ``python bench/engine_step_instructions.py --calls``), for methods the engine calls on every
     step. Only for a function defined in a class (else wrapt)."""
+    direct: str | None = None
+    """The instrumentor's method that, given the original (a function defined in a class),
+    returns the function to put in its place, called as the original is (``self`` first): no
+    wrapper between the engine's call and the hook, for the methods called on every engine
+    step. Where the original is something else, ``wrapper`` patches it with wrapt."""
 
 
 FASTAPI_HTTP_SERVER_PATCH: Final = Patch(
@@ -131,11 +138,14 @@ def apply_patch(
         for name in owner_path.split(".") if owner_path else ():
             owner = getattr(owner, name)
         original = vars(owner)[attribute]
-        method = getattr(instrumentor, patch.wrapper)
-        if patch.plain and isinstance(owner, type) and isinstance(original, FunctionType):
-            wrapper: Any = _plain_patch(original, method)
+        # type(), not isinstance(): a wrapt proxy (another tool's patch) passes for a function.
+        in_class = isinstance(owner, type) and type(original) is FunctionType
+        if patch.direct is not None and in_class:
+            wrapper: Any = _marked(getattr(instrumentor, patch.direct)(original), original)
+        elif patch.plain and in_class:
+            wrapper = _plain_patch(original, getattr(instrumentor, patch.wrapper))
         else:
-            wrapper = wrapt.FunctionWrapper(original, method)
+            wrapper = wrapt.FunctionWrapper(original, getattr(instrumentor, patch.wrapper))
         setattr(owner, attribute, wrapper)
         applied.append((owner, attribute, original, wrapper))
     except Exception:
@@ -155,16 +165,28 @@ def _plain_patch(original: FunctionType, wrapper: Callable[..., Any]) -> Callabl
     calls it: ``wrapper(bound original, instance, args, kwargs)``."""
     bind = original.__get__
 
-    @functools.wraps(original)  # __wrapped__ is the original, as with wrapt
     def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
         return wrapper(bind(self), self, args, kwargs)
 
+    return _marked(patched, original)
+
+
+def _marked(patched: Callable[..., Any], original: FunctionType) -> Callable[..., Any]:
+    """``patched`` named as ``original``, ``__wrapped__`` the original (as with wrapt), marked
+    as ours (``is_patch``)."""
+    functools.update_wrapper(patched, original)
     setattr(patched, _PLAIN_PATCH_MARK, True)
     return patched
 
 
+def unbound(bound: Callable[..., Any]) -> Callable[..., Any]:
+    """``bound`` (wrapt's bound ``wrapped``) called as the function in the class is, ``self``
+    first: a ``Patch.direct`` factory's patch as the wrapt fallback's body."""
+    return lambda _self, *args, **kwargs: bound(*args, **kwargs)
+
+
 def is_patch(value: object) -> bool:
-    """Whether ``value`` is a patch of ours (either kind), not the original."""
+    """Whether ``value`` is a patch of ours (any kind), not the original."""
     return isinstance(value, wrapt.FunctionWrapper) or getattr(value, _PLAIN_PATCH_MARK, False)
 
 

@@ -32,6 +32,7 @@ from tokentrace.agent.frameworks.patching import (
     USES_STEP_TRACER,
     EngineInstrumentor,
     Patch,
+    unbound,
 )
 from tokentrace.agent.frameworks.vllm_cold_start import (
     HOOK_COLD_START_IMPORT,
@@ -109,7 +110,7 @@ PATCHES: Final = (
     Patch("vllm.v1.engine.llm_engine", "LLMEngine.__init__", "_wrap_engine_init"),
     Patch("vllm.v1.engine.async_llm", "AsyncLLM.add_request", "_wrap_async_add_request"),
     Patch("vllm.v1.engine.output_processor", "OutputProcessor.add_request", "_wrap_add_request"),
-    # Once per engine step, as are the two engine-step patches: plain patches, half wrapt's cost.
+    # Once per engine step, as are the two engine-step patches: a plain patch, half wrapt's cost.
     Patch(
         "vllm.v1.engine.output_processor",
         "OutputProcessor.process_outputs",
@@ -117,14 +118,15 @@ PATCHES: Final = (
         plain=True,
     ),
     Patch("vllm.v1.engine.output_processor", "OutputProcessor.abort_requests", "_wrap_abort"),
-    # Engine steps (vllm_engine.py).
+    # Engine steps (vllm_engine.py): functions of our own in the scheduler class, which run the
+    # hooks themselves (wrapt where vLLM's method is not a plain function).
     Patch(
         _SCHEDULER,
         "Scheduler.schedule",
         "_wrap_schedule",
         ROLE_ENGINE,
         USES_STEP_TRACER,
-        plain=True,
+        direct="_schedule_patch",
     ),
     Patch(
         _SCHEDULER,
@@ -132,7 +134,7 @@ PATCHES: Final = (
         "_wrap_update_from_output",
         ROLE_ENGINE,
         USES_STEP_TRACER,
-        plain=True,
+        direct="_update_from_output_patch",
     ),
     # The cold start (vllm_cold_start.py).
     Patch(
@@ -260,27 +262,56 @@ class VllmInstrumentor(FrontendRequestHooks, EngineInstrumentor):
             self._guard.run(HOOK_ENGINE_INIT, self._on_engine_init, instance)
         return result
 
+    # The two per-step patches run their hooks in one frame each: the patched function calls
+    # vLLM's and then the tracer, with ``HookGuard.run``'s ``try`` inline.
+    def _schedule_patch(self, schedule: Callable[..., Any]) -> Callable[..., Any]:
+        """``Scheduler.schedule`` patched: the step's start, kept for its update."""
+        tracer, guard = self._step_tracer, self._guard
+        assert tracer is not None  # the patch ``uses`` it
+        clock, disabled = tracer.clock, guard.disabled
+
+        def patched(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+            # Either engine hook disabled stops both: what one records, the other releases.
+            if not self._active or (disabled and not disabled.isdisjoint(_STEP_HOOKS)):
+                return schedule(scheduler, *args, **kwargs)
+            start_ns = clock()
+            output = schedule(scheduler, *args, **kwargs)
+            try:
+                tracer.on_scheduled(output, start_ns)
+            except Exception:
+                guard.failed(HOOK_STEP_SCHEDULED)
+            return output
+
+        return patched
+
+    def _update_from_output_patch(self, update: Callable[..., Any]) -> Callable[..., Any]:
+        """``Scheduler.update_from_output`` patched: the step, read from its
+        ``SchedulerOutput`` and recorded."""
+        tracer, guard = self._step_tracer, self._guard
+        assert tracer is not None  # the patch ``uses`` it
+        disabled = guard.disabled
+
+        def patched(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+            result = update(scheduler, *args, **kwargs)
+            if self._active and HOOK_STEP_DONE not in disabled:
+                try:
+                    output = args[0] if args else kwargs["scheduler_output"]
+                    tracer.on_step_done(scheduler, output, result)
+                except Exception:
+                    guard.failed(HOOK_STEP_DONE)
+            return result
+
+        return patched
+
     def _wrap_schedule(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
-        tracer = self._step_tracer
-        # Either engine hook disabled stops both: what one records, the other releases.
-        if not self._active or tracer is None or not self._guard.disabled.isdisjoint(_STEP_HOOKS):
-            return wrapped(*args, **kwargs)
-        start_ns = tracer.clock()
-        output = wrapped(*args, **kwargs)
-        self._guard.run(HOOK_STEP_SCHEDULED, tracer.on_scheduled, output, start_ns)
-        return output
+        return self._schedule_patch(unbound(wrapped))(instance, *args, **kwargs)
 
     def _wrap_update_from_output(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
-        result = wrapped(*args, **kwargs)
-        tracer = self._step_tracer
-        if self._active and tracer is not None:
-            scheduler_output = args[0] if args else kwargs["scheduler_output"]
-            self._guard.run(HOOK_STEP_DONE, tracer.on_step_done, instance, scheduler_output, result)
-        return result
+        return self._update_from_output_patch(unbound(wrapped))(instance, *args, **kwargs)
 
     def _wrap_kv_cache(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any

@@ -5,17 +5,20 @@ where the scheduler decides each step's batch, and answers what the frontend can
 requests shared the step that made a token late, and how much prefill they brought.
 
 - **a step** is one ``Scheduler.schedule`` -> ``Scheduler.update_from_output`` pair (both the
-  plain and the batch-queue busy loops call them once per step). The schedule wrapper only
-  reads one clock before scheduling; the update wrapper reads the rest from the same
-  ``SchedulerOutput``: per scheduled request it appends the step's index to that request's list
-  (the per-request cost: one append per step, like a token; the loop is C, ``_steps.c``, where
-  built), closes the step at the timestamp vLLM stamps on the step's outputs (the very
-  timestamp the frontend gives the step's tokens) and stores one tuple in a fixed-size ring
-  buffer (``TOKENTRACE_ENGINE_STEPS``): start, end, prefill/decode requests and tokens (vLLM's own
-  split: a request without output tokens yet is in prefill), KV-cache usage, waiting and
-  running requests, and the batch's request ids.
+  plain and the batch-queue busy loops call them once per step). The schedule patch only
+  reads one clock before scheduling; the update patch reads the rest from the same
+  ``SchedulerOutput`` (in C, ``_steps.c``, where built): it records the step in each request it
+  prefilled (a request is first seen, and tracked, in its first prefill step), finds the
+  requests it finished in their outputs, closes the step at the timestamp vLLM stamps on the
+  step's outputs (the very timestamp the frontend gives the step's tokens) and stores one tuple
+  in a fixed-size ring buffer (``TOKENTRACE_ENGINE_STEPS``): start, end, prefill/decode requests
+  and tokens (vLLM's own split: a request without output tokens yet is in prefill), KV-cache
+  usage, waiting and running requests, the batch (vLLM's own dict of the step's scheduled
+  tokens, held, not copied) and its prefill set. A decoding request costs the step nothing but
+  the read of its output's finish reason.
 - **a finished request** (its output carries a finish reason) is handed to the emitter's thread
-  as a deferred job: there its token steps give its inter-token gaps, every gap above
+  as a deferred job: there its token steps (the ring's steps from its first to its last that
+  scheduled it outside their prefill set) give its inter-token gaps, every gap above
   ``TOKENTRACE_ITL_OUTLIER_RATIO`` x its median gap is an outlier, and the steps inside each
   outlier gap still in the ring become ``llm.engine.step`` spans under the request's
   ``llm.request`` (at most ``_MAX_OUTLIER_STEPS`` per request, from the largest gaps first).
@@ -46,7 +49,7 @@ from collections.abc import Callable, Collection, Sequence, Set
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import compress
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, TypeAlias
 
 from tokentrace.agent import compiled, semconv
 from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO, gap_median
@@ -112,7 +115,12 @@ class StepRecord(NamedTuple):
     kv_cache_usage: float
     waiting: int
     running: int
-    request_ids: tuple[str, ...]
+    request_ids: Collection[str]
+    """The batch's requests in the engine's order. From vLLM, its step's own
+    ``num_scheduled_tokens`` (request id -> tokens), held as it is: not copied per step, and a
+    request's membership is one lookup when its token steps are found (``_token_steps``)."""
+    prefill_ids: Collection[str]
+    """Those of ``request_ids`` that the step prefilled (vLLM's own split)."""
 
 
 @dataclass(slots=True)
@@ -125,6 +133,14 @@ class _TrackedRequest:
     prefill_steps: list[tuple[int, int]] = field(default_factory=list)
     """(step index, prompt tokens) per step that computed part of the prompt."""
     decode_steps: list[int] = field(default_factory=list)
+    """The steps that gave it a token, from engines that name them per step (``record_step``);
+    vLLM's are found in the ring when it finishes (``first_step``)."""
+    request_id: str = ""
+    first_step: int | None = None
+    """vLLM: the step it was first seen in. Its token steps are the ring's steps from there to
+    its last that scheduled it outside their prefill set: no per-request work per step."""
+    last_step: int | None = None
+    """The step that finished it."""
     preempted: list[tuple[int, int]] = field(default_factory=list)
     """Intervals the engine had evicted the request, from engines whose frontend cannot see them
     (SGLang's retractions); vLLM's frontend reads its preemptions from the scheduler events."""
@@ -161,37 +177,95 @@ _UNSEEN: Final[Any] = object()
 """``EngineStepTracer._requests``' answer for a request not seen before (None: not tracked)."""
 
 _STEPS: Final[Any] = compiled.load("tokentrace.agent._steps")
-"""The C twins of ``append_index_python`` and ``ids_where_set_python`` (``_steps.c``), if built."""
+"""The C twins of ``step_facts_python`` and ``ids_where_set_python`` (``_steps.c``), if built."""
 BUILT: Final = _STEPS is not None
-"""Whether the per-request loops run in C (built, not turned off by ``TOKENTRACE_PURE_PYTHON``)."""
-_APPEND_INDEX: Callable[..., list[str] | None] | None = getattr(_STEPS, "append_index", None)
+"""Whether the per-step work runs in C (built, not turned off by ``TOKENTRACE_PURE_PYTHON``)."""
+_STEP_FACTS: Callable[..., StepFacts | None] | None = getattr(_STEPS, "step_facts", None)
 _IDS_WHERE_SET: Callable[..., list[Any] | None] | None = getattr(_STEPS, "ids_where_set", None)
-_DECODE_STEPS: Final = "decode_steps"
-"""``_TrackedRequest``'s list of the steps that gave it a token (read by name in C)."""
 _new_step: Final = tuple.__new__
 """``StepRecord``'s own constructor is a Python function; the tuple's is not."""
-
-
-def append_index_python(
-    scheduled: dict[str, int], skip: Set[str], tracked: dict[str, Any], attribute: str, index: int
-) -> list[str]:
-    """Appends ``index`` to ``getattr(tracked[id], attribute)`` for each id of ``scheduled`` not
-    in ``skip`` whose entry is not None; returns the ids ``tracked`` does not hold."""
-    unseen: list[str] = []
-    for request_id in scheduled:
-        if request_id in skip:
-            continue
-        entry = tracked.get(request_id, _UNSEEN)
-        if entry is _UNSEEN:
-            unseen.append(request_id)
-        elif entry is not None:
-            getattr(entry, attribute).append(index)
-    return unseen
 
 
 def ids_where_set_python(items: Sequence[Any], flag: str, name: str) -> list[Any]:
     """``getattr(item, name)`` of each item whose ``getattr(item, flag)`` is not None."""
     return [getattr(item, name) for item in items if getattr(item, flag) is not None]
+
+
+StepFacts: TypeAlias = "tuple[StepRecord, list[str], list[tuple[str, int]]] | tuple[()]"
+"""``step_facts_python``'s answer: the step, its finished requests and the requests it saw
+first, or () for a step that scheduled nothing."""
+
+
+def step_facts_python(
+    step_type: type[StepRecord],
+    requests: dict[str, Any],
+    scheduler: Any,
+    output: Any,
+    outputs_by_client: Any,
+    index: int,
+    start_ns: int,
+    clock: Callable[[], int],
+) -> StepFacts:
+    """The step ``index`` that vLLM scheduled at ``start_ns`` (its ``SchedulerOutput``) and
+    has just updated from (``outputs_by_client``), with its prefill steps recorded in
+    ``requests``: (index, prompt tokens) appended to each tracked request's ``prefill_steps``.
+    Returns (the step, the ids of the requests it finished, (id, prompt tokens) of each request
+    it prefilled that ``requests`` does not hold yet, for the caller to track), or () when the
+    step scheduled nothing. Nothing is done per decoding request but reading its output: its
+    token steps are found when it finishes (``EngineStepTracer._token_steps``)."""
+    scheduled = output.num_scheduled_tokens
+    if not scheduled:
+        return ()
+    prefill_ids = _prefill_ids(output)
+    first_seen: list[tuple[str, int]] = []
+    prefill_requests = prefill_tokens = 0
+    for request_id in prefill_ids:  # a request is first seen in its first prefill step
+        tokens = scheduled.get(request_id)
+        if tokens is None:
+            continue
+        prefill_requests += 1
+        prefill_tokens += tokens
+        tracked = requests.get(request_id, _UNSEEN)
+        if tracked is _UNSEEN:
+            first_seen.append((request_id, tokens))
+        elif tracked is not None:
+            tracked.prefill_steps.append((index, tokens))
+    end_ns = 0
+    finished: list[str] = []
+    for client_outputs in outputs_by_client.values():
+        if not end_ns and client_outputs.timestamp:
+            end_ns = int(client_outputs.timestamp * _NS_PER_S)
+        outputs = client_outputs.outputs
+        found = None
+        if _IDS_WHERE_SET is not None:
+            found = _IDS_WHERE_SET(outputs, "finish_reason", "request_id")
+        finished += (
+            ids_where_set_python(outputs, "finish_reason", "request_id") if found is None else found
+        )
+    if not end_ns:
+        end_ns = clock()
+    running, waiting = scheduler.get_request_counts()
+    total = getattr(output, "total_num_scheduled_tokens", None)
+    if type(total) is not int:  # vLLM's sum, when it gives it
+        total = sum(scheduled.values())
+    step = _new_step(
+        step_type,
+        (
+            index,
+            start_ns,
+            max(end_ns, start_ns),
+            prefill_requests,
+            len(scheduled) - prefill_requests,
+            prefill_tokens,
+            total - prefill_tokens,
+            float(scheduler.kv_cache_manager.usage),
+            waiting,
+            running,
+            scheduled,
+            prefill_ids,
+        ),
+    )
+    return step, finished, first_seen
 
 
 _NO_PREFILL: Final[frozenset[str]] = frozenset()
@@ -274,74 +348,37 @@ class EngineStepTracer:
 
     def on_step_done(self, scheduler: Any, output: Any, outputs_by_client: Any) -> None:
         start_ns = self._open.pop(id(output), None)
-        scheduled = output.num_scheduled_tokens
-        if start_ns is None or not scheduled:
+        if start_ns is None:
             return
         # Steps are numbered in update order: the order vLLM schedules them (its batch queue is
         # first in, first out).
         index = self._next_index
-        self._next_index = index + 1
-        prefill_ids = _prefill_ids(output)
         requests = self._requests
-        # Most steps decode only: one C loop appends the step to every tracked request's list.
-        unseen = None
-        if _APPEND_INDEX is not None:
-            unseen = _APPEND_INDEX(scheduled, prefill_ids, requests, _DECODE_STEPS, index)
-        if unseen is None:
-            unseen = append_index_python(scheduled, prefill_ids, requests, _DECODE_STEPS, index)
-        held = scheduler.requests
-        for request_id in unseen:  # a request that finished in this step is gone from ``held``
-            tracked = requests[request_id] = _track(held.get(request_id))  # (and has no gaps)
-            if tracked is not None:
-                tracked.decode_steps.append(index)
-        prefill_requests = prefill_tokens = 0
-        for request_id in prefill_ids:
-            tokens = scheduled.get(request_id)
-            if tokens is None:
-                continue
-            prefill_requests += 1
-            prefill_tokens += tokens
-            tracked = requests.get(request_id, _UNSEEN)
-            if tracked is _UNSEEN:
+        facts = None
+        if _STEP_FACTS is not None:
+            facts = _STEP_FACTS(
+                StepRecord, requests, scheduler, output, outputs_by_client, index, start_ns,
+                self.clock,
+            )  # fmt: skip
+        if facts is None:
+            facts = step_facts_python(
+                StepRecord, requests, scheduler, output, outputs_by_client, index, start_ns,
+                self.clock,
+            )  # fmt: skip
+        if not facts:
+            return
+        self._next_index = index + 1
+        step, finished, first_seen = facts
+        if first_seen:  # a request that finished in this step is gone from ``held``
+            held = scheduler.requests  # (and has no gaps)
+            for request_id, tokens in first_seen:
                 tracked = requests[request_id] = _track(held.get(request_id))
-            if tracked is not None:
-                tracked.prefill_steps.append((index, tokens))
-        end_ns = 0
-        finished: list[str] = []
-        for client_outputs in outputs_by_client.values():
-            if not end_ns and client_outputs.timestamp:
-                end_ns = int(client_outputs.timestamp * _NS_PER_S)
-            outputs = client_outputs.outputs
-            found = None
-            if _IDS_WHERE_SET is not None:
-                found = _IDS_WHERE_SET(outputs, "finish_reason", "request_id")
-            finished += (
-                ids_where_set_python(outputs, "finish_reason", "request_id")
-                if found is None
-                else found
-            )
-        if not end_ns:
-            end_ns = self.clock()
-        running, waiting = scheduler.get_request_counts()
-        step = _new_step(
-            StepRecord,
-            (
-                index,
-                start_ns,
-                max(end_ns, start_ns),
-                prefill_requests,
-                len(scheduled) - prefill_requests,
-                prefill_tokens,
-                sum(scheduled.values()) - prefill_tokens,
-                float(scheduler.kv_cache_manager.usage),
-                waiting,
-                running,
-                tuple(scheduled),
-            ),
-        )
+                if tracked is not None:
+                    tracked.request_id, tracked.first_step = request_id, index
+                    tracked.prefill_steps.append((index, tokens))
         self._store(step, finished)
         if not (index + 1) % _SWEEP_EVERY_STEPS:
-            self._sweep(held)
+            self._sweep(scheduler.requests)
 
     # --- the same for engines whose steps are one call (SGLang's scheduler) -----------------------
     def track(self, request_id: str, parent: tuple[bytes, bytes, bytes]) -> None:
@@ -392,10 +429,11 @@ class EngineStepTracer:
             tracked = requests.get(request_id)
             if tracked is not None:
                 tracked.decode_steps.append(index)
-        ids = tuple(request_id for request_id, _ in prefill) + tuple(decode)
+        prefill_ids = tuple(request_id for request_id, _ in prefill)
         step = StepRecord(
             index, start_ns, max(end_ns, start_ns), len(prefill), len(decode),
-            prefill_tokens, len(decode), kv_cache_usage, waiting, running, ids,
+            prefill_tokens, len(decode), kv_cache_usage, waiting, running,
+            prefill_ids + tuple(decode), frozenset(prefill_ids),
         )  # fmt: skip
         self._store(step, finished)
         return index
@@ -415,6 +453,7 @@ class EngineStepTracer:
         for request_id in finished:
             tracked = requests.pop(request_id, None)
             if tracked is not None:
+                tracked.last_step = step.number
                 self._submit(partial(self.plan_request, tracked))
 
     def _sweep(self, held: Any) -> None:
@@ -488,8 +527,29 @@ class EngineStepTracer:
             )
         return jobs
 
+    def _token_steps(self, tracked: _TrackedRequest) -> list[int]:
+        """The steps that gave the request a token after its first: named one by one
+        (``decode_steps``), or, from vLLM, the ring's steps from its first to its last that
+        scheduled it outside their prefill set. Steps already overwritten in the ring are left
+        out; they are the oldest, so the steps found follow one another as before."""
+        first, last = tracked.first_step, tracked.last_step
+        if first is None or last is None:
+            return tracked.decode_steps
+        request_id, ring, size = tracked.request_id, self._ring, self._ring_steps
+        found = []
+        for index in range(max(first, last - size + 1), last + 1):
+            step = ring[index % size]
+            if (
+                step is not None
+                and step.number == index
+                and request_id in step.request_ids
+                and request_id not in step.prefill_ids
+            ):
+                found.append(index)
+        return found
+
     def _outlier_steps(self, tracked: _TrackedRequest) -> list[StepRecord]:
-        token_steps = tracked.decode_steps
+        token_steps = self._token_steps(tracked)
         if tracked.prefill_steps:  # the last prefill step gives the first token (after a
             # retraction, the recompute's, which follows earlier decode steps: keep step order)
             token_steps = sorted([tracked.prefill_steps[-1][0], *token_steps])
@@ -528,7 +588,7 @@ class EngineStepTracer:
             semconv.ENGINE_STEP_KV_CACHE_USAGE: step.kv_cache_usage,
             semconv.ENGINE_STEP_WAITING: step.waiting,
             semconv.ENGINE_STEP_RUNNING: step.running,
-            semconv.ENGINE_STEP_REQUEST_IDS: step.request_ids,
+            semconv.ENGINE_STEP_REQUEST_IDS: tuple(step.request_ids),
         }
         return PlannedSpan(
             local_id, parent, semconv.SPAN_ENGINE_STEP, KIND_INTERNAL,

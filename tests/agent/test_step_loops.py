@@ -1,5 +1,5 @@
-"""The engine-step tracer's per-request loops in C (agent/_steps.c) against their Python twins
-in vllm_engine: the same appends, the same answers, and the same errors."""
+"""The engine-step tracer's per-step work in C (agent/_steps.c) against its Python twins in
+vllm_engine: the same appends, the same answers, and the same errors."""
 
 from __future__ import annotations
 
@@ -11,15 +11,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokentrace.agent.frameworks import vllm_engine
-from tokentrace.agent.frameworks.vllm_engine import append_index_python, ids_where_set_python
+from tokentrace.agent.frameworks.vllm_engine import (
+    StepRecord,
+    ids_where_set_python,
+    step_facts_python,
+)
 
 _steps = pytest.importorskip("tokentrace.agent._steps") if vllm_engine.BUILT else None
-pytestmark = pytest.mark.skipif(_steps is None, reason="the C loops are not built here")
+pytestmark = pytest.mark.skipif(_steps is None, reason="the C functions are not built here")
 
 
 @dataclass(slots=True)
 class _Tracked:
-    decode_steps: list[int] = field(default_factory=list)
+    prefill_steps: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -31,50 +35,8 @@ class _Output:
 _IDS = st.text(alphabet="abcdef", min_size=1, max_size=3)
 
 
-@st.composite
-def _batches(draw: st.DrawFn) -> tuple[dict[str, int], set[str], dict[str, str | None]]:
-    """A step's scheduled requests, the prefill ones among them (and strangers), and what the
-    tracer holds: "t" tracked, None untracked, absent unseen."""
-    scheduled = draw(st.dictionaries(_IDS, st.integers(0, 512), max_size=12))
-    skip = draw(
-        st.sets(st.sampled_from(sorted(scheduled)) | _IDS, max_size=6)
-        if scheduled
-        else st.sets(_IDS, max_size=2)
-    )
-    held = draw(
-        st.dictionaries(
-            st.sampled_from(sorted(scheduled)) | _IDS, st.sampled_from(["t", None]), max_size=12
-        )
-        if scheduled
-        else st.just({})
-    )
-    return scheduled, skip, held
-
-
 def _tables(held: dict[str, str | None]) -> dict[str, Any]:
-    return {key: (_Tracked([7]) if kind == "t" else None) for key, kind in held.items()}
-
-
-def _lists(tracked: dict[str, Any]) -> dict[str, list[int] | None]:
-    return {key: (None if entry is None else entry.decode_steps) for key, entry in tracked.items()}
-
-
-@given(_batches(), st.booleans())
-def test_append_index_appends_and_answers_like_its_twin(
-    batch: tuple[dict[str, int], set[str], dict[str, str | None]], frozen: bool
-) -> None:
-    scheduled, skip, held = batch
-    skipped: set[str] | frozenset[str] = frozenset(skip) if frozen else skip
-    in_c, in_python = _tables(held), _tables(held)
-    unseen = _steps.append_index(scheduled, skipped, in_c, "decode_steps", 41)
-    assert unseen == append_index_python(scheduled, skipped, in_python, "decode_steps", 41)
-    assert _lists(in_c) == _lists(in_python)
-    # What the loop is for: every tracked request scheduled outside the skip set got the step.
-    for request_id, entry in in_c.items():
-        if entry is not None:
-            got_step = request_id in scheduled and request_id not in skip
-            assert entry.decode_steps == ([7, 41] if got_step else [7])
-    assert set(unseen) == {key for key in scheduled if key not in skip and key not in held}
+    return {key: (_Tracked([(7, 1)]) if kind == "t" else None) for key, kind in held.items()}
 
 
 @given(
@@ -95,19 +57,6 @@ class _Mapping(dict[str, int]):
     pass
 
 
-@pytest.mark.parametrize(
-    "arguments",
-    [
-        (_Mapping(a=1), set(), {}, "decode_steps", 0),  # a dict subclass: the twin walks it
-        ({"a": 1}, ["a"], {}, "decode_steps", 0),  # a skip list, not a set
-        ({"a": 1}, set(), _Mapping(), "decode_steps", 0),
-        ({"a": 1}, set(), {}, b"decode_steps", 0),
-    ],
-)
-def test_append_index_declines_what_it_does_not_walk(arguments: tuple[Any, ...]) -> None:
-    assert _steps.append_index(*arguments) is None
-
-
 def test_ids_where_set_declines_what_it_does_not_walk() -> None:
     assert _steps.ids_where_set(iter([]), "finish_reason", "request_id") is None
     assert _steps.ids_where_set([], b"finish_reason", "request_id") is None
@@ -115,13 +64,8 @@ def test_ids_where_set_declines_what_it_does_not_walk() -> None:
 
 @pytest.mark.parametrize("loop", ["C", "Python"])
 def test_errors_reach_the_caller_as_they_would_from_the_twin(loop: str) -> None:
-    # The hook guard catches them; the C loop must neither swallow them nor crash.
-    append = _steps.append_index if loop == "C" else append_index_python
+    # The hook guard catches them; the C function must neither swallow them nor crash.
     where_set = _steps.ids_where_set if loop == "C" else ids_where_set_python
-    with pytest.raises(AttributeError):
-        append({"a": 1}, set(), {"a": object()}, "decode_steps", 0)
-    with pytest.raises(AttributeError):
-        append({"a": 1}, set(), {"a": _Tracked(decode_steps=())}, "decode_steps", 0)  # type: ignore[arg-type]
     with pytest.raises(AttributeError):
         where_set([object()], "finish_reason", "request_id")
     with pytest.raises(AttributeError):
@@ -132,8 +76,179 @@ def test_errors_reach_the_caller_as_they_would_from_the_twin(loop: str) -> None:
         )
 
 
-def test_append_index_with_wrong_argument_count_raises() -> None:
-    with pytest.raises(TypeError):
-        _steps.append_index({}, set(), {})
+def test_ids_where_set_with_wrong_argument_count_raises() -> None:
     with pytest.raises(TypeError):
         _steps.ids_where_set([])
+
+
+# --- step_facts: a whole step --------------------------------------------------------------------
+@dataclass
+class _NewRequest:
+    req_id: str
+
+
+@dataclass
+class _Cached:
+    req_ids: list[str]
+    num_output_tokens: list[int]
+
+
+@dataclass
+class _SchedulerOutput:
+    num_scheduled_tokens: Any
+    scheduled_new_reqs: list[_NewRequest]
+    scheduled_cached_reqs: Any
+
+
+@dataclass
+class _ClientOutputs:
+    timestamp: float
+    outputs: Any
+
+
+@dataclass
+class _KvCacheManager:
+    usage: Any
+
+
+class _Scheduler:
+    def __init__(self, counts: Any = (3, 1), usage: Any = 0.25) -> None:
+        self.counts = counts
+        self.kv_cache_manager = _KvCacheManager(usage)
+
+    def get_request_counts(self) -> Any:
+        return self.counts
+
+
+def _clock() -> int:
+    return 5_000
+
+
+@st.composite
+def _steps_of_vllm(draw: st.DrawFn) -> tuple[_SchedulerOutput, dict[int, _ClientOutputs], dict]:
+    """A step as vLLM's scheduler gives it: cached requests with their output-token counts
+    (0: still in prefill), new ones, what each was scheduled, the clients' outputs (finished or
+    not) with their timestamps (0.0: none), and what the tracer holds of them."""
+    ids = draw(st.lists(_IDS, unique=True, max_size=10))
+    cut = draw(st.integers(0, len(ids)))
+    cached, new = ids[:cut], ids[cut:]
+    output_tokens = [draw(st.sampled_from([0, 0, 1, 7])) for _ in cached]
+    scheduled = {request_id: draw(st.integers(1, 512)) for request_id in ids}
+    output = _SchedulerOutput(
+        scheduled, [_NewRequest(request_id) for request_id in new], _Cached(cached, output_tokens)
+    )
+    if draw(st.booleans()):  # vLLM's sum of the scheduled tokens (else the tracer sums them)
+        output.total_num_scheduled_tokens = sum(scheduled.values())  # type: ignore[attr-defined]
+    clients = {
+        client: _ClientOutputs(
+            draw(st.sampled_from([0.0, 1.5, 1_795_894_968.516732])),
+            [
+                _Output(request_id, draw(st.sampled_from([None, "stop"])))
+                for request_id in (draw(st.lists(st.sampled_from(ids), max_size=4)) if ids else [])
+            ],
+        )
+        for client in range(draw(st.integers(0, 2)))
+    }
+    held = draw(
+        st.dictionaries(st.sampled_from(ids) | _IDS, st.sampled_from(["t", None]), max_size=10)
+        if ids
+        else st.just({})
+    )
+    return output, clients, held
+
+
+def _step_lists(tracked: dict[str, Any]) -> dict[str, Any]:
+    return {key: None if entry is None else entry.prefill_steps for key, entry in tracked.items()}
+
+
+@given(_steps_of_vllm(), st.integers(0, 10**12))
+def test_step_facts_records_and_answers_like_its_twin(
+    step: tuple[_SchedulerOutput, dict[int, _ClientOutputs], dict[str, str | None]], start_ns: int
+) -> None:
+    output, clients, held = step
+    in_c, in_python = _tables(held), _tables(held)
+    scheduler = _Scheduler()
+    facts = _steps.step_facts(StepRecord, in_c, scheduler, output, clients, 9, start_ns, _clock)
+    expected = step_facts_python(
+        StepRecord, in_python, scheduler, output, clients, 9, start_ns, _clock
+    )
+    assert facts == expected
+    assert _step_lists(in_c) == _step_lists(in_python)
+    if not output.num_scheduled_tokens:
+        assert facts == ()
+        return
+    record, finished, first_seen = facts
+    assert type(record) is StepRecord and record.number == 9
+    assert record.request_ids is output.num_scheduled_tokens  # held, not copied
+    # vLLM's split: the new requests and the cached ones without an output token yet.
+    cached = output.scheduled_cached_reqs
+    prefill = {new.req_id for new in output.scheduled_new_reqs} | {
+        request_id
+        for request_id, tokens in zip(cached.req_ids, cached.num_output_tokens, strict=True)
+        if not tokens
+    }
+    assert set(record.prefill_ids) == prefill
+    assert record.prefill_requests + record.decode_requests == len(output.num_scheduled_tokens)
+    assert record.prefill_tokens + record.decode_tokens == sum(output.num_scheduled_tokens.values())
+    assert (record.waiting, record.running, record.kv_cache_usage) == (1, 3, 0.25)
+    assert finished == [
+        o.request_id for c in clients.values() for o in c.outputs if o.finish_reason
+    ]
+    assert dict(first_seen) == {
+        request_id: output.num_scheduled_tokens[request_id]
+        for request_id in prefill
+        if request_id not in held
+    }
+    for request_id, entry in in_c.items():  # a prefill step is recorded, a decode step is not
+        if entry is not None:
+            got_step = request_id in prefill
+            expected_steps = [(7, 1), (9, output.num_scheduled_tokens.get(request_id))]
+            assert entry.prefill_steps == (expected_steps if got_step else [(7, 1)])
+
+
+def _output(**changes: Any) -> _SchedulerOutput:
+    """A step that prefills request "a" (which a decline must not record)."""
+    output = _SchedulerOutput({"a": 1}, [], _Cached(["a"], [0]))
+    for name, value in changes.items():
+        setattr(output, name, value)
+    return output
+
+
+@pytest.mark.parametrize(
+    ("step_type", "output", "clients"),
+    [
+        (tuple, _output(num_scheduled_tokens=_Mapping(a=1)), {}),  # a dict subclass
+        (tuple, _output(scheduled_cached_reqs=object()), {}),  # another layout: no columns
+        (tuple, _output(scheduled_new_reqs=()), {}),  # not a list
+        (tuple, _output(), {0: _ClientOutputs(1.0, iter([]))}),  # outputs not a list
+        (tuple, _output(), _Mapping()),  # outputs by client not a dict
+        (dict, _output(), {}),  # the record not a tuple
+    ],
+)
+def test_step_facts_declines_what_it_does_not_walk_and_changes_nothing(
+    step_type: Any, output: _SchedulerOutput, clients: Any
+) -> None:
+    tracked = {"a": _Tracked([(7, 1)])}
+    assert (
+        _steps.step_facts(step_type, tracked, _Scheduler(), output, clients, 1, 0, _clock) is None
+    )
+    assert tracked["a"].prefill_steps == [(7, 1)]
+
+
+@pytest.mark.parametrize("loop", ["C", "Python"])
+@pytest.mark.parametrize(
+    ("scheduler", "error"),
+    [
+        (_Scheduler(counts=(1, 2, 3)), ValueError),
+        (_Scheduler(usage="full"), ValueError),
+        (_Scheduler(usage=None), TypeError),
+    ],
+)
+def test_step_facts_errors_reach_the_caller_as_they_would_from_the_twin(
+    loop: str, scheduler: _Scheduler, error: type[Exception]
+) -> None:
+    facts = _steps.step_facts if loop == "C" else step_facts_python
+    with pytest.raises(error):
+        facts(StepRecord, {}, scheduler, _output(), {}, 1, 0, _clock)
+    with pytest.raises(TypeError):
+        _steps.step_facts(StepRecord, {}, scheduler, _output())

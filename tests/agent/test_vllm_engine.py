@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import pytest
+import wrapt
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
@@ -33,6 +34,7 @@ from tests.agent.vllm_stand_ins import (
 )
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks import vllm_engine
+from tokentrace.agent.frameworks.patching import is_patch
 from tokentrace.agent.frameworks.vllm_engine import (
     _SWEEP_EVERY_STEPS,
     ENGINE_PARENT_HEADER,
@@ -41,6 +43,7 @@ from tokentrace.agent.frameworks.vllm_engine import (
     EngineStepTracer,
     StepRecord,
     _prefill_ids,
+    _TrackedRequest,
     engine_parent_header,
     outlier_gap_ends,
     parse_engine_parent,
@@ -57,11 +60,11 @@ PREFILL_SPAN = bytes(range(31, 39))
 
 @pytest.fixture(autouse=True, params=["C", "Python"])
 def step_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with the per-request loops in C (``_steps.c``) and with their twins."""
+    """Every test runs with the per-step work in C (``_steps.c``) and with its twins."""
     if request.param == "C" and not vllm_engine.BUILT:
         pytest.skip("the C extension is not built here (or TOKENTRACE_PURE_PYTHON is set)")
     if request.param == "Python":
-        monkeypatch.setattr(vllm_engine, "_APPEND_INDEX", None)
+        monkeypatch.setattr(vllm_engine, "_STEP_FACTS", None)
         monkeypatch.setattr(vllm_engine, "_IDS_WHERE_SET", None)
     return str(request.param)
 
@@ -146,7 +149,7 @@ def test_steps_are_recorded_with_vllms_prefill_decode_split(vllm_stand_in: Setup
     assert second is not None
     assert (second.prefill_requests, second.prefill_tokens) == (1, 3)
     assert (second.decode_requests, second.decode_tokens) == (1, 1)
-    assert second.request_ids == ("a", "b")
+    assert tuple(second.request_ids) == ("a", "b") and set(second.prefill_ids) == {"b"}
     assert second.kv_cache_usage == 0.25
     # EngineCore's output timestamp ends each step; the next step starts after it.
     assert second.end_ns == int(scheduler.clock * NS) - (len(steps) - 2) * int(0.01 * NS)
@@ -201,6 +204,59 @@ def test_the_steps_inside_an_outlier_gap_are_exported_under_the_request(
     assert slow.end_time_unix_nano - slow.start_time_unix_nano >= 0.1 * NS - 1
     stats = vllm_stand_in.tracer.stats()
     assert stats["engine.requests_with_outliers"] == 1 and stats["engine.outlier_steps"] == 1
+
+
+def test_a_requests_token_steps_are_found_in_the_ring_up_to_the_step_that_finished_it() -> None:
+    # Nothing is appended per decoding request per step: its token steps are the ring's steps
+    # from its first to its last that scheduled it outside their prefill set.
+    jobs: list[Any] = []
+    tracer = direct_tracer(jobs, sample_rate=0.0)
+    scheduler = Scheduler(token_budget=3, max_tokens=6, step_s=0.01)
+    scheduler.add(traced("a", 5))  # prefilled in two steps (3 + 2 tokens), then 5 decode steps
+    scheduler.slow_steps[6] = 0.1  # the step that gives its last token
+    drive(tracer, scheduler)
+    assert tracer.steps == 7
+    tracked = _TrackedRequest(TRACE, REQUEST_SPAN, PREFILL_SPAN, None, [(0, 3), (1, 2)])
+    tracked.request_id, tracked.first_step, tracked.last_step = "a", 0, 6
+    assert tracer._token_steps(tracked) == [2, 3, 4, 5, 6]
+    tracked.request_id = "b"  # in none of them
+    assert tracer._token_steps(tracked) == []
+    chunks, outliers = planned_jobs(jobs)
+    assert [span.name for span in chunks.spans] == [semconv.SPAN_PREFILL_CHUNK] * 2
+    (slow,) = outliers.spans
+    last = tracer._step_at(6)
+    assert last is not None and slow.end_ns == CLOCK.to_unix_ns(last.end_ns)
+
+
+def test_step_methods_already_wrapped_by_another_tool_are_patched_through_wrapt(
+    vllm_stand_in: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not a plain function in the class: the direct patches fall back to their wrapt wrappers,
+    # so the other tool's wrapper still gets its instance.
+    calls: list[tuple[str, Any]] = []
+
+    def other_tool(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        calls.append((wrapped.__name__, instance))
+        return wrapped(*args, **kwargs)
+
+    for name in ("schedule", "update_from_output"):
+        monkeypatch.setattr(
+            Scheduler, name, wrapt.FunctionWrapper(vars(Scheduler)[name], other_tool)
+        )
+    vllm_stand_in.instrument()
+    assert all(
+        isinstance(vars(Scheduler)[name], wrapt.FunctionWrapper) and is_patch(vars(Scheduler)[name])
+        for name in ("schedule", "update_from_output")
+    )
+    scheduler = Scheduler(token_budget=3, max_tokens=3)
+    scheduler.add(traced("a", 5))  # two chunks
+    run_until_idle(scheduler)
+    tracer = vllm_stand_in.tracer
+    assert tracer.steps == 4 and len(calls) == 8
+    assert {name for name, _ in calls} == {"schedule", "update_from_output"}
+    assert {instance for _, instance in calls} == {scheduler}
+    (chunks,) = planned_jobs(vllm_stand_in.engine_jobs)
+    assert [span.name for span in chunks.spans] == [semconv.SPAN_PREFILL_CHUNK] * 2
 
 
 def test_untraced_requests_are_counted_in_steps_but_never_tracked(vllm_stand_in: Setup) -> None:
@@ -410,7 +466,9 @@ def test_record_step_stores_one_step_per_call_with_its_prefill_and_decode_split(
     assert record(tracer, 100, 200, prefill=[("a", 7), ("untraced", 3)]) == 0
     assert record(tracer, 200, 150, prefill=[("b", 2)], decode=["a", "untraced"]) == 1
     first, second = tracer._step_at(0), tracer._step_at(1)
-    assert first == StepRecord(0, 100, 200, 2, 0, 10, 0, 0.5, 2, 3, ("a", "untraced"))
+    assert first == StepRecord(
+        0, 100, 200, 2, 0, 10, 0, 0.5, 2, 3, ("a", "untraced"), frozenset({"a", "untraced"})
+    )
     assert second is not None
     assert (second.start_ns, second.end_ns) == (200, 200)  # never ends before it starts
     assert (second.prefill_requests, second.decode_requests, second.decode_tokens) == (1, 2, 2)
