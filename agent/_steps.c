@@ -4,12 +4,11 @@
  * reads the step: its prefill requests (recorded per request), and its outputs (the finished
  * ones); decoding requests cost nothing per step but their output's finish reason (their token
  * steps are found in the ring when they finish). `step_facts` does the whole step's reading and
- * recording; the outputs' walk is also exported for its Python twin. In Python the step's work
- * costs a few µs on the serving thread; here a fraction. Each function has a Python twin in vllm_engine.py that gives the same
- * answers, and returns None where its input is not of the types it walks (the twin then
- * answers), before it changes anything. Unlike _wire.c these read attributes, which may run
- * Python code of the host's objects; errors it raises propagate (the tracer's hook guard catches
- * them).
+ * recording, which in Python costs a few µs on the serving thread, mostly in Python calls; here
+ * a fraction. Its Python twin in vllm_engine.py gives the same answers; it returns None where
+ * its input is not of the types it walks (the twin then answers), before it changes anything.
+ * Unlike _wire.c it reads attributes, which may run Python code of the host's objects; errors it
+ * raises propagate (the tracer's hook guard catches them).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -63,32 +62,6 @@ static int ids_where_set_into(PyObject *found, PyObject *items, PyObject *flag, 
         Py_DECREF(item);
     }
     return 0;
-}
-
-/* ids_where_set(items, flag, name) -> list | None
- *
- * getattr(item, name) of each item of the list or tuple `items` whose attribute `flag` is not
- * None, in order. */
-static PyObject *ids_where_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "ids_where_set takes 3 arguments");
-        return NULL;
-    }
-    PyObject *items = args[0], *flag = args[1], *name = args[2];
-    if (!(PyList_CheckExact(items) || PyTuple_CheckExact(items)) || !PyUnicode_CheckExact(flag) ||
-        !PyUnicode_CheckExact(name)) {
-        Py_RETURN_NONE;
-    }
-    PyObject *found = PyList_New(0);
-    if (found == NULL) {
-        return NULL;
-    }
-    if (ids_where_set_into(found, items, flag, name) < 0) {
-        Py_DECREF(found);
-        return NULL;
-    }
-    return found;
 }
 
 /* Attribute names, interned once. */
@@ -441,8 +414,6 @@ static PyMethodDef steps_methods[] = {
     {"step_facts", (PyCFunction)(void (*)(void))step_facts, METH_FASTCALL,
      "step_facts(step_type, requests, scheduler, output, outputs_by_client, index, start_ns, "
      "clock) -> tuple | None"},
-    {"ids_where_set", (PyCFunction)(void (*)(void))ids_where_set, METH_FASTCALL,
-     "ids_where_set(items: list | tuple, flag: str, name: str) -> list | None"},
     {NULL, NULL, 0, NULL},
 };
 

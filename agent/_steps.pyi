@@ -1,7 +1,6 @@
-# The C functions of _steps.c (see frameworks/vllm_engine.py, which holds their Python twins).
-from collections.abc import Callable, Sequence
+# The C functions of _steps.c (see frameworks/vllm_engine.py, which holds its Python twin).
+from collections.abc import Callable
 
-def ids_where_set(items: Sequence[object], flag: str, name: str, /) -> list[object] | None: ...
 def step_facts(
     step_type: type,
     requests: dict[str, object],

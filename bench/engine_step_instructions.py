@@ -8,7 +8,7 @@ patched by the real ``VllmInstrumentor`` (the stand-in vLLM modules of the tests
 whose two methods return the same decode-only batch), for two step counts with and without the
 instrumentation, and prints the instructions added per step (the difference of differences
 cancels start-up). ``--calls`` also prints what one call through each kind of patch costs
-(``patching.Patch.plain``).
+(``patching.Patch.direct``: the patch's own function, here one that only calls the original).
 
     python bench/engine_step_instructions.py [--batches 2,16] [--calls]
 
@@ -78,11 +78,18 @@ def _child_calls(kind: str, calls: int) -> None:
         def _wrap(self, wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             return wrapped(*args, **kwargs)
 
+        def _direct(self, original: Any) -> Any:
+            def patched(engine: Any, *args: Any, **kwargs: Any) -> Any:
+                return original(engine, *args, **kwargs)
+
+            return patched
+
     module: Any = type(sys)("engine_stand_in")
     module.Engine = Engine
     applied: list[AppliedPatch] = []
     if kind != "none":
-        patch = Patch("engine_stand_in", "Engine.step", "_wrap", plain=kind == "plain")
+        direct = "_direct" if kind == "direct" else None
+        patch = Patch("engine_stand_in", "Engine.step", "_wrap", direct=direct)
         apply_patch(Instrumentor(), patch, module, applied)
     engine = Engine()
     for _ in range(calls):
@@ -131,7 +138,7 @@ def main() -> None:
         )
     if args.calls:
         none = _per_unit(_CALLS, ["calls", "none"])
-        for kind in ("wrapt", "plain"):
+        for kind in ("wrapt", "direct"):
             added = _per_unit(_CALLS, ["calls", kind]) - none
             print(f"one call through a {kind} patch: {added:7,.0f} instructions added", flush=True)
 

@@ -113,15 +113,15 @@ def main() -> None:
     tracer = EngineStepTracer(
         jobs.append, guard=HookGuard(), to_unix=MonotonicToUnix(), sample_rate=0.0
     )
-    loops = {"C": (vllm_engine._STEP_FACTS, vllm_engine._IDS_WHERE_SET), "Python": (None, None)}
+    loops = {"C": vllm_engine._STEP_FACTS, "Python": None}
     if not vllm_engine.BUILT:
         del loops["C"]
     bare: list[float] = []
     traced: dict[str, list[float]] = {name: [] for name in loops}
     for _ in range(args.rounds):
         bare.append(_run(scheduler, None, args.steps))
-        for name, (step_facts, ids_where_set) in loops.items():
-            vllm_engine._STEP_FACTS, vllm_engine._IDS_WHERE_SET = step_facts, ids_where_set
+        for name, step_facts in loops.items():
+            vllm_engine._STEP_FACTS = step_facts
             traced[name].append(_run(scheduler, tracer, args.steps))
     for name, times in traced.items():
         added = statistics.median(times) - statistics.median(bare)

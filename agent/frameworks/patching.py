@@ -5,9 +5,8 @@ the instrumentor base class built on them (``EngineInstrumentor``).
 Patches are ``wrapt`` wrappers set on the owning class or module when the module is imported (a
 post-import hook), so importing an instrumentation never imports its engine, and each one is
 reverted by putting the original back (only where it is still our wrapper). A method the engine
-calls on every step may instead be patched by a plain function (``Patch.plain``) that calls the
-same wrapper the same way, for half the call's cost, or by a function the instrumentor builds for
-it (``Patch.direct``) that runs the hook itself, with no wrapper call between.
+calls on every step may instead be replaced by a function the instrumentor builds for it
+(``Patch.direct``), which calls the original and runs the hook itself: no wrapper call between.
 """
 
 from __future__ import annotations
@@ -88,16 +87,14 @@ class Patch:
     wrapper: str
     role: str = "frontend"
     uses: str = USES_RECORDER
-    plain: bool = False
-    """A plain function in the class instead of a ``wrapt`` wrapper, calling ``wrapper`` the
-    same way: ~2,700 instructions a call against wrapt's ~6,200 (cachegrind,
-    ``python bench/engine_step_instructions.py --calls``), for methods the engine calls on every
-    step. Only for a function defined in a class (else wrapt)."""
     direct: str | None = None
     """The instrumentor's method that, given the original (a function defined in a class),
     returns the function to put in its place, called as the original is (``self`` first): no
     wrapper between the engine's call and the hook, for the methods called on every engine
-    step. Where the original is something else, ``wrapper`` patches it with wrapt."""
+    step (one call through wrapt's ``FunctionWrapper`` costs ~6,000 instructions more than the
+    original's: ``python bench/engine_step_instructions.py --calls``). Where the original is
+    something else, ``wrapper`` patches it with wrapt (``unbound`` makes the same function its
+    body)."""
 
 
 FASTAPI_HTTP_SERVER_PATCH: Final = Patch(
@@ -142,8 +139,6 @@ def apply_patch(
         in_class = isinstance(owner, type) and type(original) is FunctionType
         if patch.direct is not None and in_class:
             wrapper: Any = _marked(getattr(instrumentor, patch.direct)(original), original)
-        elif patch.plain and in_class:
-            wrapper = _plain_patch(original, getattr(instrumentor, patch.wrapper))
         else:
             wrapper = wrapt.FunctionWrapper(original, getattr(instrumentor, patch.wrapper))
         setattr(owner, attribute, wrapper)
@@ -157,25 +152,14 @@ def apply_patch(
         )
 
 
-_PLAIN_PATCH_MARK: Final = "__tokentrace_patch__"
-
-
-def _plain_patch(original: FunctionType, wrapper: Callable[..., Any]) -> Callable[..., Any]:
-    """``original`` (a function defined in a class) behind ``wrapper``, called as ``wrapt``
-    calls it: ``wrapper(bound original, instance, args, kwargs)``."""
-    bind = original.__get__
-
-    def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return wrapper(bind(self), self, args, kwargs)
-
-    return _marked(patched, original)
+_PATCH_MARK: Final = "__tokentrace_patch__"
 
 
 def _marked(patched: Callable[..., Any], original: FunctionType) -> Callable[..., Any]:
     """``patched`` named as ``original``, ``__wrapped__`` the original (as with wrapt), marked
     as ours (``is_patch``)."""
     functools.update_wrapper(patched, original)
-    setattr(patched, _PLAIN_PATCH_MARK, True)
+    setattr(patched, _PATCH_MARK, True)
     return patched
 
 
@@ -187,7 +171,7 @@ def unbound(bound: Callable[..., Any]) -> Callable[..., Any]:
 
 def is_patch(value: object) -> bool:
     """Whether ``value`` is a patch of ours (any kind), not the original."""
-    return isinstance(value, wrapt.FunctionWrapper) or getattr(value, _PLAIN_PATCH_MARK, False)
+    return isinstance(value, wrapt.FunctionWrapper) or getattr(value, _PATCH_MARK, False)
 
 
 def revert_patches(applied: list[AppliedPatch]) -> None:

@@ -110,12 +110,13 @@ PATCHES: Final = (
     Patch("vllm.v1.engine.llm_engine", "LLMEngine.__init__", "_wrap_engine_init"),
     Patch("vllm.v1.engine.async_llm", "AsyncLLM.add_request", "_wrap_async_add_request"),
     Patch("vllm.v1.engine.output_processor", "OutputProcessor.add_request", "_wrap_add_request"),
-    # Once per engine step, as are the two engine-step patches: a plain patch, half wrapt's cost.
+    # Once per engine step, as are the two engine-step patches: a function of our own in the
+    # class (wrapt where vLLM's method is not a plain function).
     Patch(
         "vllm.v1.engine.output_processor",
         "OutputProcessor.process_outputs",
         "_wrap_outputs",
-        plain=True,
+        direct="_process_outputs_patch",
     ),
     Patch("vllm.v1.engine.output_processor", "OutputProcessor.abort_requests", "_wrap_abort"),
     # Engine steps (vllm_engine.py): functions of our own in the scheduler class, which run the

@@ -177,18 +177,12 @@ _UNSEEN: Final[Any] = object()
 """``EngineStepTracer._requests``' answer for a request not seen before (None: not tracked)."""
 
 _STEPS: Final[Any] = compiled.load("tokentrace.agent._steps")
-"""The C twins of ``step_facts_python`` and ``ids_where_set_python`` (``_steps.c``), if built."""
+"""``step_facts_python``'s C twin (``_steps.c``), if built."""
 BUILT: Final = _STEPS is not None
 """Whether the per-step work runs in C (built, not turned off by ``TOKENTRACE_PURE_PYTHON``)."""
 _STEP_FACTS: Callable[..., StepFacts | None] | None = getattr(_STEPS, "step_facts", None)
-_IDS_WHERE_SET: Callable[..., list[Any] | None] | None = getattr(_STEPS, "ids_where_set", None)
 _new_step: Final = tuple.__new__
 """``StepRecord``'s own constructor is a Python function; the tuple's is not."""
-
-
-def ids_where_set_python(items: Sequence[Any], flag: str, name: str) -> list[Any]:
-    """``getattr(item, name)`` of each item whose ``getattr(item, flag)`` is not None."""
-    return [getattr(item, name) for item in items if getattr(item, flag) is not None]
 
 
 StepFacts: TypeAlias = "tuple[StepRecord, list[str], list[tuple[str, int]]] | tuple[()]"
@@ -235,13 +229,7 @@ def step_facts_python(
     for client_outputs in outputs_by_client.values():
         if not end_ns and client_outputs.timestamp:
             end_ns = int(client_outputs.timestamp * _NS_PER_S)
-        outputs = client_outputs.outputs
-        found = None
-        if _IDS_WHERE_SET is not None:
-            found = _IDS_WHERE_SET(outputs, "finish_reason", "request_id")
-        finished += (
-            ids_where_set_python(outputs, "finish_reason", "request_id") if found is None else found
-        )
+        finished += [o.request_id for o in client_outputs.outputs if o.finish_reason is not None]
     if not end_ns:
         end_ns = clock()
     running, waiting = scheduler.get_request_counts()

@@ -57,6 +57,7 @@ from typing import Any, Final, TypeVar
 
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks.asgi import current_http_span
+from tokentrace.agent.frameworks.patching import unbound
 from tokentrace.agent.frameworks.vllm_cold_start import ColdStartTracer
 from tokentrace.agent.frameworks.vllm_engine import (
     ENGINE_PARENT_HEADER,
@@ -169,16 +170,26 @@ class FrontendRequestHooks:
             self._guard.run(HOOK_ADD_REQUEST, self._on_add_request, instance, args, kwargs)
         return result
 
+    def _process_outputs_patch(self, process_outputs: Callable[..., Any]) -> Callable[..., Any]:
+        """``OutputProcessor.process_outputs`` patched (once per engine step): each traced
+        request's new tokens, events and finish, read around vLLM's call."""
+
+        def patched(processor: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self._active or not self._recorder.in_flight or self._requests_disabled():
+                return process_outputs(processor, *args, **kwargs)
+            guard = self._guard
+            pending = guard.run(HOOK_OUTPUTS, self._before_outputs, processor, args, kwargs)
+            result = process_outputs(processor, *args, **kwargs)
+            if pending is not None:
+                guard.run(HOOK_OUTPUTS, self._after_outputs, processor, pending)
+            return result
+
+        return patched
+
     def _wrap_outputs(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
-        if not self._active or not self._recorder.in_flight or self._requests_disabled():
-            return wrapped(*args, **kwargs)
-        pending = self._guard.run(HOOK_OUTPUTS, self._before_outputs, instance, args, kwargs)
-        result = wrapped(*args, **kwargs)
-        if pending is not None:
-            self._guard.run(HOOK_OUTPUTS, self._after_outputs, instance, pending)
-        return result
+        return self._process_outputs_patch(unbound(wrapped))(instance, *args, **kwargs)
 
     def _wrap_abort(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any

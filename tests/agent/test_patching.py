@@ -1,5 +1,5 @@
-"""The kinds of patch (agent/frameworks/patching.py): wrapt wrappers, plain patches and direct
-ones, applied to a real class and module and reverted."""
+"""The kinds of patch (agent/frameworks/patching.py): wrapt wrappers and direct ones, applied to a
+real class and module and reverted."""
 
 from __future__ import annotations
 
@@ -67,18 +67,17 @@ def module() -> types.ModuleType:
     return stand_in
 
 
-@pytest.mark.parametrize("plain", [True, False])
-def test_a_patched_method_calls_the_wrapper_as_wrapt_does_and_reverts(
-    module: types.ModuleType, plain: bool
+def test_a_wrapt_patch_calls_the_wrapper_with_the_bound_method_and_reverts(
+    module: types.ModuleType,
 ) -> None:
     original = vars(Engine)["step"]
     instrumentor = Instrumentor()
     applied: list[AppliedPatch] = []
-    apply_patch(instrumentor, Patch("m", "Engine.step", "_wrap", plain=plain), module, applied)
+    apply_patch(instrumentor, Patch("m", "Engine.step", "_wrap"), module, applied)
     patched = vars(Engine)["step"]
     try:
         assert is_patch(patched) and patched.__wrapped__ is original
-        assert isinstance(patched, wrapt.FunctionWrapper) is not plain
+        assert isinstance(patched, wrapt.FunctionWrapper)
         engine = Engine()
         assert engine.step([1, 2], scale=3) == 9
         assert Engine.step(engine, [4]) == 4  # called on the class, as super() and vLLM do
@@ -92,24 +91,6 @@ def test_a_patched_method_calls_the_wrapper_as_wrapt_does_and_reverts(
     finally:
         revert_patches(applied)
     assert vars(Engine)["step"] is original and not is_patch(original)
-
-
-@pytest.mark.parametrize("qualname", ["Engine.helper", "module_function"])
-def test_a_plain_patch_of_what_is_not_a_method_defined_in_a_class_is_a_wrapt_wrapper(
-    module: types.ModuleType, qualname: str
-) -> None:
-    owner: Any = Engine if "." in qualname else module
-    attribute = qualname.rpartition(".")[2]
-    original = vars(owner)[attribute]
-    applied: list[AppliedPatch] = []
-    apply_patch(Instrumentor(), Patch("m", qualname, "_wrap", plain=True), module, applied)
-    try:
-        assert isinstance(vars(owner)[attribute], wrapt.FunctionWrapper)
-        assert module.module_function(4) == 8
-        assert Engine.helper(1) == 2
-    finally:
-        revert_patches(applied)
-    assert vars(owner)[attribute] is original
 
 
 def test_a_direct_patch_is_the_instrumentors_function_in_the_class_and_reverts(

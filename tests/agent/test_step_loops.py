@@ -11,11 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokentrace.agent.frameworks import vllm_engine
-from tokentrace.agent.frameworks.vllm_engine import (
-    StepRecord,
-    ids_where_set_python,
-    step_facts_python,
-)
+from tokentrace.agent.frameworks.vllm_engine import StepRecord, step_facts_python
 
 _steps = pytest.importorskip("tokentrace.agent._steps") if vllm_engine.BUILT else None
 pytestmark = pytest.mark.skipif(_steps is None, reason="the C functions are not built here")
@@ -39,46 +35,8 @@ def _tables(held: dict[str, str | None]) -> dict[str, Any]:
     return {key: (_Tracked([(7, 1)]) if kind == "t" else None) for key, kind in held.items()}
 
 
-@given(
-    st.lists(st.tuples(_IDS, st.sampled_from([None, "stop", "length"])), max_size=12), st.booleans()
-)
-def test_ids_where_set_answers_like_its_twin(
-    pairs: list[tuple[str, str | None]], as_tuple: bool
-) -> None:
-    outputs: list[_Output] | tuple[_Output, ...] = [_Output(i, reason) for i, reason in pairs]
-    if as_tuple:
-        outputs = tuple(outputs)
-    found = _steps.ids_where_set(outputs, "finish_reason", "request_id")
-    assert found == ids_where_set_python(outputs, "finish_reason", "request_id")
-    assert found == [i for i, reason in pairs if reason is not None]
-
-
 class _Mapping(dict[str, int]):
     pass
-
-
-def test_ids_where_set_declines_what_it_does_not_walk() -> None:
-    assert _steps.ids_where_set(iter([]), "finish_reason", "request_id") is None
-    assert _steps.ids_where_set([], b"finish_reason", "request_id") is None
-
-
-@pytest.mark.parametrize("loop", ["C", "Python"])
-def test_errors_reach_the_caller_as_they_would_from_the_twin(loop: str) -> None:
-    # The hook guard catches them; the C function must neither swallow them nor crash.
-    where_set = _steps.ids_where_set if loop == "C" else ids_where_set_python
-    with pytest.raises(AttributeError):
-        where_set([object()], "finish_reason", "request_id")
-    with pytest.raises(AttributeError):
-        where_set(
-            [_Output("a", None), type("Odd", (), {"finish_reason": "stop"})()],
-            "finish_reason",
-            "request_id",
-        )
-
-
-def test_ids_where_set_with_wrong_argument_count_raises() -> None:
-    with pytest.raises(TypeError):
-        _steps.ids_where_set([])
 
 
 # --- step_facts: a whole step --------------------------------------------------------------------
@@ -142,10 +100,10 @@ def _steps_of_vllm(draw: st.DrawFn) -> tuple[_SchedulerOutput, dict[int, _Client
     clients = {
         client: _ClientOutputs(
             draw(st.sampled_from([0.0, 1.5, 1_795_894_968.516732])),
-            [
+            draw(st.sampled_from([list, tuple]))(
                 _Output(request_id, draw(st.sampled_from([None, "stop"])))
                 for request_id in (draw(st.lists(st.sampled_from(ids), max_size=4)) if ids else [])
-            ],
+            ),
         )
         for client in range(draw(st.integers(0, 2)))
     }
@@ -247,8 +205,22 @@ def test_step_facts_declines_what_it_does_not_walk_and_changes_nothing(
 def test_step_facts_errors_reach_the_caller_as_they_would_from_the_twin(
     loop: str, scheduler: _Scheduler, error: type[Exception]
 ) -> None:
+    # The hook guard catches them; the C function must neither swallow them nor crash.
     facts = _steps.step_facts if loop == "C" else step_facts_python
     with pytest.raises(error):
         facts(StepRecord, {}, scheduler, _output(), {}, 1, 0, _clock)
+    odd = type("Odd", (), {"finish_reason": "stop"})()  # finished, without a request id
+    for outputs in ([object()], [_Output("a", None), odd]):
+        with pytest.raises(AttributeError):
+            facts(
+                StepRecord,
+                {},
+                _Scheduler(),
+                _output(),
+                {0: _ClientOutputs(1.0, outputs)},
+                1,
+                0,
+                _clock,
+            )
     with pytest.raises(TypeError):
         _steps.step_facts(StepRecord, {}, scheduler, _output())

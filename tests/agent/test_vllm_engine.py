@@ -65,7 +65,6 @@ def step_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
         pytest.skip("the C extension is not built here (or TOKENTRACE_PURE_PYTHON is set)")
     if request.param == "Python":
         monkeypatch.setattr(vllm_engine, "_STEP_FACTS", None)
-        monkeypatch.setattr(vllm_engine, "_IDS_WHERE_SET", None)
     return str(request.param)
 
 

@@ -17,7 +17,7 @@ _BENCH = Path(__file__).resolve().parents[2] / "bench" / "engine_step_instructio
     [
         ["steps", "2", "traced", "50"],
         ["steps", "16", "bare", "50"],
-        ["calls", "plain", "100"],
+        ["calls", "direct", "100"],
         ["calls", "wrapt", "100"],
         ["calls", "none", "100"],
     ],
