@@ -49,7 +49,7 @@ _DEFAULT_MAX_UNDRAINED_SLICES: Final = 30
 """Five minutes of 10 s slices waiting for ``drain_closed_slices``."""
 _NS_PER_S: Final = 1e9
 
-_MAX_PENDING_VALUES: Final = 500_000
+_DEFAULT_MAX_PENDING_VALUES: Final = 500_000
 """Values the open slice holds before its sketches take them in even without a reader (the
 pipeline's tick reads it about once a second; this bounds the memory, ~20 MB, if it does not)."""
 _SINGLE_VALUE_METRICS: Final = tuple(m for m in semconv.LATENCY_METRICS if m != semconv.METRIC_ITL)
@@ -232,17 +232,26 @@ class PercentileStore:
 
     Bounded: at most ``max_keys`` keys (least recently recorded evicted, counted in
     ``keys_evicted``; an evicted key loses its cumulative sketches and its data in the open
-    slice, closed slices age out), ``slices`` live slices and ``max_undrained_slices`` slices
-    waiting to be drained (``slices_dropped``). ``record`` never raises (``record_errors``).
+    slice, closed slices age out), ``slices`` live slices, ``max_undrained_slices`` slices
+    waiting to be drained (``slices_dropped``) and ``max_pending_values`` recorded values waiting
+    for the open slice's sketches (taken in past it, without a reader). ``record`` never raises
+    (``record_errors``).
     """
 
     def __init__(
-        self, *, config: PercentileConfig | None = None, clock: Callable[[], float] = time.time
+        self,
+        *,
+        config: PercentileConfig | None = None,
+        clock: Callable[[], float] = time.time,
+        max_pending_values: int = _DEFAULT_MAX_PENDING_VALUES,
     ) -> None:
+        if max_pending_values < 1:
+            raise ValueError(f"max_pending_values must be >= 1, got {max_pending_values}")
         self.config = config if config is not None else PercentileConfig()
         self.config.validate()
         self._clock = clock
         self._slice_s = self.config.slice_s
+        self._max_pending_values = max_pending_values
         self._lock = threading.Lock()
         self._keys: OrderedDict[SketchKey, _KeyState] = OrderedDict()
         self._open: _Slice | None = None
@@ -293,7 +302,7 @@ class PercentileStore:
                     else:
                         itl.extend(gaps)
                 current.pending_values += len(singles) + len(gaps or ())
-                if current.pending_values > _MAX_PENDING_VALUES:  # no reader for a while
+                if current.pending_values > self._max_pending_values:  # no reader for a while
                     self._settle(current)
         except Exception:
             # The pipeline serves traffic: count, log the first, carry on.

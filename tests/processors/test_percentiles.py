@@ -10,7 +10,6 @@ import pytest
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_CUMULATIVE
 
 from tokentrace.agent import semconv
-from tokentrace.processors import percentiles
 from tokentrace.processors.model import RequestMetrics
 from tokentrace.processors.percentiles import PercentileConfig, PercentileStore
 from tokentrace.processors.sketches import LatencySketch, SketchKey
@@ -96,12 +95,9 @@ def test_every_inter_token_gap_is_recorded() -> None:
     assert itl.sum == pytest.approx(0.113)
 
 
-def test_recorded_values_wait_for_a_reader_within_a_bound_and_read_the_same(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_recorded_values_wait_for_a_reader_within_a_bound_and_read_the_same() -> None:
     # The values are keyed in batches when the slice is read; past the bound, without a read.
-    monkeypatch.setattr(percentiles, "_MAX_PENDING_VALUES", 10)
-    store = make_store(FakeClock())
+    store = PercentileStore(config=PercentileConfig(), clock=FakeClock(), max_pending_values=10)
     reference = LatencySketch()
     for number in range(6):
         gaps = [5.0 + number, 7.0, 30.0 + number]
@@ -115,6 +111,11 @@ def test_recorded_values_wait_for_a_reader_within_a_bound_and_read_the_same(
     for q in (0.5, 0.9, 0.99):
         assert itl.quantile(q) == reference.quantile(q)
     assert store.window(CHAT, metric=semconv.METRIC_E2E).count == 6
+
+
+def test_the_pending_bound_must_hold_a_value() -> None:
+    with pytest.raises(ValueError, match="max_pending_values"):
+        PercentileStore(max_pending_values=0)
 
 
 def test_cumulative_holds_every_slice_open_or_closed_exactly_once() -> None:
