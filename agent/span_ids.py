@@ -69,12 +69,17 @@ def parse_ids(value: object, *sizes: int) -> tuple[bytes, ...] | None:
     if not isinstance(value, str):
         return None
     parts = value.strip().split("-")
-    if len(parts) != len(sizes) or any(len(p) != 2 * n for p, n in zip(parts, sizes, strict=True)):
+    if len(parts) != len(sizes):
         return None
-    try:
-        return tuple(bytes.fromhex(part) for part in parts)
+    try:  # map, no generator frame: once per request on the serving path (EngineCore)
+        ids = tuple(map(bytes.fromhex, parts))
     except ValueError:
         return None
+    # fromhex skips whitespace between bytes; each id of its size and every part of exactly
+    # twice that many characters together leave no room for any.
+    if tuple(map(len, ids)) != sizes or sum(map(len, parts)) != 2 * sum(sizes):
+        return None
+    return ids
 
 
 # W3C Trace Context: version-traceid-parentid-flags, lowercase hex; version 00 has no more
