@@ -22,7 +22,10 @@ is the one being measured): tokentrace (the ``tokentrace`` package), the tracing
 ``vllm/tracing``, ``opentelemetry``), or the host (vLLM, torch, uvicorn, Starlette, FastAPI...).
 A stack of library frames only (a grpc or SDK thread) goes to the tracing when the
 configuration's tracer started that thread, else to ``library`` (printed beside the share: part
-of the denominator that neither side owns).
+of the denominator that neither side owns). ``--native`` samples C frames too (py-spy pauses
+each process per sample then, so use a lower ``--rate``): tokentrace's C extensions are the
+tracing's wherever they are called from (a C function put in a host class has no Python frame of
+ours above it), any other compiled code belongs to the Python frame that called it.
 
 Printed per process and configuration: busy (GIL) samples, the tracing's share of them (mean and
 spread over the runs) and its top functions; then the whole server's share. Goals (issue 20):
@@ -74,13 +77,20 @@ OWNER_TRACING: Final = "tracing"
 OWNER_HOST: Final = "host"
 OWNER_LIBRARY: Final = "library"
 
+_REPO: Final = Path(__file__).resolve().parent.parent
 _TOKENTRACE_PATHS: Final = (
     "-packages/tokentrace/",
-    *(
-        f"{Path(__file__).resolve().parent.parent}/{folder}/"
-        for folder in ("agent", "collector", "processors", "loadgen")
-    ),
+    *(f"{_REPO}/{folder}/" for folder in ("agent", "collector", "processors", "loadgen")),
 )
+_TOKENTRACE_C_SOURCES: Final = tuple(
+    sorted(
+        str(path.relative_to(_REPO))
+        for folder in ("agent", "processors")
+        for path in (_REPO / folder).iterdir()
+        if path.suffix in (".c", ".h")
+    )
+)
+"""Where ``--native`` frames of tokentrace's C extensions point (the build's relative paths)."""
 _OPENTELEMETRY_PATHS: Final = ("/opentelemetry/",)
 _BUILTIN_TRACING_PATHS: Final = ("/vllm/tracing",)
 _BUILTIN_TRACING_FUNCTIONS: Final = ("do_tracing",)
@@ -106,7 +116,20 @@ def parse_frame(text: str) -> Frame:
     return Frame(function, path)
 
 
+def _is_native(path: str) -> bool:
+    """A ``--native`` frame: compiled code (a C extension, the interpreter, libc, torch...)."""
+    return not path.endswith(".py") and not path.startswith("<")
+
+
+def _is_tokentrace_c(path: str) -> bool:
+    return any(path == source or path.endswith(f"/{source}") for source in _TOKENTRACE_C_SOURCES)
+
+
 def _is_library(path: str, tracer: str) -> bool:
+    # Compiled code belongs to the Python frame that called it (as without --native), unless it
+    # is tokentrace's own C.
+    if _is_native(path):
+        return not (tracer in _TOKENTRACE_TRACERS and _is_tokentrace_c(path))
     if any(marker in path for marker in _SHARED_LIBRARY_PATHS):
         return True
     if tracer in _TOKENTRACE_TRACERS and any(marker in path for marker in _OPENTELEMETRY_PATHS):
@@ -117,7 +140,7 @@ def _is_library(path: str, tracer: str) -> bool:
 
 def _is_tracing(path: str, tracer: str) -> bool:
     if tracer in _TOKENTRACE_TRACERS:
-        return any(marker in path for marker in _TOKENTRACE_PATHS)
+        return any(marker in path for marker in _TOKENTRACE_PATHS) or _is_tokentrace_c(path)
     return any(marker in path for marker in _BUILTIN_TRACING_PATHS + _OPENTELEMETRY_PATHS)
 
 
@@ -202,7 +225,7 @@ def _server_processes(group: int) -> dict[int, str]:
 
 
 def _record(
-    py_spy: str, pids: dict[int, str], seconds: int, rate: int, out: Path
+    py_spy: str, pids: dict[int, str], seconds: int, rate: int, out: Path, *, native: bool
 ) -> list[tuple[str, Path, subprocess.Popen[bytes]]]:
     started = []
     for pid, role in pids.items():
@@ -215,7 +238,8 @@ def _record(
             "--format",
             "raw",
             "--full-filenames",
-            "--nonblocking",
+            # Native frames need the process paused while py-spy unwinds it.
+            "--native" if native else "--nonblocking",
             "--gil",
             "--rate",
             str(rate),
@@ -250,6 +274,7 @@ def _measure_once(
     work_dir: Path,
     keep_dir: Path | None,
     only: frozenset[str],
+    native: bool,
     measured: _Measured,
 ) -> None:
     host, port = target.host_port
@@ -280,7 +305,7 @@ def _measure_once(
         processes = _server_processes(target.process_group)
         if only:
             processes = {pid: role for pid, role in processes.items() if role in only}
-        recorders = _record(py_spy, processes, seconds, rate, out)
+        recorders = _record(py_spy, processes, seconds, rate, out, native=native)
         while any(process.poll() is None for _, _, process in recorders):
             await asyncio.sleep(0.2)
             if all(task.done() for task in clients):
@@ -356,6 +381,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "on a small machine the profilers' own CPU perturbs the server",
     )
     parser.add_argument(
+        "--native",
+        action="store_true",
+        help="sample C frames too (py-spy --native): tokentrace's C called straight from the "
+        "host's frames counts as the tracing only then. py-spy pauses each process per sample: "
+        "use a lower --rate (e.g. 100)",
+    )
+    parser.add_argument(
         "--profiles",
         type=Path,
         help="keep py-spy's raw profiles in this folder (one subfolder per configuration and run)",
@@ -424,6 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             only=frozenset(
                                 role.strip() for role in args.only.split(",") if role.strip()
                             ),
+                            native=args.native,
                             measured=results[tracer],
                         )
                     finally:
@@ -440,9 +473,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_tracers = args.tracers == parser.get_default("tracers")
         chosen = "" if default_tracers else f" --tracers '{args.tracers}'"
         subset = f" --only '{args.only}'" if args.only else ""
+        native = " --native" if args.native else ""
         print(
             f"reproduce: python -m bench.agent_cpu_share --runs {args.runs} "
-            f"--seconds {args.seconds} --rate {args.rate}{chosen}{subset}"
+            f"--seconds {args.seconds} --rate {args.rate}{chosen}{subset}{native}"
         )
     return 0
 

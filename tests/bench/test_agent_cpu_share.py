@@ -107,3 +107,33 @@ def test_a_profile_sums_by_owner_with_the_tracings_top_functions() -> None:
     assert (share.busy, share.tracing, share.library) == (1000, 30, 10)
     assert share.share == 0.03
     assert share.functions.most_common(1) == [("SpanEmitter._drain (emit.py)", 30)]
+
+
+# --- --native: C frames as py-spy --native writes them ---------------------------------------
+_OUR_C = _frame("step_facts", "agent/_steps.c", 212)
+_LIBC = "0x7f603e64524a (libc.so.6)"
+_TORCH_C = _frame("at::native::addmm_out", "aten/src/ATen/native/LinearAlgebra.cpp", 40)
+
+
+@pytest.mark.parametrize("tracer", [TRACER_TOKENTRACE, TRACER_TOKENTRACE_SOCKET])
+def test_tokentraces_c_is_the_tracings_even_called_straight_from_the_host(tracer: str) -> None:
+    # A C patch put in vLLM's class: no Python frame of ours between vLLM's and our C.
+    frames = [parse_frame(text) for text in (*_THREAD, _VLLM, _OUR_C, _LIBC)]
+    owner, frame = owner_of(frames, tracer)
+    assert owner == OWNER_TRACING
+    assert frame is not None and frame.label == "step_facts (_steps.c)"
+    # Built elsewhere, the build's path is absolute.
+    absolute = _frame("step_facts", f"{_REPO}/agent/_steps.c", 212)
+    assert owner_of([parse_frame(text) for text in (_VLLM, absolute)], tracer)[0] == OWNER_TRACING
+    assert owner_of(frames, TRACER_BUILTIN)[0] == OWNER_HOST
+
+
+def test_other_compiled_code_belongs_to_the_python_frame_that_called_it() -> None:
+    ours = [parse_frame(text) for text in (*_THREAD, _VLLM, _EMITTER, _LIBC)]
+    assert owner_of(ours, TRACER_TOKENTRACE)[0] == OWNER_TRACING
+    host = [parse_frame(text) for text in (*_THREAD, _EMITTER, _VLLM, _TORCH_C, _LIBC)]
+    owner, frame = owner_of(host, TRACER_TOKENTRACE)
+    assert owner == OWNER_HOST
+    assert frame is not None and frame.function == "EngineCore.step"
+    native_only = [parse_frame(text) for text in (_LIBC, _TORCH_C)]
+    assert owner_of(native_only, TRACER_TOKENTRACE)[0] == OWNER_LIBRARY
