@@ -138,7 +138,11 @@ def test_resident_memory_stays_under_the_limit_and_the_overflow_is_refused(
     refused = [count for count in map(refused_by_memory, during) if count is not None]
     print(f"{len(refused)} exports of its own metrics during the {_FLOOD_S:.0f} s flood: {refused}")
     assert len(refused) >= _FLOOD_S / _STALE_S
-    assert all(a < b for a, b in itertools.pairwise(refused)), refused
+    # None before memory first reaches the limit (CI once saw two such exports), then more in
+    # every export: the count never falls back and never stalls while the flood goes on.
+    refusing = list(itertools.dropwhile(lambda count: count == 0, refused))
+    assert len(refusing) >= len(refused) - 3, refused
+    assert all(a < b for a, b in itertools.pairwise(refusing)), refused
 
     # Once the flood is over it takes data again.
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -65,10 +65,11 @@ _AGREEMENT_S = 0.001
 (queue: both from EngineCore's QUEUED to its first SCHEDULED)."""
 _ORDER_BOUND_S = 0.25
 """Loose sanity bound on the delivery lag of the response after vLLM's last output (ms here)."""
-_TTFT_RECEIPT_LAG_S = 0.05
+_TTFT_RECEIPT_LAG_S = _ORDER_BOUND_S
 """vLLM's TTFT is taken when the API server processes the first token's step, after the
 EngineCore timestamp tokentrace uses: 0.4-5 ms later here under 16 streams (README, timing
-definitions); the bound leaves room for a loaded CI machine."""
+definitions), but 52 ms once in CI on a loaded machine (four sequential requests, 1.2-52 ms):
+the API server's delivery lag, bounded like the response's."""
 
 
 @dataclass(frozen=True)
