@@ -7,11 +7,15 @@
  * recording, which in Python costs a few µs on the serving thread, mostly in Python calls; here
  * a fraction. Its Python twin in vllm_engine.py gives the same answers; it returns None where
  * its input is not of the types it walks (the twin then answers), before it changes anything.
+ * `step_hook` makes the functions put in vLLM's scheduler class in place of the step's two
+ * methods, which do the tracer's whole per-step work (see below).
  * Unlike _wire.c it reads attributes, which may run Python code of the host's objects; errors it
- * raises propagate (the tracer's hook guard catches them).
+ * raises propagate (the hooks hand them to the tracer's hook guard).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
+#include <time.h>
 
 /* Appends `item` to `steps` (a list, or whatever has an append method). */
 static int append_to(PyObject *steps, PyObject *item) {
@@ -36,9 +40,9 @@ static int append_to_attribute(PyObject *entry, PyObject *attribute, PyObject *i
     return appended;
 }
 
-/* Appends to the list `found` getattr(item, name) of each item of the list or tuple `items`
- * whose attribute `flag` is not None, in order. */
-static int ids_where_set_into(PyObject *found, PyObject *items, PyObject *flag, PyObject *name) {
+/* Appends to the list *found (made when first needed) getattr(item, name) of each item of the
+ * list or tuple `items` whose attribute `flag` is not None, in order. */
+static int ids_where_set_into(PyObject **found, PyObject *items, PyObject *flag, PyObject *name) {
     /* A list may change length under attribute code: index it afresh each time. */
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(items, i);
@@ -52,7 +56,10 @@ static int ids_where_set_into(PyObject *found, PyObject *items, PyObject *flag, 
         Py_DECREF(value);
         if (set) {
             PyObject *id = PyObject_GetAttr(item, name);
-            int appended = id == NULL ? -1 : PyList_Append(found, id);
+            if (id != NULL && *found == NULL && (*found = PyList_New(0)) == NULL) {
+                Py_CLEAR(id);
+            }
+            int appended = id == NULL ? -1 : PyList_Append(*found, id);
             Py_XDECREF(id);
             if (appended < 0) {
                 Py_DECREF(item);
@@ -91,6 +98,7 @@ static const char *const name_strings[NAME_COUNT] = {
 };
 static PyObject *names[NAME_COUNT];
 static PyObject *zero;
+static PyObject *one;
 static PyObject *ns_per_s;
 static PyObject *no_prefill; /* frozenset() */
 
@@ -110,6 +118,31 @@ static PyObject *optional_attr(PyObject *obj, PyObject *name) {
         Py_RETURN_NONE;
     }
     return value;
+}
+
+/* `0 in items` for a list: an exact int is read as a C long (a few instructions, where
+ * PySequence_Contains compares objects: ~90 per decoding request); anything else is compared. */
+static int contains_zero(PyObject *items) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *item = PyList_GET_ITEM(items, i);
+        int equal;
+        if (PyLong_CheckExact(item)) {
+            int overflow;
+            long value = PyLong_AsLongAndOverflow(item, &overflow);
+            equal = value == 0 && !overflow;
+        } else { /* __eq__ may change the list: held, and the size read afresh */
+            Py_INCREF(item);
+            equal = PyObject_RichCompareBool(item, zero, Py_EQ);
+            Py_DECREF(item);
+            if (equal < 0) {
+                return -1;
+            }
+        }
+        if (equal) {
+            return 1;
+        }
+    }
+    return 0;
 }
 
 /* The step's prefill requests as vllm_engine._prefill_ids finds them, from the columns of
@@ -132,7 +165,7 @@ static int prefill_ids(PyObject *output, PyObject **prefill) {
         goto done;
     }
     if (PyList_GET_SIZE(new_requests) == 0) {
-        int has_zero = PySequence_Contains(output_tokens, zero);
+        int has_zero = contains_zero(output_tokens);
         if (has_zero <= 0) { /* decode only, or an error */
             answer = has_zero < 0 ? -1 : 1;
             goto done;
@@ -176,28 +209,27 @@ done:
     return answer;
 }
 
-/* step_facts(step_type, requests, scheduler, output, outputs_by_client, index, start_ns, clock)
- *     -> (step, finished, first_seen) | () | None
- *
- * vllm_engine.step_facts_python in one call: what the step read and changed is the same; it
- * answers None (having changed nothing) where an input is not of the types it walks. */
-static PyObject *step_facts(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "step_facts takes 8 arguments");
-        return NULL;
-    }
-    PyObject *step_type = args[0], *requests = args[1], *scheduler = args[2], *output = args[3];
-    PyObject *outputs_by_client = args[4], *index = args[5], *start_ns = args[6], *clock = args[7];
+enum { WALK_FAILED = -1, WALK_EMPTY = 0, WALK_DONE = 1, WALK_DECLINED = 2 };
+
+/* vllm_engine.step_facts_python's walk: what the step read and changed is the same. WALK_DONE
+ * with *step_out (the record) and *finished_out / *first_seen_out (lists, NULL when there are
+ * none) set to new references; WALK_EMPTY for a step that scheduled nothing; WALK_DECLINED,
+ * having changed nothing, where an input is not of the types it walks; WALK_FAILED with an
+ * error set. */
+static int walk_step(PyObject *step_type, PyObject *requests, PyObject *scheduler,
+                     PyObject *output, PyObject *outputs_by_client, PyObject *index,
+                     PyObject *start_ns, PyObject *clock, PyObject **step_out,
+                     PyObject **finished_out, PyObject **first_seen_out) {
     if (!PyType_Check(step_type) || !PyType_IsSubtype((PyTypeObject *)step_type, &PyTuple_Type) ||
         !PyDict_CheckExact(requests) || !PyDict_CheckExact(outputs_by_client)) {
-        Py_RETURN_NONE;
+        return WALK_DECLINED;
     }
-    PyObject *result = NULL, *scheduled = NULL, *prefill = NULL, *clients = NULL;
+    int result = WALK_FAILED;
+    PyObject *scheduled = NULL, *prefill = NULL, *clients = NULL;
     PyObject *finished = NULL, *end_ns = NULL, *total = NULL, *first_seen = NULL;
     PyObject *prefill_tokens = NULL, *counts = NULL, *kv_manager = NULL, *usage = NULL;
     PyObject *kv_usage = NULL, *decode_tokens = NULL, *step = NULL;
-    PyObject *items = NULL, *packed = NULL, *prefill_count = NULL, *decode_count = NULL;
+    PyObject *prefill_count = NULL, *decode_count = NULL;
     Py_ssize_t prefill_requests = 0;
 
     /* Everything read first: a decline changes nothing. */
@@ -206,20 +238,19 @@ static PyObject *step_facts(PyObject *module, PyObject *const *args, Py_ssize_t 
         goto done;
     }
     if (!PyDict_CheckExact(scheduled)) {
-        result = Py_NewRef(Py_None);
+        result = WALK_DECLINED;
         goto done;
     }
     if (PyDict_GET_SIZE(scheduled) == 0) {
-        result = PyTuple_New(0);
+        result = WALK_EMPTY;
         goto done;
     }
     int layout = prefill_ids(output, &prefill);
     if (layout <= 0) {
-        result = layout < 0 ? NULL : Py_NewRef(Py_None);
+        result = layout < 0 ? WALK_FAILED : WALK_DECLINED;
         goto done;
     }
-    finished = PyList_New(0);
-    clients = finished == NULL ? NULL : PyDict_Values(outputs_by_client);
+    clients = PyDict_Values(outputs_by_client);
     if (clients == NULL) {
         goto done;
     }
@@ -254,10 +285,10 @@ static PyObject *step_facts(PyObject *module, PyObject *const *args, Py_ssize_t 
         }
         if (!(PyList_CheckExact(outputs) || PyTuple_CheckExact(outputs))) {
             Py_DECREF(outputs);
-            result = Py_NewRef(Py_None);
+            result = WALK_DECLINED;
             goto done;
         }
-        int walked = ids_where_set_into(finished, outputs, names[NAME_FINISH_REASON],
+        int walked = ids_where_set_into(&finished, outputs, names[NAME_FINISH_REASON],
                                         names[NAME_REQUEST_ID]);
         Py_DECREF(outputs);
         if (walked < 0) {
@@ -285,10 +316,6 @@ static PyObject *step_facts(PyObject *module, PyObject *const *args, Py_ssize_t 
     }
 
     /* The prefill steps recorded; a request is first seen in its first prefill step. */
-    first_seen = PyList_New(0);
-    if (first_seen == NULL) {
-        goto done;
-    }
     prefill_tokens = Py_NewRef(zero);
     if (prefill != NULL) {
         PyObject *iterator = PyObject_GetIter(prefill);
@@ -315,7 +342,11 @@ static PyObject *step_facts(PyObject *module, PyObject *const *args, Py_ssize_t 
                 PyObject *tracked = PyDict_GetItemWithError(requests, request_id); /* borrowed */
                 if (tracked == NULL && !PyErr_Occurred()) {
                     PyObject *pair = PyTuple_Pack(2, request_id, tokens);
-                    failed = pair == NULL || PyList_Append(first_seen, pair) < 0;
+                    if (pair != NULL && first_seen == NULL) {
+                        first_seen = PyList_New(0);
+                    }
+                    failed = pair == NULL || first_seen == NULL ||
+                             PyList_Append(first_seen, pair) < 0;
                     Py_XDECREF(pair);
                 } else if (tracked == Py_None) {
                     failed = 0;
@@ -378,15 +409,37 @@ static PyObject *step_facts(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (decode_count == NULL) {
         goto done;
     }
-    /* running, waiting = get_request_counts(); the record holds waiting first. */
-    items = PyTuple_Pack(12, index, start_ns, end_ns, prefill_count, decode_count, prefill_tokens,
-                         decode_tokens, kv_usage, PyTuple_GET_ITEM(counts, 1),
-                         PyTuple_GET_ITEM(counts, 0), scheduled,
-                         prefill == NULL ? no_prefill : prefill);
-    packed = items == NULL ? NULL : PyTuple_Pack(1, items);
-    step = packed == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)step_type, packed, NULL);
+    /* The record, made as tuple.__new__(step_type, fields) makes it (its Python __new__ is
+     * not called); running, waiting = get_request_counts(), and the record holds waiting
+     * first. */
+    PyObject *fields[] = {
+        index,         start_ns,       end_ns,   prefill_count,
+        decode_count,  prefill_tokens, decode_tokens, kv_usage,
+        PyTuple_GET_ITEM(counts, 1), PyTuple_GET_ITEM(counts, 0), scheduled,
+        prefill == NULL ? no_prefill : prefill,
+    };
+    const Py_ssize_t field_count = sizeof(fields) / sizeof(fields[0]);
+    step = ((PyTypeObject *)step_type)->tp_alloc((PyTypeObject *)step_type, field_count);
     if (step != NULL) {
-        result = PyTuple_Pack(3, step, finished, first_seen);
+        for (Py_ssize_t i = 0; i < field_count; i++) {
+            PyTuple_SET_ITEM(step, i, Py_NewRef(fields[i]));
+        }
+        /* Out of the cycle collector's sight: the ring holds thousands of records, which every
+         * full collection would otherwise walk (vLLM freezes its start-up heap, so they are a
+         * large part of what is left). Neither can be in a cycle: the record holds numbers,
+         * vLLM's dict of strings to numbers (tracked, and walked, on its own) and a set of
+         * strings made here. */
+        if (((PyTypeObject *)step_type)->tp_dictoffset == 0) { /* no attributes of its own */
+            PyObject_GC_UnTrack(step);
+        }
+        if (prefill != NULL) {
+            PyObject_GC_UnTrack(prefill);
+        }
+        *step_out = step;
+        *finished_out = finished;
+        *first_seen_out = first_seen;
+        step = finished = first_seen = NULL;
+        result = WALK_DONE;
     }
 done:
     Py_XDECREF(scheduled);
@@ -404,21 +457,545 @@ done:
     Py_XDECREF(decode_tokens);
     Py_XDECREF(prefill_count);
     Py_XDECREF(decode_count);
-    Py_XDECREF(items);
-    Py_XDECREF(packed);
     Py_XDECREF(step);
     return result;
+}
+
+/* step_facts(step_type, requests, scheduler, output, outputs_by_client, index, start_ns, clock)
+ *     -> (step, finished, first_seen) | () | None
+ *
+ * vllm_engine.step_facts_python in one call: what the step read and changed is the same; it
+ * answers None (having changed nothing) where an input is not of the types it walks. */
+static PyObject *compute_step_facts(PyObject *step_type, PyObject *requests, PyObject *scheduler,
+                                    PyObject *output, PyObject *outputs_by_client,
+                                    PyObject *index, PyObject *start_ns, PyObject *clock) {
+    PyObject *step = NULL, *finished = NULL, *first_seen = NULL;
+    switch (walk_step(step_type, requests, scheduler, output, outputs_by_client, index, start_ns,
+                      clock, &step, &finished, &first_seen)) {
+    case WALK_EMPTY:
+        return PyTuple_New(0);
+    case WALK_DECLINED:
+        Py_RETURN_NONE;
+    case WALK_DONE:
+        break;
+    default:
+        return NULL;
+    }
+    if (finished == NULL) {
+        finished = PyList_New(0);
+    }
+    if (first_seen == NULL) {
+        first_seen = PyList_New(0);
+    }
+    PyObject *facts = finished == NULL || first_seen == NULL
+                          ? NULL
+                          : PyTuple_Pack(3, step, finished, first_seen);
+    Py_DECREF(step);
+    Py_XDECREF(finished);
+    Py_XDECREF(first_seen);
+    return facts;
+}
+
+static PyObject *step_facts(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "step_facts takes 8 arguments");
+        return NULL;
+    }
+    return compute_step_facts(args[0], args[1], args[2], args[3], args[4], args[5], args[6],
+                              args[7]);
+}
+
+/* ---- The step hooks: vLLM's Scheduler.schedule / update_from_output, patched in C ----------
+ *
+ * `step_hook(...)` returns the function put in the scheduler class in place of one of the two
+ * methods (patching.Patch.direct): it calls vLLM's method and then records the step, with no
+ * Python frame of ours between (a Python patch and the tracer's methods cost ~20,000
+ * instructions a step; bench/engine_step_instructions.py). What it does is the Python twins'
+ * (vllm.VllmInstrumentor._schedule_patch / _update_from_output_patch calling
+ * EngineStepTracer.on_scheduled / on_step_done): the same gate, the same records, the same
+ * errors caught (Exception and its subclasses, reported to the guard's `failed` as the
+ * exception being handled); Python is called back only once per request (its first prefill
+ * step: `_track_first_seen`; its finish: the emitter's `submit`), per sampled step and per
+ * sweep. A step the C walk declines (step_facts answers None) goes to the tracer's
+ * on_step_done. The tracer's parts it uses are read once, when the hook is made.
+ */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict; /* functools.update_wrapper's names, the patch mark */
+    int updates;    /* 0: schedule, 1: update_from_output */
+    PyObject *original;
+    PyObject *gate;     /* tracing is on while gate._active is true */
+    PyObject *disabled; /* the guard's set of disabled hook names */
+    PyObject *failed;   /* the guard's failed(name) */
+    PyObject *name;     /* this hook's name */
+    PyObject *other;    /* the other step hook's: either one disabled stops the schedule hook */
+    PyObject *tracer;
+    PyObject *step_type;
+    PyObject *open;     /* tracer._open: id(scheduler output) -> start ns */
+    PyObject *requests; /* tracer._requests */
+    PyObject *ring;     /* tracer._ring */
+    double sample_rate;
+    PyObject *random;
+    PyObject *clock;    /* tracer.clock */
+    int native_clock;   /* the clock is time.monotonic_ns: CLOCK_MONOTONIC read here */
+    PyObject *submit;
+    PyObject *plan_request;
+    PyObject *plan_sampled_step;
+    PyObject *track_first_seen;
+    PyObject *sweep;
+} StepHook;
+
+#define HOOK_MAX_OPEN_STEPS 64     /* vllm_engine._MAX_OPEN_STEPS */
+#define HOOK_SWEEP_EVERY_STEPS 1024 /* vllm_engine._SWEEP_EVERY_STEPS */
+
+enum {
+    HNAME_ACTIVE,
+    HNAME_NEXT_INDEX,
+    HNAME_SAMPLED_STEPS,
+    HNAME_LAST_STEP,
+    HNAME_REQUESTS,
+    HNAME_ON_STEP_DONE,
+    HNAME_SCHEDULER_OUTPUT,
+    HNAME_COUNT,
+};
+static const char *const hook_name_strings[HNAME_COUNT] = {
+    "_active", "_next_index", "sampled_steps", "last_step", "requests", "on_step_done",
+    "scheduler_output",
+};
+static PyObject *hook_names[HNAME_COUNT];
+static PyObject *partial_type; /* functools.partial */
+
+/* The exception being raised, handed to the guard as the one being handled (as `except
+ * Exception: guard.failed(name)` does); anything not an Exception is left raised (-1). */
+static int report_failure(StepHook *self) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        return -1;
+    }
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != NULL && value != NULL) {
+        PyException_SetTraceback(value, traceback);
+    }
+    PyObject *handled = PyErr_GetHandledException();
+    PyErr_SetHandledException(value);
+    PyObject *done = PyObject_CallOneArg(self->failed, self->name);
+    PyErr_SetHandledException(handled);
+    Py_XDECREF(handled);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+    if (done == NULL) { /* the guard itself failed: the host keeps running all the same */
+        PyErr_WriteUnraisable((PyObject *)self);
+        return 0;
+    }
+    Py_DECREF(done);
+    return 0;
+}
+
+/* 1 when the hook records, 0 when it only calls vLLM's method, -1 on an error. */
+static int hook_on(StepHook *self) {
+    PyObject *active = PyObject_GetAttr(self->gate, hook_names[HNAME_ACTIVE]);
+    int on = active == NULL ? -1 : PyObject_IsTrue(active);
+    Py_XDECREF(active);
+    if (on <= 0 || PySet_GET_SIZE(self->disabled) == 0) {
+        return on;
+    }
+    int off = PySet_Contains(self->disabled, self->name);
+    if (off == 0 && !self->updates) {
+        off = PySet_Contains(self->disabled, self->other);
+    }
+    return off < 0 ? -1 : !off;
+}
+
+static PyObject *clock_now(StepHook *self) {
+    if (self->native_clock) {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        return PyLong_FromLongLong((long long)now.tv_sec * 1000000000LL + now.tv_nsec);
+    }
+    return PyObject_CallNoArgs(self->clock);
+}
+
+static PyObject *schedule_hook(StepHook *self, PyObject *const *args, size_t nargsf,
+                               PyObject *kwnames) {
+    int on = hook_on(self);
+    PyObject *start_ns = NULL;
+    if (on > 0) {
+        start_ns = clock_now(self);
+        if (start_ns == NULL) {
+            on = -1;
+        }
+    }
+    if (on < 0 && report_failure(self) < 0) {
+        return NULL;
+    }
+    PyObject *output = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    if (start_ns == NULL || output == NULL) {
+        Py_XDECREF(start_ns);
+        return output;
+    }
+    /* tracer.on_scheduled(output, start_ns) */
+    if (PyDict_GET_SIZE(self->open) >= HOOK_MAX_OPEN_STEPS) {
+        PyDict_Clear(self->open); /* updates that never came */
+    }
+    PyObject *key = PyLong_FromVoidPtr(output);
+    int stored = key == NULL ? -1 : PyDict_SetItem(self->open, key, start_ns);
+    Py_XDECREF(key);
+    Py_DECREF(start_ns);
+    if (stored < 0 && report_failure(self) < 0) {
+        Py_DECREF(output);
+        return NULL;
+    }
+    return output;
+}
+
+/* `counter` on the tracer, plus one. */
+static int count_on(PyObject *tracer, PyObject *counter) {
+    PyObject *value = PyObject_GetAttr(tracer, counter);
+    PyObject *more = value == NULL ? NULL : PyNumber_Add(value, one);
+    Py_XDECREF(value);
+    int set = more == NULL ? -1 : PyObject_SetAttr(tracer, counter, more);
+    Py_XDECREF(more);
+    return set;
+}
+
+/* submit(partial(plan, item)) */
+static int submit_plan(StepHook *self, PyObject *plan, PyObject *item) {
+    PyObject *job = PyObject_CallFunctionObjArgs(partial_type, plan, item, NULL);
+    PyObject *done = job == NULL ? NULL : PyObject_CallOneArg(self->submit, job);
+    Py_XDECREF(job);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
+/* EngineStepTracer.on_step_done(scheduler, output, outputs_by_client) with its _store. */
+static int record_step(StepHook *self, PyObject *scheduler, PyObject *output,
+                       PyObject *outputs_by_client) {
+    PyObject *key = PyLong_FromVoidPtr(output);
+    if (key == NULL) {
+        return -1;
+    }
+    PyObject *start_ns = PyDict_GetItemWithError(self->open, key); /* borrowed */
+    if (start_ns == NULL) {
+        Py_DECREF(key);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    Py_INCREF(start_ns);
+    int answer = -1;
+    PyObject *index = NULL, *step = NULL, *finished = NULL, *first_seen = NULL, *next = NULL;
+    index = PyObject_GetAttr(self->tracer, hook_names[HNAME_NEXT_INDEX]);
+    if (index == NULL) {
+        goto done;
+    }
+    int walked = walk_step(self->step_type, self->requests, scheduler, output,
+                           outputs_by_client, index, start_ns, self->clock, &step, &finished,
+                           &first_seen);
+    if (walked == WALK_FAILED) {
+        goto done;
+    }
+    if (walked == WALK_DECLINED) { /* not what the C walk reads: the twin's step */
+        PyObject *twin = PyObject_CallMethodObjArgs(self->tracer, hook_names[HNAME_ON_STEP_DONE],
+                                                    scheduler, output, outputs_by_client, NULL);
+        Py_XDECREF(twin);
+        answer = twin == NULL ? -1 : 0;
+        goto done;
+    }
+    if (PyDict_DelItem(self->open, key) < 0) {
+        goto done;
+    }
+    if (walked == WALK_EMPTY) { /* scheduled nothing */
+        answer = 0;
+        goto done;
+    }
+    Py_ssize_t number = PyLong_AsSsize_t(index);
+    if (number < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "negative step index");
+        }
+        goto done;
+    }
+    next = PyNumber_Add(index, one);
+    if (next == NULL || PyObject_SetAttr(self->tracer, hook_names[HNAME_NEXT_INDEX], next) < 0) {
+        goto done;
+    }
+    if (first_seen != NULL) {
+        PyObject *tracked = PyObject_CallFunctionObjArgs(self->track_first_seen, scheduler,
+                                                         index, first_seen, NULL);
+        if (tracked == NULL) {
+            goto done;
+        }
+        Py_DECREF(tracked);
+    }
+    /* _store(step, finished) */
+    Py_ssize_t size = PyList_GET_SIZE(self->ring);
+    if (size < 1) {
+        PyErr_SetString(PyExc_ValueError, "the step ring is empty");
+        goto done;
+    }
+    PyList_SetItem(self->ring, number % size, Py_NewRef(step));
+    if (self->sample_rate > 0.0) {
+        PyObject *drawn = PyObject_CallNoArgs(self->random);
+        double value = drawn == NULL ? -1.0 : PyFloat_AsDouble(drawn);
+        Py_XDECREF(drawn);
+        if (value == -1.0 && PyErr_Occurred()) {
+            goto done;
+        }
+        if (value < self->sample_rate &&
+            (count_on(self->tracer, hook_names[HNAME_SAMPLED_STEPS]) < 0 ||
+             submit_plan(self, self->plan_sampled_step, step) < 0)) {
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; finished != NULL && i < PyList_GET_SIZE(finished); i++) {
+        PyObject *request_id = PyList_GET_ITEM(finished, i);
+        PyObject *tracked = PyDict_GetItemWithError(self->requests, request_id); /* borrowed */
+        if (tracked == NULL) {
+            if (PyErr_Occurred()) {
+                goto done;
+            }
+            continue;
+        }
+        Py_INCREF(tracked);
+        int handed = PyDict_DelItem(self->requests, request_id);
+        if (handed == 0 && tracked != Py_None) {
+            handed = PyObject_SetAttr(tracked, hook_names[HNAME_LAST_STEP], index) < 0 ||
+                             submit_plan(self, self->plan_request, tracked) < 0
+                         ? -1
+                         : 0;
+        }
+        Py_DECREF(tracked);
+        if (handed < 0) {
+            goto done;
+        }
+    }
+    if ((number + 1) % HOOK_SWEEP_EVERY_STEPS == 0) {
+        PyObject *held = PyObject_GetAttr(scheduler, hook_names[HNAME_REQUESTS]);
+        PyObject *swept = held == NULL ? NULL : PyObject_CallOneArg(self->sweep, held);
+        Py_XDECREF(held);
+        if (swept == NULL) {
+            goto done;
+        }
+        Py_DECREF(swept);
+    }
+    answer = 0;
+done:
+    Py_DECREF(key);
+    Py_DECREF(start_ns);
+    Py_XDECREF(index);
+    Py_XDECREF(step);
+    Py_XDECREF(finished);
+    Py_XDECREF(first_seen);
+    Py_XDECREF(next);
+    return answer;
+}
+
+static PyObject *update_hook(StepHook *self, PyObject *const *args, size_t nargsf,
+                             PyObject *kwnames) {
+    PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    if (result == NULL) {
+        return NULL;
+    }
+    int on = hook_on(self);
+    if (on > 0) {
+        /* (scheduler, scheduler_output, ...) or scheduler_output by keyword */
+        Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+        PyObject *output = nargs >= 2 ? args[1] : NULL;
+        for (Py_ssize_t i = 0; output == NULL && kwnames != NULL && i < PyTuple_GET_SIZE(kwnames);
+             i++) {
+            int same = PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, i),
+                                         hook_names[HNAME_SCHEDULER_OUTPUT]);
+            if (same == 0) {
+                output = args[nargs + i];
+            }
+        }
+        if (nargs < 1 || output == NULL) {
+            PyErr_SetString(PyExc_KeyError, "scheduler_output");
+            on = -1;
+        } else if (record_step(self, args[0], output, result) < 0) {
+            on = -1;
+        }
+    }
+    if (on < 0 && report_failure(self) < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
+static PyObject *step_hook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                      PyObject *kwnames) {
+    StepHook *self = (StepHook *)callable;
+    return self->updates ? update_hook(self, args, nargsf, kwnames)
+                         : schedule_hook(self, args, nargsf, kwnames);
+}
+
+/* A method: bound to the scheduler it is read from (LOAD_METHOD skips the binding, as for a
+ * Python function: Py_TPFLAGS_METHOD_DESCRIPTOR). */
+static PyObject *step_hook_get(PyObject *self, PyObject *instance, PyObject *owner) {
+    (void)owner;
+    if (instance == NULL || instance == Py_None) {
+        return Py_NewRef(self);
+    }
+    return PyMethod_New(self, instance);
+}
+
+static int step_hook_traverse(StepHook *self, visitproc visit, void *arg) {
+    Py_VISIT(self->dict);
+    Py_VISIT(self->original);
+    Py_VISIT(self->gate);
+    Py_VISIT(self->disabled);
+    Py_VISIT(self->failed);
+    Py_VISIT(self->name);
+    Py_VISIT(self->other);
+    Py_VISIT(self->tracer);
+    Py_VISIT(self->step_type);
+    Py_VISIT(self->open);
+    Py_VISIT(self->requests);
+    Py_VISIT(self->ring);
+    Py_VISIT(self->random);
+    Py_VISIT(self->clock);
+    Py_VISIT(self->submit);
+    Py_VISIT(self->plan_request);
+    Py_VISIT(self->plan_sampled_step);
+    Py_VISIT(self->track_first_seen);
+    Py_VISIT(self->sweep);
+    return 0;
+}
+
+static int step_hook_clear(StepHook *self) {
+    Py_CLEAR(self->dict);
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->gate);
+    Py_CLEAR(self->disabled);
+    Py_CLEAR(self->failed);
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->other);
+    Py_CLEAR(self->tracer);
+    Py_CLEAR(self->step_type);
+    Py_CLEAR(self->open);
+    Py_CLEAR(self->requests);
+    Py_CLEAR(self->ring);
+    Py_CLEAR(self->random);
+    Py_CLEAR(self->clock);
+    Py_CLEAR(self->submit);
+    Py_CLEAR(self->plan_request);
+    Py_CLEAR(self->plan_sampled_step);
+    Py_CLEAR(self->track_first_seen);
+    Py_CLEAR(self->sweep);
+    return 0;
+}
+
+static void step_hook_dealloc(StepHook *self) {
+    PyObject_GC_UnTrack(self);
+    step_hook_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyGetSetDef step_hook_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject StepHookType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tokentrace.agent._steps.StepHook",
+    .tp_doc = "vLLM's Scheduler.schedule or update_from_output, and the step's record.",
+    .tp_basicsize = sizeof(StepHook),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_vectorcall_offset = offsetof(StepHook, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = step_hook_get,
+    .tp_dictoffset = offsetof(StepHook, dict),
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+    .tp_getset = step_hook_getset,
+    .tp_traverse = (traverseproc)step_hook_traverse,
+    .tp_clear = (inquiry)step_hook_clear,
+    .tp_dealloc = (destructor)step_hook_dealloc,
+};
+
+/* getattr(tracer, name) into *slot; 0, or -1 with an error set. */
+static int read_part(PyObject *tracer, const char *name, PyObject **slot) {
+    *slot = PyObject_GetAttrString(tracer, name);
+    return *slot == NULL ? -1 : 0;
+}
+
+/* step_hook(updates, original, tracer, step_type, gate, guard, name, other, native_clock) */
+static PyObject *step_hook(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "step_hook takes 9 arguments");
+        return NULL;
+    }
+    StepHook *self = PyObject_GC_New(StepHook, &StepHookType);
+    if (self == NULL) {
+        return NULL;
+    }
+    memset((char *)self + offsetof(StepHook, vectorcall), 0,
+           sizeof(StepHook) - offsetof(StepHook, vectorcall));
+    self->vectorcall = step_hook_vectorcall;
+    PyObject_GC_Track(self);
+    PyObject *tracer = args[2], *guard = args[5], *sample_rate = NULL;
+    self->updates = PyObject_IsTrue(args[0]);
+    self->native_clock = PyObject_IsTrue(args[8]);
+    self->original = Py_NewRef(args[1]);
+    self->tracer = Py_NewRef(tracer);
+    self->step_type = Py_NewRef(args[3]);
+    self->gate = Py_NewRef(args[4]);
+    self->name = Py_NewRef(args[6]);
+    self->other = Py_NewRef(args[7]);
+    if (self->updates < 0 || self->native_clock < 0 ||
+        read_part(guard, "disabled", &self->disabled) < 0 ||
+        read_part(guard, "failed", &self->failed) < 0 ||
+        read_part(tracer, "_open", &self->open) < 0 ||
+        read_part(tracer, "_requests", &self->requests) < 0 ||
+        read_part(tracer, "_ring", &self->ring) < 0 ||
+        read_part(tracer, "_random", &self->random) < 0 ||
+        read_part(tracer, "clock", &self->clock) < 0 ||
+        read_part(tracer, "_submit", &self->submit) < 0 ||
+        read_part(tracer, "plan_request", &self->plan_request) < 0 ||
+        read_part(tracer, "plan_sampled_step", &self->plan_sampled_step) < 0 ||
+        read_part(tracer, "_track_first_seen", &self->track_first_seen) < 0 ||
+        read_part(tracer, "_sweep", &self->sweep) < 0 ||
+        read_part(tracer, "_sample_rate", &sample_rate) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->sample_rate = PyFloat_AsDouble(sample_rate);
+    Py_DECREF(sample_rate);
+    if (self->sample_rate == -1.0 && PyErr_Occurred()) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    if (!PySet_Check(self->disabled) || !PyDict_CheckExact(self->open) ||
+        !PyDict_CheckExact(self->requests) || !PyList_CheckExact(self->ring) ||
+        !PyType_Check(self->step_type)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "step_hook: the guard's disabled set, the tracer's _open and _requests "
+                        "dicts, its _ring list and a step type are needed");
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
 }
 
 static PyMethodDef steps_methods[] = {
     {"step_facts", (PyCFunction)(void (*)(void))step_facts, METH_FASTCALL,
      "step_facts(step_type, requests, scheduler, output, outputs_by_client, index, start_ns, "
      "clock) -> tuple | None"},
+    {"step_hook", (PyCFunction)(void (*)(void))step_hook, METH_FASTCALL,
+     "step_hook(updates, original, tracer, step_type, gate, guard, name, other, native_clock) "
+     "-> StepHook"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef steps_module = {
-    PyModuleDef_HEAD_INIT, "_steps", "The engine-step tracer's per-request loops (see _steps.c).",
+    PyModuleDef_HEAD_INIT, "_steps",
+    "The engine-step tracer's per-step work and step hooks (see _steps.c).",
     -1, steps_methods,
 };
 
@@ -429,6 +1006,26 @@ PyMODINIT_FUNC PyInit__steps(void) {
         }
     }
     if (zero == NULL && (zero = PyLong_FromLong(0)) == NULL) {
+        return NULL;
+    }
+    for (int i = 0; i < HNAME_COUNT; i++) {
+        if (hook_names[i] == NULL &&
+            (hook_names[i] = PyUnicode_InternFromString(hook_name_strings[i])) == NULL) {
+            return NULL;
+        }
+    }
+    if (one == NULL && (one = PyLong_FromLong(1)) == NULL) {
+        return NULL;
+    }
+    if (partial_type == NULL) {
+        PyObject *functools = PyImport_ImportModule("functools");
+        partial_type = functools == NULL ? NULL : PyObject_GetAttrString(functools, "partial");
+        Py_XDECREF(functools);
+        if (partial_type == NULL) {
+            return NULL;
+        }
+    }
+    if (PyType_Ready(&StepHookType) < 0) {
         return NULL;
     }
     if (ns_per_s == NULL && (ns_per_s = PyLong_FromLong(1000000000L)) == NULL) {

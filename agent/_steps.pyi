@@ -12,3 +12,15 @@ def step_facts(
     clock: Callable[[], int],
     /,
 ) -> tuple[object, ...] | None: ...
+def step_hook(
+    updates: bool,
+    original: Callable[..., object],
+    tracer: object,
+    step_type: type,
+    gate: object,
+    guard: object,
+    name: str,
+    other: str,
+    native_clock: bool,
+    /,
+) -> Callable[..., object]: ...

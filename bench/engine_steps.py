@@ -7,6 +7,8 @@ emitter as deferred jobs (planned off the busy loop). This measures ``on_schedul
 for a batch of N decoding requests, interleaved against the same loop without the tracer, with
 the per-step work in C (``agent/_steps.c``) and with its Python twins, and prints ns per step
 and per scheduled request for each. For scale: a decode step of a real model takes milliseconds.
+Where ``_steps`` is built, vLLM's scheduler runs the step hooks in C instead of these methods
+(``EngineStepTracer.native_hook``): ``bench/engine_step_instructions.py`` counts those.
 
     python bench/engine_steps.py [--batch 16] [--steps 20000] [--rounds 7]
 """

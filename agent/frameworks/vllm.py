@@ -263,19 +263,27 @@ class VllmInstrumentor(FrontendRequestHooks, EngineInstrumentor):
             self._guard.run(HOOK_ENGINE_INIT, self._on_engine_init, instance)
         return result
 
-    # The two per-step patches run their hooks in one frame each: the patched function calls
-    # vLLM's and then the tracer, with ``HookGuard.run``'s ``try`` inline.
+    # The two per-step patches: in C where built (``EngineStepTracer.native_hook``), else a
+    # function each that calls vLLM's and then the tracer, with ``HookGuard.run``'s ``try``
+    # inline.
     def _schedule_patch(self, schedule: Callable[..., Any]) -> Callable[..., Any]:
         """``Scheduler.schedule`` patched: the step's start, kept for its update."""
         tracer, guard = self._step_tracer, self._guard
         assert tracer is not None  # the patch ``uses`` it
+        native = tracer.native_hook(schedule, updates=False, gate=self, guard=guard)
+        if native is not None:
+            return native
         clock, disabled = tracer.clock, guard.disabled
 
         def patched(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
             # Either engine hook disabled stops both: what one records, the other releases.
             if not self._active or (disabled and not disabled.isdisjoint(_STEP_HOOKS)):
                 return schedule(scheduler, *args, **kwargs)
-            start_ns = clock()
+            try:
+                start_ns = clock()
+            except Exception:
+                guard.failed(HOOK_STEP_SCHEDULED)
+                return schedule(scheduler, *args, **kwargs)
             output = schedule(scheduler, *args, **kwargs)
             try:
                 tracer.on_scheduled(output, start_ns)
@@ -290,6 +298,9 @@ class VllmInstrumentor(FrontendRequestHooks, EngineInstrumentor):
         ``SchedulerOutput`` and recorded."""
         tracer, guard = self._step_tracer, self._guard
         assert tracer is not None  # the patch ``uses`` it
+        native = tracer.native_hook(update, updates=True, gate=self, guard=guard)
+        if native is not None:
+            return native
         disabled = guard.disabled
 
         def patched(scheduler: Any, *args: Any, **kwargs: Any) -> Any:

@@ -181,6 +181,8 @@ _STEPS: Final[Any] = compiled.load("tokentrace.agent._steps")
 BUILT: Final = _STEPS is not None
 """Whether the per-step work runs in C (built, not turned off by ``TOKENTRACE_PURE_PYTHON``)."""
 _STEP_FACTS: Callable[..., StepFacts | None] | None = getattr(_STEPS, "step_facts", None)
+_STEP_HOOK: Callable[..., Any] | None = getattr(_STEPS, "step_hook", None)
+"""``native_hook``'s maker, if built: the two step patches and the tracer's work, in C."""
 _new_step: Final = tuple.__new__
 """``StepRecord``'s own constructor is a Python function; the tuple's is not."""
 
@@ -316,7 +318,6 @@ class EngineStepTracer:
         """id(scheduler output) -> the step's start (monotonic ns), until its update."""
         self._requests: dict[str, _TrackedRequest | None] = {}
         """Requests the scheduler holds: None for those with no trace context (not tracked)."""
-        self.steps = 0
         self.sampled_steps = 0
         self.requests_with_outliers = 0
         self.outlier_steps = 0
@@ -324,6 +325,11 @@ class EngineStepTracer:
         """Outlier steps already overwritten in the ring when their request finished."""
         self.swept_requests = 0
         """Request step lists dropped without a finish reason (aborted inside the engine)."""
+
+    @property
+    def steps(self) -> int:
+        """Steps recorded: each is numbered in turn (0, 1, ...)."""
+        return self._next_index
 
     # --- serving path (EngineCore busy loop) ---------------------------------------------------
     def on_scheduled(self, output: Any, start_ns: int) -> None:
@@ -357,16 +363,43 @@ class EngineStepTracer:
             return
         self._next_index = index + 1
         step, finished, first_seen = facts
-        if first_seen:  # a request that finished in this step is gone from ``held``
-            held = scheduler.requests  # (and has no gaps)
-            for request_id, tokens in first_seen:
-                tracked = requests[request_id] = _track(held.get(request_id))
-                if tracked is not None:
-                    tracked.request_id, tracked.first_step = request_id, index
-                    tracked.prefill_steps.append((index, tokens))
+        if first_seen:
+            self._track_first_seen(scheduler, index, first_seen)
         self._store(step, finished)
         if not (index + 1) % _SWEEP_EVERY_STEPS:
             self._sweep(scheduler.requests)
+
+    def _track_first_seen(
+        self, scheduler: Any, index: int, first_seen: list[tuple[str, int]]
+    ) -> None:
+        """Track the requests the step ``index`` prefilled first ((id, prompt tokens) each):
+        once per request, also from the C hook."""
+        requests = self._requests
+        held = scheduler.requests  # a request that finished in this step is gone from it
+        for request_id, tokens in first_seen:  # (and has no gaps)
+            tracked = requests[request_id] = _track(held.get(request_id))
+            if tracked is not None:
+                tracked.request_id, tracked.first_step = request_id, index
+                tracked.prefill_steps.append((index, tokens))
+
+    def native_hook(
+        self, original: Callable[..., Any], *, updates: bool, gate: object, guard: HookGuard
+    ) -> Callable[..., Any] | None:
+        """vLLM's ``Scheduler.schedule`` (``updates`` false) or ``update_from_output`` with
+        this tracer's work in C (``_steps.c``'s ``step_hook``): what the instrumentor's Python
+        patch calling ``on_scheduled`` / ``on_step_done`` does, with no Python frame between.
+        Recording while ``gate._active``; failures go to ``guard``. None where not built."""
+        if _STEP_HOOK is None:
+            return None
+        name, other = (
+            (HOOK_STEP_DONE, HOOK_STEP_SCHEDULED)
+            if updates
+            else (HOOK_STEP_SCHEDULED, HOOK_STEP_DONE)
+        )
+        native_clock = self.clock is time.monotonic_ns  # the same CLOCK_MONOTONIC, read in C
+        return _STEP_HOOK(
+            updates, original, self, StepRecord, gate, guard, name, other, native_clock
+        )
 
     # --- the same for engines whose steps are one call (SGLang's scheduler) -----------------------
     def track(self, request_id: str, parent: tuple[bytes, bytes, bytes]) -> None:
@@ -433,7 +466,6 @@ class EngineStepTracer:
 
     def _store(self, step: StepRecord, finished: Sequence[str]) -> None:
         self._ring[step.number % self._ring_steps] = step
-        self.steps += 1
         if self._sample_rate and self._random() < self._sample_rate:
             self.sampled_steps += 1
             self._submit(partial(self.plan_sampled_step, step))

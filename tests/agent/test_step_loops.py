@@ -3,6 +3,7 @@ vllm_engine: the same appends, the same answers, and the same errors."""
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,7 +91,9 @@ def _steps_of_vllm(draw: st.DrawFn) -> tuple[_SchedulerOutput, dict[int, _Client
     ids = draw(st.lists(_IDS, unique=True, max_size=10))
     cut = draw(st.integers(0, len(ids)))
     cached, new = ids[:cut], ids[cut:]
-    output_tokens = [draw(st.sampled_from([0, 0, 1, 7])) for _ in cached]
+    # Counts as vLLM gives them, and numbers that are not exact ints (C reads those as C longs).
+    counts = st.sampled_from([0, 0, 1, 7]) | st.sampled_from([0.0, False, True, 2**70, -(2**70)])
+    output_tokens = [draw(counts) for _ in cached]
     scheduled = {request_id: draw(st.integers(1, 512)) for request_id in ids}
     output = _SchedulerOutput(
         scheduled, [_NewRequest(request_id) for request_id in new], _Cached(cached, output_tokens)
@@ -137,6 +140,7 @@ def test_step_facts_records_and_answers_like_its_twin(
         return
     record, finished, first_seen = facts
     assert type(record) is StepRecord and record.number == 9
+    assert not gc.is_tracked(record)  # out of the cycle collector's sight: it holds no cycle
     assert record.request_ids is output.num_scheduled_tokens  # held, not copied
     # vLLM's split: the new requests and the cached ones without an output token yet.
     cached = output.scheduled_cached_reqs

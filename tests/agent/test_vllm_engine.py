@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import types
 from typing import Any
 
 import pytest
@@ -60,11 +61,13 @@ PREFILL_SPAN = bytes(range(31, 39))
 
 @pytest.fixture(autouse=True, params=["C", "Python"])
 def step_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with the per-step work in C (``_steps.c``) and with its twins."""
+    """Every test runs with the per-step work in C (``_steps.c``: the step hooks and the
+    tracer's ``step_facts``) and with their twins (the Python patches and methods)."""
     if request.param == "C" and not vllm_engine.BUILT:
         pytest.skip("the C extension is not built here (or TOKENTRACE_PURE_PYTHON is set)")
     if request.param == "Python":
         monkeypatch.setattr(vllm_engine, "_STEP_FACTS", None)
+        monkeypatch.setattr(vllm_engine, "_STEP_HOOK", None)
     return str(request.param)
 
 
@@ -258,6 +261,82 @@ def test_step_methods_already_wrapped_by_another_tool_are_patched_through_wrapt(
     assert [span.name for span in chunks.spans] == [semconv.SPAN_PREFILL_CHUNK] * 2
 
 
+def test_the_step_patches_are_called_as_vllms_methods_are(
+    vllm_stand_in: Setup, step_loops: str
+) -> None:
+    originals = {name: vars(Scheduler)[name] for name in ("schedule", "update_from_output")}
+    vllm_stand_in.instrument()
+    for name, original in originals.items():
+        patched = vars(Scheduler)[name]
+        assert is_patch(patched) and patched.__wrapped__ is original
+        assert patched.__name__ == name and patched.__qualname__ == original.__qualname__
+        # In C where built: no Python frame of ours in the busy loop.
+        assert (type(patched).__name__ == "StepHook") == (step_loops == "C")
+    scheduler = Scheduler(token_budget=3, max_tokens=4)
+    scheduler.add(traced("a", 5))  # two chunks, then three more tokens
+    calls = 0
+    while scheduler.requests:  # every way Python calls a method, vLLM's argument names
+        output = [
+            scheduler.schedule,
+            lambda: Scheduler.schedule(scheduler),
+            lambda: getattr(scheduler, "schedule")(),  # noqa: B009 - the bound method
+            scheduler.schedule,
+        ][calls % 4]()
+        if calls % 2:
+            scheduler.update_from_output(scheduler_output=output, model_runner_output=None)
+        else:
+            Scheduler.update_from_output(scheduler, output, None)
+        calls += 1
+    tracer = vllm_stand_in.tracer
+    assert vllm_stand_in.guard.failures == {}
+    assert calls == tracer.steps == 5 and not tracer._open
+    (chunks,) = planned_jobs(vllm_stand_in.engine_jobs)
+    assert [span.name for span in chunks.spans] == [semconv.SPAN_PREFILL_CHUNK] * 2
+
+
+def test_a_step_the_c_walk_declines_is_recorded_by_the_twin(vllm_stand_in: Setup) -> None:
+    # vLLM's outputs in a mapping that is not a dict: ``step_facts`` declines, and the tracer's
+    # Python methods record the step (the same steps and spans as from a dict).
+    recorded: list[tuple[int, int, int]] = []
+    for wrap in (dict, types.MappingProxyType):
+
+        class Wrapping(Scheduler):
+            wraps = wrap
+
+            def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+                outputs = super().update_from_output(scheduler_output, model_runner_output)
+                return type(self).wraps(outputs)
+
+        vllm_stand_in.instrument()
+        scheduler = Wrapping(token_budget=3, max_tokens=4)
+        scheduler.add(traced("a", 5))
+        run_until_idle(scheduler)
+        tracer = vllm_stand_in.tracer
+        recorded.append(
+            (tracer.steps, len(planned_jobs(vllm_stand_in.engine_jobs)), len(tracer._open))
+        )
+        vllm_stand_in.instrumentor.uninstrument()
+    assert recorded[0] == (5 * 1, 1, 0)
+    assert recorded[1] == (5 * 2, 2, 0)  # the same tracer: counts add up
+    assert vllm_stand_in.guard.failures == {}
+
+
+def test_an_interrupt_inside_an_engine_hook_reaches_the_engine(
+    vllm_stand_in: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only Exception is caught (as ``except Exception``): Ctrl-C and exits go to the engine.
+    def interrupted(*_args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vllm_stand_in.tracer, "_track_first_seen", interrupted)
+    vllm_stand_in.instrument()
+    scheduler = Scheduler(max_tokens=3)
+    scheduler.add(traced("a", 2))
+    with pytest.raises(KeyboardInterrupt):
+        scheduler.step()
+    assert vllm_stand_in.guard.failures == {}
+
+
 def test_untraced_requests_are_counted_in_steps_but_never_tracked(vllm_stand_in: Setup) -> None:
     vllm_stand_in.instrument()
     scheduler = Scheduler(token_budget=4, max_tokens=3)
@@ -314,22 +393,22 @@ def test_the_ring_keeps_only_the_latest_steps_and_gaps_across_evicted_steps_are_
 
 
 @pytest.mark.parametrize(
-    ("method", "hook"),
-    [("on_step_done", HOOK_STEP_DONE), ("on_scheduled", HOOK_STEP_SCHEDULED)],
+    ("part", "hook"),
+    [("_track_first_seen", HOOK_STEP_DONE), ("clock", HOOK_STEP_SCHEDULED)],
 )
 def test_a_raising_engine_hook_is_disabled_and_the_scheduler_keeps_working(
     vllm_stand_in: Setup,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-    method: str,
+    part: str,
     hook: str,
 ) -> None:
-    vllm_stand_in.instrument()
-
+    # A part of the tracer that each hook calls (the hooks take them when they are made).
     def broken(*_args: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(vllm_stand_in.tracer, method, broken)
+    monkeypatch.setattr(vllm_stand_in.tracer, part, broken)
+    vllm_stand_in.instrument()
     scheduler = Scheduler(max_tokens=3)
     scheduler.add(traced("a", 2))
     with caplog.at_level(logging.WARNING, logger="tokentrace"):

@@ -276,11 +276,13 @@ class Scheduler:
             scheduled, new, CachedRequestData(list(cached), list(cached.values()))
         )
 
-    def update_from_output(self, output: SchedulerOutput, model_output: Any) -> dict[int, Any]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: Any
+    ) -> dict[int, Any]:
         _engine_clock_s[0] += self.slow_steps.get(self.step_index, self.step_s)
         self.step_index += 1
         outputs = []
-        for request_id, tokens in output.num_scheduled_tokens.items():
+        for request_id, tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             if request.computed_tokens < request.prompt_tokens:
                 request.computed_tokens += tokens

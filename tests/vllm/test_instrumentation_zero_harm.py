@@ -45,7 +45,7 @@ pytestmark = pytest.mark.slow
 _SUPPORT_DIR = Path(__file__).parent / "support"
 _FRONTEND_HOOK = (("_after_outputs",), (HOOK_OUTPUTS,))
 _ENGINE_AND_HTTP_HOOKS = (
-    ("EngineStepTracer.on_step_done", "HttpServerTracer.begin"),
+    ("EngineStepTracer._track_first_seen", "HttpServerTracer.begin"),
     (HOOK_STEP_DONE, HOOK_HTTP_SERVER),
 )
 _EXPORT_SETTLE_S = 1.5
