@@ -7,7 +7,9 @@ requests shared the step that made a token late, and how much prefill they broug
 - **a step** is one ``Scheduler.schedule`` -> ``Scheduler.update_from_output`` pair (both the
   plain and the batch-queue busy loops call them once per step). The schedule patch only
   reads one clock before scheduling; the update patch reads the rest from the same
-  ``SchedulerOutput`` (in C, ``_steps.c``, where built): it records the step in each request it
+  ``SchedulerOutput``. Where ``_steps.c`` is built both patches are C functions that do the
+  tracer's per-step work themselves (``native_hook``), else Python ones calling
+  ``on_scheduled`` / ``on_step_done``. The update records the step in each request it
   prefilled (a request is first seen, and tracked, in its first prefill step), finds the
   requests it finished in their outputs, closes the step at the timestamp vLLM stamps on the
   step's outputs (the very timestamp the frontend gives the step's tokens) and stores one tuple
