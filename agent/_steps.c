@@ -579,11 +579,14 @@ static int report_failure(StepHook *self) {
     if (traceback != NULL && value != NULL) {
         PyException_SetTraceback(value, traceback);
     }
-    PyObject *handled = PyErr_GetHandledException();
-    PyErr_SetHandledException(value);
+    PyObject *saved_type, *saved_value, *saved_traceback; /* sys.exc_info(), as it was */
+    PyErr_GetExcInfo(&saved_type, &saved_value, &saved_traceback);
+    Py_XINCREF(type);
+    Py_XINCREF(value);
+    Py_XINCREF(traceback);
+    PyErr_SetExcInfo(type, value, traceback); /* steals */
     PyObject *done = PyObject_CallOneArg(self->failed, self->name);
-    PyErr_SetHandledException(handled);
-    Py_XDECREF(handled);
+    PyErr_SetExcInfo(saved_type, saved_value, saved_traceback);
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(traceback);

@@ -156,9 +156,11 @@ def engine_parent_header(trace_id: bytes, request_span_id: bytes, prefill_span_i
 def parse_engine_parent(value: object) -> tuple[bytes, bytes, bytes] | None:
     """(trace id, request span id, prefill span id) of an ``ENGINE_PARENT_HEADER`` value."""
     ids = parse_ids(value, TRACE_ID_BYTES, SPAN_ID_BYTES, SPAN_ID_BYTES)
-    if ids is None or not all(any(item) for item in ids):
+    if ids is None:
         return None
     trace_id, request_span_id, prefill_span_id = ids
+    if not (any(trace_id) and any(request_span_id) and any(prefill_span_id)):  # all-zero ids
+        return None  # are invalid (no generator: once per request in EngineCore's busy loop)
     return trace_id, request_span_id, prefill_span_id
 
 
