@@ -238,6 +238,9 @@ class _Exchange:
     body: list[bytes] = field(default_factory=list)
     body_size: int = 0
     finished: bool = False
+    forwarded_ns: int | None = None
+    """When the request's last bytes were handed to the engine (read before the write: the
+    engine cannot start before it); ``llm.request``'s start."""
 
     def keep_body(self, piece: bytes) -> None:
         if self.streamed:
@@ -465,10 +468,13 @@ class _Connection:
             exchange.timer = self._begin_timer(http_span, path, headers)
             return await self._fail(exchange, _ERROR_UPSTREAM_UNAVAILABLE, keep_alive=False)
         assert self.up_writer is not None
+        exchange.forwarded_ns = self._clock()
         self.up_writer.write(upstream_head)
         await self._read_body(headers, exchange, self.up_writer)
         if http_span is not None and path in GENERATION_PATHS:
-            exchange.timer = self._begin_timer(http_span, path, headers)
+            exchange.timer = self._begin_timer(
+                http_span, path, headers, arrival_ns=exchange.forwarded_ns
+            )
         self.watch = asyncio.ensure_future(self.reader.read(_READ_SIZE))
         self.watch.add_done_callback(self._on_client_event)
 
@@ -510,14 +516,24 @@ class _Connection:
             receive_wait_ns=None if facts is None else facts.last_data_recv_ns,
         )
 
+    def _clock(self) -> int | None:
+        recorder = self.proxy.recorder
+        return None if recorder is None else recorder.clock()
+
     def _begin_timer(
-        self, span: HttpServerSpan | None, path: str, headers: Mapping[bytes, bytes]
+        self,
+        span: HttpServerSpan | None,
+        path: str,
+        headers: Mapping[bytes, bytes],
+        *,
+        arrival_ns: int | None = None,
     ) -> RequestTimer | None:
-        """``llm.request`` begins: the request was fully received."""
+        """``llm.request`` begins at ``arrival_ns`` (default: now): the request was fully
+        received and handed to the engine."""
         recorder = self.proxy.recorder
         if span is None or recorder is None or path not in GENERATION_PATHS:
             return None
-        timer = recorder.begin(f"proxy-{next(self.proxy._ids)}")
+        timer = recorder.begin(f"proxy-{next(self.proxy._ids)}", arrival_ns=arrival_ns)
         if timer is None:
             return None
         timer.trace_id = span.trace_id
@@ -541,6 +557,10 @@ class _Connection:
                 keep.append(piece)
             exchange.request_body_size += len(piece)
             if upstream is not None:
+                # Stamped before the write: the engine starts once it has the last piece, and a
+                # loaded machine may deschedule this thread between a write and a clock read
+                # (CI saw the stamp 7 ms late, a queue wait shorter than the engine's own).
+                exchange.forwarded_ns = self._clock()
                 upstream.write(piece)
 
         if b"chunked" in headers.get(b"transfer-encoding", b"").lower():

@@ -24,6 +24,8 @@ from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
 from tokentrace.agent.proxy_engines import NOT_REPORTED
 
+_CLIENT_SIDE_TTFT_NS = 10_000_000
+"""What the client's TTFT may exceed the server's part of it by (its own side of the wire)."""
 _SLO_FILE = """\
 targets:
   - {name: ttft-p95, metric: ttft, percentile: 95, threshold: 300ms}
@@ -153,6 +155,12 @@ def test_end_to_end_the_budget_sums_to_the_clients_e2e_and_ttft_itl_agree(
     (missing,) = [line for line in explained if line.startswith("missing")]
     assert "llama-server" in missing and "engine steps" in missing
     assert statistics.median(queues) <= 35_000_000  # a busy machine may stretch a few
-    for client, server in ((client_ttft, server_ttft), (client_itl, server_itl)):
-        client_p50, server_p50 = statistics.median(client), statistics.median(server)
-        assert abs(client_p50 - server_p50) <= 0.05 * client_p50, (client_p50, server_p50)
+    # The server's part of TTFT is inside the client's; the rest is the client's side (connect,
+    # send, the relay's read), 2.9-4.6 ms on this two-core machine (here 5 % is ~3 ms).
+    ttft_p50, server_ttft_p50 = statistics.median(client_ttft), statistics.median(server_ttft)
+    assert 0 <= ttft_p50 - server_ttft_p50 <= max(0.05 * ttft_p50, _CLIENT_SIDE_TTFT_NS), (
+        ttft_p50,
+        server_ttft_p50,
+    )
+    itl_p50, server_itl_p50 = statistics.median(client_itl), statistics.median(server_itl)
+    assert abs(itl_p50 - server_itl_p50) <= 0.05 * itl_p50, (itl_p50, server_itl_p50)
