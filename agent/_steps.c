@@ -540,6 +540,8 @@ typedef struct {
     PyObject *random;
     PyObject *clock;    /* tracer.clock */
     int native_clock;   /* the clock is time.monotonic_ns: CLOCK_MONOTONIC read here */
+    Py_ssize_t max_open_steps;    /* vllm_engine._MAX_OPEN_STEPS */
+    Py_ssize_t sweep_every_steps; /* vllm_engine._SWEEP_EVERY_STEPS */
     PyObject *submit;
     PyObject *plan_request;
     PyObject *plan_sampled_step;
@@ -547,8 +549,6 @@ typedef struct {
     PyObject *sweep;
 } StepHook;
 
-#define HOOK_MAX_OPEN_STEPS 64     /* vllm_engine._MAX_OPEN_STEPS */
-#define HOOK_SWEEP_EVERY_STEPS 1024 /* vllm_engine._SWEEP_EVERY_STEPS */
 
 enum {
     HNAME_ACTIVE,
@@ -641,7 +641,7 @@ static PyObject *schedule_hook(StepHook *self, PyObject *const *args, size_t nar
         return output;
     }
     /* tracer.on_scheduled(output, start_ns) */
-    if (PyDict_GET_SIZE(self->open) >= HOOK_MAX_OPEN_STEPS) {
+    if (PyDict_GET_SIZE(self->open) >= self->max_open_steps) {
         PyDict_Clear(self->open); /* updates that never came */
     }
     PyObject *key = PyLong_FromVoidPtr(output);
@@ -774,7 +774,7 @@ static int record_step(StepHook *self, PyObject *scheduler, PyObject *output,
             goto done;
         }
     }
-    if ((number + 1) % HOOK_SWEEP_EVERY_STEPS == 0) {
+    if ((number + 1) % self->sweep_every_steps == 0) {
         PyObject *held = PyObject_GetAttr(scheduler, hook_names[HNAME_REQUESTS]);
         PyObject *swept = held == NULL ? NULL : PyObject_CallOneArg(self->sweep, held);
         Py_XDECREF(held);
@@ -927,11 +927,12 @@ static int read_part(PyObject *tracer, const char *name, PyObject **slot) {
     return *slot == NULL ? -1 : 0;
 }
 
-/* step_hook(updates, original, tracer, step_type, gate, guard, name, other, native_clock) */
+/* step_hook(updates, original, tracer, step_type, gate, guard, name, other, native_clock,
+ *           max_open_steps, sweep_every_steps) */
 static PyObject *step_hook(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "step_hook takes 9 arguments");
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "step_hook takes 11 arguments");
         return NULL;
     }
     StepHook *self = PyObject_GC_New(StepHook, &StepHookType);
@@ -945,6 +946,15 @@ static PyObject *step_hook(PyObject *module, PyObject *const *args, Py_ssize_t n
     PyObject *tracer = args[2], *guard = args[5], *sample_rate = NULL;
     self->updates = PyObject_IsTrue(args[0]);
     self->native_clock = PyObject_IsTrue(args[8]);
+    self->max_open_steps = PyLong_AsSsize_t(args[9]);
+    self->sweep_every_steps = PyLong_AsSsize_t(args[10]);
+    if (self->max_open_steps < 1 || self->sweep_every_steps < 1) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "step_hook: the step bounds must be >= 1");
+        }
+        Py_DECREF(self);
+        return NULL;
+    }
     self->original = Py_NewRef(args[1]);
     self->tracer = Py_NewRef(tracer);
     self->step_type = Py_NewRef(args[3]);
@@ -991,8 +1001,8 @@ static PyMethodDef steps_methods[] = {
      "step_facts(step_type, requests, scheduler, output, outputs_by_client, index, start_ns, "
      "clock) -> tuple | None"},
     {"step_hook", (PyCFunction)(void (*)(void))step_hook, METH_FASTCALL,
-     "step_hook(updates, original, tracer, step_type, gate, guard, name, other, native_clock) "
-     "-> StepHook"},
+     "step_hook(updates, original, tracer, step_type, gate, guard, name, other, native_clock, "
+     "max_open_steps, sweep_every_steps) -> StepHook"},
     {NULL, NULL, 0, NULL},
 };
 

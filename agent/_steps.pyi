@@ -22,5 +22,7 @@ def step_hook(
     name: str,
     other: str,
     native_clock: bool,
+    max_open_steps: int,
+    sweep_every_steps: int,
     /,
 ) -> Callable[..., object]: ...

@@ -402,8 +402,9 @@ class EngineStepTracer:
         )
         native_clock = self.clock is time.monotonic_ns  # the same CLOCK_MONOTONIC, read in C
         return _STEP_HOOK(
-            updates, original, self, StepRecord, gate, guard, name, other, native_clock
-        )
+            updates, original, self, StepRecord, gate, guard, name, other, native_clock,
+            _MAX_OPEN_STEPS, _SWEEP_EVERY_STEPS,
+        )  # fmt: skip
 
     # --- the same for engines whose steps are one call (SGLang's scheduler) -----------------------
     def track(self, request_id: str, parent: tuple[bytes, bytes, bytes]) -> None:
