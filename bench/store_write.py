@@ -11,16 +11,19 @@ own CPU is measured from its processes' ``/proc`` times.
     python bench/store_write.py                      # 4 passes of 4,000 requests
     python bench/store_write.py --requests 20000 --batch 512
     python bench/store_write.py --pglz               # also schema 1's pglz trace bytes
+    python bench/store_write.py --stdlib-json        # also SQLite with the row's detail
+                                                     # written by the standard library's json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +66,20 @@ def _run_sql(location: str, statement: str) -> None:
         connection.execute(statement)
 
 
+@contextlib.contextmanager
+def _detail_encoder(*, stdlib: bool) -> Iterator[None]:
+    """The row's detail written by the standard library's encoder while inside, if ``stdlib``."""
+    from tokentrace.collector.store import row
+
+    chosen = row.encode_detail
+    if stdlib:
+        row.encode_detail = row._standard_encode_detail  # the A/B's other arm
+    try:
+        yield
+    finally:
+        row.encode_detail = chosen
+
+
 def _write_all(store: Any, processed: list[Any], batch: int) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     for start in range(0, len(processed), batch):
@@ -83,6 +100,12 @@ def main() -> int:
         help="also write a PostgreSQL store whose trace bytes use pglz, the compression before "
         "schema version 2 (lz4), in the same passes",
     )
+    parser.add_argument(
+        "--stdlib-json",
+        action="store_true",
+        help="also write a SQLite store whose rows' detail the standard library's json encoder "
+        "writes (the encoder before msgspec's), in the same passes",
+    )
     args = parser.parse_args()
 
     from tests.postgres_server import running_postgres
@@ -93,6 +116,7 @@ def main() -> int:
     stored = sum(len(p.records) for p in processed)
     print(f"{len(processed)} traces, {stored} requests; batches of {args.batch} traces\n")
     backends = ["sqlite", "postgresql"] + (["postgresql-pglz"] if args.pglz else [])
+    backends += ["sqlite-stdlib-json"] if args.stdlib_json else []
     rows: dict[str, list[tuple[float, float, float]]] = {backend: [] for backend in backends}
     with running_postgres() as server, tempfile.TemporaryDirectory() as tmp:
 
@@ -117,7 +141,8 @@ def main() -> int:
                     )
                 before = _server_cpu_s(server_pids) if postgresql else 0.0
                 pids = server_pids() if postgresql else []
-                wall, cpu = _write_all(store, processed, args.batch)
+                with _detail_encoder(stdlib=backend == "sqlite-stdlib-json"):
+                    wall, cpu = _write_all(store, processed, args.batch)
                 server_cpu = _server_cpu_s(lambda p=pids: p) - before if postgresql else 0.0
                 assert store.count() == stored, (backend, store.count(), stored)
                 store.close()
@@ -146,6 +171,7 @@ def main() -> int:
         f"\nreproduce: python bench/store_write.py --requests {args.requests} "
         f"--batch {args.batch} --passes {args.passes} --seed {args.seed}"
         + (" --pglz" if args.pglz else "")
+        + (" --stdlib-json" if args.stdlib_json else "")
     )
     return 0
 

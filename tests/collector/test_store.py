@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -46,6 +47,7 @@ from tokentrace.collector.store import (
 from tokentrace.collector.store.contract import Store, WriteItem
 from tokentrace.collector.store.document import DOC_TOKEN_OFFSETS_CAP, budget_segments
 from tokentrace.collector.store.location import is_postgresql, open_store, open_store_readonly
+from tokentrace.collector.store.row import encode_detail
 from tokentrace.processors.budget import compute_metrics
 from tokentrace.processors.model import (
     AssembledTrace,
@@ -714,6 +716,51 @@ def test_stored_document_equals_the_records_document(
     assert breached_by_trace[trace_id(number)] == int(breached)
     assert doc == stored_document(record)
     json.dumps(doc, allow_nan=False)
+
+
+class _Label(str):
+    """A str subclass, as some library's string type may be: msgspec's encoder refuses it."""
+
+
+def test_a_detail_msgspec_refuses_is_written_by_the_standard_encoder(
+    store: Store, store_location: str
+) -> None:
+    with pytest.raises(TypeError):
+        msgspec.json.encode({"engine": _Label("vllm")})
+    number = next(_EXAMPLE_TRACES)
+    record = make_record(number)
+    assert record.verdict is not None
+    record.verdict.numbers["engine"] = _Label("vllm")
+    record.verdict.numbers["ratio"] = math.inf  # NaN/Infinity from this encoder: null when read
+    write_records(store, record)
+    doc = store.get(trace_id(number).hex())
+    assert doc == stored_document(record)
+    assert doc["verdict"]["numbers"]["engine"] == "vllm"
+    assert doc["verdict"]["numbers"]["ratio"] is None
+
+
+_JSON_LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(alphabet=st.characters(exclude_categories=())),  # lone surrogates too
+)
+
+
+@given(
+    st.recursive(
+        _JSON_LEAVES,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=4),
+            st.lists(inner, max_size=4).map(tuple),
+            st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        ),
+        max_leaves=20,
+    )
+)
+def test_the_detail_encoder_writes_what_the_standard_library_writes(value: Any) -> None:
+    assert json.loads(encode_detail({"v": value})) == json.loads(json.dumps({"v": value}))
 
 
 def test_token_times_missing_from_the_stored_spans_are_counted_as_dropped(
