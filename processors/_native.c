@@ -524,6 +524,47 @@ static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t s
     return 1;
 }
 
+#define KEY_CACHE_SLOTS 1024 /* a power of two */
+#define KEY_CACHE_MAX_BYTES 128
+
+/* The attribute keys read last, by a hash of their bytes (one per slot, the newest winning): keys
+ * repeat from span to span, and a cached one costs neither a decode nor, in the dict lookups
+ * that follow, a hash (a str keeps its hash). Bounded: 1024 keys of at most 128 bytes. Touched
+ * only with the GIL held. */
+static PyObject *key_cache[KEY_CACHE_SLOTS];
+
+/* The str of the UTF-8 bytes [bytes, bytes + length) as a new reference, from key_cache where it
+ * is there; NULL with no error set where they are not UTF-8 (or the decode failed). */
+static PyObject *cached_key(const char *bytes, Py_ssize_t length) {
+    PyObject **slot = NULL;
+    if (length <= KEY_CACHE_MAX_BYTES) {
+        uint64_t hash = 14695981039346656037ULL; /* FNV-1a */
+        for (Py_ssize_t i = 0; i < length; i++) {
+            hash = (hash ^ (unsigned char)bytes[i]) * 1099511628211ULL;
+        }
+        slot = &key_cache[hash & (KEY_CACHE_SLOTS - 1)];
+        if (*slot != NULL) {
+            Py_ssize_t cached_length;
+            const char *cached = PyUnicode_AsUTF8AndSize(*slot, &cached_length);
+            if (cached != NULL && cached_length == length && memcmp(cached, bytes, length) == 0) {
+                Py_INCREF(*slot);
+                return *slot;
+            }
+            PyErr_Clear();
+        }
+    }
+    PyObject *key = PyUnicode_DecodeUTF8(bytes, length, NULL);
+    if (key == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (slot != NULL) {
+        Py_INCREF(key);
+        Py_XSETREF(*slot, key);
+    }
+    return key;
+}
+
 /* The key of the KeyValue [start, stop) as a new str: NULL with no error set where the parser's
  * answer is not this one (a key given twice) or the key is not UTF-8; NULL with an error set on
  * failure. */
@@ -548,11 +589,7 @@ static PyObject *key_of(const unsigned char *data, Py_ssize_t start, Py_ssize_t 
     if (keys > 1 || *values > 1) {
         return NULL;
     }
-    PyObject *key = PyUnicode_DecodeUTF8((const char *)data + key_start, key_stop - key_start, NULL);
-    if (key == NULL) {
-        PyErr_Clear();
-    }
-    return key;
+    return cached_key((const char *)data + key_start, key_stop - key_start);
 }
 
 /* The span's bytes [*pos, *size) inside a ScopeSpans.spans entry (tag, length, span); 0 when

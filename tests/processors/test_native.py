@@ -219,6 +219,27 @@ def test_attribute_slots_read_from_the_bytes_as_from_the_parsed_span(
 
 
 @needs_c
+def test_attribute_slots_read_any_number_of_distinct_keys_as_the_parsed_span() -> None:
+    # More distinct keys than C's key cache holds, keys past its length bound, non-ASCII keys,
+    # all read twice: what the cache answers must be what a fresh decode gives.
+    keys = [f"k{number}" for number in range(3000)] + ["é" * 100, "x" * 129, "ключ", ""]
+    slot_of = {key: number % 3 for number, key in enumerate(keys[::7] + keys[-4:])}
+    for _ in range(2):
+        for start in range(0, len(keys), 50):
+            attributes = [
+                KeyValue(key=key, value=AnyValue(int_value=number))
+                for number, key in enumerate(keys[start : start + 50])
+            ]
+            span_bytes = Span(attributes=attributes).SerializeToString()
+            expected = span_attributes.attribute_slots(Span.FromString(span_bytes), slot_of, 3)
+            answer = _native.attribute_slots(
+                _entry(span_bytes), slot_of, 3, span_attributes.OTHER_VALUE
+            )
+            assert _typed(answer) == _typed(expected)
+            assert answer != [None, None, None]
+
+
+@needs_c
 @pytest.mark.parametrize(
     "attribute",
     [
