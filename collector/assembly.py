@@ -236,6 +236,40 @@ class TraceAssembler:
         if len(self._recently_finished) > _RECENTLY_FINISHED_CAP:
             self._recently_finished.popitem(last=False)
 
+    def _ready(
+        self, now: float, max_traces: int | None, early_by_id: dict[bytes, AssembledTrace]
+    ) -> list[bytes]:
+        """The ids of the pending traces that are complete now (quiet for the quiet period, or
+        their root finished ``root_grace`` ago; an id may come twice): the oldest
+        ``max_traces`` of them, then any other with an early-finished part in ``early_by_id``.
+        Both walks are in time order (an update moves a trace to the end), so they stop at the
+        first trace not complete or at ``max_traces``: a backlog is not walked whole for every
+        batch."""
+        limit = len(self._pending) + len(self._root_done) if max_traces is None else max_traces
+        ready: list[bytes] = []
+        quiet_before = now - self._quiet_period_s
+        for trace_id, pending in self._pending.items():
+            if pending.last_update > quiet_before or len(ready) >= limit:
+                break
+            ready.append(trace_id)
+        root_before = now - self._root_grace_s
+        for trace_id, seen_at in self._root_done.items():
+            if seen_at > root_before or len(ready) >= limit:
+                break
+            ready.append(trace_id)
+        if early_by_id and len(ready) >= limit:
+            chosen = set(ready)
+            for trace_id in early_by_id:
+                pending_or_none = self._pending.get(trace_id)
+                if trace_id in chosen or pending_or_none is None:
+                    continue
+                root_done_at = self._root_done.get(trace_id)
+                if pending_or_none.last_update <= quiet_before or (
+                    root_done_at is not None and root_done_at <= root_before
+                ):
+                    ready.append(trace_id)
+        return ready
+
     def pop_finished(
         self, *, flush_all: bool = False, max_traces: int | None = None
     ) -> list[AssembledTrace]:
@@ -253,20 +287,9 @@ class TraceAssembler:
                 early_by_id[early.trace_id] = early
                 finished.append(early)
             self._early.clear()
-            if flush_all:
-                ready = list(self._pending)
-            else:
-                ready = []
-                quiet_before = now - self._quiet_period_s
-                for trace_id, pending in self._pending.items():
-                    if pending.last_update > quiet_before:
-                        break
-                    ready.append(trace_id)
-                root_before = now - self._root_grace_s
-                for trace_id, seen_at in self._root_done.items():
-                    if seen_at > root_before:
-                        break
-                    ready.append(trace_id)
+            ready = (
+                list(self._pending) if flush_all else self._ready(now, max_traces, early_by_id)
+            )
             if max_traces is not None and len(ready) > max_traces:
                 ready = ready[:max_traces] + [
                     trace_id for trace_id in ready[max_traces:] if trace_id in early_by_id

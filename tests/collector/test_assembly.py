@@ -1,13 +1,17 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.collector.assembly import TraceAssembler
 from tokentrace.collector.consumer import Overloaded
-from tokentrace.processors.model import SpanRef
+from tokentrace.processors.model import AssembledTrace, SpanRef
 
 RESOURCE = Resource()
 SCOPE = InstrumentationScope()
@@ -189,3 +193,77 @@ def test_a_batch_takes_at_most_max_traces_oldest_first_and_the_rest_stay_pending
         batches.append([t.trace_id[-1] for t in batch])
     assert batches == [[1, 2], [3, 4], [5]]
     assert assembler.pending_spans == 0
+
+
+class _WalkingWholeBacklog(TraceAssembler):
+    """The assembler as it was: every complete trace listed for every batch, then cut."""
+
+    def _ready(
+        self, now: float, max_traces: int | None, early_by_id: dict[bytes, AssembledTrace]
+    ) -> list[bytes]:
+        quiet_before, root_before = now - self._quiet_period_s, now - self._root_grace_s
+        quiet = [t for t, pending in self._pending.items() if pending.last_update <= quiet_before]
+        return quiet + [t for t, seen_at in self._root_done.items() if seen_at <= root_before]
+
+
+_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 6), st.booleans()),
+        st.tuples(st.just("tick"), st.sampled_from([0.0, 0.1, 0.3, 2.5])),
+        st.tuples(st.just("pop"), st.integers(1, 2)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_STEPS)
+def test_batches_stop_walking_at_max_traces_and_pop_what_a_whole_walk_popped(
+    steps: list[tuple[object, ...]],
+) -> None:
+    clocks = FakeClock(), FakeClock()
+    # Room for three traces: a fourth finishes the oldest early, whose later spans then wait
+    # beside it (the early part must take them along however many come before them).
+    options = {"max_traces": 3, "max_pending_spans": 10_000}
+    assemblers = (
+        make(clocks[0], **options),
+        _WalkingWholeBacklog(
+            clock=clocks[1],
+            quiet_period_s=2.0,
+            root_grace_s=0.2,
+            max_spans_per_trace=100,
+            **options,
+        ),
+    )
+    span_ids = itertools.count(100)
+    for step in steps:
+        if step[0] == "add":
+            trace, root = step[1], step[2]
+            span = next(span_ids)
+            for assembler in assemblers:
+                add(assembler, ref(int(trace), span, parent=None if root else 1))
+        elif step[0] == "tick":
+            for clock in clocks:
+                clock.now += float(step[1])
+        else:
+            popped = [
+                [(t.trace_id, t.late, [r.span.span_id for r in t.spans]) for t in batch]
+                for batch in (a.pop_finished(max_traces=int(step[1])) for a in assemblers)
+            ]
+            assert popped[0] == popped[1]
+    assert assemblers[0].pending_traces == assemblers[1].pending_traces
+    assert assemblers[0].pending_spans == assemblers[1].pending_spans
+
+
+def test_an_early_finished_part_takes_its_later_spans_along_past_max_traces() -> None:
+    clock = FakeClock()
+    assembler = make(clock, max_traces=3)
+    for trace in (1, 2, 3, 4):  # the fourth finishes trace 1 early
+        add(assembler, ref(trace, 10 + trace, parent=1))
+    add(assembler, ref(1, 20, parent=1))  # trace 1's later spans, behind 3 and 4
+    clock.now += 2.5  # all quiet
+    batches = []
+    while batch := assembler.pop_finished(max_traces=1):
+        batches.append([(t.trace_id[-1], t.late, len(t.spans)) for t in batch])
+    # Trace 1 once, whole: its early part and the spans after it (2 finished early as well).
+    assert batches == [[(1, False, 2), (2, False, 1), (3, False, 1)], [(4, False, 1)]]
