@@ -9,7 +9,7 @@ Each round runs both variants (order alternating) over the same simulated ``mixe
 process assembles them, then times ``process_trace`` over all of them ``--passes`` times and
 reports the best pass in µs per trace. The ratio is C / pure Python per round.
 
-    python bench/process_trace.py --instructions   # ~4 minutes; needs valgrind
+    python bench/process_trace.py --instructions   # ~2 minutes; needs valgrind
 
 counts instead the instructions ``process_trace`` executes per trace (cachegrind: a child that
 assembles the same simulated traces processes the first 200 or the first 600 of them, with
