@@ -287,9 +287,7 @@ class TraceAssembler:
                 early_by_id[early.trace_id] = early
                 finished.append(early)
             self._early.clear()
-            ready = (
-                list(self._pending) if flush_all else self._ready(now, max_traces, early_by_id)
-            )
+            ready = list(self._pending) if flush_all else self._ready(now, max_traces, early_by_id)
             if max_traces is not None and len(ready) > max_traces:
                 ready = ready[:max_traces] + [
                     trace_id for trace_id in ready[max_traces:] if trace_id in early_by_id
