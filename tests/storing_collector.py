@@ -10,10 +10,17 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from tokentrace.collector.config import parse_config
 from tokentrace.collector.service import Collector
+
+IN_TEST_PROCESS_MEMORY_LIMITER: Final = {"limit_mib": 16384, "spike_limit_mib": 2048}
+"""The memory ceiling of a collector inside the pytest process. The limiter reads the process's
+resident size, which late in a full run holds ~850 MiB of other tests' memory: once that crossed
+the default soft limit (819 MiB of 1 GiB), the collector refused every export of the proxy and
+SGLang loops and no request reached the store. The ceiling itself is tested in a collector
+process of its own (tests/collector/test_memory_ceiling.py)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ def storing_collector(
             "slo": {"file": str(slo_path)},
         },
         "exporters": exporters,
+        "service": {"memory_limiter": IN_TEST_PROCESS_MEMORY_LIMITER},
     }
     collector = Collector(parse_config(raw, environ={}))
     collector.start()

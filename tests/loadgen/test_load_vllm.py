@@ -47,6 +47,7 @@ from tests.loadgen.load_loop import (
     stored_records,
 )
 from tests.loadgen.support import frontend_delay
+from tests.storing_collector import IN_TEST_PROCESS_MEMORY_LIMITER
 from tests.vllm.shared_server import require_vllm
 from tokentrace.agent import semconv
 from tokentrace.agent.cli import main as tokentrace_main
@@ -122,6 +123,7 @@ def loop(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             "slo": {"file": str(slo_path)},
         },
         "exporters": {"store": {"path": str(store_path)}},
+        "service": {"memory_limiter": IN_TEST_PROCESS_MEMORY_LIMITER},
     }
     collectors = [Collector(parse_config(raw, environ={}))]
     collectors[0].start()
