@@ -8,7 +8,8 @@
  * a fraction. Its Python twin in vllm_engine.py gives the same answers; it returns None where
  * its input is not of the types it walks (the twin then answers), before it changes anything.
  * `step_hook` makes the functions put in vLLM's scheduler class in place of the step's two
- * methods, which do the tracer's whole per-step work (see below).
+ * methods, which do the tracer's whole per-step work (see below), and `track_request` reads a
+ * request first seen (vllm_engine._track, its twin).
  * Unlike _wire.c it reads attributes, which may run Python code of the host's objects; errors it
  * raises propagate (the hooks hand them to the tracer's hook guard).
  */
@@ -88,6 +89,10 @@ enum {
     NAME_USAGE,
     NAME_TOTAL_NUM_SCHEDULED_TOKENS,
     NAME_PREFILL_STEPS,
+    NAME_TRACE_HEADERS,
+    NAME_EVENTS,
+    NAME_TYPE,
+    NAME_FIRST_STEP,
     NAME_COUNT,
 };
 static const char *const name_strings[NAME_COUNT] = {
@@ -95,6 +100,7 @@ static const char *const name_strings[NAME_COUNT] = {
     "num_output_tokens",    "req_id",             "timestamp",             "outputs",
     "finish_reason",        "request_id",         "get_request_counts",    "kv_cache_manager",
     "usage",                "total_num_scheduled_tokens", "prefill_steps",
+    "trace_headers",        "events",             "type",                  "first_step",
 };
 static PyObject *names[NAME_COUNT];
 static PyObject *zero;
@@ -207,6 +213,191 @@ done:
     Py_XDECREF(ids);
     Py_XDECREF(output_tokens);
     return answer;
+}
+
+/* --- a request first seen: vllm_engine._track ------------------------------------------------
+ * parts = (ENGINE_PARENT_HEADER, EVENT_SCHEDULED, _TrackedRequest, _track): the header's name,
+ * the SCHEDULED event's type, the record's type and the Python function, which answers for
+ * anything but the common shapes read here (a dict of headers, a 66-character ASCII value, a
+ * list of events). Once per request in EngineCore's busy loop, where its Python frames cost
+ * several times their warm time (measured: docs/performance.md). */
+enum { TRACK_TRACE_HEX = 32, TRACK_SPAN_HEX = 16, TRACK_VALUE_LENGTH = 32 + 1 + 16 + 1 + 16 };
+
+static int hex_digit(Py_UCS1 c) {
+    if (c >= '0' && c <= '9') {
+        return c - '0';
+    }
+    if (c >= 'a' && c <= 'f') {
+        return c - 'a' + 10;
+    }
+    if (c >= 'A' && c <= 'F') {
+        return c - 'A' + 10;
+    }
+    return -1;
+}
+
+/* `digits` hex digits at `text` into a new bytes object in *id, *nonzero set where any byte is
+ * not zero; 1 done, 0 for a character that is not a hex digit (*id untouched), -1 on an error. */
+static int hex_id(const Py_UCS1 *text, Py_ssize_t digits, PyObject **id, int *nonzero) {
+    unsigned char raw[TRACK_TRACE_HEX / 2];
+    *nonzero = 0;
+    for (Py_ssize_t i = 0; i < digits / 2; i++) {
+        int high = hex_digit(text[2 * i]), low = hex_digit(text[2 * i + 1]);
+        if (high < 0 || low < 0) {
+            return 0;
+        }
+        raw[i] = (unsigned char)(high << 4 | low);
+        *nonzero |= raw[i];
+    }
+    *id = PyBytes_FromStringAndSize((const char *)raw, digits / 2);
+    return *id == NULL ? -1 : 1;
+}
+
+/* The record of `request` (a new reference, None when not traced), or NULL with an error set. */
+static PyObject *track_request_parts(PyObject *parts, PyObject *request) {
+    if (!PyTuple_CheckExact(parts) || PyTuple_GET_SIZE(parts) != 4) {
+        PyErr_SetString(PyExc_TypeError, "track parts: (header, scheduled type, type, twin)");
+        return NULL;
+    }
+    PyObject *header = PyTuple_GET_ITEM(parts, 0), *scheduled = PyTuple_GET_ITEM(parts, 1);
+    PyObject *tracked_type = PyTuple_GET_ITEM(parts, 2), *twin = PyTuple_GET_ITEM(parts, 3);
+    PyObject *headers = NULL, *events = NULL, *ids[3] = {NULL, NULL, NULL}, *first_ns = NULL;
+    PyObject *answer = NULL;
+    headers = optional_attr(request, names[NAME_TRACE_HEADERS]);
+    if (headers == NULL) {
+        return NULL;
+    }
+    if (headers == Py_None || (PyDict_CheckExact(headers) && PyDict_GET_SIZE(headers) == 0)) {
+        answer = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (!PyDict_CheckExact(headers)) {
+        goto twin;
+    }
+    PyObject *value = PyDict_GetItemWithError(headers, header); /* borrowed */
+    if (value == NULL) {
+        answer = PyErr_Occurred() ? NULL : Py_NewRef(Py_None); /* parse_engine_parent(None) */
+        goto done;
+    }
+    if (!PyUnicode_CheckExact(value) || !PyUnicode_IS_ASCII(value) ||
+        PyUnicode_GET_LENGTH(value) != TRACK_VALUE_LENGTH) {
+        goto twin; /* whitespace around it, or not an id at all: the twin's answer */
+    }
+    const Py_UCS1 *text = PyUnicode_1BYTE_DATA(value);
+    if (text[TRACK_TRACE_HEX] != '-' || text[TRACK_TRACE_HEX + 1 + TRACK_SPAN_HEX] != '-') {
+        goto twin;
+    }
+    const Py_ssize_t starts[3] = {0, TRACK_TRACE_HEX + 1, TRACK_TRACE_HEX + TRACK_SPAN_HEX + 2};
+    const Py_ssize_t digits[3] = {TRACK_TRACE_HEX, TRACK_SPAN_HEX, TRACK_SPAN_HEX};
+    int all_nonzero = 1;
+    for (int i = 0; i < 3; i++) {
+        int nonzero;
+        int parsed = hex_id(text + starts[i], digits[i], &ids[i], &nonzero);
+        if (parsed < 0) {
+            goto done;
+        }
+        if (parsed == 0) {
+            goto twin;
+        }
+        all_nonzero &= nonzero != 0;
+    }
+    if (!all_nonzero) { /* all-zero ids are invalid */
+        answer = Py_NewRef(Py_None);
+        goto done;
+    }
+    events = optional_attr(request, names[NAME_EVENTS]);
+    if (events == NULL) {
+        goto done;
+    }
+    if (events != Py_None && !PyList_CheckExact(events)) {
+        goto twin;
+    }
+    first_ns = Py_NewRef(Py_None);
+    /* the last SCHEDULED event; the list is indexed afresh (__eq__ may change it), and the walk
+     * ends where it is shorter than the next index */
+    for (Py_ssize_t i = events == Py_None ? -1 : PyList_GET_SIZE(events) - 1;
+         i >= 0 && i < PyList_GET_SIZE(events); i--) { /* as reversed() walks it */
+        PyObject *event = Py_NewRef(PyList_GET_ITEM(events, i));
+        PyObject *type = PyObject_GetAttr(event, names[NAME_TYPE]);
+        PyObject *compared = type == NULL ? NULL : PyObject_RichCompare(type, scheduled, Py_EQ);
+        int same = compared == NULL ? -1 : PyObject_IsTrue(compared);
+        Py_XDECREF(type);
+        Py_XDECREF(compared);
+        if (same > 0) {
+            PyObject *stamp = PyObject_GetAttr(event, names[NAME_TIMESTAMP]);
+            PyObject *scaled = stamp == NULL ? NULL : PyNumber_Multiply(stamp, ns_per_s);
+            PyObject *whole = scaled == NULL ? NULL : PyNumber_Long(scaled);
+            Py_XDECREF(stamp);
+            Py_XDECREF(scaled);
+            same = whole == NULL ? -1 : 1;
+            if (whole != NULL) {
+                Py_SETREF(first_ns, whole);
+            }
+        }
+        Py_DECREF(event);
+        if (same < 0) {
+            goto done;
+        }
+        if (same > 0) {
+            break;
+        }
+    }
+    PyObject *fields[] = {ids[0], ids[1], ids[2], first_ns};
+    answer = PyObject_Vectorcall(tracked_type, fields, 4, NULL);
+    goto done;
+twin:
+    answer = PyObject_CallOneArg(twin, request);
+done:
+    Py_XDECREF(headers);
+    Py_XDECREF(events);
+    Py_XDECREF(ids[0]);
+    Py_XDECREF(ids[1]);
+    Py_XDECREF(ids[2]);
+    Py_XDECREF(first_ns);
+    return answer;
+}
+
+/* track_request(parts, request) -> _TrackedRequest | None: vllm_engine._track's answer. */
+static PyObject *track_request(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "track_request takes 2 arguments");
+        return NULL;
+    }
+    return track_request_parts(args[0], args[1]);
+}
+
+/* EngineStepTracer._track_first_seen(scheduler, index, first_seen): each (request id, prompt
+ * tokens) of first_seen tracked in `requests` (None where not traced). 0, or -1 on an error. */
+static int track_first_seen(PyObject *parts, PyObject *requests, PyObject *held,
+                            PyObject *index, PyObject *first_seen) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(first_seen); i++) {
+        PyObject *pair = PyList_GET_ITEM(first_seen, i);
+        PyObject *request_id = PyTuple_GET_ITEM(pair, 0), *tokens = PyTuple_GET_ITEM(pair, 1);
+        PyObject *request = PyDict_GetItemWithError(held, request_id); /* borrowed */
+        if (request == NULL && PyErr_Occurred()) {
+            return -1;
+        }
+        request = Py_NewRef(request == NULL ? Py_None : request); /* its reading may drop it */
+        Py_INCREF(pair);
+        PyObject *tracked = track_request_parts(parts, request);
+        Py_DECREF(request);
+        int failed = tracked == NULL || PyDict_SetItem(requests, request_id, tracked) < 0;
+        if (!failed && tracked != Py_None) {
+            PyObject *step = PyTuple_Pack(2, index, tokens);
+            failed = step == NULL ||
+                     PyObject_SetAttr(tracked, names[NAME_REQUEST_ID], request_id) < 0 ||
+                     PyObject_SetAttr(tracked, names[NAME_FIRST_STEP], index) < 0 ||
+                     append_to_attribute(tracked, names[NAME_PREFILL_STEPS], step) < 0;
+            Py_XDECREF(step);
+        }
+        Py_XDECREF(tracked);
+        Py_DECREF(pair);
+        if (failed) {
+            return -1;
+        }
+    }
+    return 0;
 }
 
 enum { WALK_FAILED = -1, WALK_EMPTY = 0, WALK_DONE = 1, WALK_DECLINED = 2 };
@@ -546,6 +737,7 @@ typedef struct {
     PyObject *plan_request;
     PyObject *plan_sampled_step;
     PyObject *track_first_seen;
+    PyObject *track_parts; /* vllm_engine._TRACK_PARTS */
     PyObject *sweep;
 } StepHook;
 
@@ -725,12 +917,22 @@ static int record_step(StepHook *self, PyObject *scheduler, PyObject *output,
         goto done;
     }
     if (first_seen != NULL) {
-        PyObject *tracked = PyObject_CallFunctionObjArgs(self->track_first_seen, scheduler,
-                                                         index, first_seen, NULL);
-        if (tracked == NULL) {
+        /* vLLM's requests; a request that finished in this step is gone from it */
+        PyObject *held = PyObject_GetAttr(scheduler, hook_names[HNAME_REQUESTS]);
+        int tracked = -1;
+        if (held != NULL && PyDict_CheckExact(held)) {
+            tracked = track_first_seen(self->track_parts, self->requests, held, index,
+                                       first_seen);
+        } else if (held != NULL) { /* not a dict: the Python method reads it */
+            PyObject *done = PyObject_CallFunctionObjArgs(self->track_first_seen, scheduler,
+                                                          index, first_seen, NULL);
+            tracked = done == NULL ? -1 : 0;
+            Py_XDECREF(done);
+        }
+        Py_XDECREF(held);
+        if (tracked < 0) {
             goto done;
         }
-        Py_DECREF(tracked);
     }
     /* _store(step, finished) */
     Py_ssize_t size = PyList_GET_SIZE(self->ring);
@@ -864,6 +1066,7 @@ static int step_hook_traverse(StepHook *self, visitproc visit, void *arg) {
     Py_VISIT(self->plan_request);
     Py_VISIT(self->plan_sampled_step);
     Py_VISIT(self->track_first_seen);
+    Py_VISIT(self->track_parts);
     Py_VISIT(self->sweep);
     return 0;
 }
@@ -887,6 +1090,7 @@ static int step_hook_clear(StepHook *self) {
     Py_CLEAR(self->plan_request);
     Py_CLEAR(self->plan_sampled_step);
     Py_CLEAR(self->track_first_seen);
+    Py_CLEAR(self->track_parts);
     Py_CLEAR(self->sweep);
     return 0;
 }
@@ -973,6 +1177,7 @@ static PyObject *step_hook(PyObject *module, PyObject *const *args, Py_ssize_t n
         read_part(tracer, "plan_request", &self->plan_request) < 0 ||
         read_part(tracer, "plan_sampled_step", &self->plan_sampled_step) < 0 ||
         read_part(tracer, "_track_first_seen", &self->track_first_seen) < 0 ||
+        read_part(tracer, "_track_parts", &self->track_parts) < 0 ||
         read_part(tracer, "_sweep", &self->sweep) < 0 ||
         read_part(tracer, "_sample_rate", &sample_rate) < 0) {
         Py_DECREF(self);
@@ -1000,6 +1205,8 @@ static PyMethodDef steps_methods[] = {
     {"step_facts", (PyCFunction)(void (*)(void))step_facts, METH_FASTCALL,
      "step_facts(step_type, requests, scheduler, output, outputs_by_client, index, start_ns, "
      "clock) -> tuple | None"},
+    {"track_request", (PyCFunction)(void (*)(void))track_request, METH_FASTCALL,
+     "track_request(parts, request) -> _TrackedRequest | None"},
     {"step_hook", (PyCFunction)(void (*)(void))step_hook, METH_FASTCALL,
      "step_hook(updates, original, tracer, step_type, gate, guard, name, other, native_clock, "
      "max_open_steps, sweep_every_steps) -> StepHook"},

@@ -12,6 +12,11 @@ def step_facts(
     clock: Callable[[], int],
     /,
 ) -> tuple[object, ...] | None: ...
+def track_request(
+    parts: tuple[str, object, Callable[..., object], Callable[[object], object]],
+    request: object,
+    /,
+) -> object: ...
 def step_hook(
     updates: bool,
     original: Callable[..., object],

@@ -317,6 +317,7 @@ class EngineStepTracer:
         self._outlier_ratio = outlier_ratio
         self.clock = monotonic_ns
         self._random = random.Random(os.urandom(16) if seed is None else seed).random
+        self._track_parts = _TRACK_PARTS
         self._next_index = 0
         self._open: dict[int, int] = {}
         """id(scheduler output) -> the step's start (monotonic ns), until its update."""
@@ -645,3 +646,8 @@ def _track(request: Any) -> _TrackedRequest | None:
             first_scheduled_ns = int(event.timestamp * _NS_PER_S)
             break
     return _TrackedRequest(*parent, first_scheduled_ns)
+
+
+_TRACK_PARTS: Final = (ENGINE_PARENT_HEADER, EVENT_SCHEDULED, _TrackedRequest, _track)
+"""What ``_steps.c`` reads a request first seen with (its ``track_request``): the header, the
+SCHEDULED event's type, the record's type, and ``_track``, which answers for other shapes."""

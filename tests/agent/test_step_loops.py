@@ -3,6 +3,7 @@ vllm_engine: the same appends, the same answers, and the same errors."""
 
 from __future__ import annotations
 
+import enum
 import gc
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokentrace.agent.frameworks import vllm_engine
-from tokentrace.agent.frameworks.vllm_engine import StepRecord, step_facts_python
+from tokentrace.agent.frameworks.vllm_engine import (
+    ENGINE_PARENT_HEADER,
+    StepRecord,
+    engine_parent_header,
+    step_facts_python,
+)
 
 _steps = pytest.importorskip("tokentrace.agent._steps") if vllm_engine.BUILT else None
 pytestmark = pytest.mark.skipif(_steps is None, reason="the C functions are not built here")
@@ -228,3 +234,123 @@ def test_step_facts_errors_reach_the_caller_as_they_would_from_the_twin(
             )
     with pytest.raises(TypeError):
         _steps.step_facts(StepRecord, {}, scheduler, _output())
+
+
+# --- track_request: a request first seen ---------------------------------------------------------
+class _Request:
+    """vLLM's ``Request`` as the tracer reads it; an attribute left out is missing."""
+
+    def __init__(self, **attributes: Any) -> None:
+        vars(self).update(attributes)
+
+
+@dataclass
+class _Event:
+    type: Any
+    timestamp: Any
+
+
+class _Headers(dict[str, Any]):
+    pass
+
+
+class _Text(str):
+    pass
+
+
+class _Type(enum.IntEnum):
+    QUEUED = 1
+    SCHEDULED = 2
+
+
+_ID_BYTES = st.sampled_from([b"\0", b"\1", b"\xab"]).flatmap(
+    lambda first: st.binary(min_size=0, max_size=15).map(lambda rest: first + rest)
+)
+
+
+@st.composite
+def _header_values(draw: st.DrawFn) -> object:
+    """What a request's header holds: its ids as the frontend writes them (all-zero ones
+    too), in upper case, padded, cut, bent out of shape, or not text at all."""
+    trace = draw(st.sampled_from([bytes(16), b"\1" * 16]) | st.binary(min_size=16, max_size=16))
+    spans = [draw(st.sampled_from([bytes(8)]) | st.binary(min_size=8, max_size=8)) for _ in "ab"]
+    value = engine_parent_header(trace, *spans)
+    shape = draw(st.sampled_from(["as is", "upper", "padded", "cut", "bent", "subclass", "other"]))
+    if shape == "upper":
+        return value.upper()
+    if shape == "padded":
+        return draw(st.sampled_from([" ", "\t", "\u3000"])) + value + " "
+    if shape == "cut":
+        return value[: draw(st.integers(0, len(value) - 1))]
+    if shape == "bent":
+        at = draw(st.integers(0, len(value) - 1))
+        return value[:at] + draw(st.sampled_from(["g", "-", " ", "é", "0"])) + value[at + 1 :]
+    if shape == "subclass":
+        return _Text(value)
+    if shape == "other":
+        return draw(st.sampled_from([None, 7, value.encode()]))
+    return value
+
+
+@st.composite
+def _requests(draw: st.DrawFn) -> _Request:
+    attributes: dict[str, Any] = {}
+    headers = draw(st.sampled_from(["dict", "dict", "dict", "none", "empty", "other", "missing"]))
+    if headers != "missing":
+        entries = {"traceparent": "00-x"}
+        if draw(st.booleans()) or headers == "dict":
+            entries[ENGINE_PARENT_HEADER] = draw(_header_values())
+        attributes["trace_headers"] = {
+            "dict": entries, "none": None, "empty": {}, "other": _Headers(entries),
+        }[headers]  # fmt: skip
+    events = draw(st.sampled_from(["list", "list", "none", "tuple", "missing"]))
+    if events != "missing":
+        drawn = [
+            _Event(draw(st.sampled_from([1, 2, 3, _Type.SCHEDULED, _Type.QUEUED])), stamp)
+            for stamp in draw(
+                st.lists(st.sampled_from([0.0, 1.5, 1_795_894_968.516732]), max_size=4)
+            )
+        ]
+        attributes["events"] = {"list": drawn, "none": None, "tuple": tuple(drawn)}[events]
+    return _Request(**attributes)
+
+
+@given(_requests())
+def test_track_request_answers_like_its_twin(request: _Request) -> None:
+    assert _steps.track_request(vllm_engine._TRACK_PARTS, request) == vllm_engine._track(request)
+
+
+def test_track_request_reads_the_common_shapes_itself() -> None:
+    # The twin answers only for other shapes: a request as vLLM holds it never reaches it.
+    def twin(request: object) -> None:
+        raise AssertionError("the twin was asked")
+
+    parts = (*vllm_engine._TRACK_PARTS[:3], twin)
+    ids = (b"\x01" * 16, b"\x02" * 8, b"\xfe" * 8)
+    events = [_Event(_Type.SCHEDULED, 1.5), _Event(_Type.SCHEDULED, 2.25), _Event(1, 3.0)]
+    request = _Request(
+        trace_headers={ENGINE_PARENT_HEADER: engine_parent_header(*ids)}, events=events
+    )
+    tracked = _steps.track_request(parts, request)
+    assert (tracked.trace_id, tracked.request_span_id, tracked.prefill_span_id) == ids
+    assert tracked.first_scheduled_ns == 2_250_000_000  # the last SCHEDULED event
+    zero = _Request(trace_headers={ENGINE_PARENT_HEADER: engine_parent_header(bytes(16), *ids[1:])})
+    assert _steps.track_request(parts, zero) is None
+    assert _steps.track_request(parts, _Request(trace_headers={"traceparent": "00-x"})) is None
+    with pytest.raises(AssertionError, match="twin was asked"):
+        _steps.track_request(parts, _Request(trace_headers=_Headers(request.trace_headers)))
+
+
+def test_track_request_errors_reach_the_caller() -> None:
+    class Stamp:
+        def __mul__(self, other: object) -> float:
+            raise ZeroDivisionError("stamp")
+
+    ids = (b"\x01" * 16, b"\x02" * 8, b"\x03" * 8)
+    request = _Request(
+        trace_headers={ENGINE_PARENT_HEADER: engine_parent_header(*ids)},
+        events=[_Event(2, Stamp())],
+    )
+    for track in (vllm_engine._track, lambda r: _steps.track_request(vllm_engine._TRACK_PARTS, r)):
+        with pytest.raises(ZeroDivisionError, match="stamp"):
+            track(request)

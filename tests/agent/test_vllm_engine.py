@@ -328,7 +328,10 @@ def test_an_interrupt_inside_an_engine_hook_reaches_the_engine(
     def interrupted(*_args: object) -> None:
         raise KeyboardInterrupt
 
+    # A request first seen: the Python method, or (the C hook) the record's type.
     monkeypatch.setattr(vllm_stand_in.tracer, "_track_first_seen", interrupted)
+    parts = (*vllm_engine._TRACK_PARTS[:2], interrupted, interrupted)
+    monkeypatch.setattr(vllm_stand_in.tracer, "_track_parts", parts)
     vllm_stand_in.instrument()
     scheduler = Scheduler(max_tokens=3)
     scheduler.add(traced("a", 2))
@@ -393,21 +396,24 @@ def test_the_ring_keeps_only_the_latest_steps_and_gaps_across_evicted_steps_are_
 
 
 @pytest.mark.parametrize(
-    ("part", "hook"),
-    [("_track_first_seen", HOOK_STEP_DONE), ("clock", HOOK_STEP_SCHEDULED)],
+    ("parts", "hook"),
+    [(("_track_first_seen", "_track_parts"), HOOK_STEP_DONE), (("clock",), HOOK_STEP_SCHEDULED)],
 )
 def test_a_raising_engine_hook_is_disabled_and_the_scheduler_keeps_working(
     vllm_stand_in: Setup,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-    part: str,
+    parts: tuple[str, ...],
     hook: str,
 ) -> None:
-    # A part of the tracer that each hook calls (the hooks take them when they are made).
+    # A part of the tracer that each hook calls (the hooks take them when they are made): a
+    # request first seen goes to the Python method, or in C to the record's type.
     def broken(*_args: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(vllm_stand_in.tracer, part, broken)
+    breaking = {"_track_parts": (*vllm_engine._TRACK_PARTS[:2], broken, broken)}
+    for part in parts:
+        monkeypatch.setattr(vllm_stand_in.tracer, part, breaking.get(part, broken))
     vllm_stand_in.instrument()
     scheduler = Scheduler(max_tokens=3)
     scheduler.add(traced("a", 2))
