@@ -15,6 +15,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stddef.h>
 #include <time.h>
 
@@ -728,6 +729,7 @@ typedef struct {
     PyObject *requests; /* tracer._requests */
     PyObject *ring;     /* tracer._ring */
     double sample_rate;
+    Py_ssize_t steps_to_sample; /* unsampled steps before the next sampled one; -1: not drawn */
     PyObject *random;
     PyObject *clock;    /* tracer.clock */
     int native_clock;   /* the clock is time.monotonic_ns: CLOCK_MONOTONIC read here */
@@ -866,6 +868,27 @@ static int submit_plan(StepHook *self, PyObject *plan, PyObject *item) {
     return done == NULL ? -1 : 0;
 }
 
+/* The unsampled steps before the next sampled one, drawn once per sampled step instead of a
+ * draw per step (each step still sampled with probability sample_rate, independently: the gap
+ * between Bernoulli successes is geometric), from the tracer's seeded random(). */
+static int draw_steps_to_sample(StepHook *self) {
+    if (self->sample_rate >= 1.0) {
+        self->steps_to_sample = 0;
+        return 0;
+    }
+    PyObject *drawn = PyObject_CallNoArgs(self->random);
+    double value = drawn == NULL ? -1.0 : PyFloat_AsDouble(drawn);
+    Py_XDECREF(drawn);
+    if (value == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    /* floor(log(1 - U) / log(1 - p)) for U in [0, 1): geometric on 0, 1, 2, ... */
+    double gap = floor(log1p(-value) / log1p(-self->sample_rate));
+    self->steps_to_sample = gap < (double)(PY_SSIZE_T_MAX / 2) ? (Py_ssize_t)gap
+                                                                : PY_SSIZE_T_MAX / 2;
+    return 0;
+}
+
 /* EngineStepTracer.on_step_done(scheduler, output, outputs_by_client) with its _store. */
 static int record_step(StepHook *self, PyObject *scheduler, PyObject *output,
                        PyObject *outputs_by_client) {
@@ -942,15 +965,17 @@ static int record_step(StepHook *self, PyObject *scheduler, PyObject *output,
     }
     PyList_SetItem(self->ring, number % size, Py_NewRef(step));
     if (self->sample_rate > 0.0) {
-        PyObject *drawn = PyObject_CallNoArgs(self->random);
-        double value = drawn == NULL ? -1.0 : PyFloat_AsDouble(drawn);
-        Py_XDECREF(drawn);
-        if (value == -1.0 && PyErr_Occurred()) {
+        if (self->steps_to_sample < 0 && draw_steps_to_sample(self) < 0) { /* the first step */
             goto done;
         }
-        if (value < self->sample_rate &&
-            (count_on(self->tracer, hook_names[HNAME_SAMPLED_STEPS]) < 0 ||
-             submit_plan(self, self->plan_sampled_step, step) < 0)) {
+        int sampled = self->steps_to_sample == 0;
+        if (!sampled) {
+            self->steps_to_sample--;
+        } else if (draw_steps_to_sample(self) < 0) { /* the gap after this one */
+            goto done;
+        }
+        if (sampled && (count_on(self->tracer, hook_names[HNAME_SAMPLED_STEPS]) < 0 ||
+                        submit_plan(self, self->plan_sampled_step, step) < 0)) {
             goto done;
         }
     }
@@ -1146,6 +1171,7 @@ static PyObject *step_hook(PyObject *module, PyObject *const *args, Py_ssize_t n
     memset((char *)self + offsetof(StepHook, vectorcall), 0,
            sizeof(StepHook) - offsetof(StepHook, vectorcall));
     self->vectorcall = step_hook_vectorcall;
+    self->steps_to_sample = -1;
     PyObject_GC_Track(self);
     PyObject *tracer = args[2], *guard = args[5], *sample_rate = NULL;
     self->updates = PyObject_IsTrue(args[0]);

@@ -7,8 +7,11 @@ the ring buffer, the outlier rule, the deferred planning and the encoding end to
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import random
+import statistics
 import time
 import types
 from typing import Any
@@ -380,6 +383,26 @@ def test_a_sampled_step_is_the_root_of_its_own_trace() -> None:
     assert len(spans) == tracer.steps == tracer.sampled_steps == 2
     assert all(span.parent_span_id == b"" for span in spans)
     assert len({span.trace_id for span in spans}) == 2
+
+
+def test_each_step_is_sampled_at_the_sample_rate_and_independently(vllm_stand_in: Setup) -> None:
+    # The C hook draws the gap to the next sampled step (geometric) instead of one draw a step:
+    # the same law. 4,000 steps at 1/4: the count within 5 standard deviations (27 steps) of
+    # 1,000, and gaps of every length, next steps included (not every fourth step).
+    tracer = vllm_stand_in.tracer
+    tracer._sample_rate, tracer._random = 0.25, random.Random(7).random
+    vllm_stand_in.instrument()
+    scheduler = Scheduler(max_tokens=4_000)
+    scheduler.add(CoreRequest("x", 1))
+    run_until_idle(scheduler, limit=4_100)
+    jobs = vllm_stand_in.engine_jobs
+    sampled = [job.args[0].number for job in jobs if job.func == tracer.plan_sampled_step]
+    steps = tracer.steps
+    assert steps >= 4_000 and len(sampled) == tracer.sampled_steps
+    assert abs(len(sampled) - steps / 4) < 5 * (steps * 0.25 * 0.75) ** 0.5
+    gaps = collections.Counter(later - earlier for earlier, later in itertools.pairwise(sampled))
+    assert {1, 2, 3, 4, 5, 6, 8, 10} <= set(gaps)
+    assert 3.5 < statistics.mean(gaps.elements()) < 4.5
 
 
 def test_the_ring_keeps_only_the_latest_steps_and_gaps_across_evicted_steps_are_not_judged() -> (
