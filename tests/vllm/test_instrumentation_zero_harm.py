@@ -45,7 +45,9 @@ pytestmark = pytest.mark.slow
 _SUPPORT_DIR = Path(__file__).parent / "support"
 _FRONTEND_HOOK = (("_after_outputs",), (HOOK_OUTPUTS,))
 _ENGINE_AND_HTTP_HOOKS = (
-    ("EngineStepTracer._track_first_seen", "HttpServerTracer.begin"),
+    # A request first seen in EngineCore: its record is made inside the C step hook (or the
+    # Python one, where _steps.c is not built).
+    ("_TrackedRequest.__init__", "HttpServerTracer.begin"),
     (HOOK_STEP_DONE, HOOK_HTTP_SERVER),
 )
 _EXPORT_SETTLE_S = 1.5
