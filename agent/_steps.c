@@ -94,11 +94,6 @@ enum {
     NAME_EVENTS,
     NAME_TYPE,
     NAME_FIRST_STEP,
-    NAME_SCHEDULER_STATS,
-    NAME_NUM_RUNNING_REQS,
-    NAME_NUM_WAITING_REQS,
-    NAME_NUM_SKIPPED_WAITING_REQS,
-    NAME_KV_CACHE_USAGE,
     NAME_COUNT,
 };
 static const char *const name_strings[NAME_COUNT] = {
@@ -107,8 +102,6 @@ static const char *const name_strings[NAME_COUNT] = {
     "finish_reason",        "request_id",         "get_request_counts",    "kv_cache_manager",
     "usage",                "total_num_scheduled_tokens", "prefill_steps",
     "trace_headers",        "events",             "type",                  "first_step",
-    "scheduler_stats",      "num_running_reqs",   "num_waiting_reqs",      "num_skipped_waiting_reqs",
-    "kv_cache_usage",
 };
 static PyObject *names[NAME_COUNT];
 static PyObject *zero;
@@ -408,52 +401,6 @@ static int track_first_seen(PyObject *parts, PyObject *requests, PyObject *held,
     return 0;
 }
 
-/* vllm_engine._logged_counts: the running and waiting counts and the KV cache's usage from the
- * SchedulerStats vLLM puts on its first client's outputs when it logs stats (the same values
- * its scheduler gives at this point: get_request_counts() and kv_cache_manager.usage, five
- * Python frames). 1 with new references in *running, *waiting, *usage; 0 where there are none
- * (or a count is missing); -1 on an error. */
-static int logged_counts(PyObject *clients, PyObject **running, PyObject **waiting,
-                         PyObject **usage) {
-    *running = *waiting = *usage = NULL;
-    if (PyList_GET_SIZE(clients) == 0) {
-        return 0;
-    }
-    PyObject *first = Py_NewRef(PyList_GET_ITEM(clients, 0));
-    PyObject *stats = optional_attr(first, names[NAME_SCHEDULER_STATS]);
-    Py_DECREF(first);
-    if (stats == NULL || stats == Py_None) {
-        Py_XDECREF(stats);
-        return stats == NULL ? -1 : 0;
-    }
-    int answer = -1;
-    PyObject *queued = NULL, *skipped = NULL;
-    *running = optional_attr(stats, names[NAME_NUM_RUNNING_REQS]);
-    queued = *running == NULL ? NULL : optional_attr(stats, names[NAME_NUM_WAITING_REQS]);
-    *usage = queued == NULL ? NULL : optional_attr(stats, names[NAME_KV_CACHE_USAGE]);
-    skipped = *usage == NULL ? NULL : optional_attr(stats, names[NAME_NUM_SKIPPED_WAITING_REQS]);
-    if (skipped == NULL) {
-        goto done;
-    }
-    answer = 0;
-    if (*running == Py_None || queued == Py_None || *usage == Py_None) {
-        goto done;
-    }
-    /* waiting = num_waiting_reqs + num_skipped_waiting_reqs (where vLLM counts those apart) */
-    *waiting = skipped == Py_None ? Py_NewRef(queued) : PyNumber_Add(queued, skipped);
-    answer = *waiting == NULL ? -1 : 1;
-done:
-    Py_DECREF(stats);
-    Py_XDECREF(queued);
-    Py_XDECREF(skipped);
-    if (answer < 1) {
-        Py_CLEAR(*running);
-        Py_CLEAR(*waiting);
-        Py_CLEAR(*usage);
-    }
-    return answer;
-}
-
 enum { WALK_FAILED = -1, WALK_EMPTY = 0, WALK_DONE = 1, WALK_DECLINED = 2 };
 
 /* vllm_engine.step_facts_python's walk: what the step read and changed is the same. WALK_DONE
@@ -474,7 +421,7 @@ static int walk_step(PyObject *step_type, PyObject *requests, PyObject *schedule
     PyObject *finished = NULL, *end_ns = NULL, *total = NULL, *first_seen = NULL;
     PyObject *prefill_tokens = NULL, *counts = NULL, *kv_manager = NULL, *usage = NULL;
     PyObject *kv_usage = NULL, *decode_tokens = NULL, *step = NULL;
-    PyObject *prefill_count = NULL, *decode_count = NULL, *running = NULL, *waiting = NULL;
+    PyObject *prefill_count = NULL, *decode_count = NULL;
     Py_ssize_t prefill_requests = 0;
 
     /* Everything read first: a decline changes nothing. */
@@ -632,27 +579,19 @@ static int walk_step(PyObject *step_type, PyObject *requests, PyObject *schedule
     if (later) {
         Py_SETREF(end_ns, Py_NewRef(start_ns));
     }
-    int logged = logged_counts(clients, &running, &waiting, &usage);
-    if (logged < 0) {
+    PyObject *got = PyObject_CallMethodNoArgs(scheduler, names[NAME_GET_REQUEST_COUNTS]);
+    counts = got == NULL ? NULL : PySequence_Tuple(got);
+    Py_XDECREF(got);
+    if (counts == NULL) {
         goto done;
     }
-    if (!logged) { /* the scheduler's own: running, waiting = get_request_counts() */
-        PyObject *got = PyObject_CallMethodNoArgs(scheduler, names[NAME_GET_REQUEST_COUNTS]);
-        counts = got == NULL ? NULL : PySequence_Tuple(got);
-        Py_XDECREF(got);
-        if (counts == NULL) {
-            goto done;
-        }
-        if (PyTuple_GET_SIZE(counts) != 2) {
-            PyErr_Format(PyExc_ValueError, "get_request_counts() gave %zd values, not 2",
-                         PyTuple_GET_SIZE(counts));
-            goto done;
-        }
-        running = Py_NewRef(PyTuple_GET_ITEM(counts, 0));
-        waiting = Py_NewRef(PyTuple_GET_ITEM(counts, 1));
-        kv_manager = PyObject_GetAttr(scheduler, names[NAME_KV_CACHE_MANAGER]);
-        usage = kv_manager == NULL ? NULL : PyObject_GetAttr(kv_manager, names[NAME_USAGE]);
+    if (PyTuple_GET_SIZE(counts) != 2) {
+        PyErr_Format(PyExc_ValueError, "get_request_counts() gave %zd values, not 2",
+                     PyTuple_GET_SIZE(counts));
+        goto done;
     }
+    kv_manager = PyObject_GetAttr(scheduler, names[NAME_KV_CACHE_MANAGER]);
+    usage = kv_manager == NULL ? NULL : PyObject_GetAttr(kv_manager, names[NAME_USAGE]);
     kv_usage = usage == NULL ? NULL : PyNumber_Float(usage);
     decode_tokens = kv_usage == NULL ? NULL : PyNumber_Subtract(total, prefill_tokens);
     prefill_count = decode_tokens == NULL ? NULL : PyLong_FromSsize_t(prefill_requests);
@@ -663,11 +602,12 @@ static int walk_step(PyObject *step_type, PyObject *requests, PyObject *schedule
         goto done;
     }
     /* The record, made as tuple.__new__(step_type, fields) makes it (its Python __new__ is
-     * not called); the record holds waiting first. */
+     * not called); running, waiting = get_request_counts(), and the record holds waiting
+     * first. */
     PyObject *fields[] = {
         index,         start_ns,       end_ns,   prefill_count,
         decode_count,  prefill_tokens, decode_tokens, kv_usage,
-        waiting,       running,        scheduled,
+        PyTuple_GET_ITEM(counts, 1), PyTuple_GET_ITEM(counts, 0), scheduled,
         prefill == NULL ? no_prefill : prefill,
     };
     const Py_ssize_t field_count = sizeof(fields) / sizeof(fields[0]);
@@ -703,8 +643,6 @@ done:
     Py_XDECREF(first_seen);
     Py_XDECREF(prefill_tokens);
     Py_XDECREF(counts);
-    Py_XDECREF(running);
-    Py_XDECREF(waiting);
     Py_XDECREF(kv_manager);
     Py_XDECREF(usage);
     Py_XDECREF(kv_usage);

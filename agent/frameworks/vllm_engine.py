@@ -196,24 +196,6 @@ StepFacts: TypeAlias = "tuple[StepRecord, list[str], list[tuple[str, int]]] | tu
 first, or () for a step that scheduled nothing."""
 
 
-def _logged_counts(outputs_by_client: Any) -> tuple[Any, Any, Any] | None:
-    """(running, waiting, KV cache usage) from the ``SchedulerStats`` vLLM puts on its first
-    client's outputs when it logs stats: what its scheduler's ``get_request_counts()`` and
-    ``kv_cache_manager.usage`` give at this point, without their five Python frames a step.
-    None where there are none (or a count is missing)."""
-    first = next(iter(outputs_by_client.values()), None)
-    stats = getattr(first, "scheduler_stats", None)
-    if stats is None:
-        return None
-    running = getattr(stats, "num_running_reqs", None)
-    queued = getattr(stats, "num_waiting_reqs", None)
-    usage = getattr(stats, "kv_cache_usage", None)
-    skipped = getattr(stats, "num_skipped_waiting_reqs", None)  # counted apart from waiting
-    if running is None or queued is None or usage is None:
-        return None
-    return running, queued if skipped is None else queued + skipped, usage
-
-
 def step_facts_python(
     step_type: type[StepRecord],
     requests: dict[str, Any],
@@ -256,12 +238,7 @@ def step_facts_python(
         finished += [o.request_id for o in client_outputs.outputs if o.finish_reason is not None]
     if not end_ns:
         end_ns = clock()
-    logged = _logged_counts(outputs_by_client)
-    if logged is None:
-        running, waiting = scheduler.get_request_counts()
-        usage = scheduler.kv_cache_manager.usage
-    else:
-        running, waiting, usage = logged
+    running, waiting = scheduler.get_request_counts()
     total = getattr(output, "total_num_scheduled_tokens", None)
     if type(total) is not int:  # vLLM's sum, when it gives it
         total = sum(scheduled.values())
@@ -275,7 +252,7 @@ def step_facts_python(
             len(scheduled) - prefill_requests,
             prefill_tokens,
             total - prefill_tokens,
-            float(usage),
+            float(scheduler.kv_cache_manager.usage),
             waiting,
             running,
             scheduled,
@@ -340,7 +317,7 @@ class EngineStepTracer:
         self._outlier_ratio = outlier_ratio
         self.clock = monotonic_ns
         self._random = random.Random(os.urandom(16) if seed is None else seed).random
-        self._track_parts = _TRACK_PARTS
+        self._track_parts = _TRACK_PARTS  # what the C step hook reads a request first seen with
         self._next_index = 0
         self._open: dict[int, int] = {}
         """id(scheduler output) -> the step's start (monotonic ns), until its update."""

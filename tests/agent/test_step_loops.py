@@ -72,13 +72,6 @@ class _ClientOutputs:
 
 
 @dataclass
-class _Stats:
-    num_running_reqs: Any
-    num_waiting_reqs: Any
-    kv_cache_usage: Any
-
-
-@dataclass
 class _KvCacheManager:
     usage: Any
 
@@ -123,15 +116,6 @@ def _steps_of_vllm(draw: st.DrawFn) -> tuple[_SchedulerOutput, dict[int, _Client
         )
         for client in range(draw(st.integers(0, 2)))
     }
-    if clients and draw(st.booleans()):  # vLLM's SchedulerStats, when it logs stats
-        stats = _Stats(
-            draw(st.sampled_from([None, 0, 5])),
-            draw(st.sampled_from([None, 0, 2])),
-            draw(st.sampled_from([None, 0.0, 0.5, 1])),
-        )
-        if draw(st.booleans()):
-            stats.num_skipped_waiting_reqs = draw(st.sampled_from([None, 0, 3]))
-        clients[0].scheduler_stats = stats  # type: ignore[attr-defined]
     held = draw(
         st.dictionaries(st.sampled_from(ids) | _IDS, st.sampled_from(["t", None]), max_size=10)
         if ids
@@ -174,15 +158,7 @@ def test_step_facts_records_and_answers_like_its_twin(
     assert set(record.prefill_ids) == prefill
     assert record.prefill_requests + record.decode_requests == len(output.num_scheduled_tokens)
     assert record.prefill_tokens + record.decode_tokens == sum(output.num_scheduled_tokens.values())
-    # The counts vLLM logged with the step where it did (a count missing: the scheduler's).
-    stats = getattr(next(iter(clients.values()), None), "scheduler_stats", None)
-    logged = stats and (stats.num_waiting_reqs, stats.num_running_reqs, stats.kv_cache_usage)
-    if logged and None not in logged:
-        skipped = getattr(stats, "num_skipped_waiting_reqs", None) or 0
-        assert (record.waiting, record.running) == (logged[0] + skipped, logged[1])
-        assert record.kv_cache_usage == logged[2] and type(record.kv_cache_usage) is float
-    else:
-        assert (record.waiting, record.running, record.kv_cache_usage) == (1, 3, 0.25)
+    assert (record.waiting, record.running, record.kv_cache_usage) == (1, 3, 0.25)
     assert finished == [
         o.request_id for c in clients.values() for o in c.outputs if o.finish_reason
     ]
@@ -378,21 +354,3 @@ def test_track_request_errors_reach_the_caller() -> None:
     for track in (vllm_engine._track, lambda r: _steps.track_request(vllm_engine._TRACK_PARTS, r)):
         with pytest.raises(ZeroDivisionError, match="stamp"):
             track(request)
-
-
-def test_step_facts_read_the_logged_counts_without_calling_the_scheduler() -> None:
-    class Unasked(_Scheduler):
-        def get_request_counts(self) -> Any:
-            raise AssertionError("the scheduler was asked")
-
-    clients = {0: _ClientOutputs(0.0, []), 1: _ClientOutputs(0.0, [])}
-    clients[0].scheduler_stats = _Stats(4, 6, 0.75)  # type: ignore[attr-defined]
-    clients[0].scheduler_stats.num_skipped_waiting_reqs = 1  # type: ignore[attr-defined]
-    for facts in (_steps.step_facts, step_facts_python):
-        record, _, _ = facts(StepRecord, {}, Unasked(), _output(), clients, 9, 1, _clock)
-        assert (record.waiting, record.running, record.kv_cache_usage) == (7, 4, 0.75)
-    # vLLM puts them on its first client's outputs: anywhere else, the scheduler is asked.
-    clients = {0: _ClientOutputs(0.0, []), 1: clients[0]}
-    for facts in (_steps.step_facts, step_facts_python):
-        record, _, _ = facts(StepRecord, {}, _Scheduler(), _output(), clients, 9, 1, _clock)
-        assert (record.waiting, record.running, record.kv_cache_usage) == (1, 3, 0.25)
