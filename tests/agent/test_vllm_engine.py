@@ -343,6 +343,35 @@ def test_an_interrupt_inside_an_engine_hook_reaches_the_engine(
     assert vllm_stand_in.guard.failures == {}
 
 
+class _HeldRequests(dict[str, CoreRequest]):
+    pass
+
+
+@pytest.mark.parametrize("held", [dict, _HeldRequests])
+def test_a_request_first_seen_is_tracked_in_c_or_else_by_the_method(
+    vllm_stand_in: Setup, monkeypatch: pytest.MonkeyPatch, step_loops: str, held: type
+) -> None:
+    # The C hook reads vLLM's dict of requests itself; anything else goes to the Python method.
+    tracer = vllm_stand_in.tracer
+    calls: list[int] = []
+    method = tracer._track_first_seen
+
+    def counted(scheduler: Any, index: int, first_seen: Any) -> None:
+        calls.append(index)
+        method(scheduler, index, first_seen)
+
+    monkeypatch.setattr(tracer, "_track_first_seen", counted)
+    vllm_stand_in.instrument()
+    scheduler = Scheduler(max_tokens=3)
+    scheduler.requests = held()
+    scheduler.add(traced("a", 2, number=4))
+    scheduler.step()
+    tracked = tracer._requests["a"]
+    assert (tracked.request_id, tracked.first_step, tracked.prefill_steps) == ("a", 0, [(0, 2)])
+    assert tracked.trace_id == bytes([5]) * 16
+    assert calls == ([] if step_loops == "C" and held is dict else [0])
+
+
 def test_untraced_requests_are_counted_in_steps_but_never_tracked(vllm_stand_in: Setup) -> None:
     vllm_stand_in.instrument()
     scheduler = Scheduler(token_budget=4, max_tokens=3)
@@ -387,8 +416,8 @@ def test_a_sampled_step_is_the_root_of_its_own_trace() -> None:
 
 def test_each_step_is_sampled_at_the_sample_rate_and_independently(vllm_stand_in: Setup) -> None:
     # The C hook draws the gap to the next sampled step (geometric) instead of one draw a step:
-    # the same law. 4,000 steps at 1/4: the count within 5 standard deviations (27 steps) of
-    # 1,000, and gaps of every length, next steps included (not every fourth step).
+    # the same law. 4,000 steps at 1/4: the count within 5 standard deviations (one is 27
+    # steps) of 1,000, and gaps of every length, next steps included (not every fourth step).
     tracer = vllm_stand_in.tracer
     tracer._sample_rate, tracer._random = 0.25, random.Random(7).random
     vllm_stand_in.instrument()
