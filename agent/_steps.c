@@ -9,7 +9,8 @@
  * its input is not of the types it walks (the twin then answers), before it changes anything.
  * `step_hook` makes the functions put in vLLM's scheduler class in place of the step's two
  * methods, which do the tracer's whole per-step work (see below), and `track_request` reads a
- * request first seen (vllm_engine._track, its twin).
+ * request first seen (vllm_engine._track, its twin). `outputs_hook` does the same for the API
+ * server's once-per-step call, vLLM's OutputProcessor.process_outputs (vllm_requests.py).
  * Unlike _wire.c it reads attributes, which may run Python code of the host's objects; errors it
  * raises propagate (the hooks hand them to the tracer's hook guard).
  */
@@ -94,6 +95,9 @@ enum {
     NAME_EVENTS,
     NAME_TYPE,
     NAME_FIRST_STEP,
+    NAME_NEW_TOKEN_IDS,
+    NAME_TOKEN_NS,
+    NAME_REQUEST_STATES,
     NAME_COUNT,
 };
 static const char *const name_strings[NAME_COUNT] = {
@@ -102,6 +106,7 @@ static const char *const name_strings[NAME_COUNT] = {
     "finish_reason",        "request_id",         "get_request_counts",    "kv_cache_manager",
     "usage",                "total_num_scheduled_tokens", "prefill_steps",
     "trace_headers",        "events",             "type",                  "first_step",
+    "new_token_ids",        "token_ns",           "request_states",
 };
 static PyObject *names[NAME_COUNT];
 static PyObject *zero;
@@ -762,8 +767,9 @@ static PyObject *hook_names[HNAME_COUNT];
 static PyObject *partial_type; /* functools.partial */
 
 /* The exception being raised, handed to the guard as the one being handled (as `except
- * Exception: guard.failed(name)` does); anything not an Exception is left raised (-1). */
-static int report_failure(StepHook *self) {
+ * Exception: guard.failed(name)` does: `failed` is the guard's method, `hook` the caller, named
+ * if the guard itself fails); anything not an Exception is left raised (-1). */
+static int report_failure_to(PyObject *failed, PyObject *name, PyObject *hook) {
     if (!PyErr_ExceptionMatches(PyExc_Exception)) {
         return -1;
     }
@@ -779,17 +785,21 @@ static int report_failure(StepHook *self) {
     Py_XINCREF(value);
     Py_XINCREF(traceback);
     PyErr_SetExcInfo(type, value, traceback); /* steals */
-    PyObject *done = PyObject_CallOneArg(self->failed, self->name);
+    PyObject *done = PyObject_CallOneArg(failed, name);
     PyErr_SetExcInfo(saved_type, saved_value, saved_traceback);
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(traceback);
     if (done == NULL) { /* the guard itself failed: the host keeps running all the same */
-        PyErr_WriteUnraisable((PyObject *)self);
+        PyErr_WriteUnraisable(hook);
         return 0;
     }
     Py_DECREF(done);
     return 0;
+}
+
+static int report_failure(StepHook *self) {
+    return report_failure_to(self->failed, self->name, (PyObject *)self);
 }
 
 /* 1 when the hook records, 0 when it only calls vLLM's method, -1 on an error. */
@@ -1064,7 +1074,7 @@ static PyObject *step_hook_vectorcall(PyObject *callable, PyObject *const *args,
 
 /* A method: bound to the scheduler it is read from (LOAD_METHOD skips the binding, as for a
  * Python function: Py_TPFLAGS_METHOD_DESCRIPTOR). */
-static PyObject *step_hook_get(PyObject *self, PyObject *instance, PyObject *owner) {
+static PyObject *method_get(PyObject *self, PyObject *instance, PyObject *owner) {
     (void)owner;
     if (instance == NULL || instance == Py_None) {
         return Py_NewRef(self);
@@ -1126,7 +1136,7 @@ static void step_hook_dealloc(StepHook *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyGetSetDef step_hook_getset[] = {
+static PyGetSetDef dict_getset[] = {
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -1140,11 +1150,11 @@ static PyTypeObject StepHookType = {
                 Py_TPFLAGS_METHOD_DESCRIPTOR,
     .tp_vectorcall_offset = offsetof(StepHook, vectorcall),
     .tp_call = PyVectorcall_Call,
-    .tp_descr_get = step_hook_get,
+    .tp_descr_get = method_get,
     .tp_dictoffset = offsetof(StepHook, dict),
     .tp_getattro = PyObject_GenericGetAttr,
     .tp_setattro = PyObject_GenericSetAttr,
-    .tp_getset = step_hook_getset,
+    .tp_getset = dict_getset,
     .tp_traverse = (traverseproc)step_hook_traverse,
     .tp_clear = (inquiry)step_hook_clear,
     .tp_dealloc = (destructor)step_hook_dealloc,
@@ -1227,6 +1237,332 @@ static PyObject *step_hook(PyObject *module, PyObject *const *args, Py_ssize_t n
     return (PyObject *)self;
 }
 
+/* ---- vLLM's frontend: OutputProcessor.process_outputs, once per engine step in the API server ---
+ *
+ * `outputs_hook` makes the function put in vLLM's OutputProcessor class in place of
+ * process_outputs: what FrontendRequestHooks._process_outputs_patch's Python patch (its twin, in
+ * vllm_requests.py) does, with no Python frame between vLLM's caller and vLLM's method. Before
+ * vLLM's call it finds the traced requests among the step's outputs (with vLLM's state of each,
+ * which vLLM drops for a request that finishes during the call); after it, each one's new tokens
+ * get the step's EngineCore timestamp, its events go to `_apply_events` and a finished one to
+ * the hooks' `_finish` (Python: once per request, and per step only where vLLM sent events).
+ * A call not shaped (processor, list of outputs[, timestamp, ...]) goes to the twin. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;          /* functools.update_wrapper's names, the patch mark */
+    PyObject *original;      /* vLLM's process_outputs */
+    PyObject *twin;          /* the Python patch */
+    PyObject *gate;          /* tracing while gate._active is true */
+    PyObject *in_flight;     /* the recorder's dict: request id -> RequestTimer */
+    PyObject *clock;         /* the recorder's clock, for a step without a timestamp */
+    PyObject *disabled;      /* the guard's set of disabled hook names */
+    PyObject *failed;        /* the guard's failed(name) */
+    PyObject *name;          /* this hook's name */
+    PyObject *request_hooks; /* a tuple of names: any of them disabled stops this hook */
+    PyObject *apply_events;  /* vllm_requests._apply_events(timer, events) */
+    PyObject *finish;        /* the hooks' _finish(timer, state, reason) */
+} OutputsHook;
+
+/* 1 when the hook records, 0 when it only calls vLLM's method, -1 on an error. */
+static int outputs_hook_on(OutputsHook *self) {
+    if (PyDict_GET_SIZE(self->in_flight) == 0) {
+        return 0;
+    }
+    PyObject *active = PyObject_GetAttr(self->gate, hook_names[HNAME_ACTIVE]);
+    int on = active == NULL ? -1 : PyObject_IsTrue(active);
+    Py_XDECREF(active);
+    if (on <= 0 || PySet_GET_SIZE(self->disabled) == 0) {
+        return on;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->request_hooks); i++) {
+        int off = PySet_Contains(self->disabled, PyTuple_GET_ITEM(self->request_hooks, i));
+        if (off != 0) {
+            return off < 0 ? -1 : 0;
+        }
+    }
+    return 1;
+}
+
+/* states.get(key) as a new reference (None when absent), NULL with an error set. */
+static PyObject *mapping_get(PyObject *states, PyObject *key) {
+    if (PyDict_CheckExact(states)) {
+        PyObject *value = PyDict_GetItemWithError(states, key);
+        if (value == NULL) {
+            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        }
+        return Py_NewRef(value);
+    }
+    return PyObject_CallMethod(states, "get", "O", key);
+}
+
+static void release_held(PyObject **held, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_DECREF(held[i]);
+    }
+    PyMem_Free(held);
+}
+
+enum { HELD_OUTPUT, HELD_TIMER, HELD_STATE, HELD_REQUEST_ID, HELD_WIDTH };
+
+/* The traced requests among `outputs` (a list): HELD_WIDTH references each into *held (grown as
+ * needed), their number in *count. 0, or -1 with an error set (what was held stays counted). */
+static int find_traced(OutputsHook *self, PyObject *processor, PyObject *outputs, PyObject ***held,
+                       Py_ssize_t *count) {
+    PyObject *states = NULL;
+    Py_ssize_t capacity = 0;
+    /* A list may change length under attribute code: index it afresh each time. */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outputs); i++) {
+        PyObject *output = Py_NewRef(PyList_GET_ITEM(outputs, i));
+        PyObject *request_id = PyObject_GetAttr(output, names[NAME_REQUEST_ID]);
+        PyObject *timer = request_id == NULL
+                              ? NULL
+                              : PyDict_GetItemWithError(self->in_flight, request_id);
+        if (timer == NULL) {
+            Py_DECREF(output);
+            Py_XDECREF(request_id);
+            if (PyErr_Occurred()) {
+                Py_XDECREF(states);
+                return -1;
+            }
+            continue;
+        }
+        Py_INCREF(timer);
+        if (states == NULL) {
+            states = PyObject_GetAttr(processor, names[NAME_REQUEST_STATES]);
+        }
+        PyObject *state = states == NULL ? NULL : mapping_get(states, request_id);
+        if (state != NULL && *count + HELD_WIDTH > capacity) {
+            Py_ssize_t more = capacity + HELD_WIDTH * (PyList_GET_SIZE(outputs) - i);
+            PyObject **grown = PyMem_Realloc(*held, (size_t)more * sizeof(PyObject *));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                Py_CLEAR(state);
+            } else {
+                *held = grown;
+                capacity = more;
+            }
+        }
+        if (state == NULL) {
+            Py_DECREF(output);
+            Py_DECREF(request_id);
+            Py_DECREF(timer);
+            Py_XDECREF(states);
+            return -1;
+        }
+        PyObject **slot = *held + *count;
+        slot[HELD_OUTPUT] = output;
+        slot[HELD_TIMER] = timer;
+        slot[HELD_STATE] = state;
+        slot[HELD_REQUEST_ID] = request_id;
+        *count += HELD_WIDTH;
+    }
+    Py_XDECREF(states);
+    return 0;
+}
+
+/* After vLLM's call: each traced request's new tokens, events and finish. 0, or -1 with an error
+ * set (the requests after the failing one are left, as the twin's loop leaves them). */
+static int after_outputs(OutputsHook *self, PyObject *processor, PyObject *timestamp,
+                         PyObject **held, Py_ssize_t count) {
+    /* One timestamp for the whole step: EngineCore's, taken after the model ran. */
+    PyObject *step_ns;
+    if (timestamp == Py_None) {
+        step_ns = PyObject_CallNoArgs(self->clock);
+    } else {
+        PyObject *scaled = PyNumber_Multiply(timestamp, ns_per_s);
+        step_ns = scaled == NULL ? NULL : PyNumber_Long(scaled);
+        Py_XDECREF(scaled);
+    }
+    PyObject *states = step_ns == NULL
+                           ? NULL
+                           : PyObject_GetAttr(processor, names[NAME_REQUEST_STATES]);
+    int failed = states == NULL ? -1 : 0;
+    for (Py_ssize_t i = 0; failed == 0 && i < count; i += HELD_WIDTH) {
+        PyObject **slot = held + i;
+        /* Read after vLLM's call: a matched stop string trims the surplus tokens in place. */
+        PyObject *ids = PyObject_GetAttr(slot[HELD_OUTPUT], names[NAME_NEW_TOKEN_IDS]);
+        Py_ssize_t new_tokens = ids == NULL ? -1 : PyObject_Size(ids);
+        Py_XDECREF(ids);
+        if (new_tokens < 0) {
+            failed = -1;
+            break;
+        }
+        if (new_tokens > 0) {
+            PyObject *token_ns = PyObject_GetAttr(slot[HELD_TIMER], names[NAME_TOKEN_NS]);
+            failed = token_ns == NULL ? -1 : 0;
+            for (Py_ssize_t token = 0; failed == 0 && token < new_tokens; token++) {
+                failed = append_to(token_ns, step_ns);
+            }
+            Py_XDECREF(token_ns);
+            if (failed < 0) {
+                break;
+            }
+        }
+        PyObject *events = PyObject_GetAttr(slot[HELD_OUTPUT], names[NAME_EVENTS]);
+        int any = events == NULL ? -1 : PyObject_IsTrue(events);
+        if (any > 0) {
+            PyObject *done = PyObject_CallFunctionObjArgs(self->apply_events, slot[HELD_TIMER],
+                                                          events, NULL);
+            any = done == NULL ? -1 : 0;
+            Py_XDECREF(done);
+        }
+        Py_XDECREF(events);
+        int held_still = any < 0 ? -1 : PySequence_Contains(states, slot[HELD_REQUEST_ID]);
+        if (held_still == 0) {
+            PyObject *reason = PyObject_GetAttr(slot[HELD_OUTPUT], names[NAME_FINISH_REASON]);
+            PyObject *done = reason == NULL
+                                 ? NULL
+                                 : PyObject_CallFunctionObjArgs(self->finish, slot[HELD_TIMER],
+                                                                slot[HELD_STATE], reason, NULL);
+            held_still = done == NULL ? -1 : 1;
+            Py_XDECREF(reason);
+            Py_XDECREF(done);
+        }
+        failed = held_still < 0 ? -1 : 0;
+    }
+    Py_XDECREF(states);
+    Py_XDECREF(step_ns);
+    return failed;
+}
+
+static PyObject *outputs_hook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                         PyObject *kwnames) {
+    OutputsHook *self = (OutputsHook *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    int on = outputs_hook_on(self);
+    if (on < 0 && report_failure_to(self->failed, self->name, callable) < 0) {
+        return NULL;
+    }
+    if (on <= 0) {
+        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    }
+    if (kwnames != NULL || nargs < 2 || !PyList_CheckExact(args[1])) {
+        return PyObject_Vectorcall(self->twin, args, nargsf, kwnames);
+    }
+    PyObject *processor = args[0], *timestamp = nargs > 2 ? args[2] : Py_None;
+    PyObject **held = NULL;
+    Py_ssize_t count = 0;
+    if (find_traced(self, processor, args[1], &held, &count) < 0) {
+        release_held(held, count);
+        held = NULL;
+        count = 0;
+        if (report_failure_to(self->failed, self->name, callable) < 0) {
+            return NULL;
+        }
+    }
+    /* The arguments are the caller's: they stay alive through the call and after it. */
+    PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    if (result != NULL && count > 0 &&
+        after_outputs(self, processor, timestamp, held, count) < 0 &&
+        report_failure_to(self->failed, self->name, callable) < 0) {
+        Py_CLEAR(result);
+    }
+    release_held(held, count);
+    return result;
+}
+
+static int outputs_hook_traverse(OutputsHook *self, visitproc visit, void *arg) {
+    Py_VISIT(self->dict);
+    Py_VISIT(self->original);
+    Py_VISIT(self->twin);
+    Py_VISIT(self->gate);
+    Py_VISIT(self->in_flight);
+    Py_VISIT(self->clock);
+    Py_VISIT(self->disabled);
+    Py_VISIT(self->failed);
+    Py_VISIT(self->name);
+    Py_VISIT(self->request_hooks);
+    Py_VISIT(self->apply_events);
+    Py_VISIT(self->finish);
+    return 0;
+}
+
+static int outputs_hook_clear(OutputsHook *self) {
+    Py_CLEAR(self->dict);
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->twin);
+    Py_CLEAR(self->gate);
+    Py_CLEAR(self->in_flight);
+    Py_CLEAR(self->clock);
+    Py_CLEAR(self->disabled);
+    Py_CLEAR(self->failed);
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->request_hooks);
+    Py_CLEAR(self->apply_events);
+    Py_CLEAR(self->finish);
+    return 0;
+}
+
+static void outputs_hook_dealloc(OutputsHook *self) {
+    PyObject_GC_UnTrack(self);
+    outputs_hook_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject OutputsHookType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tokentrace.agent._steps.OutputsHook",
+    .tp_doc = "vLLM's OutputProcessor.process_outputs, and each traced request's new tokens.",
+    .tp_basicsize = sizeof(OutputsHook),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_vectorcall_offset = offsetof(OutputsHook, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = method_get,
+    .tp_dictoffset = offsetof(OutputsHook, dict),
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+    .tp_getset = dict_getset,
+    .tp_traverse = (traverseproc)outputs_hook_traverse,
+    .tp_clear = (inquiry)outputs_hook_clear,
+    .tp_dealloc = (destructor)outputs_hook_dealloc,
+};
+
+/* outputs_hook(original, twin, hooks, recorder, guard, name, request_hooks, apply_events) */
+static PyObject *outputs_hook(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "outputs_hook takes 8 arguments");
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "outputs_hook: request_hooks must be a tuple");
+        return NULL;
+    }
+    OutputsHook *self = PyObject_GC_New(OutputsHook, &OutputsHookType);
+    if (self == NULL) {
+        return NULL;
+    }
+    memset((char *)self + offsetof(OutputsHook, vectorcall), 0,
+           sizeof(OutputsHook) - offsetof(OutputsHook, vectorcall));
+    self->vectorcall = outputs_hook_vectorcall;
+    PyObject_GC_Track(self);
+    PyObject *hooks = args[2], *recorder = args[3], *guard = args[4];
+    self->original = Py_NewRef(args[0]);
+    self->twin = Py_NewRef(args[1]);
+    self->gate = Py_NewRef(hooks);
+    self->name = Py_NewRef(args[5]);
+    self->request_hooks = Py_NewRef(args[6]);
+    self->apply_events = Py_NewRef(args[7]);
+    if (read_part(guard, "disabled", &self->disabled) < 0 ||
+        read_part(guard, "failed", &self->failed) < 0 ||
+        read_part(recorder, "_in_flight", &self->in_flight) < 0 ||
+        read_part(recorder, "clock", &self->clock) < 0 ||
+        read_part(hooks, "_finish", &self->finish) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    if (!PySet_Check(self->disabled) || !PyDict_CheckExact(self->in_flight)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "outputs_hook: the guard's disabled set and the recorder's dict of "
+                        "requests in flight are needed");
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
 static PyMethodDef steps_methods[] = {
     {"step_facts", (PyCFunction)(void (*)(void))step_facts, METH_FASTCALL,
      "step_facts(step_type, requests, scheduler, output, outputs_by_client, index, start_ns, "
@@ -1236,6 +1572,9 @@ static PyMethodDef steps_methods[] = {
     {"step_hook", (PyCFunction)(void (*)(void))step_hook, METH_FASTCALL,
      "step_hook(updates, original, tracer, step_type, gate, guard, name, other, native_clock, "
      "max_open_steps, sweep_every_steps) -> StepHook"},
+    {"outputs_hook", (PyCFunction)(void (*)(void))outputs_hook, METH_FASTCALL,
+     "outputs_hook(original, twin, hooks, recorder, guard, name, request_hooks, apply_events) "
+     "-> OutputsHook"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1271,7 +1610,7 @@ PyMODINIT_FUNC PyInit__steps(void) {
             return NULL;
         }
     }
-    if (PyType_Ready(&StepHookType) < 0) {
+    if (PyType_Ready(&StepHookType) < 0 || PyType_Ready(&OutputsHookType) < 0) {
         return NULL;
     }
     if (ns_per_s == NULL && (ns_per_s = PyLong_FromLong(1000000000L)) == NULL) {

@@ -1,4 +1,5 @@
-# The C functions of _steps.c (see frameworks/vllm_engine.py, which holds its Python twin).
+# The C functions of _steps.c (see frameworks/vllm_engine.py, which holds their Python twins, and
+# frameworks/vllm_requests.py for outputs_hook's).
 from collections.abc import Callable
 
 def step_facts(
@@ -29,5 +30,16 @@ def step_hook(
     native_clock: bool,
     max_open_steps: int,
     sweep_every_steps: int,
+    /,
+) -> Callable[..., object]: ...
+def outputs_hook(
+    original: Callable[..., object],
+    twin: Callable[..., object],
+    hooks: object,
+    recorder: object,
+    guard: object,
+    name: str,
+    request_hooks: tuple[str, ...],
+    apply_events: Callable[[object, object], object],
     /,
 ) -> Callable[..., object]: ...

@@ -55,7 +55,7 @@ import weakref
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Final, TypeVar
 
-from tokentrace.agent import semconv
+from tokentrace.agent import compiled, semconv
 from tokentrace.agent.frameworks.asgi import current_http_span
 from tokentrace.agent.frameworks.patching import unbound
 from tokentrace.agent.frameworks.vllm_cold_start import ColdStartTracer
@@ -84,6 +84,11 @@ HOOK_ADD_REQUEST: Final = "vllm.add_request"
 HOOK_OUTPUTS: Final = "vllm.process_outputs"
 HOOK_ABORT: Final = "vllm.abort"
 _REQUEST_HOOKS: Final = frozenset({HOOK_ADD_REQUEST, HOOK_OUTPUTS, HOOK_ABORT})
+_OUTPUTS_HOOK: Callable[..., Any] | None = getattr(
+    compiled.load("tokentrace.agent._steps"), "outputs_hook", None
+)
+"""``_steps.c``'s maker of the per-step output patch in C, if built (the Python patch of
+``_process_outputs_patch`` is its twin)."""
 """One request's life spans these hooks: when one is disabled, requests are no longer traced."""
 _TRACE_HEADERS_ARGUMENT: Final = 6
 """Position of ``trace_headers`` in ``AsyncLLM.add_request``'s arguments (after ``self``)."""
@@ -172,8 +177,18 @@ class FrontendRequestHooks:
 
     def _process_outputs_patch(self, process_outputs: Callable[..., Any]) -> Callable[..., Any]:
         """``OutputProcessor.process_outputs`` patched (once per engine step): each traced
-        request's new tokens, events and finish, read around vLLM's call."""
+        request's new tokens, events and finish, read around vLLM's call. In C where built
+        (``_steps.outputs_hook``: no Python frame per step but where a request has events or
+        finishes; a call of another shape goes to the Python patch, its twin)."""
+        patched = self._process_outputs_python(process_outputs)
+        if _OUTPUTS_HOOK is None:
+            return patched
+        return _OUTPUTS_HOOK(
+            process_outputs, patched, self, self._recorder, self._guard, HOOK_OUTPUTS,
+            tuple(sorted(_REQUEST_HOOKS)), _apply_events,
+        )  # fmt: skip
 
+    def _process_outputs_python(self, process_outputs: Callable[..., Any]) -> Callable[..., Any]:
         def patched(processor: Any, *args: Any, **kwargs: Any) -> Any:
             if not self._active or not self._recorder.in_flight or self._requests_disabled():
                 return process_outputs(processor, *args, **kwargs)
@@ -189,7 +204,7 @@ class FrontendRequestHooks:
     def _wrap_outputs(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
-        return self._process_outputs_patch(unbound(wrapped))(instance, *args, **kwargs)
+        return self._process_outputs_python(unbound(wrapped))(instance, *args, **kwargs)
 
     def _wrap_abort(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any

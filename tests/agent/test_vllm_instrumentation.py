@@ -27,11 +27,23 @@ from tests.agent.vllm_stand_ins import (
 )
 from tokentrace.agent import semconv
 from tokentrace.agent.frameworks import vllm as instrumentation
+from tokentrace.agent.frameworks import vllm_engine, vllm_requests
 from tokentrace.agent.frameworks.patching import is_patch
 from tokentrace.agent.frameworks.vllm import VllmInstrumentor
 from tokentrace.agent.frameworks.vllm_requests import HOOK_ADD_REQUEST, HOOK_OUTPUTS
 from tokentrace.agent.recorder import PROMPT_TOKEN_IDS
 from tokentrace.agent.span_ids import parse_traceparent
+
+
+@pytest.fixture(autouse=True, params=["C", "Python"])
+def outputs_patch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the per-step output patch in C (``_steps.outputs_hook``) and with
+    its twin (the Python patch)."""
+    if request.param == "C" and not vllm_engine.BUILT:
+        pytest.skip("the C extension is not built here (or TOKENTRACE_PURE_PYTHON is set)")
+    if request.param == "Python":
+        monkeypatch.setattr(vllm_requests, "_OUTPUTS_HOOK", None)
+    return str(request.param)
 
 
 # --- tests ----------------------------------------------------------------------------------------
@@ -158,25 +170,51 @@ def test_an_aborted_request_finishes_with_an_error(vllm_stand_in: Setup) -> None
     assert vllm_stand_in.recorder.in_flight == 0
 
 
+def _broken(*args: object) -> None:
+    raise RuntimeError("bug in a hook")
+
+
+class _StatesBrokenForHooks(dict):  # type: ignore[type-arg]
+    """vLLM's request states whose ``get`` (what the hooks call before vLLM's call, and vLLM's
+    own code does not) raises."""
+
+    get = _broken
+
+
+def _break_the_states_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    init = OutputProcessor.__init__
+
+    def with_broken_states(processor: OutputProcessor) -> None:
+        init(processor)
+        processor.request_states = _StatesBrokenForHooks()
+
+    monkeypatch.setattr(OutputProcessor, "__init__", with_broken_states)
+
+
 @pytest.mark.parametrize(
-    ("method", "hook", "timers_left_open"),
+    ("broken_part", "hook", "timers_left_open"),
     [
-        ("_after_outputs", HOOK_OUTPUTS, 1),
-        ("_before_outputs", HOOK_OUTPUTS, 1),
-        ("_on_add_request", HOOK_ADD_REQUEST, 0),
+        ("the states read before vLLM's call", HOOK_OUTPUTS, 1),
+        ("the events applied after it", HOOK_OUTPUTS, 1),
+        ("the finish after it", HOOK_OUTPUTS, 1),
+        ("the add request hook", HOOK_ADD_REQUEST, 0),
     ],
 )
 def test_a_hook_that_raises_is_counted_disabled_and_vllm_still_gets_its_result(
     vllm_stand_in: Setup,
     monkeypatch: pytest.MonkeyPatch,
-    method: str,
+    broken_part: str,
     hook: str,
     timers_left_open: int,
 ) -> None:
-    def broken(*args: object) -> None:
-        raise RuntimeError("bug in a hook")
-
-    monkeypatch.setattr(VllmInstrumentor, method, broken)
+    if broken_part == "the states read before vLLM's call":
+        _break_the_states_read(monkeypatch)
+    elif broken_part == "the events applied after it":
+        monkeypatch.setattr(vllm_requests, "_apply_events", _broken)
+    elif broken_part == "the finish after it":
+        monkeypatch.setattr(VllmInstrumentor, "_finish", _broken)
+    else:
+        monkeypatch.setattr(VllmInstrumentor, "_on_add_request", _broken)
     vllm_stand_in.instrument()
     run_one_request(vllm_stand_in)  # asserts vLLM's own result came back
     run_one_request(vllm_stand_in, external_id="cmpl-second-0")

@@ -99,9 +99,9 @@ class OutputProcessor:
         self.external_req_ids.setdefault(request.external_req_id, []).append(request.request_id)
 
     def process_outputs(
-        self, outputs: list[Output], engine_core_timestamp: float | None = None
+        self, engine_core_outputs: list[Output], engine_core_timestamp: float | None = None
     ) -> str:
-        for output in outputs:
+        for output in engine_core_outputs:
             if output.finish_reason is not None:
                 self._drop(output.request_id)
         return "vllm-result"
