@@ -1246,7 +1246,8 @@ static PyObject *step_hook(PyObject *module, PyObject *const *args, Py_ssize_t n
  * which vLLM drops for a request that finishes during the call); after it, each one's new tokens
  * get the step's EngineCore timestamp, its events go to `_apply_events` and a finished one to
  * the hooks' `_finish` (Python: once per request, and per step only where vLLM sent events).
- * A call not shaped (processor, list of outputs[, timestamp, ...]) goes to the twin. */
+ * A call not shaped (processor, list of outputs[, timestamp, ...][, other keywords]) goes to the
+ * twin. */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
@@ -1426,6 +1427,20 @@ static int after_outputs(OutputsHook *self, PyObject *processor, PyObject *times
     return failed;
 }
 
+/* Whether the keyword arguments pass what the hook reads (the outputs, the timestamp) by name;
+ * others (vLLM's `weight_version`, its iteration stats) pass through unread. */
+static int names_the_outputs(PyObject *kwnames) {
+    Py_ssize_t count = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(name, "engine_core_outputs") == 0 ||
+            PyUnicode_CompareWithASCIIString(name, "engine_core_timestamp") == 0) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *outputs_hook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                                          PyObject *kwnames) {
     OutputsHook *self = (OutputsHook *)callable;
@@ -1437,7 +1452,7 @@ static PyObject *outputs_hook_vectorcall(PyObject *callable, PyObject *const *ar
     if (on <= 0) {
         return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
     }
-    if (kwnames != NULL || nargs < 2 || !PyList_CheckExact(args[1])) {
+    if (nargs < 2 || !PyList_CheckExact(args[1]) || names_the_outputs(kwnames)) {
         return PyObject_Vectorcall(self->twin, args, nargsf, kwnames);
     }
     PyObject *processor = args[0], *timestamp = nargs > 2 ? args[2] : Py_None;

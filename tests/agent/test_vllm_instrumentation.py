@@ -94,7 +94,7 @@ def run_one_request(
     processor.process_outputs(
         [Output(internal, [7], events=[Event(QUEUED, 99.75), Event(SCHEDULED, 100.0)])], 100.5
     )
-    processor.process_outputs([Output(internal, [8, 9])], 101.0)
+    processor.process_outputs([Output(internal, [8, 9])], 101.0, None, weight_version=1)  # vLLM's
     result = processor.process_outputs(
         [
             Output(

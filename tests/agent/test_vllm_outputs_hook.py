@@ -114,7 +114,9 @@ def test_the_c_patch_records_what_its_twin_records(
                 for output in outputs
                 if output.request_id in held
             ]  # fmt: skip
-            assert world.patch(world.processor, copies, timestamp) == "vllm-result"
+            # vLLM's own call: the stats positional, its weight version by keyword.
+            result = world.patch(world.processor, copies, timestamp, None, weight_version=1)
+            assert result == "vllm-result"
     native, twin = worlds
     assert [_timer_facts(t) for t in native.finished] == [_timer_facts(t) for t in twin.finished]
     open_native = native.hooks._recorder._in_flight
@@ -137,8 +139,18 @@ def test_a_traced_step_appends_the_step_timestamp_per_new_token_and_finishes() -
     assert "r4" in world.processor.request_states  # untraced: served, not recorded
 
 
-@pytest.mark.parametrize("shape", ["keywords", "a tuple of outputs"])
-def test_calls_of_another_shape_go_to_the_twin(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("shape", "twin_calls"),
+    [
+        ("vLLM's: positional, other keywords", 0),
+        ("the outputs by keyword", 1),
+        ("the timestamp by keyword", 1),
+        ("a tuple of outputs", 1),
+    ],
+)
+def test_calls_of_another_shape_go_to_the_twin(
+    shape: str, twin_calls: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls: list[tuple[Any, ...]] = []
     python_patch = FrontendRequestHooks._process_outputs_python
 
@@ -154,11 +166,15 @@ def test_calls_of_another_shape_go_to_the_twin(shape: str, monkeypatch: pytest.M
     monkeypatch.setattr(FrontendRequestHooks, "_process_outputs_python", counted)
     world = _world(native=True)
     outputs = [Output("r1", [5], LENGTH)]
-    if shape == "keywords":
+    if shape == "vLLM's: positional, other keywords":
+        world.patch(world.processor, outputs, 7.0, None, weight_version=3)
+    elif shape == "the outputs by keyword":
         world.patch(world.processor, engine_core_outputs=outputs, engine_core_timestamp=7.0)
+    elif shape == "the timestamp by keyword":
+        world.patch(world.processor, outputs, engine_core_timestamp=7.0)
     else:
         world.patch(world.processor, tuple(outputs), 7.0)
-    assert len(calls) == 1
+    assert len(calls) == twin_calls
     (timer,) = world.finished
     assert timer.token_ns == [7_000_000_000]
 

@@ -99,7 +99,12 @@ class OutputProcessor:
         self.external_req_ids.setdefault(request.external_req_id, []).append(request.request_id)
 
     def process_outputs(
-        self, engine_core_outputs: list[Output], engine_core_timestamp: float | None = None
+        self,
+        engine_core_outputs: list[Output],
+        engine_core_timestamp: float | None = None,
+        iteration_stats: Any = None,
+        *,
+        weight_version: int | None = None,
     ) -> str:
         for output in engine_core_outputs:
             if output.finish_reason is not None:
