@@ -14,14 +14,8 @@
  *   server span reads once per request on the serving thread. uvloop's socket stand-in builds
  *   and detaches a Python socket object for every getsockopt (~2 us there; this: one syscall).
  *
- *   `receive_wait_ns` finds that descriptor from the ASGI server's `send` (uvicorn's) with the
- *   same attribute reads as its twin (tokentrace.agent.frameworks.asgi._receive_wait_ns): the
- *   one function here that calls into the host's objects, and like the twin it turns their
- *   exceptions into "unknown".
- *
- * Nothing else here raises for odd input or calls back into Python code (the inputs cannot
- * change under it); the tests compare every function with its Python counterpart on generated
- * input.
+ * Nothing here raises for odd input or calls back into Python code (the inputs cannot change
+ * under it); the tests compare every function with its Python counterpart on generated input.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -535,8 +529,6 @@ static PyObject *unclean_spans(PyObject *module, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-static PyObject *ns_per_ms;
-
 /* tcp_info(fd) -> (tcpi_last_data_recv in ms, tcpi_rtt in us), or None where the kernel cannot
  * tell: not Linux, not a TCP socket, a closed descriptor, a short answer. */
 static PyObject *tcp_info(PyObject *module, PyObject *arg) {
@@ -560,79 +552,6 @@ static PyObject *tcp_info(PyObject *module, PyObject *arg) {
 #endif
 }
 
-/* getattr(obj, name, None) as a new reference, NULL with an error set on failure. */
-static PyObject *optional_attr(PyObject *obj, const char *name) {
-    PyObject *key = PyUnicode_InternFromString(name);
-    if (key == NULL) {
-        return NULL;
-    }
-    PyObject *value = NULL;
-#if PY_VERSION_HEX >= 0x030D0000
-    int found = PyObject_GetOptionalAttr(obj, key, &value);
-#else
-    int found = _PyObject_LookupAttr(obj, key, &value);
-#endif
-    Py_DECREF(key);
-    if (found < 0) {
-        return NULL;
-    }
-    return value == NULL ? Py_NewRef(Py_None) : value;
-}
-
-/* receive_wait_ns(send, twin) -> int | None: how long the request's bytes had waited in the
- * kernel (TCP_INFO last_data_recv, in ns), read from `send.__self__.transport`'s socket's
- * descriptor as `twin(send)` (asgi._receive_wait_ns) reads it; a socket whose `fileno()` is not
- * an int goes to the twin. None where it cannot be read; an Exception of the host's objects is
- * "cannot be read" too. */
-static PyObject *receive_wait_ns(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "receive_wait_ns takes 2 arguments");
-        return NULL;
-    }
-    PyObject *owner = optional_attr(args[0], "__self__");
-    PyObject *transport = owner == NULL ? NULL : optional_attr(owner, "transport");
-    Py_XDECREF(owner);
-    PyObject *sock = NULL, *fd = NULL, *answer = NULL;
-    if (transport == NULL || transport == Py_None) {
-        goto done;
-    }
-    sock = PyObject_CallMethod(transport, "get_extra_info", "s", "socket");
-    if (sock == NULL || sock == Py_None) {
-        goto done;
-    }
-    fd = PyObject_CallMethod(sock, "fileno", NULL);
-    if (fd == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
-            goto done;
-        }
-        PyErr_Clear(); /* not a socket-like object: the twin answers */
-    }
-    if (fd == NULL || !PyLong_CheckExact(fd)) {
-        answer = PyObject_CallOneArg(args[1], args[0]);
-        goto done;
-    }
-    PyObject *facts = tcp_info(NULL, fd);
-    if (facts == NULL || facts == Py_None) {
-        answer = facts;
-        goto done;
-    }
-    answer = PyNumber_Multiply(PyTuple_GET_ITEM(facts, 0), ns_per_ms);
-    Py_DECREF(facts);
-done:
-    Py_XDECREF(transport);
-    Py_XDECREF(sock);
-    Py_XDECREF(fd);
-    if (answer == NULL) {
-        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
-            return NULL;
-        }
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    return answer;
-}
-
 static PyMethodDef wire_methods[] = {
     {"attributes", attributes, METH_O,
      "attributes(items: dict | list | tuple of (str, value)) -> bytes | None"},
@@ -644,9 +563,6 @@ static PyMethodDef wire_methods[] = {
      " -> list[tuple[int, int, int]] | None"},
     {"tcp_info", tcp_info, METH_O,
      "tcp_info(fd: int) -> tuple[int, int] | None: (last_data_recv ms, rtt us)"},
-    {"receive_wait_ns", (PyCFunction)(void (*)(void))receive_wait_ns, METH_FASTCALL,
-     "receive_wait_ns(send, twin) -> int | None: the TCP_INFO last_data_recv of the ASGI "
-     "server's connection, in ns"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -655,9 +571,4 @@ static struct PyModuleDef wire_module = {
     wire_methods,
 };
 
-PyMODINIT_FUNC PyInit__wire(void) {
-    if (ns_per_ms == NULL && (ns_per_ms = PyLong_FromLong(1000000L)) == NULL) {
-        return NULL;
-    }
-    return PyModule_Create(&wire_module);
-}
+PyMODINIT_FUNC PyInit__wire(void) { return PyModule_Create(&wire_module); }

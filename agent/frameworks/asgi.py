@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
 
-from tokentrace.agent import compiled, semconv
+from tokentrace.agent import semconv
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import MonotonicToUnix
 from tokentrace.agent.span_ids import parse_traceparent, random_span_id_bytes, random_trace_id
@@ -65,11 +65,6 @@ _RESPONSE_START: Final = "http.response.start"
 _RESPONSE_BODY: Final = "http.response.body"
 _SERVER_ERROR_STATUS: Final = 500
 _ROOT_LOCAL_ID: Final = 0
-_C_RECEIVE_WAIT: Callable[[Send, Callable[[Send], int | None]], int | None] | None = getattr(
-    compiled.load("tokentrace.agent._wire"), "receive_wait_ns", None
-)
-"""``_receive_wait_ns`` in C (``_wire.c``), if built: one call instead of three Python frames
-(a bound method's ``__self__``, the transport's socket and its TCP_INFO), once per request."""
 
 
 @dataclass(slots=True)
@@ -145,10 +140,7 @@ class HttpServerTracer:
         """The span of a request whose app starts now; ``send`` is the server's (see
         ``_receive_wait_ns``)."""
         start_ns = self.clock()
-        receive_wait = _C_RECEIVE_WAIT
-        receive_wait_ns = (
-            _receive_wait_ns(send) if receive_wait is None else receive_wait(send, _receive_wait_ns)
-        )
+        receive_wait_ns = _receive_wait_ns(send)
         context = None
         for name, value in scope.get("headers") or ():
             if name == _TRACEPARENT_HEADER:
@@ -218,8 +210,7 @@ def plan_http_server_span(span: HttpServerSpan, to_unix: MonotonicToUnix) -> lis
 def _receive_wait_ns(send: Send) -> int | None:
     """TCP_INFO ``last_data_recv`` of the request's connection, if ``send`` is uvicorn's (a
     bound ``RequestResponseCycle.send``: ``send.__self__.transport`` is the connection's); None
-    for any other server. Never raises: these are someone else's objects. (The twin of
-    ``_wire.receive_wait_ns``.)"""
+    for any other server. Never raises: these are someone else's objects."""
     try:
         # getattr with defaults: no exception to pay for on the usual non-uvicorn path.
         transport = getattr(getattr(send, "__self__", None), "transport", None)

@@ -35,8 +35,7 @@ from tests.agent.vllm_stand_ins import (
     Setup,
 )
 from tests.spanbuild import trace
-from tokentrace.agent import compiled, semconv
-from tokentrace.agent.frameworks import asgi
+from tokentrace.agent import semconv
 from tokentrace.agent.frameworks.asgi import HOOK_HTTP_SERVER, HttpServerTracer
 from tokentrace.agent.recorder import RequestTimer, to_finished_request
 from tokentrace.agent.span_encoding import SpanBatchEncoder
@@ -403,20 +402,6 @@ def test_first_body_time_is_when_the_first_chunk_went_out(
     assert span.end_ns - first_body >= _BEFORE_FIRST_CHUNK_S * 1e9 * 0.8
 
 
-_WIRE = compiled.load("tokentrace.agent._wire")
-
-
-@pytest.fixture(params=["C", "Python"])
-def receive_wait(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The receive wait read in C (``_wire.receive_wait_ns``) and by its twin."""
-    if request.param == "C" and _WIRE is None:
-        pytest.skip("the C extension is not built here (or TOKENTRACE_PURE_PYTHON is set)")
-    if request.param == "Python":
-        monkeypatch.setattr(asgi, "_C_RECEIVE_WAIT", None)
-    return str(request.param)
-
-
-@pytest.mark.usefixtures("receive_wait")
 @pytest.mark.parametrize(("loop", "http"), SERVERS)
 def test_receive_wait_is_how_long_a_request_waited_for_a_busy_event_loop(
     vllm_stand_in: Setup, loop: str, http: str
@@ -476,7 +461,6 @@ class _LookalikeCycle:
         self.messages.append(message)
 
 
-@pytest.mark.usefixtures("receive_wait")
 @pytest.mark.parametrize("transport", ["raising", "socketless", "unix", "none"])
 def test_a_send_that_is_not_uvicorns_gives_no_receive_wait_and_never_fails(
     vllm_stand_in: Setup, transport: str
@@ -521,95 +505,3 @@ def test_a_send_that_is_not_uvicorns_gives_no_receive_wait_and_never_fails(
     assert span.attributes[semconv.HTTP_RESPONSE_STATUS_CODE] == 200
     assert span.start_ns <= span.attributes[semconv.HTTP_FIRST_BODY_TIME] <= span.end_ns
     assert vllm_stand_in.guard.failures == {}
-
-
-class _Filenoless:
-    """A socket stand-in without a descriptor of its own, answering ``getsockopt`` itself."""
-
-    def __init__(self, fileno: Any, answer: Any) -> None:
-        self._fileno = fileno
-        self._answer = answer
-
-    def fileno(self) -> Any:
-        if isinstance(self._fileno, BaseException):
-            raise self._fileno
-        return self._fileno
-
-    def getsockopt(self, *args: Any) -> Any:
-        if isinstance(self._answer, BaseException):
-            raise self._answer
-        return self._answer
-
-
-def _tcp_info_bytes(last_data_recv_ms: int) -> bytes:
-    return bytes(8) + bytes(11 * 4) + last_data_recv_ms.to_bytes(4, "little") + bytes(4 * 4)
-
-
-@pytest.mark.skipif(_WIRE is None, reason="the C extension is not built here")
-def test_the_c_receive_wait_answers_as_its_twin_for_every_shape_of_send() -> None:
-    def plain(message: Any) -> None:
-        return None
-
-    class Owner:
-        def __init__(self, transport: Any) -> None:
-            self.transport = transport
-
-        def send(self, message: Any) -> None:
-            return None
-
-    unix, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    socks = {
-        "no descriptor, an answer": _Filenoless(RuntimeError("none"), _tcp_info_bytes(7)),
-        "a str descriptor, an answer": _Filenoless("3", _tcp_info_bytes(9)),
-        "a bool descriptor, a short answer": _Filenoless(True, b"short"),
-        "no descriptor, getsockopt fails": _Filenoless(ValueError("x"), OSError("closed")),
-        "a unix socket": unix,
-    }
-    sends: dict[str, Any] = {
-        "a function": plain,
-        "a bound method without a transport": Owner.__new__(Owner).send,
-        "a transport of None": Owner(None).send,
-        "a raising transport": Owner(_RaisingTransport()).send,
-        "a socketless transport": Owner(_SocketlessTransport()).send,
-        **{name: Owner(_UnixTransport(sock)).send for name, sock in socks.items()},  # type: ignore[arg-type]
-    }
-    twin_calls: list[Any] = []
-
-    def twin(send: Any) -> int | None:
-        twin_calls.append(send)
-        return asgi._receive_wait_ns(send)
-
-    with unix, peer:
-        for name, send in sends.items():
-            assert _WIRE.receive_wait_ns(send, twin) == asgi._receive_wait_ns(send), name
-    # The twin answers only for the sockets whose descriptor is not an int.
-    assert len(twin_calls) == len(socks) - 1
-    assert _WIRE.receive_wait_ns(sends["no descriptor, an answer"], twin) == 7 * _NS_PER_MS
-
-
-@pytest.mark.skipif(_WIRE is None, reason="the C extension is not built here")
-def test_the_c_receive_wait_reads_a_tcp_connection_and_lets_interrupts_through() -> None:
-    class Owner:
-        def __init__(self, transport: Any) -> None:
-            self.transport = transport
-
-        def send(self, message: Any) -> None:
-            return None
-
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        client = socket.create_connection(server.getsockname()[:2])
-        accepted, _ = server.accept()
-        with client, accepted:
-            client.sendall(b"x")
-            time.sleep(0.05)
-            send = Owner(_UnixTransport(accepted)).send
-            waited = _WIRE.receive_wait_ns(send, asgi._receive_wait_ns)
-            assert waited is not None and 20 * _NS_PER_MS <= waited < 5_000 * _NS_PER_MS
-            assert abs(waited - asgi._receive_wait_ns(send)) <= 50 * _NS_PER_MS
-
-    class Interrupting:
-        def get_extra_info(self, name: str) -> Any:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        _WIRE.receive_wait_ns(Owner(Interrupting()).send, asgi._receive_wait_ns)
