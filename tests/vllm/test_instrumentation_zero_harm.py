@@ -43,7 +43,8 @@ require_vllm()
 pytestmark = pytest.mark.slow
 
 _SUPPORT_DIR = Path(__file__).parent / "support"
-_FRONTEND_HOOK = (("_after_outputs",), (HOOK_OUTPUTS,))
+# The finish of a request, which the per-step output hook calls (from C where _steps.c is built).
+_FRONTEND_HOOK = (("_finish",), (HOOK_OUTPUTS,))
 _ENGINE_AND_HTTP_HOOKS = (
     # A request first seen in EngineCore: its record is made inside the C step hook (or the
     # Python one, where _steps.c is not built).
@@ -159,8 +160,8 @@ def test_server_keeps_serving_when_hooks_raise(failing_hook_server: FailingHookS
     (joined,) = [tree for tree in traced.values() if tree.root.trace_id == trace_id]
     assert joined.root.parent_span_id == parent_span_id
 
-    # Phase 2: the frontend's per-step output hook fails at the next request's first step; it
-    # stops request tracing instead of leaving half-built traces, and nothing is traced after.
+    # Phase 2: the frontend's per-step output hook fails at the next request's finish; it stops
+    # request tracing instead of leaving half-built traces, and nothing is traced after.
     failing_hook_server.fail(_FRONTEND_HOOK[0])
     assert serve_mixed_load(server, new_traceparent()[0]) == expected_tokens
     assert_still_serving(server, _FRONTEND_HOOK)

@@ -2,7 +2,7 @@
 
 Python imports ``sitecustomize`` at start-up from ``PYTHONPATH``; the zero-harm tests put this
 folder there, name hook methods in ``TOKENTRACE_TEST_FAIL_HOOK`` (comma-separated):
-``VllmInstrumentor``'s (frontend, e.g. ``_after_outputs``), or a class's of the engine or ASGI
+``VllmInstrumentor``'s (frontend, e.g. ``_finish``), or a class's of the engine or ASGI
 modules (e.g. ``_TrackedRequest.__init__`` in EngineCore, ``HttpServerTracer.begin`` in the
 API server), and a switch file in ``TOKENTRACE_TEST_FAIL_SWITCH``. A named hook raises while
 its name is a line of the switch file, so one server can fail one set of hooks, then another.
