@@ -42,6 +42,9 @@ PROBE_LOG_ENV: Final = "TOKENTRACE_STEP_PROBE_LOG"
 _LOG_EVERY: Final = 500
 _ORIGINAL_CALL: Final = "PyObject_Vectorcall(self->original, args, nargsf, kwnames)"
 _DISPATCH: Final = "static PyObject *step_hook_vectorcall("
+_HOOKS_START: Final = "static PyObject *schedule_hook("
+"""The step hooks' code runs from here to ``_DISPATCH``: the calls of vLLM's method probed are
+the two in it (other hooks in the file, such as the API server's, are not EngineCore's)."""
 
 _PROBE: Final = r"""
 /* bench/step_hook_cpu.py's probe: this thread's CPU time in the hooks, less vLLM's method. */
@@ -93,17 +96,24 @@ static PyObject *step_hook_vectorcall(PyObject *callable, PyObject *const *args,
 def probed_source(source: str) -> str:
     """``_steps.c`` with the probe: every call of vLLM's method measured, and the hooks'
     dispatch (``step_hook_vectorcall``) wrapped. ValueError where the source lacks either."""
-    if source.count(_ORIGINAL_CALL) != 2 or source.count(_DISPATCH) != 1:
+    before_hooks, start, hooks_and_rest = source.partition(_HOOKS_START)
+    hooks, dispatch_found, rest = hooks_and_rest.partition(_DISPATCH)
+    if (
+        not start
+        or not dispatch_found
+        or hooks.count(_ORIGINAL_CALL) != 2
+        or rest.count(_DISPATCH) != 0
+    ):
         raise ValueError(
-            f"{_SOURCE}: expected two calls `{_ORIGINAL_CALL}` and one `{_DISPATCH}`: the probe "
-            "no longer fits this source"
+            f"{_SOURCE}: expected `{_HOOKS_START}`, then two calls `{_ORIGINAL_CALL}`, then one "
+            f"`{_DISPATCH}`: the probe no longer fits this source"
         )
     probe = _PROBE % {"env": PROBE_LOG_ENV}
     dispatch = _DISPATCH_PROBED % {"every": _LOG_EVERY}
-    body = source.replace(
+    hooks = hooks.replace(
         _ORIGINAL_CALL, _ORIGINAL_CALL.replace("PyObject_Vectorcall", "probe_call_original")
     )
-    body = body.replace(_DISPATCH, "static PyObject *step_hook_vectorcall_unprobed(")
+    body = before_hooks + start + hooks + "static PyObject *step_hook_vectorcall_unprobed(" + rest
     # Helpers after the includes (Python.h first), the wrapper after everything it calls.
     head, separator, rest = body.partition("#include <time.h>\n")
     if not separator:

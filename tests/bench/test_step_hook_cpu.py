@@ -33,6 +33,9 @@ def test_the_probe_fits_the_source_and_refuses_one_it_does_not_fit() -> None:
     source = (_ROOT / "agent/_steps.c").read_text()
     probed = probed_source(source)
     assert probed.count("probe_call_original(self->original") == 2
+    # Only EngineCore's step hooks: the API server's output hook in the same file is not probed.
+    calls = "PyObject_Vectorcall(self->original"
+    assert probed.count(calls) == source.count(calls) - 2
     assert "step_hook_vectorcall_unprobed(callable" in probed
     with pytest.raises(ValueError, match="no longer fits"):
         probed_source(source.replace("PyObject_Vectorcall(self->original", "call(self->original"))
