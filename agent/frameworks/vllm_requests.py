@@ -84,12 +84,12 @@ HOOK_ADD_REQUEST: Final = "vllm.add_request"
 HOOK_OUTPUTS: Final = "vllm.process_outputs"
 HOOK_ABORT: Final = "vllm.abort"
 _REQUEST_HOOKS: Final = frozenset({HOOK_ADD_REQUEST, HOOK_OUTPUTS, HOOK_ABORT})
+"""One request's life spans these hooks: when one is disabled, requests are no longer traced."""
 _OUTPUTS_HOOK: Callable[..., Any] | None = getattr(
     compiled.load("tokentrace.agent._steps"), "outputs_hook", None
 )
 """``_steps.c``'s maker of the per-step output patch in C, if built (the Python patch of
 ``_process_outputs_patch`` is its twin)."""
-"""One request's life spans these hooks: when one is disabled, requests are no longer traced."""
 _TRACE_HEADERS_ARGUMENT: Final = 6
 """Position of ``trace_headers`` in ``AsyncLLM.add_request``'s arguments (after ``self``)."""
 _CHAT_REQUEST_PREFIX: Final = "chatcmpl-"
