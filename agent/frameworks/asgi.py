@@ -31,14 +31,16 @@ the attribute is absent; "measured 0" and "unknown" stay distinguishable.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from functools import partial
+from types import CoroutineType
 from typing import Any, Final
 
-from tokentrace.agent import semconv
+from tokentrace.agent import compiled, semconv
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import MonotonicToUnix
 from tokentrace.agent.span_ids import parse_traceparent, random_span_id_bytes, random_trace_id
@@ -224,7 +226,12 @@ def _receive_wait_ns(send: Send) -> int | None:
 
 class _TracingMiddleware:
     """Pure ASGI (no ``BaseHTTPMiddleware``: its extra task and body buffering would change the
-    app's timing); the app's own call always runs outside the guard."""
+    app's timing); the app's own call always runs outside the guard.
+
+    Not a coroutine function: a traced request's call returns the app's coroutine wrapped by
+    ``_TRACED_AWAIT`` (C: no Python frame each time the request's task resumes, where a
+    coroutine here would be one more in the chain of awaits), an untraced one the app's own.
+    """
 
     __slots__ = ("_app", "_enabled", "_tracer")
 
@@ -233,47 +240,92 @@ class _TracingMiddleware:
         self._tracer = tracer
         self._enabled = enabled
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         tracer = self._tracer
         if (
             scope.get("type") != "http"
             or scope.get("method") not in _TRACED_METHODS
             or not self._enabled()
         ):
-            await self._app(scope, receive, send)
-            return
+            return self._app(scope, receive, send)
         span: HttpServerSpan | None = tracer.guard.run(HOOK_HTTP_SERVER, tracer.begin, scope, send)
         if span is None:
-            await self._app(scope, receive, send)
-            return
-        clock = tracer.clock
-        first_body_pending = True  # a closure cell: cheaper per chunk than the span's attribute
-
-        # Not a coroutine function: it hands back ``send``'s own awaitable, so a streamed chunk
-        # costs no extra coroutine (created, started, finished) on the serving thread.
-        def send_traced(message: Message) -> Awaitable[None]:
-            nonlocal first_body_pending
-            kind = message.get("type")
-            if kind == _RESPONSE_BODY:
-                if first_body_pending and message.get("body"):
-                    span.first_body_ns = clock()
-                    first_body_pending = False
-                if not message.get("more_body", False):
-                    # Read before the last bytes are handed over, so that the span ends before
-                    # any client can see the response end (a client span always contains it).
-                    span.end_ns = clock()
-            elif kind == _RESPONSE_START:
-                status = message.get("status")
-                if type(status) is int:
-                    span.status_code = status
-            return send(message)
-
-        token = _current.set(span)
+            return self._app(scope, receive, send)
+        # Set here, in the task that awaits this call (tasks the app starts inherit it).
+        on_exit = partial(_end_request, tracer, span, scope, _current.set(span))
         try:
-            await self._app(scope, receive, send_traced)
-        except BaseException as exc:
-            span.error = type(exc).__name__
+            call = self._app(scope, receive, _TRACED_SEND(send, span, tracer.clock))
+        except BaseException as exc:  # an app that fails before it returns an awaitable
+            on_exit(exc)
             raise
-        finally:
-            _current.reset(token)
-            tracer.guard.run(HOOK_HTTP_SERVER, tracer.end, span, scope)
+        if _TRACED_AWAIT is not None and type(call) is CoroutineType:
+            return _TRACED_AWAIT(call, on_exit)
+        return _traced_await(call, on_exit)
+
+
+def _end_request(
+    tracer: HttpServerTracer,
+    span: HttpServerSpan,
+    scope: Scope,
+    token: contextvars.Token[HttpServerSpan | None],
+    exc: BaseException | None,
+) -> None:
+    """The app's call ended (returned, raised, or was closed): the span is handed on."""
+    if exc is not None:
+        span.error = type(exc).__name__
+    # ValueError: closed by a finalizer, in a context that is not the request's.
+    with contextlib.suppress(ValueError):
+        _current.reset(token)
+    tracer.guard.run(HOOK_HTTP_SERVER, tracer.end, span, scope)
+
+
+async def _traced_await(
+    call: Awaitable[Any], on_exit: Callable[[BaseException | None], object]
+) -> Any:
+    """The twin of ``_asgi.traced_await``: ``call`` awaited; ``on_exit`` once when it ends."""
+    try:
+        result = await call
+    except BaseException as exc:
+        on_exit(exc)
+        raise
+    on_exit(None)
+    return result
+
+
+def _traced_send(send: Send, span: HttpServerSpan, clock: Callable[[], int]) -> Send:
+    """The twin of ``_asgi.traced_send``: the app's ``send``, which stamps ``span`` from each
+    message before calling the server's ``send``."""
+    first_body_pending = True  # a closure cell: cheaper per chunk than the span's attribute
+
+    # Not a coroutine function: it hands back ``send``'s own awaitable, so a streamed chunk
+    # costs no extra coroutine (created, started, finished) on the serving thread.
+    def send_traced(message: Message) -> Awaitable[None]:
+        nonlocal first_body_pending
+        kind = message.get("type")
+        if kind == _RESPONSE_BODY:
+            if first_body_pending and message.get("body"):
+                span.first_body_ns = clock()
+                first_body_pending = False
+            if not message.get("more_body", False):
+                # Read before the last bytes are handed over, so that the span ends before
+                # any client can see the response end (a client span always contains it).
+                span.end_ns = clock()
+        elif kind == _RESPONSE_START:
+            status = message.get("status")
+            if type(status) is int:
+                span.status_code = status
+        return send(message)
+
+    return send_traced
+
+
+_ASGI = compiled.load("tokentrace.agent._asgi")
+_TRACED_AWAIT: Callable[[Any, Callable[[BaseException | None], object]], Awaitable[Any]] | None = (
+    None if _ASGI is None else _ASGI.traced_await
+)
+"""``_asgi.c``'s wrapper of a traced request's coroutine, if built (``_traced_await`` is its
+twin, and answers for an app whose call returns another kind of awaitable)."""
+_TRACED_SEND: Callable[[Send, HttpServerSpan, Callable[[], int]], Send] = (
+    _traced_send if _ASGI is None else _ASGI.traced_send
+)
+"""The app's ``send`` of a traced request: ``_asgi.c``'s if built, else ``_traced_send``."""

@@ -36,6 +36,7 @@ from tests.agent.vllm_stand_ins import (
 )
 from tests.spanbuild import trace
 from tokentrace.agent import semconv
+from tokentrace.agent.frameworks import asgi
 from tokentrace.agent.frameworks.asgi import HOOK_HTTP_SERVER, HttpServerTracer
 from tokentrace.agent.recorder import RequestTimer, to_finished_request
 from tokentrace.agent.span_encoding import SpanBatchEncoder
@@ -59,6 +60,18 @@ _BEFORE_FIRST_CHUNK_S = 0.02
 _LOOP_BLOCK_S = 0.3
 """How long a route blocks the server's event loop while another request waits in the kernel."""
 _SOCKET_TIMEOUT_S = 10.0
+
+
+@pytest.fixture(autouse=True, params=["C", "Python"])
+def middleware_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the middleware's await and send in C (``_asgi``) and with their
+    Python twins."""
+    if request.param == "C" and asgi._TRACED_AWAIT is None:
+        pytest.skip("the C extension is not built here (or TOKENTRACE_PURE_PYTHON is set)")
+    if request.param == "Python":
+        monkeypatch.setattr(asgi, "_TRACED_AWAIT", None)
+        monkeypatch.setattr(asgi, "_TRACED_SEND", asgi._traced_send)
+    return str(request.param)
 
 
 def completions_app(engine: AsyncLLM) -> FastAPI:
