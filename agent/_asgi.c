@@ -27,6 +27,15 @@ typedef struct {
 static PyObject *name_throw;
 static PyObject *name_close;
 
+/* 0, or -1 with RuntimeError set when the coroutine was let go (tp_clear, in a collected cycle). */
+static int check_inner(TracedAwait *self) {
+    if (self->inner != NULL) {
+        return 0;
+    }
+    PyErr_SetString(PyExc_RuntimeError, "the traced coroutine was collected");
+    return -1;
+}
+
 /* Calls on_exit(exc) once, exc NULL meaning None; -1 with its error set when it raised. */
 static int call_exit(TracedAwait *self, PyObject *exc) {
     PyObject *on_exit = self->on_exit;
@@ -59,6 +68,10 @@ static void exit_with_error(TracedAwait *self) {
 }
 
 static PySendResult traced_await_am_send(TracedAwait *self, PyObject *arg, PyObject **result) {
+    if (check_inner(self) < 0) {
+        *result = NULL;
+        return PYGEN_ERROR;
+    }
     self->started = 1;
     PySendResult status = PyIter_Send(self->inner, arg, result);
     if (status == PYGEN_RETURN) {
@@ -98,6 +111,9 @@ static PyObject *traced_await_iternext(TracedAwait *self) {
 }
 
 static PyObject *traced_await_throw(TracedAwait *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_inner(self) < 0) {
+        return NULL;
+    }
     self->started = 1;
     PyObject *throw = PyObject_GetAttr(self->inner, name_throw);
     if (throw == NULL) {
@@ -113,6 +129,9 @@ static PyObject *traced_await_throw(TracedAwait *self, PyObject *const *args, Py
 
 /* The coroutine closed, as the twin's frame sees it: GeneratorExit raised at its await. */
 static PyObject *traced_await_close(TracedAwait *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->inner == NULL) {
+        Py_RETURN_NONE;
+    }
     PyObject *closed = PyObject_CallMethodNoArgs(self->inner, name_close);
     if (closed == NULL) {
         exit_with_error(self);

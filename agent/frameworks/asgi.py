@@ -31,7 +31,6 @@ the attribute is absent; "measured 0" and "unknown" stay distinguishable.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -273,9 +272,11 @@ def _end_request(
     """The app's call ended (returned, raised, or was closed): the span is handed on."""
     if exc is not None:
         span.error = type(exc).__name__
-    # ValueError: closed by a finalizer, in a context that is not the request's.
-    with contextlib.suppress(ValueError):
+    # Not contextlib.suppress: two Python calls more per request.
+    try:  # noqa: SIM105
         _current.reset(token)
+    except ValueError:  # closed by a finalizer, in a context that is not the request's
+        pass
     tracer.guard.run(HOOK_HTTP_SERVER, tracer.end, span, scope)
 
 
