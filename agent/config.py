@@ -19,6 +19,11 @@
   (each its own trace), besides those overlapping requests' inter-token outliers.
 - ``TOKENTRACE_ITL_OUTLIER_RATIO`` (3.0): an inter-token gap above this many times the request's
   median gap is an outlier; the engine steps inside it are exported under the request.
+- ``TOKENTRACE_HTTP_RECEIVE_WAIT`` (true): the HTTP server span reads how long each request's
+  bytes waited in the server's kernel before the app took them (one ``TCP_INFO`` system call
+  per request, about a sixth of the tracing's share of vLLM's API server in docs/performance.md);
+  false leaves ``tokentrace.http.receive_wait_ns`` out, and the budget counts that wait as
+  network.
 - ``TOKENTRACE_NODE_SOCKET``: the node agent's local socket (``tokentrace node-agent
   --local-socket``). Set: finished requests go there as plain data and the node agent builds
   their spans, which takes that work out of this process (``local_relay``); OTLP is used
@@ -96,6 +101,9 @@ class AgentConfig:
     engine_steps: int = _DEFAULT_ENGINE_STEPS
     step_sample_rate: float = _DEFAULT_STEP_SAMPLE_RATE
     itl_outlier_ratio: float = _DEFAULT_ITL_OUTLIER_RATIO
+    http_receive_wait: bool = True
+    """Whether the HTTP server span reads each request's kernel wait
+    (``TOKENTRACE_HTTP_RECEIVE_WAIT``)."""
     gpu_uuids: tuple[str, ...] = ()
     """The GPUs this process may use (``identity.visible_gpu_uuids``)."""
     node_socket: str | None = None
@@ -182,6 +190,7 @@ def load_agent_config(environ: Mapping[str, str] | None = None) -> AgentConfig:
         itl_outlier_ratio=_number(
             env, "TOKENTRACE_ITL_OUTLIER_RATIO", _DEFAULT_ITL_OUTLIER_RATIO, low=1.0
         ),
+        http_receive_wait=_flag(env, "TOKENTRACE_HTTP_RECEIVE_WAIT", True),
         gpu_uuids=tuple(visible_gpu_uuids(env)) if enabled else (),
         node_socket=env.get(NODE_SOCKET_ENV, "").strip() or None,
     )

@@ -26,7 +26,10 @@ the request's socket says how long ago the kernel received its last bytes
 server's backlog from the network. ASGI gives the app no socket: under uvicorn, the ``send``
 the outermost layer receives is the bound ``RequestResponseCycle.send``, whose cycle holds the
 transport. With any other server (or when anything in that chain is not what it looks like)
-the attribute is absent; "measured 0" and "unknown" stay distinguishable.
+the attribute is absent; "measured 0" and "unknown" stay distinguishable. The read is the
+largest single cost of the tracing in vLLM's busy API server (~10-16 µs of CPU there, cold
+caches around a system call; docs/performance.md): ``TOKENTRACE_HTTP_RECEIVE_WAIT=false``
+(``receive_wait=False``) leaves it out.
 """
 
 from __future__ import annotations
@@ -120,8 +123,12 @@ class HttpServerTracer:
         guard: HookGuard,
         to_unix: MonotonicToUnix,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
+        receive_wait: bool = True,
     ) -> None:
+        """``receive_wait``: read each request's kernel wait (``_receive_wait_ns``: a system
+        call per request); False leaves ``receive_wait_ns`` None."""
         self._submit = submit
+        self.receive_wait = receive_wait
         self.guard = guard
         self._to_unix = to_unix
         self.clock = monotonic_ns
@@ -141,7 +148,7 @@ class HttpServerTracer:
         """The span of a request whose app starts now; ``send`` is the server's (see
         ``_receive_wait_ns``)."""
         start_ns = self.clock()
-        receive_wait_ns = _receive_wait_ns(send)
+        receive_wait_ns = _receive_wait_ns(send) if self.receive_wait else None
         context = None
         for name, value in scope.get("headers") or ():
             if name == _TRACEPARENT_HEADER:

@@ -325,7 +325,10 @@ class EngineInstrumentor(BaseInstrumentor):
     def _runtime_http_tracer(runtime: AgentRuntime) -> HttpServerTracer:
         """The HTTP server span tracer of this process, exporting through its runtime."""
         tracer = HttpServerTracer(
-            runtime.emitter.submit, guard=runtime.guard, to_unix=runtime.clock
+            runtime.emitter.submit,
+            guard=runtime.guard,
+            to_unix=runtime.clock,
+            receive_wait=runtime.config.http_receive_wait,
         )
         runtime.add_stats_source(tracer.stats)
         return tracer

@@ -444,6 +444,24 @@ def test_receive_wait_is_how_long_a_request_waited_for_a_busy_event_loop(
     assert vllm_stand_in.guard.failures == {}
 
 
+def test_with_the_receive_wait_turned_off_no_socket_is_read_and_the_span_has_none(
+    vllm_stand_in: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unexpected(send: object) -> None:
+        raise AssertionError("the receive wait was read")
+
+    monkeypatch.setattr(asgi, "_receive_wait_ns", unexpected)
+    vllm_stand_in.http_tracer.receive_wait = False
+    vllm_stand_in.instrument()
+    with uvicorn_serving(TimingApp().app(), loop="uvloop", http="httptools") as port:
+        response = httpx.post(f"http://127.0.0.1:{port}/quick", json={}, timeout=10)
+        assert response.status_code == 200
+        (span,) = planned_by_path(vllm_stand_in, 1)["/quick"]
+    assert semconv.HTTP_RECEIVE_WAIT_NS not in span.attributes
+    assert span.attributes[semconv.HTTP_RESPONSE_STATUS_CODE] == 200
+    assert vllm_stand_in.guard.failures == {}
+
+
 class _RaisingTransport:
     def get_extra_info(self, name: str) -> Any:
         raise RuntimeError("not a transport we know")

@@ -109,6 +109,27 @@ def test_agent_config_is_disabled_by_either_switch() -> None:
     assert not load_agent_config({"TOKENTRACE_ENABLED": "false"}).enabled
 
 
+@pytest.mark.parametrize(
+    ("value", "reads"), [(None, True), ("false", False), ("0", False), ("sure", True)]
+)
+def test_the_http_receive_wait_is_read_unless_turned_off_and_reaches_the_http_tracer(
+    value: str | None, reads: bool
+) -> None:
+    from tokentrace.agent.frameworks.patching import EngineInstrumentor
+    from tokentrace.agent.runtime import AgentRuntime
+
+    environment = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
+    if value is not None:
+        environment["TOKENTRACE_HTTP_RECEIVE_WAIT"] = value
+    config = load_agent_config(environment)
+    assert config.http_receive_wait is reads
+    runtime = AgentRuntime(config)
+    try:
+        assert EngineInstrumentor._runtime_http_tracer(runtime).receive_wait is reads
+    finally:
+        runtime.shutdown(1.0)
+
+
 def test_bad_agent_values_fall_back_to_defaults_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
