@@ -167,14 +167,25 @@ def owner_of(frames: Sequence[Frame], tracer: str) -> tuple[str, Frame | None]:
     return (OWNER_TRACING if started_by_tracer else OWNER_LIBRARY), (frames[-1] if frames else None)
 
 
+def entry_of(frames: Sequence[Frame], tracer: str) -> Frame | None:
+    """The outermost frame of the tracing in a sample's stack (frames outermost first): where
+    the host called in, whose count includes all the tracing's work below it."""
+    for frame in frames:
+        if _is_tracing(frame.path, tracer) or _is_builtin_tracing_function(frame, tracer):
+            return frame
+    return None
+
+
 @dataclass(slots=True)
 class ProcessShare:
-    """One process's busy samples, and the tracing's part with its top functions."""
+    """One process's busy samples, and the tracing's part with its top functions (innermost
+    frames: where the time went) and entry points (outermost: which hook it went in)."""
 
     busy: int = 0
     tracing: int = 0
     library: int = 0
     functions: Counter[str] = field(default_factory=Counter)
+    entries: Counter[str] = field(default_factory=Counter)
 
     @property
     def share(self) -> float:
@@ -185,6 +196,7 @@ class ProcessShare:
         self.tracing += other.tracing
         self.library += other.library
         self.functions.update(other.functions)
+        self.entries.update(other.entries)
 
 
 def attribute(raw_lines: Iterable[str], tracer: str) -> ProcessShare:
@@ -203,6 +215,9 @@ def attribute(raw_lines: Iterable[str], tracer: str) -> ProcessShare:
             share.tracing += count
             if frame is not None:
                 share.functions[frame.label] += count
+            entry = entry_of(frames, tracer) or frame
+            if entry is not None:
+                share.entries[entry.label] += count
         elif owner == OWNER_LIBRARY:
             share.library += count
     return share
@@ -356,6 +371,10 @@ def _report(results: dict[str, _Measured]) -> None:
                 f"(library-only {library:.2f} %)"
             )
             for label, count in total.functions.most_common(_TOP_FUNCTIONS):
+                print(f"      {100 * count / total.busy:5.2f} %  {label}")
+            if total.entries:
+                print("    by entry point (the tracing's outermost frame, all below it):")
+            for label, count in total.entries.most_common(_TOP_FUNCTIONS):
                 print(f"      {100 * count / total.busy:5.2f} %  {label}")
         print(f"  {'whole server':<14} tracing {_spread(measured.whole)}")
 

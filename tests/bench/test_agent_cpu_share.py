@@ -109,6 +109,29 @@ def test_a_profile_sums_by_owner_with_the_tracings_top_functions() -> None:
     assert share.functions.most_common(1) == [("SpanEmitter._drain (emit.py)", 30)]
 
 
+def test_entry_points_count_a_hook_with_everything_the_tracing_does_below_it() -> None:
+    hook = _frame("HttpServerTracer.begin", f"{_REPO}/agent/frameworks/asgi.py", 140)
+    wait = _frame("_receive_wait_ns", f"{_REPO}/agent/frameworks/asgi.py", 220)
+    uvloop = _frame("UVStream.get_extra_info", f"{_SITE}/uvloop/loop.pyx")
+    raw = [
+        f"{_stack(*_THREAD, _VLLM, hook, wait, uvloop)} 7",  # the host's library: the wait's
+        f"{_stack(*_THREAD, _VLLM, hook)} 3",
+        f"{_stack(*_THREAD, _VLLM, hook, _VLLM)} 5",  # the host again: not the tracing's
+        f"{_stack(*_THREAD, _EMITTER, _GRPC)} 2",
+    ]
+    share = attribute(raw, TRACER_TOKENTRACE)
+    assert share.tracing == 12
+    assert share.functions == {
+        "_receive_wait_ns (asgi.py)": 7,
+        "HttpServerTracer.begin (asgi.py)": 3,
+        "SpanEmitter._drain (emit.py)": 2,
+    }
+    assert share.entries == {
+        "HttpServerTracer.begin (asgi.py)": 10,
+        "SpanEmitter._drain (emit.py)": 2,
+    }
+
+
 # --- --native: C frames as py-spy --native writes them ---------------------------------------
 _OUR_C = _frame("step_facts", "agent/_steps.c", 212)
 _LIBC = "0x7f603e64524a (libc.so.6)"
