@@ -152,10 +152,14 @@ def _is_builtin_tracing_function(frame: Frame, tracer: str) -> bool:
     )
 
 
+def _is_tracing_frame(frame: Frame, tracer: str) -> bool:
+    return _is_tracing(frame.path, tracer) or _is_builtin_tracing_function(frame, tracer)
+
+
 def owner_of(frames: Sequence[Frame], tracer: str) -> tuple[str, Frame | None]:
     """Who owns a sample (frames outermost first) and the frame that decided it."""
     for frame in reversed(frames):
-        if _is_tracing(frame.path, tracer) or _is_builtin_tracing_function(frame, tracer):
+        if _is_tracing_frame(frame, tracer):
             return OWNER_TRACING, frame
         if not _is_library(frame.path, tracer):
             return OWNER_HOST, frame
@@ -171,7 +175,7 @@ def entry_of(frames: Sequence[Frame], tracer: str) -> Frame | None:
     """The outermost frame of the tracing in a sample's stack (frames outermost first): where
     the host called in, whose count includes all the tracing's work below it."""
     for frame in frames:
-        if _is_tracing(frame.path, tracer) or _is_builtin_tracing_function(frame, tracer):
+        if _is_tracing_frame(frame, tracer):
             return frame
     return None
 
