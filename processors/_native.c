@@ -19,7 +19,50 @@
 
 #define NS_PER_US 1000
 
-/* int_values(serialised ArrayValue, count) -> list[int] | None
+/* array.array, for the int64 arrays ('q') these functions answer with: one buffer per request
+ * instead of a Python int per token (set when the module is made). */
+static PyObject *array_type;
+
+/* A new array('q') of values[0..count). */
+static PyObject *int64_array(const int64_t *values, Py_ssize_t count) {
+    PyObject *bytes = PyBytes_FromStringAndSize((const char *)values, count * (Py_ssize_t)8);
+    if (bytes == NULL) {
+        return NULL;
+    }
+    PyObject *result = PyObject_CallFunction(array_type, "sO", "q", bytes); /* frombytes */
+    Py_DECREF(bytes);
+    return result;
+}
+
+/* A growing buffer of int64s (PyMem; values NULL until the first append). */
+typedef struct {
+    int64_t *values;
+    Py_ssize_t count, capacity;
+} Int64s;
+
+static int int64s_append(Int64s *list, int64_t value) {
+    if (list->count == list->capacity) {
+        Py_ssize_t capacity = list->capacity ? 2 * list->capacity : 64;
+        int64_t *grown = PyMem_Realloc(list->values, sizeof(int64_t) * (size_t)capacity);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        list->values = grown, list->capacity = capacity;
+    }
+    list->values[list->count++] = value;
+    return 0;
+}
+
+/* The buffer as a new array('q'), freed. */
+static PyObject *int64s_finish(Int64s *list) {
+    PyObject *result = int64_array(list->values, list->count);
+    PyMem_Free(list->values);
+    list->values = NULL;
+    return result;
+}
+
+/* int_values(serialised ArrayValue, count) -> array('q') | None
  *
  * The int_value of every element when there are `count` elements and each is exactly an
  * AnyValue holding an int_value (field 1, length-delimited: tag 0x18 and one varint, nothing
@@ -45,9 +88,9 @@ static PyObject *int_values(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (expected < 0 || expected > size / 4 + 1) {
         Py_RETURN_NONE;
     }
-    PyObject *result = PyList_New(expected);
-    if (result == NULL) {
-        return NULL;
+    int64_t *values = PyMem_Malloc(sizeof(int64_t) * (size_t)(expected ? expected : 1));
+    if (values == NULL) {
+        return PyErr_NoMemory();
     }
     Py_ssize_t pos = 0, index = 0;
     while (pos < size) {
@@ -61,87 +104,86 @@ static PyObject *int_values(PyObject *module, PyObject *const *args, Py_ssize_t 
         if (!read_varint(data, element_end, &pos, &value) || pos != element_end) {
             goto not_exact;
         }
-        PyObject *number = PyLong_FromLongLong((long long)(int64_t)value);
-        if (number == NULL) {
-            Py_DECREF(result);
-            return NULL;
-        }
-        PyList_SET_ITEM(result, index++, number);
+        values[index++] = (int64_t)value;
     }
     if (index != expected) {
         goto not_exact;
     }
+    PyObject *result = int64_array(values, expected);
+    PyMem_Free(values);
     return result;
 not_exact:
-    Py_DECREF(result);
+    PyMem_Free(values);
     Py_RETURN_NONE;
 }
 
-/* gaps_ns(offsets_us: list[int]) -> list[int] | None
+static int64_t *int64_buffer(PyObject *values, Py_ssize_t *count);
+
+/* gaps_ns(offsets_us: list[int] | array('q')) -> array('q') | None
  *
- * The differences between consecutive offsets (µs) in ns, in order, negative ones left out;
- * None when an offset is not an int that fits 64 bits or a result would not.
+ * The differences between consecutive offsets (µs) in ns, in order; negative ones and those
+ * past 64 bits in ns left out (malformed offsets); None when an offset is not an int that fits
+ * 64 bits.
  */
 static PyObject *gaps_ns(PyObject *module, PyObject *arg) {
     (void)module;
-    if (!PyList_Check(arg)) {
+    Py_ssize_t count;
+    int64_t *offsets = int64_buffer(arg, &count);
+    if (offsets == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
         Py_RETURN_NONE;
     }
-    Py_ssize_t count = PyList_GET_SIZE(arg);
-    PyObject *result = PyList_New(0);
-    if (result == NULL) {
-        return NULL;
+    Py_ssize_t kept = 0; /* written over the offsets, each after it was read */
+    for (Py_ssize_t index = 1; index < count; index++) {
+        int64_t gap, gap_ns;
+        if (!__builtin_sub_overflow(offsets[index], offsets[index - 1], &gap) &&
+            !__builtin_mul_overflow(gap, (int64_t)NS_PER_US, &gap_ns) && gap_ns >= 0) {
+            offsets[kept++] = gap_ns;
+        }
     }
-    long long previous = 0;
-    for (Py_ssize_t index = 0; index < count; index++) {
-        PyObject *item = PyList_GET_ITEM(arg, index);
-        if (!PyLong_Check(item)) {
-            goto not_fast;
-        }
-        int overflow = 0;
-        long long offset = PyLong_AsLongLongAndOverflow(item, &overflow);
-        if (overflow || (offset == -1 && PyErr_Occurred())) {
-            PyErr_Clear();
-            goto not_fast;
-        }
-        if (index > 0) {
-            long long gap, gap_ns;
-            if (__builtin_sub_overflow(offset, previous, &gap) ||
-                __builtin_mul_overflow(gap, (long long)NS_PER_US, &gap_ns)) {
-                goto not_fast;
-            }
-            if (gap_ns >= 0) {
-                PyObject *number = PyLong_FromLongLong(gap_ns);
-                if (number == NULL || PyList_Append(result, number) < 0) {
-                    Py_XDECREF(number);
-                    Py_DECREF(result);
-                    return NULL;
-                }
-                Py_DECREF(number);
-            }
-        }
-        previous = offset;
-    }
+    PyObject *result = int64_array(offsets, kept);
+    PyMem_Free(offsets);
     return result;
-not_fast:
-    Py_DECREF(result);
-    Py_RETURN_NONE;
 }
 
-/* Reads a list of ints into a new int64 buffer; NULL (no exception) when `list` is not a list
- * or an element is not an int that fits 64 bits, NULL with MemoryError set when out of memory. */
-static int64_t *int64_buffer(PyObject *list, Py_ssize_t *count) {
-    if (!PyList_Check(list)) {
-        return NULL;
+/* Reads a list of ints, or an int64 buffer (array('q')), into a new int64 buffer; NULL (no
+ * exception) when `values` is neither or a list element is not an int that fits 64 bits, NULL
+ * with MemoryError set when out of memory. */
+static int64_t *int64_buffer(PyObject *values, Py_ssize_t *count) {
+    int64_t *buffer;
+    if (!PyList_Check(values)) {
+        Py_buffer view;
+        if (!PyObject_CheckBuffer(values) ||
+            PyObject_GetBuffer(values, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            return NULL;
+        }
+        if (view.itemsize != 8 || view.format == NULL ||
+            (strcmp(view.format, "q") != 0 && strcmp(view.format, "l") != 0)) {
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+        *count = view.len / 8;
+        buffer = PyMem_Malloc(sizeof(int64_t) * (size_t)(*count ? *count : 1));
+        if (buffer == NULL) {
+            PyBuffer_Release(&view);
+            PyErr_NoMemory();
+            return NULL;
+        }
+        memcpy(buffer, view.buf, sizeof(int64_t) * (size_t)*count);
+        PyBuffer_Release(&view);
+        return buffer;
     }
-    *count = PyList_GET_SIZE(list);
-    int64_t *buffer = PyMem_Malloc(sizeof(int64_t) * (size_t)(*count ? *count : 1));
+    *count = PyList_GET_SIZE(values);
+    buffer = PyMem_Malloc(sizeof(int64_t) * (size_t)(*count ? *count : 1));
     if (buffer == NULL) {
         PyErr_NoMemory();
         return NULL;
     }
     for (Py_ssize_t index = 0; index < *count; index++) {
-        PyObject *item = PyList_GET_ITEM(list, index);
+        PyObject *item = PyList_GET_ITEM(values, index);
         int overflow = 0;
         long long value = PyLong_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
         if (!PyLong_Check(item) || overflow || (value == -1 && PyErr_Occurred())) {
@@ -423,10 +465,61 @@ static int any_value_wire_type(uint32_t number) {
 #define PLAIN_TOP 1       /* an attribute's value */
 #define PLAIN_INT_ARRAY 2 /* an attribute's value read as span_attributes.int_array reads it */
 
+static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop, int mode,
+                       PyObject *other, PyObject **out);
+
+/* The int elements of the ArrayValue [start, stop) as an array('q') (span_attributes.int_array:
+ * other elements left out), in *out; the return value as plain_value's. An element that is
+ * exactly an int_value (tag 0x18 and a varint) is read in place, any other as plain_value reads
+ * it: no Python int per token offset. */
+static int int_elements(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop,
+                        PyObject *other, PyObject **out) {
+    Int64s elements = {NULL, 0, 0};
+    Py_ssize_t pos = start, field_start = 0, field_stop = 0;
+    while (pos < stop) {
+        uint32_t number;
+        int wire_type;
+        if (!next_field(data, stop, &pos, &number, &wire_type, &field_start, &field_stop)) {
+            PyMem_Free(elements.values);
+            return 0;
+        }
+        if (number != 1 || wire_type != WIRE_LEN) { /* ArrayValue.values = 1 */
+            continue;
+        }
+        uint64_t varint;
+        Py_ssize_t varint_pos = field_start + 1;
+        if (field_stop - field_start >= 2 && data[field_start] == 0x18 &&
+            read_varint(data, field_stop, &varint_pos, &varint) && varint_pos == field_stop) {
+            if (int64s_append(&elements, (int64_t)varint) < 0) {
+                PyMem_Free(elements.values);
+                return -1;
+            }
+            continue;
+        }
+        PyObject *element;
+        int read = plain_value(data, field_start, field_stop, PLAIN_ELEMENT, other, &element);
+        if (read <= 0) {
+            PyMem_Free(elements.values);
+            return read;
+        }
+        int appended = 0;
+        if (PyLong_CheckExact(element)) { /* from a varint read as int64: it fits */
+            appended = int64s_append(&elements, PyLong_AsLongLong(element));
+        }
+        Py_DECREF(element);
+        if (appended < 0) {
+            PyMem_Free(elements.values);
+            return -1;
+        }
+    }
+    *out = int64s_finish(&elements);
+    return *out == NULL ? -1 : 1;
+}
+
 /* The AnyValue [start, stop) as span_attributes.plain_value reads it (PLAIN_TOP) or as it reads
  * an array's element (PLAIN_ELEMENT): a str, bool, int, float, a list of the elements (at the
- * top), or `other`; or (PLAIN_INT_ARRAY) the list of an array's int elements, empty for any
- * other value. 1 with *out a new reference; 0 where the parser's rules for repeated fields would
+ * top), or `other`; or (PLAIN_INT_ARRAY) an array('q') of an array's int elements, empty for
+ * any other value. 1 with *out a new reference; 0 where the parser's rules for repeated fields would
  * decide (a oneof field set twice) or a string is not UTF-8 (the Python path answers then); -1
  * on error. */
 static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop, int mode,
@@ -448,7 +541,7 @@ static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t s
         chosen = number, chosen_start = field_start, chosen_stop = field_stop;
     }
     if (mode == PLAIN_INT_ARRAY && chosen != ANY_ARRAY) {
-        *out = PyList_New(0);
+        *out = int64_array(NULL, 0);
         return *out == NULL ? -1 : 1;
     }
     const char *bytes = (const char *)data + chosen_start;
@@ -490,6 +583,9 @@ static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t s
         *out = other;
         return 1;
     }
+    if (mode == PLAIN_INT_ARRAY) {
+        return int_elements(data, chosen_start, chosen_stop, other, out);
+    }
     PyObject *elements = PyList_New(0);
     if (elements == NULL) {
         return -1;
@@ -511,9 +607,7 @@ static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t s
             Py_DECREF(elements);
             return read;
         }
-        int appended = mode == PLAIN_INT_ARRAY && !PyLong_CheckExact(element)
-                           ? 0
-                           : PyList_Append(elements, element);
+        int appended = PyList_Append(elements, element);
         Py_DECREF(element);
         if (appended < 0) {
             Py_DECREF(elements);
@@ -752,7 +846,7 @@ static PyObject *attribute_slots(PyObject *module, PyObject *const *args, Py_ssi
                 goto failed;
             }
         } else if (mode == PLAIN_INT_ARRAY) {
-            value = PyList_New(0);
+            value = int64_array(NULL, 0);
             if (value == NULL) {
                 goto failed;
             }
@@ -801,4 +895,17 @@ static struct PyModuleDef native_module = {
     native_methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    if (array_type == NULL) {
+        PyObject *array_module = PyImport_ImportModule("array");
+        if (array_module == NULL) {
+            return NULL;
+        }
+        array_type = PyObject_GetAttrString(array_module, "array");
+        Py_DECREF(array_module);
+        if (array_type == NULL) {
+            return NULL;
+        }
+    }
+    return PyModule_Create(&native_module);
+}

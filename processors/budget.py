@@ -53,6 +53,7 @@ Client-only timelines (no server span): all of E2E (the client duration) is ``un
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -370,9 +371,10 @@ def compute_metrics(timeline: RequestTimeline, budget: Budget) -> RequestMetrics
     )
 
 
-def inter_token_gaps_ns(offsets_us: Sequence[int]) -> list[int]:
+def inter_token_gaps_ns(offsets_us: Sequence[int]) -> array[int]:
     """Gaps between consecutive token offsets (µs), in ns, in token order; negative
-    (malformed) gaps are skipped. ``RequestMetrics.itl`` and the store's documents use this."""
+    (malformed) gaps are skipped; an ``array('q')``. ``RequestMetrics.itl`` and the store's
+    documents use this."""
     return native.gaps_ns(offsets_us)  # per token, for every request the collector sees
 
 

@@ -7,6 +7,7 @@ read only the attributes they need, straight from the protobuf.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
@@ -106,8 +107,9 @@ class RequestTimeline:
     preempted: list[tuple[int, int]] = field(default_factory=list)
     prefill_chunks: list[tuple[int, int, int]] = field(default_factory=list)
     """(start, end, tokens) per prefill chunk; one entry for an unchunked prefill."""
-    token_offsets_us: list[int] = field(default_factory=list)
-    """Each output token's time in µs after the first output token (first entry 0)."""
+    token_offsets_us: Sequence[int] = field(default_factory=list)
+    """Each output token's time in µs after the first output token (first entry 0); as read
+    from spans an ``array('q')`` (``native``)."""
     token_offsets_dropped: int = 0
 
     input_tokens: int | None = None
@@ -206,8 +208,9 @@ class RequestMetrics:
     prefill: int | None
     decode: int | None
     network: int | None
-    itl: list[int]
-    """Every gap between consecutive output tokens, in ns."""
+    itl: Sequence[int]
+    """Every gap between consecutive output tokens, in ns (``budget.inter_token_gaps_ns``: an
+    ``array('q')``)."""
 
     def value(self, metric: str) -> int | None:
         """The single value of ``metric`` (ITL: the largest gap) or None when undefined."""

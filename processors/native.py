@@ -1,5 +1,9 @@
 """The collector's per-token work: token-offset arrays from their wire bytes, inter-token gaps.
 
+Token offsets and inter-token gaps are ``array('q')``: a request's ~160 of each in one buffer,
+not a Python int per token (making and freeing those ints was a large part of
+``Pipeline.process_trace``).
+
 Each function here runs in C (``_native.c``, built with the package where a C compiler is at
 hand) and has a pure-Python twin that gives the same answers; the C function answers ``None``
 where its fast path does not apply and the twin answers instead. ``TOKENTRACE_PURE_PYTHON=1``
@@ -9,6 +13,7 @@ skips the C functions (to compare, or to rule them out). ``BUILT`` says which on
 from __future__ import annotations
 
 import operator
+from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
@@ -22,6 +27,7 @@ from tokentrace.agent import compiled
 from tokentrace.agent.finished_request import MIN_GAPS_FOR_OUTLIERS, median_of_sorted
 
 _NS_PER_US: Final = 1_000
+_INT64_MAX: Final = 2**63 - 1
 _INT_VALUE_TAG: Final = 0x18
 """``AnyValue.int_value``'s wire tag (field 3, varint)."""
 
@@ -46,7 +52,7 @@ def _packed_int64_message() -> type[Message]:
     )
 
 
-def int_values_python(serialized_array: bytes, count: int) -> list[int] | None:
+def int_values_python(serialized_array: bytes, count: int) -> array[int] | None:
     """The ``int_value`` of every element of a serialised ``ArrayValue`` of ``count`` elements
     when every element is exactly an int (``None`` otherwise: the caller reads element by
     element).
@@ -64,16 +70,17 @@ def int_values_python(serialized_array: bytes, count: int) -> list[int] | None:
     words: Sequence[int] = parsed.words
     if len(words) != 2 * count or list(words[::2]).count(_INT_VALUE_TAG) != count:
         return None
-    return list(words[1::2])
+    return array("q", words[1::2])
 
 
-def gaps_ns_python(offsets_us: Sequence[int]) -> list[int]:
-    """Gaps between consecutive offsets (µs), in ns, in order; negative gaps left out."""
-    # Per token, in C builtins (map, min).
-    gaps = list(map(operator.sub, islice(offsets_us, 1, None), offsets_us))
-    if gaps and min(gaps) < 0:
-        gaps = [gap for gap in gaps if gap >= 0]
-    return list(map(_NS_PER_US.__mul__, gaps))
+def gaps_ns_python(offsets_us: Sequence[int]) -> array[int]:
+    """Gaps between consecutive offsets (µs), in ns, in order; negative gaps and gaps past 64
+    bits in ns (malformed offsets, both) left out."""
+    # Per token, in C builtins (map, min, max).
+    gaps = list(map(_NS_PER_US.__mul__, map(operator.sub, islice(offsets_us, 1, None), offsets_us)))
+    if gaps and (min(gaps) < 0 or max(gaps) > _INT64_MAX):
+        gaps = [gap for gap in gaps if 0 <= gap <= _INT64_MAX]
+    return array("q", gaps)
 
 
 def gap_median_python(gaps_ns: Sequence[int]) -> tuple[float | None, int]:
@@ -89,16 +96,16 @@ _NATIVE: Final[Any] = compiled.load("tokentrace.processors._native")
 BUILT: Final = _NATIVE is not None
 """Whether the C functions run (built, and not turned off by ``TOKENTRACE_PURE_PYTHON``)."""
 
-int_values: Callable[[bytes, int], list[int] | None] = (
+int_values: Callable[[bytes, int], array[int] | None] = (
     _NATIVE.int_values if _NATIVE is not None else int_values_python
 )
 """``int_values_python``'s answer (in C when built)."""
 
 
-def gaps_ns(offsets_us: Sequence[int]) -> list[int]:
+def gaps_ns(offsets_us: Sequence[int]) -> array[int]:
     """``gaps_ns_python``'s answer (in C when built and the offsets fit 64 bits)."""
     if _NATIVE is not None:
-        gaps: list[int] | None = _NATIVE.gaps_ns(offsets_us)
+        gaps: array[int] | None = _NATIVE.gaps_ns(offsets_us)
         if gaps is not None:
             return gaps
     return gaps_ns_python(offsets_us)

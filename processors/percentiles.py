@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -110,8 +111,10 @@ class _Slice:
     sketches: dict[SketchKey, dict[str, LatencySketch]] = field(default_factory=dict)
     pending: dict[SketchKey, dict[str, list[float]]] = field(default_factory=dict)
     """Values recorded since the sketches last took them in (``PercentileStore._settle``): each
-    metric's seconds, and ITL's inter-token gaps in ns. Keyed in one batch per metric and key,
-    not once per request."""
+    metric's seconds. Keyed in one batch per metric and key, not once per request."""
+    pending_itl: dict[SketchKey, array[int]] = field(default_factory=dict)
+    """The same for ITL: the inter-token gaps in ns, each request's array (``array('q')``,
+    ``RequestMetrics.itl``) copied in whole."""
     pending_values: int = 0
 
 
@@ -296,11 +299,11 @@ class PercentileStore:
                     else:
                         values.append(value_s)
                 if gaps:
-                    itl = pending.get(semconv.METRIC_ITL)
+                    itl = current.pending_itl.get(key)
                     if itl is None:
-                        pending[semconv.METRIC_ITL] = list(gaps)
+                        current.pending_itl[key] = array("q", gaps)
                     else:
-                        itl.extend(gaps)
+                        itl.extend(gaps)  # a memcpy from another array('q')
                 current.pending_values += len(singles) + len(gaps or ())
                 if current.pending_values > self._max_pending_values:  # no reader for a while
                     self._settle(current)
@@ -314,26 +317,37 @@ class PercentileStore:
         """Add ``slice_``'s pending values to its sketches (caller holds the lock): before the
         slice is read or closes. Keying a metric's values of a key in one batch costs about
         half of keying each request's inter-token gaps apart. Never raises (``record_errors``)."""
-        if slice_ is None or not slice_.pending:
+        if slice_ is None or not (slice_.pending or slice_.pending_itl):
             return
         scale = self.config.scale
         for key, by_metric in slice_.pending.items():
-            in_slice = slice_.sketches.get(key)
-            if in_slice is None:
-                in_slice = slice_.sketches[key] = {}
+            in_slice = self._slice_sketches(slice_, key)
             for metric, values in by_metric.items():
                 try:
-                    sketch = self._sketch(in_slice, metric)
-                    if metric == semconv.METRIC_ITL:
-                        sketch.add_keyed(KeyedValues.of_ns(values, scale=scale))  # type: ignore[arg-type]
-                    else:
-                        sketch.add_many(values)
+                    self._sketch(in_slice, metric).add_many(values)
                 except Exception:
-                    self.record_errors += 1
-                    if self.record_errors == 1:
-                        _LOG.exception("percentile store: adding recorded values failed")
+                    self._count_record_error()
+        for key, gaps_ns in slice_.pending_itl.items():
+            try:
+                sketch = self._sketch(self._slice_sketches(slice_, key), semconv.METRIC_ITL)
+                sketch.add_keyed(KeyedValues.of_ns(gaps_ns, scale=scale))
+            except Exception:
+                self._count_record_error()
         slice_.pending.clear()
+        slice_.pending_itl.clear()
         slice_.pending_values = 0
+
+    def _count_record_error(self) -> None:
+        self.record_errors += 1
+        if self.record_errors == 1:
+            _LOG.exception("percentile store: adding recorded values failed")
+
+    @staticmethod
+    def _slice_sketches(slice_: _Slice, key: SketchKey) -> dict[str, LatencySketch]:
+        in_slice = slice_.sketches.get(key)
+        if in_slice is None:
+            in_slice = slice_.sketches[key] = {}
+        return in_slice
 
     def _sketch(self, by_metric: dict[str, LatencySketch], metric: str) -> LatencySketch:
         sketch = by_metric.get(metric)
@@ -385,6 +399,7 @@ class PercentileStore:
             if self._open is not None:
                 self._open.sketches.pop(evicted, None)
                 self._open.pending.pop(evicted, None)
+                self._open.pending_itl.pop(evicted, None)
         state = self._keys[key] = _KeyState(created_s=now)
         return state
 

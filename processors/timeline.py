@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, TypeAlias, cast
 
 from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
@@ -514,7 +514,7 @@ def _apply_decode_attributes(timeline: RequestTimeline, index: _TraceIndex, deco
         decode, wire, _DECODE_SLOT, _DECODE_INT_ARRAYS
     )
     if offsets is not None:
-        timeline.token_offsets_us = cast(list[int], offsets)  # an int array slot
+        timeline.token_offsets_us = cast(Sequence[int], offsets)  # an int array slot: array('q')
     if dropped is not None:
         timeline.token_offsets_dropped = plain_int(dropped) or 0
     if bandwidth is not None:

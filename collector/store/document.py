@@ -343,10 +343,9 @@ def _partition_ms(segments: Mapping[str, int], *, present_only: bool = False) ->
 def _itl_summary(offsets_us: Sequence[int]) -> ItlSummaryDoc:
     """Count, p50, p99 (nearest rank) and max of the inter-token gaps, derived from the token
     offsets exactly as ``RequestMetrics.itl`` is (``budget.inter_token_gaps_ns``)."""
-    gaps_ns = inter_token_gaps_ns(offsets_us)
+    gaps_ns = sorted(inter_token_gaps_ns(offsets_us))
     if not gaps_ns:
         return {"count": 0, "p50": None, "p99": None, "max": None}
-    gaps_ns.sort()
     return {
         "count": len(gaps_ns),
         "p50": ns_to_ms(nearest_rank(gaps_ns, 50)),

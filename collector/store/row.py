@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 import msgspec
@@ -304,7 +304,7 @@ def request_row(record: RequestRecord) -> tuple[Any, ...]:
 class DecodeSpans(NamedTuple):
     """What a request's stored decode and engine-step spans hold (``decode_from_otlp``)."""
 
-    token_offsets: list[int] | None
+    token_offsets: Sequence[int] | None
     """µs after the first token; None when the request's decode span is not stored."""
     engine_steps: list[tuple[int, int, int]]
     """(start, end, prefill tokens) of the engine steps under the request span."""

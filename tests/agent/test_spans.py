@@ -214,7 +214,7 @@ def test_decode_keeps_the_first_offsets_and_counts_the_rest(cap: int, kept: int)
     assert dropped == (len(offsets) - kept if kept < len(offsets) else None)
     # The collector reads back the same consecutive gaps for the kept prefix.
     timeline = timeline_of(message)
-    assert timeline.token_offsets_us == offsets[:kept]
+    assert list(timeline.token_offsets_us) == offsets[:kept]
     assert timeline.token_offsets_dropped == len(offsets) - kept
 
 
@@ -433,7 +433,7 @@ def test_collector_reads_back_the_recorded_phase_durations(finished: FinishedReq
     assert timeline.service == RESOURCE[semconv.SERVICE_NAME]
     assert timeline.input_tokens == finished.input_tokens
     assert timeline.output_tokens == finished.output_tokens
-    assert timeline.token_offsets_us == finished.token_offsets_us
+    assert list(timeline.token_offsets_us) == finished.token_offsets_us
     assert timeline.preempted == finished.preempted
     assert timeline.requests_ahead == finished.requests_ahead
     assert timeline.ready == finished.ready_ns

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from array import array
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -49,9 +50,11 @@ _ELEMENT = st.one_of(
 def test_int_values_reads_exactly_the_arrays_of_ints(elements: list[AnyValue]) -> None:
     serialized = ArrayValue(values=elements).SerializeToString()
     all_ints = all(element.WhichOneof("value") == "int_value" for element in elements)
-    expected = [element.int_value for element in elements] if all_ints else None
-    assert _native.int_values(serialized, len(elements)) == expected
-    assert native.int_values_python(serialized, len(elements)) == expected
+    expected = array("q", [element.int_value for element in elements]) if all_ints else None
+    answer = _native.int_values(serialized, len(elements))
+    assert answer == expected and type(answer) is type(expected)  # an array('q'), not a list
+    twin = native.int_values_python(serialized, len(elements))
+    assert twin == expected and type(twin) is type(expected)
     # The wrong element count is never read as a shorter or longer array.
     assert _native.int_values(serialized, len(elements) + 1) is None
     if elements:
@@ -66,16 +69,16 @@ def test_int_values_answers_arbitrary_bytes_only_as_protobuf_reads_them(
 ) -> None:
     values = _native.int_values(data, count)
     if values is not None:
-        array = ArrayValue.FromString(data)
-        assert [element.int_value for element in array.values] == values
-        assert all(element.WhichOneof("value") == "int_value" for element in array.values)
+        parsed = ArrayValue.FromString(data)
+        assert [element.int_value for element in parsed.values] == values.tolist()
+        assert all(element.WhichOneof("value") == "int_value" for element in parsed.values)
 
 
 @needs_c
 def test_int_values_reads_non_canonical_varints_as_the_agent_writes_them() -> None:
     # The agent writes each offset as a 5-byte varint (0x0a 0x06 0x18 + 5 bytes).
     one = bytes([0x0A, 0x06, 0x18, 0x85, 0x80, 0x80, 0x80, 0x00])
-    assert _native.int_values(one * 3, 3) == [5, 5, 5]
+    assert _native.int_values(one * 3, 3) == array("q", [5, 5, 5])
     assert ArrayValue.FromString(one).values[0].int_value == 5
 
 
@@ -92,11 +95,34 @@ _OFFSETS = st.lists(
 @given(_OFFSETS)
 def test_gaps_match_the_python_twin(offsets: list[int]) -> None:
     expected = native.gaps_ns_python(offsets)
+    assert type(expected) is array and expected.typecode == "q"
     assert native.gaps_ns(offsets) == expected
     if _native is not None:
         assert _native.gaps_ns(offsets) in (expected, None)
-        if all(abs(offset) < 2**50 for offset in offsets):
-            assert _native.gaps_ns(offsets) == expected  # in range: C answers itself
+        if all(-(2**63) <= offset < 2**63 for offset in offsets):
+            # Offsets as the wire carries them (int64): C answers itself, from a list or an
+            # array('q'), and leaves out the gaps past 64 bits in ns as the twin does.
+            assert _native.gaps_ns(offsets) == expected
+            assert _native.gaps_ns(array("q", offsets)) == expected
+
+
+def test_gaps_leave_out_negative_gaps_and_gaps_past_64_bits() -> None:
+    offsets = [0, 10, 5, 2**62, 2**62 + 7]  # -5 µs, and ~4.6e18 µs: past int64 in ns
+    assert native.gaps_ns_python(offsets).tolist() == [10_000, 7_000]
+    assert native.gaps_ns(offsets).tolist() == [10_000, 7_000]
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "values", [array("d", [1.0, 2.0]), array("i", [1, 2]), b"12345678", (1, 2), [1, "x"]]
+)
+def test_the_int64_readers_leave_other_containers_to_python(values: object) -> None:
+    # Only a list of ints or an int64 buffer is read in C; a buffer of another type would be
+    # read as the wrong numbers.
+    assert _native.gaps_ns(values) is None
+    assert _native.gap_median(values, 2) is None
+    assert _native.outlier_positions(values, 0) is None
+    assert _native.count_keys_ns(values, 1.0) is None
 
 
 @settings(max_examples=400, deadline=None)
@@ -106,6 +132,7 @@ def test_gap_median_matches_the_python_twin(gaps: list[int]) -> None:
     assert native.gap_median(gaps) == expected
     if _native is not None and all(abs(gap) < 2**52 for gap in gaps):
         assert _native.gap_median(gaps, 2) == expected
+        assert _native.gap_median(array("q", gaps), 2) == expected
 
 
 def test_gap_median_is_the_mean_of_the_middle_two_and_ignores_negative_gaps() -> None:
@@ -123,6 +150,8 @@ def test_outlier_positions_match_python(gaps: list[int], threshold: int) -> None
     answer = _native.outlier_positions(gaps, threshold)
     fits = all(-(2**63) <= value < 2**63 for value in (*gaps, threshold))
     assert answer == (expected if fits else None)
+    if fits:
+        assert _native.outlier_positions(array("q", gaps), threshold) == expected
 
 
 def _python_keys(
@@ -152,6 +181,7 @@ def _python_keys(
 def test_sketch_keys_match_python_for_every_scale(durations: list[int], scale: int) -> None:
     multiplier = float(2**scale)  # the OTLP-aligned mapping's (KeyedValues' own)
     assert native.count_keys_ns(durations, multiplier) == _python_keys(durations, scale)
+    assert native.count_keys_ns(array("q", durations), multiplier) == _python_keys(durations, scale)
 
 
 @needs_c

@@ -72,7 +72,7 @@ def test_full_request_boundaries_follow_the_phase_spans() -> None:
     assert timeline.first_token == first_token
     assert timeline.last_token == last_token
     assert timeline.end == end
-    assert timeline.token_offsets_us == [0, 12_000, 25_000]
+    assert list(timeline.token_offsets_us) == [0, 12_000, 25_000]
     assert timeline.token_offsets_dropped == 0
     assert timeline.prefill_chunks == [(first_scheduled, first_token, 260)]  # 300 - 40 cached
     assert (timeline.input_tokens, timeline.output_tokens, timeline.cached_tokens) == (300, 3, 40)
@@ -212,7 +212,7 @@ def test_decode_details_and_preemptions() -> None:
         parent_span_id=request_id,
     )
     timeline = only(normalize(trace(*spans, later, earlier)))
-    assert timeline.token_offsets_us == [0, 5, 9]
+    assert list(timeline.token_offsets_us) == [0, 5, 9]
     assert timeline.token_offsets_dropped == 120
     assert timeline.decode_bandwidth_peak_ratio == pytest.approx(0.91)
     assert timeline.outlier_steps_with_prefill == 4
@@ -539,7 +539,7 @@ def test_wrong_attribute_types_are_skipped() -> None:
     assert timeline.ready is None
     assert timeline.token_offsets_dropped == 0
     assert timeline.decode_bandwidth_peak_ratio is None
-    assert timeline.token_offsets_us == [0, 10, 20]
+    assert list(timeline.token_offsets_us) == [0, 10, 20]
 
 
 def test_non_integer_token_offsets_are_dropped_but_genuine_zeros_kept() -> None:
@@ -548,7 +548,7 @@ def test_non_integer_token_offsets_are_dropped_but_genuine_zeros_kept() -> None:
     offsets = next(kv for kv in decode.attributes if kv.key == semconv.DECODE_TOKEN_OFFSETS)
     offsets.value.array_value.values.add(string_value="junk")
     offsets.value.array_value.values.add(int_value=30)
-    assert only(normalize(trace(*spans))).token_offsets_us == [0, 0, 15, 30]
+    assert list(only(normalize(trace(*spans))).token_offsets_us) == [0, 0, 15, 30]
 
 
 def _decode_offsets(spans: list[Span]) -> AnyValue:
@@ -559,7 +559,7 @@ def _decode_offsets(spans: list[Span]) -> AnyValue:
 def test_integer_token_offsets_are_read_exactly_at_every_varint_width() -> None:
     offsets = [0, 1, 127, 128, 16_383, 16_384, 2**31, 2**53 + 1, 2**63 - 1, -1, -(2**63), 0]
     spans = request_spans(token_offsets_us=offsets)
-    assert only(normalize(trace(*spans))).token_offsets_us == offsets
+    assert list(only(normalize(trace(*spans))).token_offsets_us) == offsets
 
 
 _ODD_ELEMENTS: dict[str, bytes] = {
@@ -585,7 +585,7 @@ def test_token_offsets_keep_exactly_the_int_elements(odd: str, position: int) ->
     del values[:]
     values.extend(rebuilt)
     expected = [v.int_value for v in rebuilt if v.WhichOneof("value") == "int_value"]
-    assert only(normalize(trace(*spans))).token_offsets_us == expected
+    assert list(only(normalize(trace(*spans))).token_offsets_us) == expected
 
 
 def test_phase_span_with_negative_duration_is_ignored() -> None:
