@@ -45,9 +45,16 @@ def encode_trace_request(
         group[1].append(ref)
     parts: list[bytes] = []
     for resource, groups in by_resource.values():
-        content = [length_delimited(_TAG_RESOURCE, resource.SerializeToString())]
+        first = next(iter(groups.values()))[1][0]
+        resource_wire = first.resource_wire
+        if resource_wire is None:
+            resource_wire = resource.SerializeToString()
+        content = [length_delimited(_TAG_RESOURCE, resource_wire)]
         for scope, scope_refs in groups.values():
-            encoded = [length_delimited(_TAG_SCOPE, scope.SerializeToString())]
+            scope_wire = scope_refs[0].scope_wire
+            if scope_wire is None:
+                scope_wire = scope.SerializeToString()
+            encoded = [length_delimited(_TAG_SCOPE, scope_wire)]
             for ref in scope_refs:
                 span = ref.span
                 extra = appended.get(span.span_id) if appended else None

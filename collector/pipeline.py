@@ -254,10 +254,20 @@ def group_by_trace(
     for resource_spans in request.resource_spans:
         resource = resource_spans.resource
         service = _service_name(resource)
+        resource_wire = resource.SerializeToString()
         for scope_spans in resource_spans.scope_spans:
             scope = scope_spans.scope
+            scope_wire = scope.SerializeToString()
             for span in scope_spans.spans:
-                ref = SpanRef(span, resource, scope, service, entries[count] if entries else None)
+                ref = SpanRef(
+                    span,
+                    resource,
+                    scope,
+                    service,
+                    entries[count] if entries else None,
+                    resource_wire,
+                    scope_wire,
+                )
                 trace_refs = groups.get(span.trace_id)
                 if trace_refs is None:
                     groups[span.trace_id] = [ref]

@@ -32,6 +32,11 @@ class SpanRef:
     receiver kept it: exporters send it as it came instead of re-serialising ``span``, so
     whoever changes ``span`` must drop it (the enrichment does where it removes an earlier
     enrichment: those spans are re-serialised)."""
+    resource_wire: bytes | None = None
+    """``resource`` serialised, once per received ``ResourceSpans`` and shared by its spans (the
+    encoder's, instead of once per trace); None: the encoder serialises it."""
+    scope_wire: bytes | None = None
+    """The same for ``scope``, once per received ``ScopeSpans``."""
 
 
 @dataclass(slots=True)

@@ -5,9 +5,12 @@ the enrichment appended as attribute bytes against the enrichment merged into th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tokentrace.agent import semconv
@@ -56,6 +59,29 @@ def test_the_hand_written_request_is_the_protobuf_librarys_byte_for_byte() -> No
         services.update(ref.service for ref in trace.spans)
         assert encode_trace_request(trace.spans) == _by_protobuf(trace.spans)
     assert len(services) >= 2  # client and server spans: several resources per request
+
+
+def test_each_resource_and_scope_is_serialised_once_per_received_group() -> None:
+    _, traces = _processed(40, seed=6)
+    wires_of: dict[int, set[int]] = {}
+    for trace in traces:
+        for ref in trace.spans:
+            assert ref.resource_wire == ref.resource.SerializeToString()
+            assert ref.scope_wire == ref.scope.SerializeToString()
+            wires_of.setdefault(id(ref.resource), set()).add(id(ref.resource_wire))
+        # Spans without them (made elsewhere than the receiver) are serialised the same.
+        bare = [replace(ref, resource_wire=None, scope_wire=None) for ref in trace.spans]
+        assert encode_trace_request(bare) == encode_trace_request(trace.spans)
+    # One bytes object per received resource, shared by its spans (not one per trace).
+    assert all(len(wires) == 1 for wires in wires_of.values())
+
+
+def test_the_encoder_writes_the_resource_bytes_the_receiver_kept() -> None:
+    _, traces = _processed(1, seed=7)
+    other = Resource(attributes=[KeyValue(key="k", value=AnyValue(string_value="v"))])
+    refs = [replace(ref, resource_wire=other.SerializeToString()) for ref in traces[0].spans]
+    decoded = ExportTraceServiceRequest.FromString(encode_trace_request(refs))
+    assert {rs.resource.attributes[0].key for rs in decoded.resource_spans} == {"k"}
 
 
 def test_appended_enrichment_parses_as_the_enrichment_merged_into_the_span() -> None:
