@@ -68,6 +68,11 @@ _DEFAULT_MAX_HOLD_S: Final = 1.0
 _DEFAULT_MAX_HELD_SPANS: Final = 100_000
 _DEFAULT_METRICS_INTERVAL_S: Final = 10.0
 _DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 5.0
+_STAGE_CAP_S: Final = 2.0
+"""At most this much of the shutdown for the receivers' in-flight calls, and for the admin
+listener."""
+_SENDER_ABORT_GRACE_S: Final = 1.0
+"""A sender out of time cancels its call in flight and counts what it holds: this long."""
 _SERVICE_NAME: Final = "tokentrace-node-agent"
 
 
@@ -458,25 +463,42 @@ class NodeAgent:
 
     def shutdown(self, timeout_s: float = _DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
         """Stop upstream first: receivers, then relay what is held, then sampler and senders;
-        the admin listener last."""
+        the admin listener last. All of it within about ``timeout_s``: each stage gets what is
+        left of it (a pod has its termination grace period, 30 s by default, for the whole; a
+        bound per stage added up past it), and the two senders flush side by side."""
+        deadline = self._monotonic() + timeout_s
+
+        def left(cap: float = timeout_s) -> float:
+            return max(0.0, min(cap, deadline - self._monotonic()))
+
         self._shutting_down = True
         for receiver in self._receivers:
-            receiver.shutdown(min(timeout_s, 2.0))
+            receiver.shutdown(left(_STAGE_CAP_S))
         self._receivers.clear()
         with self._lock:
             self._stopping = True
             self._ready.notify_all()
         self._stopped.set()
         for thread in self._threads:
-            thread.join(timeout_s)
+            thread.join(left())
         self._threads.clear()
         self.sampler.stop()
-        self.trace_sender.shutdown(timeout_s)
+        senders_s = left()
+        metric_closer = None
         if self.metric_sender is not None:
-            self.metric_sender.shutdown(timeout_s)
+            metric_closer = threading.Thread(
+                target=self.metric_sender.shutdown,
+                args=(senders_s,),
+                name="tokentrace-node-metrics-shutdown",
+                daemon=True,
+            )
+            metric_closer.start()
+        self.trace_sender.shutdown(senders_s)
+        if metric_closer is not None:
+            metric_closer.join(left() + _SENDER_ABORT_GRACE_S)
         admin, self._admin = self._admin, None
         if admin is not None:
-            admin.shutdown(min(timeout_s, 2.0))
+            admin.shutdown(left(_STAGE_CAP_S))
 
     def stats(self) -> dict[str, int]:
         with self._lock:

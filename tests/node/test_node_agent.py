@@ -457,3 +457,45 @@ def test_when_every_gpu_is_lost_spans_are_not_held(
         assert time.monotonic() - started < 5.0  # not the 30 s hold
     finally:
         agent.shutdown(2.0)
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Blocked:
+    """A stage that takes all the time it is given (a receiver whose calls never finish, an
+    upstream that never answers): it records the timeout and moves the clock past it."""
+
+    def __init__(self, clock: _FakeClock | None) -> None:
+        self.timeouts: list[float] = []
+        self._clock = clock
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.timeouts.append(timeout_s)
+        if self._clock is not None:
+            self._clock.now += timeout_s
+
+
+def test_shutdown_takes_one_deadline_whatever_its_stages_wait_for() -> None:
+    clock = _FakeClock()
+    config = NodeAgentConfig(
+        grpc_endpoint="127.0.0.1:0",
+        http_endpoint="127.0.0.1:0",
+        exporter=OtlpExporterConfig(endpoint="127.0.0.1:9", protocol="grpc"),
+    )
+    agent = NodeAgent(config, sampler=NvmlSampler(), environ={}, monotonic=clock)
+    receiver, traces, metrics = _Blocked(clock), _Blocked(clock), _Blocked(None)
+    agent._receivers.append(receiver)  # no real receiver waits on this clock
+    agent.trace_sender = traces  # type: ignore[assignment]
+    agent.metric_sender = metrics  # type: ignore[assignment]  # flushes beside the traces
+    started = clock.now
+    agent.shutdown(5.0)
+    assert receiver.timeouts == [2.0]  # its cap
+    assert traces.timeouts == metrics.timeouts == [3.0]  # what was left, to both at once
+    # The whole shutdown within its timeout (a bound per stage once added up to 12 s here).
+    assert clock.now - started == pytest.approx(5.0)
