@@ -13,9 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
-from opentelemetry.proto.resource.v1.resource_pb2 import Resource
-
 from tokentrace.agent.span_encoding import length_delimited
 from tokentrace.processors.model import SpanRef
 
@@ -32,28 +29,27 @@ def encode_trace_request(
     """One serialised ExportTraceServiceRequest, grouping spans by their shared Resource and
     InstrumentationScope objects (identity, not content: the receiver shares them), in the order
     each first appears. ``appended``: span id -> bytes to append to that span's serialisation."""
-    by_resource: dict[int, tuple[Resource, dict[int, tuple[InstrumentationScope, list[SpanRef]]]]]
-    by_resource = {}
+    # id(resource) -> (its bytes, id(scope) -> (its bytes, the spans)); the bytes the receiver
+    # kept (``SpanRef.resource_wire`` / ``scope_wire``) or, without them, serialised here.
+    by_resource: dict[int, tuple[bytes, dict[int, tuple[bytes, list[SpanRef]]]]] = {}
     for ref in spans:
-        resource = ref.resource
-        scopes = by_resource.get(id(resource))
+        scopes = by_resource.get(id(ref.resource))
         if scopes is None:
-            scopes = by_resource[id(resource)] = (resource, {})
+            resource_wire = ref.resource_wire
+            if resource_wire is None:
+                resource_wire = ref.resource.SerializeToString()
+            scopes = by_resource[id(ref.resource)] = (resource_wire, {})
         group = scopes[1].get(id(ref.scope))
         if group is None:
-            group = scopes[1][id(ref.scope)] = (ref.scope, [])
+            scope_wire = ref.scope_wire
+            if scope_wire is None:
+                scope_wire = ref.scope.SerializeToString()
+            group = scopes[1][id(ref.scope)] = (scope_wire, [])
         group[1].append(ref)
     parts: list[bytes] = []
-    for resource, groups in by_resource.values():
-        first = next(iter(groups.values()))[1][0]
-        resource_wire = first.resource_wire
-        if resource_wire is None:
-            resource_wire = resource.SerializeToString()
+    for resource_wire, groups in by_resource.values():
         content = [length_delimited(_TAG_RESOURCE, resource_wire)]
-        for scope, scope_refs in groups.values():
-            scope_wire = scope_refs[0].scope_wire
-            if scope_wire is None:
-                scope_wire = scope.SerializeToString()
+        for scope_wire, scope_refs in groups.values():
             encoded = [length_delimited(_TAG_SCOPE, scope_wire)]
             for ref in scope_refs:
                 span = ref.span

@@ -519,9 +519,9 @@ static int int_elements(const unsigned char *data, Py_ssize_t start, Py_ssize_t 
 /* The AnyValue [start, stop) as span_attributes.plain_value reads it (PLAIN_TOP) or as it reads
  * an array's element (PLAIN_ELEMENT): a str, bool, int, float, a list of the elements (at the
  * top), or `other`; or (PLAIN_INT_ARRAY) an array('q') of an array's int elements, empty for
- * any other value. 1 with *out a new reference; 0 where the parser's rules for repeated fields would
- * decide (a oneof field set twice) or a string is not UTF-8 (the Python path answers then); -1
- * on error. */
+ * any other value. 1 with *out a new reference; 0 where the parser's rules for repeated fields
+ * would decide (a oneof field set twice) or a string is not UTF-8 (the Python path answers
+ * then); -1 on error. */
 static int plain_value(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop, int mode,
                        PyObject *other, PyObject **out) {
     Py_ssize_t pos = start, field_start = 0, field_stop = 0, chosen_start = 0, chosen_stop = 0;
