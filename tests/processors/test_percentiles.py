@@ -143,14 +143,18 @@ def test_cumulative_holds_every_slice_open_or_closed_exactly_once() -> None:
 def test_a_key_evicted_and_recorded_again_starts_over_after_its_slice_closes() -> None:
     clock = FakeClock(1_000.0)
     store = make_store(clock, window_s=60.0, slices=6, max_keys=1)
-    store.record(CHAT, metrics(e2e_ms=100.0))
-    store.record(CHAT_LONG, metrics())  # evicts CHAT with its open-slice data
-    store.record(CHAT, metrics(e2e_ms=300.0))  # CHAT again, evicting CHAT_LONG
+    store.record(CHAT, metrics(e2e_ms=100.0, itl_ms=[10.0, 20.0]))
+    store.record(CHAT_LONG, metrics(itl_ms=[5.0]))  # evicts CHAT with its open-slice data
+    store.record(CHAT, metrics(e2e_ms=300.0, itl_ms=[30.0]))  # CHAT again, evicting CHAT_LONG
     clock.now = 1_015.0  # the slice closes and folds into the cumulative sketches
     cumulative = store.cumulative(CHAT, semconv.METRIC_E2E)
     assert cumulative.count == 1
     assert cumulative.min == pytest.approx(0.3)
+    itl = store.cumulative(CHAT, semconv.METRIC_ITL)  # pending gaps go with their key too
+    assert itl.count == 1
+    assert itl.min == pytest.approx(0.03, rel=0.01)
     assert store.cumulative(CHAT_LONG, semconv.METRIC_E2E).count == 0
+    assert store.cumulative(CHAT_LONG, semconv.METRIC_ITL).count == 0
 
 
 def test_unknown_metric_is_a_clear_error() -> None:
