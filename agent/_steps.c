@@ -1578,6 +1578,131 @@ static PyObject *outputs_hook(PyObject *module, PyObject *const *args, Py_ssize_
     return (PyObject *)self;
 }
 
+/* --- a finished request's token steps (emitter thread) ------------------------------------------ */
+
+#define RECORD_NUMBER 0   /* StepRecord's fields, by position */
+#define RECORD_END_NS 2
+#define RECORD_REQUEST_IDS 10
+#define RECORD_PREFILL_IDS 11
+#define RECORD_FIELDS 12
+
+/* ring[index % len(ring)] when it is the record of step `index`: a borrowed reference, NULL
+ * (no error) when it is not (overwritten, never written), NULL with an error when a slot does not
+ * hold a StepRecord-shaped tuple or None (*error set to 1). */
+static PyObject *record_at(PyObject *ring, Py_ssize_t index, int *error) {
+    Py_ssize_t size = PyList_GET_SIZE(ring);
+    PyObject *step = PyList_GET_ITEM(ring, index % size);
+    if (step == Py_None) {
+        return NULL;
+    }
+    if (!PyTuple_Check(step) || PyTuple_GET_SIZE(step) != RECORD_FIELDS ||
+        !PyLong_CheckExact(PyTuple_GET_ITEM(step, RECORD_NUMBER))) {
+        *error = 1;
+        return NULL;
+    }
+    Py_ssize_t number = PyLong_AsSsize_t(PyTuple_GET_ITEM(step, RECORD_NUMBER));
+    if (number == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        *error = 1;
+        return NULL;
+    }
+    return number == index ? step : NULL;
+}
+
+/* Appends (index, step's end ns) to ends. */
+static int append_end(PyObject *ends, Py_ssize_t index, PyObject *step) {
+    PyObject *end = Py_BuildValue("(nO)", index, PyTuple_GET_ITEM(step, RECORD_END_NS));
+    int failed = end == NULL || PyList_Append(ends, end) < 0;
+    Py_XDECREF(end);
+    return failed ? -1 : 0;
+}
+
+/* token_step_ends(ring, first, last, request_id, prefill_step) -> list[tuple[int, int]] | None
+ *
+ * EngineStepTracer's (index, end ns) of each step that gave a vLLM request a token, in step order
+ * (token_step_ends_python, its twin): the ring's steps from `first` to `last` that scheduled
+ * `request_id` outside their prefill set, with `prefill_step` (its last prefill step, or None)
+ * among them; a step the ring no longer holds clears the ends before it. None where the input is
+ * not as the tracer keeps it (the twin answers).
+ */
+static PyObject *token_step_ends(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "token_step_ends takes 5 arguments");
+        return NULL;
+    }
+    PyObject *ring = args[0], *request_id = args[3], *prefill_arg = args[4];
+    if (!PyList_CheckExact(ring) || PyList_GET_SIZE(ring) == 0 || !PyLong_CheckExact(args[1]) ||
+        !PyLong_CheckExact(args[2]) || (prefill_arg != Py_None && !PyLong_CheckExact(prefill_arg))) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t first = PyLong_AsSsize_t(args[1]), last = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t prefill = prefill_arg == Py_None ? -1 : PyLong_AsSsize_t(prefill_arg);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (first < 0 || last < 0 || (prefill_arg != Py_None && prefill < 0)) {
+        Py_RETURN_NONE; /* Python's modulo differs below zero: the twin's */
+    }
+    Py_ssize_t size = PyList_GET_SIZE(ring);
+    Py_ssize_t start = last - size + 1 > first ? last - size + 1 : first;
+    PyObject *ends = PyList_New(0);
+    if (ends == NULL) {
+        return NULL;
+    }
+    int error = 0, prefill_placed = prefill_arg == Py_None;
+    for (Py_ssize_t index = start;; index++) {
+        /* The prefill step takes its place in step order: before a token step of the same index
+         * (as sorted() leaves it, listed first), or last. */
+        if (!prefill_placed && (index > last || prefill <= index)) {
+            prefill_placed = 1;
+            PyObject *step = record_at(ring, prefill, &error);
+            if (error) {
+                goto not_fast;
+            }
+            if (step == NULL) { /* gone from the ring: gaps across it would be wrong */
+                if (PyList_SetSlice(ends, 0, PyList_GET_SIZE(ends), NULL) < 0) {
+                    goto failed;
+                }
+            } else if (append_end(ends, prefill, step) < 0) {
+                goto failed;
+            }
+        }
+        if (index > last) {
+            break;
+        }
+        PyObject *step = record_at(ring, index, &error);
+        if (error) {
+            goto not_fast;
+        }
+        if (step == NULL) {
+            continue; /* overwritten: the walk keeps only the steps the ring holds */
+        }
+        int in_batch = PySequence_Contains(PyTuple_GET_ITEM(step, RECORD_REQUEST_IDS), request_id);
+        if (in_batch < 0) {
+            goto failed;
+        }
+        if (!in_batch) {
+            continue;
+        }
+        int prefilled = PySequence_Contains(PyTuple_GET_ITEM(step, RECORD_PREFILL_IDS), request_id);
+        if (prefilled < 0) {
+            goto failed;
+        }
+        if (!prefilled && append_end(ends, index, step) < 0) {
+            goto failed;
+        }
+    }
+    return ends;
+not_fast:
+    Py_DECREF(ends);
+    Py_RETURN_NONE;
+failed:
+    Py_DECREF(ends);
+    return NULL;
+}
+
 static PyMethodDef steps_methods[] = {
     {"step_facts", (PyCFunction)(void (*)(void))step_facts, METH_FASTCALL,
      "step_facts(step_type, requests, scheduler, output, outputs_by_client, index, start_ns, "
@@ -1587,6 +1712,9 @@ static PyMethodDef steps_methods[] = {
     {"step_hook", (PyCFunction)(void (*)(void))step_hook, METH_FASTCALL,
      "step_hook(updates, original, tracer, step_type, gate, guard, name, other, native_clock, "
      "max_open_steps, sweep_every_steps) -> StepHook"},
+    {"token_step_ends", (PyCFunction)(void (*)(void))token_step_ends, METH_FASTCALL,
+     "token_step_ends(ring, first, last, request_id, prefill_step) -> list[tuple[int, int]] | "
+     "None"},
     {"outputs_hook", (PyCFunction)(void (*)(void))outputs_hook, METH_FASTCALL,
      "outputs_hook(original, twin, hooks, recorder, guard, name, request_hooks, apply_events) "
      "-> OutputsHook"},

@@ -10,6 +10,9 @@ and per scheduled request for each. For scale: a decode step of a real model tak
 Where ``_steps`` is built, vLLM's scheduler runs the step hooks in C instead of these methods
 (``EngineStepTracer.native_hook``): ``bench/engine_step_instructions.py`` counts those.
 
+Then, per finished request, the emitter thread's walk of the step ring for its token steps
+(``token_step_ends``: C against its twin), over a 4,096-step ring of batches of ``--batch``.
+
     python bench/engine_steps.py [--batch 16] [--steps 20000] [--rounds 7]
 """
 
@@ -26,7 +29,9 @@ from tokentrace.agent.frameworks import vllm_engine
 from tokentrace.agent.frameworks.vllm_engine import (
     ENGINE_PARENT_HEADER,
     EngineStepTracer,
+    StepRecord,
     engine_parent_header,
+    token_step_ends_python,
 )
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import MonotonicToUnix
@@ -104,6 +109,35 @@ def _run(scheduler: _Scheduler, tracer: EngineStepTracer | None, steps: int) -> 
     return (time.perf_counter_ns() - start) / steps
 
 
+def _ring_walk_ns(batch: int, rounds: int) -> dict[str, float]:
+    """ns per finished request of ``token_step_ends`` (C, where built) and its twin: a request
+    that ran through 41 steps of a full 4,096-step ring, in the batch of every other step."""
+    ring_steps, requests = 4096, 4 * batch
+    ids = [f"cmpl-{number}-0" for number in range(requests)]
+    ring: list[StepRecord | None] = [None] * ring_steps
+    for number in range(ring_steps + 1000):
+        scheduled = {ids[(number // 2 + k) % requests]: 1 for k in range(batch)}
+        ring[number % ring_steps] = StepRecord(
+            number, number * 1000, number * 1000 + 900, 0, batch, 0, batch, 0.5, 0, batch,
+            scheduled, frozenset(),
+        )  # fmt: skip
+    last = ring_steps + 900
+    arguments = (ring, last - 40, last, ids[((last - 30) // 2) % requests], last - 41)
+    walks = {"Python": token_step_ends_python}
+    native = getattr(vllm_engine._STEPS, "token_step_ends", None)
+    if native is not None:
+        walks["C"] = native
+    calls = 20_000
+    timed: dict[str, list[float]] = {name: [] for name in walks}
+    for _ in range(rounds):
+        for name, walk in walks.items():
+            start = time.perf_counter_ns()
+            for _ in range(calls):
+                walk(*arguments)
+            timed[name].append((time.perf_counter_ns() - start) / calls)
+    return {name: statistics.median(times) for name, times in timed.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=16)
@@ -133,6 +167,8 @@ def main() -> None:
             f"({added / args.batch:,.0f} ns per scheduled request); "
             f"median of {args.rounds} interleaved rounds of {args.steps:,} steps"
         )
+    for name, ns in _ring_walk_ns(args.batch, args.rounds).items():
+        print(f"a finished request's walk of the step ring (41 steps) in {name}: {ns:,.0f} ns")
 
 
 if __name__ == "__main__":

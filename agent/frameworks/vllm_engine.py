@@ -177,6 +177,49 @@ def outlier_gap_ends(token_step_ends: Sequence[tuple[int, int]], ratio: float) -
     return [i + 1 for i, gap in enumerate(gaps) if gap > threshold]
 
 
+def token_step_ends_python(
+    ring: Sequence[StepRecord | None],
+    first: int,
+    last: int,
+    request_id: str,
+    prefill_step: int | None,
+) -> list[tuple[int, int]]:
+    """(step index, end ns) of the steps that gave a vLLM request a token: the ring's steps from
+    ``first`` to ``last`` that scheduled it outside their prefill set, with ``prefill_step`` (its
+    last prefill step) among them, in step order. Steps already overwritten in the ring are left
+    out of the walk (the oldest: those found still follow one another); a prefill step gone from
+    the ring clears the ends before it (gaps across it would be wrong)."""
+    size = len(ring)
+    token_steps = []
+    for index in range(max(first, last - size + 1), last + 1):
+        step = ring[index % size]
+        if (
+            step is not None
+            and step.number == index
+            and request_id in step.request_ids
+            and request_id not in step.prefill_ids
+        ):
+            token_steps.append(index)
+    return _step_ends(ring, token_steps, prefill_step)
+
+
+def _step_ends(
+    ring: Sequence[StepRecord | None], token_steps: list[int], prefill_step: int | None
+) -> list[tuple[int, int]]:
+    if prefill_step is not None:  # after a retraction, the recompute's last prefill step,
+        # which follows earlier decode steps: keep step order
+        token_steps = sorted([prefill_step, *token_steps])
+    size = len(ring)
+    ends: list[tuple[int, int]] = []
+    for index in token_steps:
+        step = ring[index % size]
+        if step is None or step.number != index:  # evicted: gaps across it would be wrong
+            ends.clear()
+            continue
+        ends.append((index, step.end_ns))
+    return ends
+
+
 _UNSEEN: Final[Any] = object()
 """``EngineStepTracer._requests``' answer for a request not seen before (None: not tracked)."""
 
@@ -187,6 +230,10 @@ BUILT: Final = _STEPS is not None
 _STEP_FACTS: Callable[..., StepFacts | None] | None = getattr(_STEPS, "step_facts", None)
 _STEP_HOOK: Callable[..., Any] | None = getattr(_STEPS, "step_hook", None)
 """``native_hook``'s maker, if built: the two step patches and the tracer's work, in C."""
+_TOKEN_STEP_ENDS: Callable[..., list[tuple[int, int]] | None] | None = getattr(
+    _STEPS, "token_step_ends", None
+)
+"""``token_step_ends_python``'s C twin, if built (the emitter's walk of the ring per request)."""
 _new_step: Final = tuple.__new__
 """``StepRecord``'s own constructor is a Python function; the tuple's is not."""
 
@@ -553,39 +600,23 @@ class EngineStepTracer:
             )
         return jobs
 
-    def _token_steps(self, tracked: _TrackedRequest) -> list[int]:
-        """The steps that gave the request a token after its first: named one by one
-        (``decode_steps``), or, from vLLM, the ring's steps from its first to its last that
-        scheduled it outside their prefill set. Steps already overwritten in the ring are left
-        out; they are the oldest, so the steps found follow one another as before."""
+    def _token_step_ends(self, tracked: _TrackedRequest) -> list[tuple[int, int]]:
+        """(step index, end ns) of each step that gave the request a token, in step order: its
+        last prefill step (which gives the first token) and the steps after it, named one by one
+        (``decode_steps``) or, from vLLM, found in the ring (``token_step_ends_python``; in C
+        where built: per token, on the emitter's thread, for every request)."""
+        prefill_step = tracked.prefill_steps[-1][0] if tracked.prefill_steps else None
         first, last = tracked.first_step, tracked.last_step
         if first is None or last is None:
-            return tracked.decode_steps
-        request_id, ring, size = tracked.request_id, self._ring, self._ring_steps
-        found = []
-        for index in range(max(first, last - size + 1), last + 1):
-            step = ring[index % size]
-            if (
-                step is not None
-                and step.number == index
-                and request_id in step.request_ids
-                and request_id not in step.prefill_ids
-            ):
-                found.append(index)
-        return found
+            return _step_ends(self._ring, tracked.decode_steps, prefill_step)
+        if _TOKEN_STEP_ENDS is not None:
+            ends = _TOKEN_STEP_ENDS(self._ring, first, last, tracked.request_id, prefill_step)
+            if ends is not None:
+                return ends
+        return token_step_ends_python(self._ring, first, last, tracked.request_id, prefill_step)
 
     def _outlier_steps(self, tracked: _TrackedRequest) -> list[StepRecord]:
-        token_steps = self._token_steps(tracked)
-        if tracked.prefill_steps:  # the last prefill step gives the first token (after a
-            # retraction, the recompute's, which follows earlier decode steps: keep step order)
-            token_steps = sorted([tracked.prefill_steps[-1][0], *token_steps])
-        ends: list[tuple[int, int]] = []
-        for index in token_steps:
-            step = self._step_at(index)
-            if step is None:  # evicted: gaps across it would be wrong
-                ends.clear()
-                continue
-            ends.append((index, step.end_ns))
+        ends = self._token_step_ends(tracked)
         positions = outlier_gap_ends(ends, self._outlier_ratio)
         if not positions:
             return []

@@ -18,6 +18,7 @@ from tokentrace.agent.frameworks.vllm_engine import (
     StepRecord,
     engine_parent_header,
     step_facts_python,
+    token_step_ends_python,
 )
 
 _steps = pytest.importorskip("tokentrace.agent._steps") if vllm_engine.BUILT else None
@@ -354,3 +355,51 @@ def test_track_request_errors_reach_the_caller() -> None:
     for track in (vllm_engine._track, lambda r: _steps.track_request(vllm_engine._TRACK_PARTS, r)):
         with pytest.raises(ZeroDivisionError, match="stamp"):
             track(request)
+
+
+# --- token_step_ends: a finished request's steps, found in the ring (emitter thread) ------------
+def _record(number: int, request_ids: Any, prefill_ids: frozenset[str]) -> StepRecord:
+    return StepRecord(
+        number, 10 * number, 10 * number + 7, 0, 0, 0, 0, 0.0, 0, 0, request_ids, prefill_ids
+    )
+
+
+@given(
+    size=st.integers(min_value=1, max_value=6),
+    written=st.lists(
+        st.tuples(st.sampled_from(["a", "b", "ab", ""]), st.booleans(), st.booleans()),
+        max_size=20,
+    ),
+    first=st.integers(min_value=0, max_value=24),
+    last=st.integers(min_value=0, max_value=24),
+    prefill_step=st.none() | st.integers(min_value=0, max_value=24),
+)
+def test_token_step_ends_match_the_twin(
+    size: int,
+    written: list[tuple[str, bool, bool]],
+    first: int,
+    last: int,
+    prefill_step: int | None,
+) -> None:
+    # Steps 0, 1, ... written in turn into a ring of `size` (older ones overwritten), each
+    # scheduling some of "a" and "b" (as vLLM's dict or as a list), "a" prefilled in some.
+    ring: list[StepRecord | None] = [None] * size
+    for number, (ids, as_dict, prefilled) in enumerate(written):
+        batch: Any = dict.fromkeys(ids, 1) if as_dict else list(ids)
+        ring[number % size] = _record(number, batch, frozenset("a" if prefilled else ""))
+    expected = token_step_ends_python(ring, first, last, "a", prefill_step)
+    assert _steps.token_step_ends(ring, first, last, "a", prefill_step) == expected
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ((), 0, 1, "a", None),  # an empty ring
+        ([None], -1, 0, "a", None),  # a negative step: Python's modulo
+        ([None], 0, 1, "a", -2),
+        ([None], True, 1, "a", None),  # not exactly an int
+        ([("not", "a", "record")], 0, 0, "a", None),
+    ],
+)
+def test_token_step_ends_leave_odd_input_to_the_twin(arguments: tuple[Any, ...]) -> None:
+    assert _steps.token_step_ends(*arguments) is None

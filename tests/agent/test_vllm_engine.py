@@ -71,6 +71,7 @@ def step_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     if request.param == "Python":
         monkeypatch.setattr(vllm_engine, "_STEP_FACTS", None)
         monkeypatch.setattr(vllm_engine, "_STEP_HOOK", None)
+        monkeypatch.setattr(vllm_engine, "_TOKEN_STEP_ENDS", None)
     return str(request.param)
 
 
@@ -223,9 +224,13 @@ def test_a_requests_token_steps_are_found_in_the_ring_up_to_the_step_that_finish
     assert tracer.steps == 7
     tracked = _TrackedRequest(TRACE, REQUEST_SPAN, PREFILL_SPAN, None, [(0, 3), (1, 2)])
     tracked.request_id, tracked.first_step, tracked.last_step = "a", 0, 6
-    assert tracer._token_steps(tracked) == [2, 3, 4, 5, 6]
+    ends = tracer._token_step_ends(tracked)  # its last prefill step gives the first token
+    assert [index for index, _ in ends] == [1, 2, 3, 4, 5, 6]
+    assert [end for _, end in ends] == [tracer._step_at(index).end_ns for index in range(1, 7)]  # type: ignore[union-attr]
     tracked.request_id = "b"  # in none of them
-    assert tracer._token_steps(tracked) == []
+    assert tracer._token_step_ends(tracked) == [ends[0]]
+    tracked.prefill_steps = []
+    assert tracer._token_step_ends(tracked) == []
     chunks, outliers = planned_jobs(jobs)
     assert [span.name for span in chunks.spans] == [semconv.SPAN_PREFILL_CHUNK] * 2
     (slow,) = outliers.spans
