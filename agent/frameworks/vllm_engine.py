@@ -120,7 +120,8 @@ class StepRecord(NamedTuple):
     request_ids: Collection[str]
     """The batch's requests in the engine's order. From vLLM, its step's own
     ``num_scheduled_tokens`` (request id -> tokens), held as it is: not copied per step, and a
-    request's membership is one lookup when its token steps are found (``_token_steps``)."""
+    request's membership is one lookup when its token steps are found
+    (``token_step_ends_python``)."""
     prefill_ids: Collection[str]
     """Those of ``request_ids`` that the step prefilled (vLLM's own split)."""
 
@@ -259,7 +260,7 @@ def step_facts_python(
     Returns (the step, the ids of the requests it finished, (id, prompt tokens) of each request
     it prefilled that ``requests`` does not hold yet, for the caller to track), or () when the
     step scheduled nothing. Nothing is done per decoding request but reading its output: its
-    token steps are found when it finishes (``EngineStepTracer._token_steps``)."""
+    token steps are found when it finishes (``EngineStepTracer._token_step_ends``)."""
     scheduled = output.num_scheduled_tokens
     if not scheduled:
         return ()
