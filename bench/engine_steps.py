@@ -124,9 +124,8 @@ def _ring_walk_ns(batch: int, rounds: int) -> dict[str, float]:
     last = ring_steps + 900
     arguments = (ring, last - 40, last, ids[((last - 30) // 2) % requests], last - 41)
     walks = {"Python": token_step_ends_python}
-    native = getattr(vllm_engine._STEPS, "token_step_ends", None)
-    if native is not None:
-        walks["C"] = native
+    if vllm_engine._TOKEN_STEP_ENDS is not None:
+        walks["C"] = vllm_engine._TOKEN_STEP_ENDS
     calls = 20_000
     timed: dict[str, list[float]] = {name: [] for name in walks}
     for _ in range(rounds):

@@ -213,6 +213,7 @@ def _step_ends(
     size = len(ring)
     ends: list[tuple[int, int]] = []
     for index in token_steps:
+        # ``EngineStepTracer._step_at`` inline: per token (SGLang's path, and the C walk's twin)
         step = ring[index % size]
         if step is None or step.number != index:  # evicted: gaps across it would be wrong
             ends.clear()
