@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 from tokentrace.agent.otlp_config import (
@@ -57,8 +57,9 @@ _RETRY_JITTER: Final = 0.5
 """Each delay is drawn uniformly from ``interval * [1 - jitter, 1 + jitter]``."""
 _DROP_WARNING_INTERVAL_S: Final = 10.0
 """At most one drop warning per sender in this many seconds; the counters carry the rest."""
-_SHUTDOWN_ABORT_GRACE_S: Final = 1.0
-"""After the shutdown timeout, how long to wait for the cancelled in-flight call to unwind."""
+SHUTDOWN_ABORT_GRACE_S: Final = 1.0
+"""After its shutdown timeout, how long a sender waits for its cancelled call in flight to
+unwind: whoever waits for a sender's shutdown waits this much beyond the timeout."""
 _MISCONFIGURATION_RECHECK_S: Final = 30.0
 """After a misconfigured endpoint answered, batches are dropped unsent for this long; then the
 next one is tried (the endpoint may have been fixed, e.g. the right server started on it)."""
@@ -335,8 +336,8 @@ class OtlpSender:
             if transport is not None:
                 transport.close()
             if worker is not None:
-                worker.join(_SHUTDOWN_ABORT_GRACE_S)
-            self._idle_by(time.monotonic() + _SHUTDOWN_ABORT_GRACE_S)
+                worker.join(SHUTDOWN_ABORT_GRACE_S)
+            self._idle_by(time.monotonic() + SHUTDOWN_ABORT_GRACE_S)
             with self._lock:
                 if self._in_flight_items:  # the sending thread is stuck; it will not count these
                     left += self._in_flight_items
@@ -490,3 +491,20 @@ class OtlpSender:
 
     def _interruptible_sleep(self, delay_s: float) -> None:
         self._abort_event.wait(delay_s)
+
+
+def shut_down_together(shutdowns: Iterable[Callable[[float], object]], timeout_s: float) -> None:
+    """Each sender's ``shutdown(timeout_s)`` on a thread of its own, all at once: they flush side
+    by side, each within the same time. Returns once all have returned, or ``timeout_s`` and the
+    senders' abort grace have passed."""
+    deadline = time.monotonic() + timeout_s
+    closers = [
+        threading.Thread(
+            target=shutdown, args=(timeout_s,), name="tokentrace-sender-shutdown", daemon=True
+        )
+        for shutdown in shutdowns
+    ]
+    for closer in closers:
+        closer.start()
+    for closer in closers:
+        closer.join(max(0.0, deadline - time.monotonic()) + SHUTDOWN_ABORT_GRACE_S)

@@ -36,7 +36,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 
 from tokentrace.agent.otlp_config import PROTOCOL_GRPC, OtlpExporterConfig
-from tokentrace.agent.otlp_export import OtlpSender, RateLimitedWarning
+from tokentrace.agent.otlp_export import (
+    SHUTDOWN_ABORT_GRACE_S,
+    OtlpSender,
+    RateLimitedWarning,
+    shut_down_together,
+)
 from tokentrace.collector.receivers import join_endpoint, split_endpoint
 
 _log = logging.getLogger(__name__)
@@ -48,8 +53,6 @@ DEFAULT_RESOLVE_INTERVAL_S: Final = 5.0
 _DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 5.0
 _HASH_BYTES: Final = 8
 _RETIRE_POLL_S: Final = 0.2
-_SHUTDOWN_GRACE_S: Final = 1.0
-"""Beyond its timeout, how long ``shutdown`` waits for a sender that is cancelling its call."""
 _SENDER_TOTALS: Final = ("sent_spans", "dropped_spans", "rejected_spans", "retries")
 
 Resolver = Callable[[str, int], Iterable[tuple[str, int]]]
@@ -412,14 +415,11 @@ class TraceRouter:
             self._closed = True
             senders = list(self._senders.values())
             threads = list(self._retiring.values())
-        closers = [
-            threading.Thread(target=sender.shutdown, args=(timeout_s,), daemon=True)
-            for sender in senders
-        ]
-        for closer in closers:
-            closer.start()
-        for thread in closers + threads:
-            thread.join(max(0.0, deadline - time.monotonic()) + _SHUTDOWN_GRACE_S)
+        shut_down_together(
+            [sender.shutdown for sender in senders], max(0.0, deadline - time.monotonic())
+        )
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()) + SHUTDOWN_ABORT_GRACE_S)
 
     def endpoint_spans(self) -> dict[str, int]:
         """Spans routed to each current endpoint (re-routed ones included)."""

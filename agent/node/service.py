@@ -52,7 +52,7 @@ from tokentrace.agent.node.routing import (
 )
 from tokentrace.agent.node.sampler import NvmlSampler
 from tokentrace.agent.otlp_config import PROTOCOL_GRPC, TOKENTRACE_VERSION, OtlpExporterConfig
-from tokentrace.agent.otlp_export import OtlpSender
+from tokentrace.agent.otlp_export import OtlpSender, shut_down_together
 from tokentrace.collector.consumer import Overloaded, Unavailable
 from tokentrace.collector.receivers import ReceiverStartError, is_loopback_endpoint
 
@@ -71,8 +71,6 @@ _DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 5.0
 _STAGE_CAP_S: Final = 2.0
 """At most this much of the shutdown for the receivers' in-flight calls, and for the admin
 listener."""
-_SENDER_ABORT_GRACE_S: Final = 1.0
-"""A sender out of time cancels its call in flight and counts what it holds: this long."""
 _SERVICE_NAME: Final = "tokentrace-node-agent"
 
 
@@ -483,19 +481,8 @@ class NodeAgent:
             thread.join(left())
         self._threads.clear()
         self.sampler.stop()
-        senders_s = left()
-        metric_closer = None
-        if self.metric_sender is not None:
-            metric_closer = threading.Thread(
-                target=self.metric_sender.shutdown,
-                args=(senders_s,),
-                name="tokentrace-node-metrics-shutdown",
-                daemon=True,
-            )
-            metric_closer.start()
-        self.trace_sender.shutdown(senders_s)
-        if metric_closer is not None:
-            metric_closer.join(left() + _SENDER_ABORT_GRACE_S)
+        senders = [self.trace_sender, self.metric_sender]
+        shut_down_together([sender.shutdown for sender in senders if sender is not None], left())
         admin, self._admin = self._admin, None
         if admin is not None:
             admin.shutdown(left(_STAGE_CAP_S))

@@ -38,7 +38,7 @@ from tokentrace.agent.otlp_config import (
     RetryConfig,
     Signal,
 )
-from tokentrace.agent.otlp_export import OtlpSender, RateLimitedWarning
+from tokentrace.agent.otlp_export import OtlpSender, RateLimitedWarning, shut_down_together
 
 # --- helpers -----------------------------------------------------------------------------------
 
@@ -539,3 +539,17 @@ def test_rate_limited_warning_works_in_a_child_forked_while_its_lock_was_held() 
         warning._lock.release()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_senders_shut_down_together_each_with_the_same_time() -> None:
+    # Each shutdown waits for the other to have started: in turn, the first would wait alone.
+    both = threading.Barrier(2, timeout=5.0)
+    given: list[float] = []
+
+    def shutdown(timeout_s: float) -> None:
+        given.append(timeout_s)
+        both.wait()
+
+    shut_down_together([shutdown, shutdown], 3.0)
+    assert given == [3.0, 3.0]
+    assert not both.broken
