@@ -24,6 +24,7 @@ i mod the CPU count); the senders, the upstream receiver and the PostgreSQL serv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import statistics
@@ -533,20 +534,26 @@ def main() -> int:
     return 0
 
 
-def _main_replicas(args: argparse.Namespace) -> int:
+def _postgres_server() -> Any:
+    """The tests' PostgreSQL server (started only for ``--store postgresql``: a machine without
+    PostgreSQL's binaries can still measure replicas on SQLite)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.postgres_server
     from tests.postgres_server import running_postgres
 
+    return running_postgres()
+
+
+def _main_replicas(args: argparse.Namespace) -> int:
     store_kind = args.store or "postgresql"
     print(f"building {args.requests} simulated request traces ...", flush=True)
     batches, spans, requests = _build_batches(args.requests, args.seed)
     print(f"{requests} requests, {spans} spans; {args.replicas} replicas vs 1, {store_kind}\n")
     rows: dict[int, list[dict[str, float]]] = {1: [], args.replicas: []}
-    with running_postgres() as server:
+    with _postgres_server() if store_kind == "postgresql" else contextlib.nullcontext() as server:
         for run in range(args.runs):
             order = (1, args.replicas) if run % 2 == 0 else (args.replicas, 1)
             for replicas in order:
-                location = server.create_database() if store_kind == "postgresql" else "sqlite"
+                location = server.create_database() if server is not None else "sqlite"
                 result = replicas_end_to_end(
                     batches,
                     spans,

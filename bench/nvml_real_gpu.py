@@ -26,8 +26,9 @@ fired (3).
 
 On the GPU machine (the repository root is the working directory; ``.whl/``, which git ignores
 through ``.git/info/exclude`` and the device tool must therefore carry (``carry: [".whl"]``),
-holds the packages the image lacks or has in an untested version, cp312 wheels; tokentrace itself
-is imported from the working tree, not installed):
+holds the packages the image lacks or has in an untested version, cp312 wheels, which
+``bash bench/gpu_machine/wheels.sh`` downloads; tokentrace itself is imported from the working
+tree, not installed; ``bench/gpu_machine/checks.sh`` runs this and the collector's figures):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 bench/nvml_real_gpu.py --out $OUT/nvml_real_gpu.json
 
