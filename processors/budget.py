@@ -401,7 +401,7 @@ def request_record(
 
 
 # --- one budget per latency metric ----------------------------------------------------------------
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class MetricBudget:
     """One latency metric of one request, split into the segments that make it up.
 

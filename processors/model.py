@@ -141,9 +141,13 @@ class RequestTimeline:
     memory-bandwidth limit of decode."""
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class GapParts:
-    """One inter-token gap of a request (ns) and its parts; the parts sum to ``gap_ns``."""
+    """One inter-token gap of a request (ns) and its parts; the parts sum to ``gap_ns``.
+
+    Not frozen, like ``DecodeFacts`` and ``budget.MetricBudget``: made for every request, and a
+    frozen dataclass's ``__init__`` (``object.__setattr__`` per field) takes about four times
+    as long. Nothing changes them once made."""
 
     gap_ns: int
     decode_ns: int
@@ -188,7 +192,7 @@ class Budget:
     and the first token's delivery by the server. Sums to ``client_ttft_ns``."""
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class DecodeFacts:
     """What the engine steps say about a request's decode (``decode_split.decode_facts_of``)."""
 

@@ -32,9 +32,8 @@ import bisect
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import cache
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -713,8 +712,11 @@ def _number_field(data: dict[str, Any], name: str) -> float | None:
     return float(value)
 
 
-@dataclass(frozen=True, slots=True)
-class SketchKey:
+class SketchKey(NamedTuple):
+    """What one set of latency sketches is kept per. A named tuple, not a frozen dataclass:
+    every request looks its key up several times (hashed and compared in C, not by the
+    dataclass's generated Python ``__hash__`` and ``__eq__``), and makes one."""
+
     service: str
     model: str
     operation: str
