@@ -73,20 +73,20 @@ def enrichment_attributes(record: RequestRecord) -> bytes:
     budget = record.budget
     metrics = record.metrics
     pairs: list[tuple[str, AttrValue]] = [
-        (_BUDGET_KEYS.get(segment) or semconv.budget_attribute(segment), _int64(ns))
+        (_BUDGET_KEYS.get(segment) or semconv.budget_attribute(segment), ns)
         for segment, ns in budget.segments.items()
         if ns
     ]
     pairs += [
-        (_TTFT_BUDGET_KEYS.get(segment) or semconv.ttft_budget_attribute(segment), _int64(ns))
+        (_TTFT_BUDGET_KEYS.get(segment) or semconv.ttft_budget_attribute(segment), ns)
         for segment, ns in budget.ttft_segments.items()
         if ns
     ]
     if metrics.ttft is not None:
-        pairs.append((semconv.TTFT_NS, _int64(metrics.ttft)))
+        pairs.append((semconv.TTFT_NS, metrics.ttft))
     if metrics.tpot is not None:
-        pairs.append((semconv.TPOT_NS, _int64(metrics.tpot)))
-    pairs.append((semconv.E2E_NS, _int64(metrics.e2e)))
+        pairs.append((semconv.TPOT_NS, metrics.tpot))
+    pairs.append((semconv.E2E_NS, metrics.e2e))
     pairs.append((semconv.PROMPT_BUCKET, record.prompt_bucket))
     verdict = record.verdict
     if verdict is not None:
@@ -102,12 +102,18 @@ def enrichment_attributes(record: RequestRecord) -> bytes:
         met = tuple(sorted(name for name, ok in record.slo.items() if ok))
         breached = tuple(sorted(name for name, ok in record.slo.items() if not ok))
         pairs += ((semconv.SLO_MET, met), (semconv.SLO_BREACHED, breached))
-    return span_attributes(pairs)
+    try:
+        return span_attributes(pairs)
+    except ValueError:
+        # Durations past int64 come only from a corrupt span's timestamps (fixed64 in OTLP):
+        # clamped when the encoder refuses one, not checked value by value for every request.
+        return span_attributes(
+            [(key, _int64(value)) if type(value) is int else (key, value) for key, value in pairs]
+        )
 
 
 def _int64(ns: int) -> int:
-    # Timestamps are fixed64 in OTLP, so a corrupt span could yield a value beyond int64.
-    return ns if _INT64_MIN <= ns <= _INT64_MAX else min(max(ns, _INT64_MIN), _INT64_MAX)
+    return min(max(ns, _INT64_MIN), _INT64_MAX)
 
 
 def remove_enrichment(span: Span) -> None:

@@ -119,3 +119,22 @@ def test_enrichment_replaces_previous_values_and_drops_stale_ones() -> None:
     assert attrs[semconv.E2E_NS] == 50 * MS
     assert attrs[semconv.PROMPT_BUCKET] == "unknown"
     assert [kv.key for kv in request.attributes].count(semconv.E2E_NS) == 1
+
+
+def test_durations_past_int64_are_clamped_and_the_rest_written() -> None:
+    """A corrupt span's fixed64 timestamps can give durations no int64 attribute holds: the
+    encoder refuses them, and the enrichment writes them clamped (the other values as they are)."""
+    spans = request_spans(queue_ns=20 * MS, token_offsets_us=[0, 4_000, 8_000])
+    record = record_for(spans, verdict=VERDICT, slo={"e2e": False})
+    record.metrics.e2e = 2**64 + 5
+    record.budget.segments[semconv.SEGMENT_DECODE] = -(2**63) - 7
+    request = spans[1]
+    enrich_span(request, record)
+    attrs = attributes_of(request)
+
+    assert attrs[semconv.E2E_NS] == 2**63 - 1
+    assert attrs[semconv.budget_attribute(semconv.SEGMENT_DECODE)] == -(2**63)
+    assert attrs[semconv.budget_attribute(semconv.SEGMENT_QUEUE)] == 20 * MS
+    assert attrs[semconv.TTFT_NS] == record.metrics.ttft
+    assert attrs[semconv.DIAGNOSIS_VERDICT] == VERDICT.sentence
+    assert attrs[semconv.SLO_BREACHED] == ["e2e"]
