@@ -173,11 +173,3 @@ def span_times(span: Span) -> tuple[int, int] | None:
     if not start or not end or end < start:
         return None
     return start, end
-
-
-def int_attribute(span: Span, key: str) -> int | None:
-    """``plain_int`` of the first attribute named ``key``."""
-    for kv in span.attributes:
-        if kv.key == key:
-            return plain_int(plain_value(kv.value))
-    return None

@@ -60,7 +60,6 @@ from tokentrace.processors.span_attributes import (
     PlainValue,
     attribute_slots,
     error_of,
-    int_attribute,
     plain_bool,
     plain_first_str,
     plain_float,
@@ -210,6 +209,8 @@ _DECODE_SLOT: Final = {  # the decode span's attributes, in the order _apply_dec
     )
 }
 _DECODE_INT_ARRAYS: Final = frozenset({_DECODE_SLOT[semconv.DECODE_TOKEN_OFFSETS]})
+_PREFILL_TOKENS_SLOT: Final = {semconv.PREFILL_CHUNK_TOKENS: 0}  # a prefill or prefill chunk span's
+_STEP_PREFILL_TOKENS_SLOT: Final = {semconv.ENGINE_STEP_PREFILL_TOKENS: 0}  # an engine step's
 _HTTP_SERVER_SLOT: Final = {  # the HTTP server span's, in the order _apply_http_server reads
     key: slot
     for slot, key in enumerate(
@@ -456,7 +457,7 @@ def _apply_phases(timeline: RequestTimeline, index: _TraceIndex, request_id: byt
             timeline.preempted.append((start, end))
         elif name == semconv.SPAN_ENGINE_STEP:
             outlier_steps += 1
-            prefill_tokens = int_attribute(child, semconv.ENGINE_STEP_PREFILL_TOKENS) or 0
+            prefill_tokens = _int_of(index, child, _STEP_PREFILL_TOKENS_SLOT) or 0
             if prefill_tokens > 0:
                 outlier_steps_with_prefill += 1
             timeline.engine_steps.append((start, end, prefill_tokens))
@@ -494,10 +495,10 @@ def _apply_prefill_chunks(timeline: RequestTimeline, index: _TraceIndex, span: S
         times = span_times(child)
         if times is None:
             continue
-        tokens = int_attribute(child, semconv.PREFILL_CHUNK_TOKENS)
+        tokens = _int_of(index, child, _PREFILL_TOKENS_SLOT)
         chunks.append((times[0], times[1], tokens or 0))
     if not chunks:
-        tokens = int_attribute(span, semconv.PREFILL_CHUNK_TOKENS)
+        tokens = _int_of(index, span, _PREFILL_TOKENS_SLOT)
         if tokens is None and timeline.input_tokens is not None:
             # Without an explicit count, the prefill computed the prompt minus its cached part.
             tokens = max(0, timeline.input_tokens - (timeline.cached_tokens or 0))
@@ -507,11 +508,22 @@ def _apply_prefill_chunks(timeline: RequestTimeline, index: _TraceIndex, span: S
     timeline.prefill_chunks = chunks
 
 
+def _int_of(index: _TraceIndex, span: Span, slot_of: dict[str, int]) -> int | None:
+    """``plain_int`` of the one attribute ``slot_of`` names (the last, if given twice), read
+    from the span's bytes as received where C can."""
+    (value,) = _read_slots(span, _received_wire(index, span), slot_of)
+    return plain_int(value)
+
+
+def _received_wire(index: _TraceIndex, span: Span) -> bytes | None:
+    """The phase span's bytes as received (``SpanRef.wire``), if the index holds it."""
+    ref = index.by_id.get(span.span_id)
+    return ref.wire if ref is not None and ref.span is span else None
+
+
 def _apply_decode_attributes(timeline: RequestTimeline, index: _TraceIndex, decode: Span) -> None:
-    ref = index.by_id.get(decode.span_id)
-    wire = ref.wire if ref is not None and ref.span is decode else None
     offsets, dropped, bandwidth, roofline, outliers = _read_slots(
-        decode, wire, _DECODE_SLOT, _DECODE_INT_ARRAYS
+        decode, _received_wire(index, decode), _DECODE_SLOT, _DECODE_INT_ARRAYS
     )
     if offsets is not None:
         timeline.token_offsets_us = cast(Sequence[int], offsets)  # an int array slot: array('q')
