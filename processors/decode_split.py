@@ -95,19 +95,19 @@ def gap_parts(
         end = begin + gap_ns
         preempted_ns = min(_overlap(preempted, begin, end), gap_ns) if preempted else 0
         excess = max(0, gap_ns - round(median_ns) - preempted_ns) if outlier else 0
-        cause = _excess_cause(steps, begin, end) if excess else semconv.SEGMENT_DECODE
+        # Without step data the excess stays the request's own pace (see ``_excess_cause``).
+        cause = _excess_cause(steps, begin, end) if excess and steps else semconv.SEGMENT_DECODE
         found.append((gap_ns, preempted_ns, excess, outlier, cause))
     with_prefill = timeline.outlier_steps_with_prefill
     if not steps and with_prefill:
         # Without step spans, the agent's count of the outlier gaps whose steps prefilled other
         # requests still says how many were interference: a prefill stretches a step far more
-        # than anything else a step does, so those are taken to be the largest ones.
+        # than anything else a step does, so those are taken to be the largest ones (equal
+        # ones in token order).
         largest = sorted(
-            (position for position, entry in enumerate(found) if entry[2]),
-            key=lambda position: found[position][0],
-            reverse=True,
+            [(-entry[0], position) for position, entry in enumerate(found) if entry[2]]
         )
-        for position in largest[:with_prefill]:
+        for _, position in largest[:with_prefill]:
             found[position] = (*found[position][:4], semconv.SEGMENT_INTERFERENCE)
     parts = []
     for gap_ns, preempted_ns, excess, outlier, cause in found:
@@ -140,7 +140,7 @@ def decode_facts_of(record: RequestRecord) -> DecodeFacts:
             outlier_gaps=outliers,
             split=decode_split(outliers, decode_ns) if decode_ns else {},
             engine_steps=len(steps),
-            max_step_prefill_tokens=max((tokens for _, _, tokens in steps), default=0),
+            max_step_prefill_tokens=max(map(operator.itemgetter(2), steps), default=0),
         )
     return facts
 
@@ -151,8 +151,10 @@ def decode_split(outlier_gaps: Sequence[GapParts], decode_ns: int) -> dict[str, 
     ``decode``)."""
     split = dict.fromkeys(semconv.DECODE_SEGMENTS, 0)
     remaining = max(decode_ns, 0)
-    interference = sum(part.interference_ns for part in outlier_gaps)
-    stall = sum(part.stall_ns for part in outlier_gaps)
+    interference = stall = 0
+    for part in outlier_gaps:
+        interference += part.interference_ns
+        stall += part.stall_ns
     split[semconv.SEGMENT_INTERFERENCE] = min(interference, remaining)
     remaining -= split[semconv.SEGMENT_INTERFERENCE]
     split[semconv.SEGMENT_STALL] = min(stall, remaining)

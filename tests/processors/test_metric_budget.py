@@ -198,6 +198,15 @@ def test_a_count_of_prefill_outliers_marks_the_largest_gaps() -> None:
     assert parts[1].interference_ns == 60 * MS and parts[0].interference_ns == 0
 
 
+def test_a_count_of_prefill_outliers_marks_equal_gaps_in_token_order() -> None:
+    # Two slow gaps of 60 ms (50 over the median), no step spans, one counted with a prefill.
+    offsets = [0, 10, 20, 80, 90, 100, 160, 170]
+    record = request_record(decoding(offsets, outlier_steps_with_prefill=1))
+    parts = decode_facts_of(record).outlier_gaps
+    assert [part.gap_ns for part in parts] == [60 * MS, 60 * MS]
+    assert [part.interference_ns for part in parts] == [50 * MS, 0]
+
+
 def test_preemption_inside_a_gap_is_preempted_not_interference() -> None:
     timeline = decoding(
         slow_gap(40),
