@@ -20,6 +20,8 @@
 #include <stddef.h>
 #include <time.h>
 
+#include "_guard.h"
+
 /* Appends `item` to `steps` (a list, or whatever has an append method). */
 static int append_to(PyObject *steps, PyObject *item) {
     if (PyList_CheckExact(steps)) {
@@ -765,38 +767,6 @@ static const char *const hook_name_strings[HNAME_COUNT] = {
 };
 static PyObject *hook_names[HNAME_COUNT];
 static PyObject *partial_type; /* functools.partial */
-
-/* The exception being raised, handed to the guard as the one being handled (as `except
- * Exception: guard.failed(name)` does: `failed` is the guard's method, `hook` the caller, named
- * if the guard itself fails); anything not an Exception is left raised (-1). */
-static int report_failure_to(PyObject *failed, PyObject *name, PyObject *hook) {
-    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
-        return -1;
-    }
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyErr_NormalizeException(&type, &value, &traceback);
-    if (traceback != NULL && value != NULL) {
-        PyException_SetTraceback(value, traceback);
-    }
-    PyObject *saved_type, *saved_value, *saved_traceback; /* sys.exc_info(), as it was */
-    PyErr_GetExcInfo(&saved_type, &saved_value, &saved_traceback);
-    Py_XINCREF(type);
-    Py_XINCREF(value);
-    Py_XINCREF(traceback);
-    PyErr_SetExcInfo(type, value, traceback); /* steals */
-    PyObject *done = PyObject_CallOneArg(failed, name);
-    PyErr_SetExcInfo(saved_type, saved_value, saved_traceback);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(traceback);
-    if (done == NULL) { /* the guard itself failed: the host keeps running all the same */
-        PyErr_WriteUnraisable(hook);
-        return 0;
-    }
-    Py_DECREF(done);
-    return 0;
-}
 
 static int report_failure(StepHook *self) {
     return report_failure_to(self->failed, self->name, (PyObject *)self);

@@ -32,11 +32,14 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
 _ROOT: Final = Path(__file__).resolve().parent.parent
 _SOURCE: Final = "agent/_steps.c"
+_HEADERS: Final = ("agent/_guard.h",)
+"""The headers ``_steps.c`` includes from its folder (where a commit has them)."""
 PROBE_LOG_ENV: Final = "TOKENTRACE_STEP_PROBE_LOG"
 """Where the probe build appends its line every ``_LOG_EVERY`` steps (read by this bench)."""
 _LOG_EVERY: Final = 500
@@ -125,10 +128,13 @@ def probed_source(source: str) -> str:
     return head + separator + probe + before + dispatch + found + after
 
 
-def build_probe(source: str, out_dir: Path) -> Path:
-    """The probed source compiled as the ``_steps`` extension module in ``out_dir``."""
+def build_probe(source: str, out_dir: Path, headers: Mapping[str, str] | None = None) -> Path:
+    """The probed source compiled as the ``_steps`` extension module in ``out_dir``, beside
+    ``headers`` (file name -> text: what it includes from its folder)."""
     c_file = out_dir / "_steps.c"
     c_file.write_text(probed_source(source))
+    for name, text in (headers or {}).items():
+        (out_dir / name).write_text(text)
     target = out_dir / f"_steps{sysconfig.get_config_var('EXT_SUFFIX')}"
     command = [
         *shlex.split(sysconfig.get_config_var("LDSHARED")),
@@ -186,8 +192,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             if shown.returncode:
                 parser.error(f"--refs {ref}: {shown.stderr.strip()}")
+            headers = {}
+            for header in _HEADERS:
+                found = subprocess.run(
+                    ["git", "show", f"{ref}:{header}"], cwd=_ROOT, capture_output=True, text=True
+                )
+                if found.returncode == 0:  # older commits have none
+                    headers[Path(header).name] = found.stdout
             (work / str(number)).mkdir()
-            builds[ref] = build_probe(shown.stdout, work / str(number))
+            builds[ref] = build_probe(shown.stdout, work / str(number), headers)
         backup = work / "installed.so"
         shutil.copy2(installed, backup)
         log = work / "probe.log"

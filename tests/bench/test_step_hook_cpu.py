@@ -44,7 +44,8 @@ def test_the_probe_fits_the_source_and_refuses_one_it_does_not_fit() -> None:
 @pytest.mark.skipif(not vllm_engine.BUILT, reason="the C hooks are not built here")
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
 def test_the_probe_build_measures_the_hooks_of_each_step(tmp_path: Path) -> None:
-    built = build_probe((_ROOT / "agent/_steps.c").read_text(), tmp_path)
+    headers = {name: (_ROOT / "agent" / name).read_text() for name in ("_guard.h",)}
+    built = build_probe((_ROOT / "agent/_steps.c").read_text(), tmp_path, headers)
     log = tmp_path / "probe.log"
     env = {**os.environ, PROBE_LOG_ENV: str(log)}
     subprocess.run(
