@@ -55,8 +55,9 @@ def random_trace_id() -> bytes:
 
 
 def random_span_id_bytes() -> bytes:
-    """``random_span_id`` as the 8 bytes of a span id chosen in advance."""
-    return random_span_id().to_bytes(SPAN_ID_BYTES, "big")
+    """``random_span_id`` as the 8 bytes of a span id chosen in advance (its expression, not a
+    call of it: this runs several times per request on the serving path)."""
+    return (_random_bits(64) or 1).to_bytes(SPAN_ID_BYTES, "big")
 
 
 def format_ids(*ids: bytes) -> str:

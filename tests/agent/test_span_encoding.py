@@ -28,7 +28,7 @@ from tests.agent.finished_requests import (
     trace_id,
 )
 from tests.spanbuild import attributes_of, key_value
-from tokentrace.agent import semconv
+from tokentrace.agent import semconv, span_ids
 from tokentrace.agent.span_encoding import (
     ResourceScope,
     SpanBatchEncoder,
@@ -36,7 +36,7 @@ from tokentrace.agent.span_encoding import (
     encode_span,
     export_request,
 )
-from tokentrace.agent.span_ids import random_span_id
+from tokentrace.agent.span_ids import random_span_id, random_span_id_bytes
 from tokentrace.agent.spans import KIND_CLIENT, PlannedSpan, count_spans, plan_spans
 
 # --- the wire encoding ----------------------------------------------------------------------------
@@ -171,6 +171,17 @@ def test_random_span_ids_are_distinct_and_never_zero() -> None:
     assert len(set(ids)) == len(ids)
     assert all(0 < span_id < 2**64 for span_id in ids)
     assert max(ids) > 2**63  # the whole 64-bit range is used
+
+
+def test_span_ids_chosen_in_advance_are_eight_random_bytes_never_zero(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ids = [random_span_id_bytes() for _ in range(20_000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(span_id) == 8 and span_id != bytes(8) for span_id in ids)
+    assert max(ids)[0] >= 0x80  # the whole 64-bit range is used
+    monkeypatch.setattr(span_ids, "_random_bits", lambda bits: 0)
+    assert random_span_id_bytes() == (1).to_bytes(8, "big")
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
