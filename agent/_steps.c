@@ -1673,6 +1673,101 @@ failed:
     return NULL;
 }
 
+static int compare_int64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+#define EXACT_DOUBLE_LIMIT (INT64_C(1) << 53) /* ints beyond compare with a float inexactly */
+
+/* outlier_gap_ends(token_step_ends, ratio, min_gaps) -> list[int] | None
+ *
+ * vllm_engine.outlier_gap_ends_python's answer: the positions i (>= 1) in `token_step_ends`
+ * ((step index, end ns) pairs, as token_step_ends makes them) whose end is more than `ratio` x
+ * the median gap after the one before; none below `min_gaps` gaps. None where the input is not
+ * a list of 2-tuples whose ends are ints, or where a gap or the median's sum does not fit
+ * (the twin answers, with Python's exact ints).
+ */
+static PyObject *outlier_gap_ends(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "outlier_gap_ends takes 3 arguments");
+        return NULL;
+    }
+    PyObject *ends = args[0];
+    if (!PyList_CheckExact(ends) || !PyFloat_CheckExact(args[1]) ||
+        !PyLong_CheckExact(args[2])) {
+        Py_RETURN_NONE;
+    }
+    double ratio = PyFloat_AS_DOUBLE(args[1]);
+    Py_ssize_t min_gaps = PyLong_AsSsize_t(args[2]);
+    if (min_gaps < 1) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(ends) - 1; /* gaps */
+    if (count < min_gaps) {
+        return PyList_New(0);
+    }
+    int64_t *gaps = PyMem_Malloc(2 * (size_t)count * sizeof(int64_t));
+    if (gaps == NULL) {
+        return PyErr_NoMemory();
+    }
+    int64_t *ordered = gaps + count;
+    PyObject *answer = NULL;
+    int64_t previous = 0;
+    for (Py_ssize_t i = 0; i <= count; i++) {
+        PyObject *pair = PyList_GET_ITEM(ends, i);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+            !PyLong_CheckExact(PyTuple_GET_ITEM(pair, 1))) {
+            goto twin;
+        }
+        int overflow = 0;
+        long long end = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(pair, 1), &overflow);
+        if (overflow || (end == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            goto twin;
+        }
+        if (i > 0) {
+            int64_t gap;
+            if (__builtin_sub_overflow((int64_t)end, previous, &gap) || gap >= EXACT_DOUBLE_LIMIT ||
+                gap <= -EXACT_DOUBLE_LIMIT) {
+                goto twin;
+            }
+            gaps[i - 1] = ordered[i - 1] = gap;
+        }
+        previous = (int64_t)end;
+    }
+    qsort(ordered, (size_t)count, sizeof(int64_t), compare_int64);
+    Py_ssize_t middle = count / 2;
+    /* As Python's median: the middle gap as a float, or the two middle ones' exact sum halved
+     * (a double rounded once: halving it is exact). */
+    double median = count % 2 ? (double)ordered[middle]
+                              : (double)(ordered[middle - 1] + ordered[middle]) / 2;
+    double threshold = ratio * median;
+    answer = PyList_New(0);
+    if (answer == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if ((double)gaps[i] > threshold) { /* exact: |gap| < 2**53 */
+            PyObject *position = PyLong_FromSsize_t(i + 1);
+            if (position == NULL || PyList_Append(answer, position) < 0) {
+                Py_XDECREF(position);
+                Py_CLEAR(answer);
+                goto done;
+            }
+            Py_DECREF(position);
+        }
+    }
+    goto done;
+twin:
+    answer = Py_NewRef(Py_None);
+done:
+    PyMem_Free(gaps);
+    return answer;
+}
+
 static PyMethodDef steps_methods[] = {
     {"step_facts", (PyCFunction)(void (*)(void))step_facts, METH_FASTCALL,
      "step_facts(step_type, requests, scheduler, output, outputs_by_client, index, start_ns, "
@@ -1682,6 +1777,8 @@ static PyMethodDef steps_methods[] = {
     {"step_hook", (PyCFunction)(void (*)(void))step_hook, METH_FASTCALL,
      "step_hook(updates, original, tracer, step_type, gate, guard, name, other, native_clock, "
      "max_open_steps, sweep_every_steps) -> StepHook"},
+    {"outlier_gap_ends", (PyCFunction)(void (*)(void))outlier_gap_ends, METH_FASTCALL,
+     "outlier_gap_ends(token_step_ends, ratio, min_gaps) -> list[int] | None"},
     {"token_step_ends", (PyCFunction)(void (*)(void))token_step_ends, METH_FASTCALL,
      "token_step_ends(ring, first, last, request_id, prefill_step) -> list[tuple[int, int]] | "
      "None"},

@@ -43,3 +43,9 @@ def outputs_hook(
     apply_events: Callable[[object, object], object],
     /,
 ) -> Callable[..., object]: ...
+def token_step_ends(
+    ring: list[object], first: int, last: int, request_id: str, prefill_step: int | None, /
+) -> list[tuple[int, int]] | None: ...
+def outlier_gap_ends(
+    token_step_ends: list[tuple[int, int]], ratio: float, min_gaps: int, /
+) -> list[int] | None: ...

@@ -11,7 +11,8 @@ Where ``_steps`` is built, vLLM's scheduler runs the step hooks in C instead of 
 (``EngineStepTracer.native_hook``): ``bench/engine_step_instructions.py`` counts those.
 
 Then, per finished request, the emitter thread's walk of the step ring for its token steps
-(``token_step_ends``: C against its twin), over a 4,096-step ring of batches of ``--batch``.
+(``token_step_ends``: C against its twin), alone and with the search of its slow gaps after it
+(``outlier_gap_ends``), over a 4,096-step ring of batches of ``--batch``.
 
     python bench/engine_steps.py [--batch 16] [--steps 20000] [--rounds 7]
 """
@@ -21,16 +22,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from tokentrace.agent.finished_request import MIN_GAPS_FOR_OUTLIERS
 from tokentrace.agent.frameworks import vllm_engine
 from tokentrace.agent.frameworks.vllm_engine import (
     ENGINE_PARENT_HEADER,
     EngineStepTracer,
     StepRecord,
     engine_parent_header,
+    outlier_gap_ends_python,
     token_step_ends_python,
 )
 from tokentrace.agent.hooks import HookGuard
@@ -110,7 +114,8 @@ def _run(scheduler: _Scheduler, tracer: EngineStepTracer | None, steps: int) -> 
 
 
 def _ring_walk_ns(batch: int, rounds: int) -> dict[str, float]:
-    """ns per finished request of ``token_step_ends`` (C, where built) and its twin: a request
+    """ns per finished request of ``token_step_ends`` (C, where built) and its twin, alone and
+    with ``outlier_gap_ends`` after it (the emitter's work per finished request): a request
     that ran through 41 steps of a full 4,096-step ring, in the batch of every other step."""
     ring_steps, requests = 4096, 4 * batch
     ids = [f"cmpl-{number}-0" for number in range(requests)]
@@ -123,9 +128,18 @@ def _ring_walk_ns(batch: int, rounds: int) -> dict[str, float]:
         )  # fmt: skip
     last = ring_steps + 900
     arguments = (ring, last - 40, last, ids[((last - 30) // 2) % requests], last - 41)
-    walks = {"Python": token_step_ends_python}
-    if vllm_engine._TOKEN_STEP_ENDS is not None:
-        walks["C"] = vllm_engine._TOKEN_STEP_ENDS
+    walks: dict[str, Callable[..., object]] = {
+        "Python": token_step_ends_python,
+        "Python, and its slow gaps": lambda *walked: outlier_gap_ends_python(
+            token_step_ends_python(*walked), 3.0
+        ),
+    }
+    c_walk, c_gaps = vllm_engine._TOKEN_STEP_ENDS, vllm_engine._OUTLIER_GAP_ENDS
+    if c_walk is not None and c_gaps is not None:
+        walks["C"] = c_walk
+        walks["C, and its slow gaps"] = lambda *walked: c_gaps(
+            c_walk(*walked), 3.0, MIN_GAPS_FOR_OUTLIERS
+        )
     calls = 20_000
     timed: dict[str, list[float]] = {name: [] for name in walks}
     for _ in range(rounds):

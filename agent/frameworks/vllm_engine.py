@@ -54,7 +54,11 @@ from itertools import compress
 from typing import Any, Final, NamedTuple, TypeAlias
 
 from tokentrace.agent import compiled, semconv
-from tokentrace.agent.finished_request import DEFAULT_ITL_OUTLIER_RATIO, gap_median
+from tokentrace.agent.finished_request import (
+    DEFAULT_ITL_OUTLIER_RATIO,
+    MIN_GAPS_FOR_OUTLIERS,
+    gap_median,
+)
 from tokentrace.agent.hooks import HookGuard
 from tokentrace.agent.recorder import MonotonicToUnix
 from tokentrace.agent.span_ids import (
@@ -77,6 +81,7 @@ __all__ = [
     "StepRecord",
     "engine_parent_header",
     "outlier_gap_ends",
+    "outlier_gap_ends_python",
     "parse_engine_parent",
 ]
 
@@ -167,7 +172,18 @@ def parse_engine_parent(value: object) -> tuple[bytes, bytes, bytes] | None:
 
 def outlier_gap_ends(token_step_ends: Sequence[tuple[int, int]], ratio: float) -> list[int]:
     """Positions ``i`` (>= 1) in ``token_step_ends`` ((step index, end ns) of each step that gave
-    the request a token, in order) whose gap from ``i - 1`` exceeds ``ratio`` x the median gap."""
+    the request a token, in order) whose gap from ``i - 1`` exceeds ``ratio`` x the median gap:
+    ``outlier_gap_ends_python``'s answer, in C where built (``_steps.outlier_gap_ends``: per
+    token, on the emitter's thread, for every finished request)."""
+    if _OUTLIER_GAP_ENDS is not None:
+        positions = _OUTLIER_GAP_ENDS(token_step_ends, ratio, MIN_GAPS_FOR_OUTLIERS)
+        if positions is not None:
+            return positions
+    return outlier_gap_ends_python(token_step_ends, ratio)
+
+
+def outlier_gap_ends_python(token_step_ends: Sequence[tuple[int, int]], ratio: float) -> list[int]:
+    """``outlier_gap_ends``' twin."""
     gaps = [
         token_step_ends[i][1] - token_step_ends[i - 1][1] for i in range(1, len(token_step_ends))
     ]
@@ -236,6 +252,10 @@ _TOKEN_STEP_ENDS: Callable[..., list[tuple[int, int]] | None] | None = getattr(
     _STEPS, "token_step_ends", None
 )
 """``token_step_ends_python``'s C twin, if built (the emitter's walk of the ring per request)."""
+_OUTLIER_GAP_ENDS: Callable[..., list[int] | None] | None = getattr(
+    _STEPS, "outlier_gap_ends", None
+)
+"""``outlier_gap_ends_python``'s C twin, if built."""
 _new_step: Final = tuple.__new__
 """``StepRecord``'s own constructor is a Python function; the tuple's is not."""
 

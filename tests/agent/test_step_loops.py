@@ -17,6 +17,7 @@ from tokentrace.agent.frameworks.vllm_engine import (
     ENGINE_PARENT_HEADER,
     StepRecord,
     engine_parent_header,
+    outlier_gap_ends_python,
     step_facts_python,
     token_step_ends_python,
 )
@@ -403,3 +404,48 @@ def test_token_step_ends_match_the_twin(
 )
 def test_token_step_ends_leave_odd_input_to_the_twin(arguments: tuple[Any, ...]) -> None:
     assert _steps.token_step_ends(*arguments) is None
+
+
+# --- outlier_gap_ends: which of those steps' gaps are slow (emitter thread) ----------------------
+@given(
+    ends=st.lists(st.integers(min_value=-(2**52) + 1, max_value=2**52 - 1), max_size=40).map(
+        lambda values: [(index, value) for index, value in enumerate(values)]
+    )
+    | st.lists(st.integers(min_value=0, max_value=60), max_size=40).map(
+        lambda gaps: [(index, 10**18 + sum(gaps[:index]) * 10**6) for index in range(len(gaps))]
+    ),
+    ratio=st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([3.0, 1.0, 0.0, 2.5]),
+)
+def test_outlier_gap_ends_match_the_twin(ends: list[tuple[int, int]], ratio: float) -> None:
+    # Arbitrary ends (negative gaps, ties, huge ones) and realistic ones (ns, ms gaps).
+    answer = _steps.outlier_gap_ends(ends, ratio, vllm_engine.MIN_GAPS_FOR_OUTLIERS)
+    assert answer is not None
+    assert answer == outlier_gap_ends_python(ends, ratio)
+
+
+def test_outlier_gap_ends_reads_the_tracers_ends_itself() -> None:
+    ends = [(index, 10**18 + 20_000_000 * index) for index in range(33)]
+    ends[20:] = [(index, end + 90_000_000) for index, end in ends[20:]]  # one slow gap
+    assert _steps.outlier_gap_ends(ends, 3.0, vllm_engine.MIN_GAPS_FOR_OUTLIERS) == [20]
+    assert vllm_engine.outlier_gap_ends(ends, 3.0) == [20]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ([(0, 0), (1, 2**63 - 1), (2, -(2**63))], 3.0, 2),  # a gap past int64
+        ([(0, 0), (1, 2**53), (2, 2**53 + 1)], 3.0, 2),  # a gap a float holds inexactly
+        ([(0, 0), (1, 2**64), (2, 2**64 + 1)], 3.0, 2),  # an end past int64
+        ([(0, 0), (1, 1.5), (2, 3)], 3.0, 2),  # not an int
+        ([(0, 0), [1, 1], (2, 3)], 3.0, 2),  # not a tuple
+        ([(0, 0), (1, 1, 9), (2, 3)], 3.0, 2),  # not a pair
+        (((0, 0), (1, 1), (2, 3)), 3.0, 2),  # not a list
+        ([(0, 0), (1, 1), (2, 3)], 3, 2),  # the ratio not a float
+    ],
+)
+def test_outlier_gap_ends_leave_odd_input_to_the_twin(arguments: tuple[Any, ...]) -> None:
+    assert _steps.outlier_gap_ends(*arguments) is None
+    ends, ratio, _ = arguments
+    if isinstance(ends[1], tuple) and len(ends[1]) == 3:
+        return  # the twin reads index 1 of a longer tuple too
+    assert vllm_engine.outlier_gap_ends(ends, ratio) == outlier_gap_ends_python(ends, ratio)

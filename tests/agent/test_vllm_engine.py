@@ -72,6 +72,7 @@ def step_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setattr(vllm_engine, "_STEP_FACTS", None)
         monkeypatch.setattr(vllm_engine, "_STEP_HOOK", None)
         monkeypatch.setattr(vllm_engine, "_TOKEN_STEP_ENDS", None)
+        monkeypatch.setattr(vllm_engine, "_OUTLIER_GAP_ENDS", None)
     return str(request.param)
 
 
