@@ -1683,10 +1683,10 @@ static int compare_int64(const void *a, const void *b) {
 /* outlier_gap_ends(token_step_ends, ratio, min_gaps) -> list[int] | None
  *
  * vllm_engine.outlier_gap_ends_python's answer: the positions i (>= 1) in `token_step_ends`
- * ((step index, end ns) pairs, as token_step_ends makes them) whose end is more than `ratio` x
- * the median gap after the one before; none below `min_gaps` gaps. None where the input is not
- * a list of 2-tuples whose ends are ints, or where a gap or the median's sum does not fit
- * (the twin answers, with Python's exact ints).
+ * ((step index, end ns) pairs, as token_step_ends makes them) whose gap from the end before is
+ * more than `ratio` x the median gap; none below `min_gaps` gaps. None where the input is not a
+ * list of 2-tuples of int64 ends, or where a gap is 2**53 ns or more either way (a double would
+ * compare it inexactly): the twin answers, with Python's exact ints.
  */
 static PyObject *outlier_gap_ends(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
