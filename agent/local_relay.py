@@ -67,8 +67,12 @@ def timer_row(timer: RequestTimer) -> tuple[Any, ...]:
     """``timer`` as a row of plain values (``timer_of`` reads it back). The prompt's token ids
     are hashed here (the hash is what the request keeps) rather than shipped. Raises TypeError /
     OverflowError for token times that are not int64s."""
-    attributes = {k: v for k, v in timer.attributes.items() if k in _FINISHED_FIELDS}
-    prompt = timer.attributes.get(PROMPT_TOKEN_IDS)
+    # Usually the attributes less the prompt (the hooks set no other key), as a subset check in C
+    # confirms; otherwise only the request's fields travel.
+    attributes = timer.attributes.copy()
+    prompt = attributes.pop(PROMPT_TOKEN_IDS, None)
+    if not attributes.keys() <= _FINISHED_FIELDS:
+        attributes = {k: v for k, v in attributes.items() if k in _FINISHED_FIELDS}
     if prompt is not None and attributes.get("prefix_hash") is None:
         attributes["prefix_hash"] = prompt_prefix_hash(prompt)
     return (

@@ -154,6 +154,18 @@ def test_timers_and_span_jobs_read_back_encode_to_the_same_bytes() -> None:
     assert PROMPT_TOKEN_IDS.encode() not in body
 
 
+def test_a_timer_row_carries_the_request_fields_and_the_prompts_hash_only() -> None:
+    timer = plain_timer(1)
+    timer.attributes.update(input_tokens=300, finish_reason="length")
+    timer.attributes[PROMPT_TOKEN_IDS] = list(range(300))
+    attributes = timer_row(timer)[-1]
+    assert set(attributes) == {"model", "operation", "input_tokens", "finish_reason", "prefix_hash"}
+    assert attributes["prefix_hash"] == to_finished_request(timer, _Offset()).prefix_hash
+    assert PROMPT_TOKEN_IDS in timer.attributes  # the timer itself is left as it was
+    timer.attributes["the_hooks_own"] = object()
+    assert set(timer_row(timer)[-1]) == set(attributes)
+
+
 @pytest.mark.parametrize(
     "row",
     [
