@@ -98,10 +98,14 @@ def enrichment_attributes(record: RequestRecord) -> bytes:
             (semconv.DIAGNOSIS_METRIC, verdict.metric),
         )
     if record.slo:
+        met: list[str] = []
+        breached: list[str] = []
+        for name, ok in record.slo.items():  # one loop, no generator frames: once per request
+            (met if ok else breached).append(name)
+        met.sort()
+        breached.sort()
         # Tuples: string arrays, whose few combinations the encoder caches.
-        met = tuple(sorted(name for name, ok in record.slo.items() if ok))
-        breached = tuple(sorted(name for name, ok in record.slo.items() if not ok))
-        pairs += ((semconv.SLO_MET, met), (semconv.SLO_BREACHED, breached))
+        pairs += ((semconv.SLO_MET, tuple(met)), (semconv.SLO_BREACHED, tuple(breached)))
     try:
         return span_attributes(pairs)
     except ValueError:
