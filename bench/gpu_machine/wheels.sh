@@ -5,7 +5,9 @@
 # must ignore: this script adds it to .git/info/exclude.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
+mkdir -p .git/info
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+rm -rf .whl  # two versions of one package stop the install there: start from none
 # The collector's and node agent's dependencies (pyproject.toml) and theirs; the image has
 # numpy, pyyaml, prometheus-client and zipp. Versions not in constraints.txt are pinned here.
 pinned=(importlib-metadata==8.7.1 typing-inspection==0.4.5 annotated-types==0.8.0
