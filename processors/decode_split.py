@@ -95,7 +95,7 @@ def gap_parts(
         end = begin + gap_ns
         preempted_ns = min(_overlap(preempted, begin, end), gap_ns) if preempted else 0
         excess = max(0, gap_ns - round(median_ns) - preempted_ns) if outlier else 0
-        # Without step data the excess stays the request's own pace (see ``_excess_cause``).
+        # Without step data for the request the excess is unknown: left as its own pace.
         cause = _excess_cause(steps, begin, end) if excess and steps else semconv.SEGMENT_DECODE
         found.append((gap_ns, preempted_ns, excess, outlier, cause))
     with_prefill = timeline.outlier_steps_with_prefill
@@ -178,9 +178,8 @@ def _overlap(intervals: Sequence[tuple[int, int]], begin: int, end: int) -> int:
 
 
 def _excess_cause(steps: Sequence[tuple[int, int, int]], begin: int, end: int) -> str:
-    """What the engine steps inside the gap (begin, end) say about its excess."""
-    if not steps:
-        return semconv.SEGMENT_DECODE  # no step data for this request: unknown, left as pace
+    """What the engine steps inside the gap (begin, end) say about its excess (``steps``: the
+    request's exported steps, at least one)."""
     covered = 0
     with_prefill = False
     # At most a few dozen steps per request are exported (the agent caps them): a scan is fine.
