@@ -34,6 +34,7 @@ from typing import Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.agent.span_ids import SPAN_ID_BYTES, TRACE_ID_BYTES, parse_ids
+from tokentrace.processors.durations import ms_of
 
 DEFAULT_PERCENTILES: Final = (50.0, 90.0, 95.0, 99.0)
 CLIENT_METRICS: Final = (
@@ -43,7 +44,6 @@ CLIENT_METRICS: Final = (
     semconv.METRIC_E2E,
 )
 """The latency metrics a client measures (the rest need the server's spans)."""
-_NS_PER_MS: Final = 1_000_000
 _NS_PER_S: Final = 1_000_000_000
 
 
@@ -155,9 +155,9 @@ def summarize_values(values_ns: Iterable[float], percents: Sequence[float]) -> d
     summary: dict[str, Any] = {"count": len(ordered)}
     if not ordered:
         return summary
-    summary["mean"] = _ms(math.fsum(ordered) / len(ordered))
+    summary["mean"] = ms_of(math.fsum(ordered) / len(ordered))
     for percent in percents:
-        summary[percentile_label(percent)] = _ms(percentile(ordered, percent))
+        summary[percentile_label(percent)] = ms_of(percentile(ordered, percent))
     return summary
 
 
@@ -209,7 +209,3 @@ def summarize(
             for metric, values in metric_values(results).items()
         },
     }
-
-
-def _ms(value_ns: float) -> float:
-    return round(value_ns / _NS_PER_MS, 3)

@@ -60,10 +60,16 @@ from tokentrace.processors.causes import (
     SERVER_WITHOUT_PHASES_ADVICE,
 )
 from tokentrace.processors.decode_split import decode_facts_of
+from tokentrace.processors.durations import ms_of
 from tokentrace.processors.model import RequestRecord
 from tokentrace.processors.stats import nearest_rank
 from tokentrace.processors.timeline import DIALECT_VLLM
-from tokentrace.processors.wording import format_duration, format_share, plural, segment_label
+from tokentrace.processors.wording import (
+    format_duration,
+    format_share,
+    plural,
+    segment_label,
+)
 
 _DEFAULT_LONG_PROMPT_TOKENS: Final = 1024
 _DEFAULT_BANDWIDTH_BOUND_RATIO: Final = 0.8
@@ -164,10 +170,6 @@ def second_segment(
 
 def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
-
-
-def _ms(ns: int | float) -> float:
-    return round(ns / 1e6, 3)
 
 
 # --- the rules --------------------------------------------------------------------------------
@@ -354,7 +356,7 @@ def _per_token(record: RequestRecord, numbers: dict[str, float | int | str]) -> 
         numbers["output_tokens"] = timeline.output_tokens
         parts.append(plural(timeline.output_tokens, "output token"))
     if tpot is not None:
-        numbers["tpot_ms"] = _ms(tpot)
+        numbers["tpot_ms"] = ms_of(tpot)
         parts.append(f"{format_duration(tpot)} TPOT")
     return " at ".join(parts)
 
@@ -426,8 +428,8 @@ def _decode(record: RequestRecord, config: DiagnosisConfig) -> RequestFinding:
 
 def _spike_text(spikes: tuple[int, int], numbers: dict[str, float | int | str]) -> str:
     median_ns, p99_ns = spikes
-    numbers["itl_median_ms"] = _ms(median_ns)
-    numbers["itl_p99_ms"] = _ms(p99_ns)
+    numbers["itl_median_ms"] = ms_of(median_ns)
+    numbers["itl_p99_ms"] = ms_of(p99_ns)
     if median_ns > 0:
         numbers["itl_spike_ratio"] = round(p99_ns / median_ns, 2)
         spread = f"{p99_ns / median_ns:.1f}x the median {format_duration(median_ns)}"
@@ -445,7 +447,7 @@ def _decode_pace(record: RequestRecord, config: DiagnosisConfig) -> RequestFindi
     # The median the outlier rule and the ITL verdict use, so that the sentences agree.
     median = gap_median(record.metrics.itl)
     if median is not None:
-        numbers["itl_median_ms"] = _ms(median)
+        numbers["itl_median_ms"] = ms_of(median)
         pace = f"every step of the request is slow: median gap {format_duration(median)}"
     else:
         pace = "every step of the request is slow"
@@ -472,7 +474,7 @@ def _interference(
     facts = decode_facts_of(record)
     interference = facts.split.get(semconv.SEGMENT_INTERFERENCE, 0)
     if interference:
-        numbers["interference_ms"] = _ms(interference)
+        numbers["interference_ms"] = ms_of(interference)
     gaps = _outlier_gaps(record, semconv.SEGMENT_INTERFERENCE)
     numbers["interfered_gaps"] = gaps
     prefill_tokens = facts.max_step_prefill_tokens
@@ -504,7 +506,7 @@ def _network(record: RequestRecord) -> RequestFinding:
     detail = "time between the client and the server that neither of them spent"
     rtt = timeline.client_rtt_ns
     if rtt is not None:
-        numbers["rtt_ms"] = _ms(rtt)
+        numbers["rtt_ms"] = ms_of(rtt)
         network = record.budget.segments.get(semconv.SEGMENT_NETWORK, 0)
         if network > 4 * rtt:
             detail = (
@@ -521,7 +523,7 @@ def _connect(record: RequestRecord) -> RequestFinding:
     numbers: dict[str, float | int | str] = {}
     detail = "the request opened a new connection (TCP handshake, TLS)"
     if timeline.client_connect_ns is not None:
-        numbers["connect_ms"] = _ms(timeline.client_connect_ns)
+        numbers["connect_ms"] = ms_of(timeline.client_connect_ns)
         detail = f"{detail} that took {format_duration(timeline.client_connect_ns)}"
     return RequestFinding(CAUSE_CONNECTION_SETUP, semconv.SEGMENT_CONNECT, detail, numbers)
 
@@ -538,7 +540,7 @@ def _client(record: RequestRecord) -> RequestFinding:
          "arrived"),
     ):  # fmt: skip
         if ns:
-            numbers[key] = _ms(ns)
+            numbers[key] = ms_of(ns)
             parts.append(f"{format_duration(ns)} {text}")
     detail = "the client was late"
     if parts:
@@ -555,14 +557,14 @@ def _http(record: RequestRecord, view: MetricBudget) -> RequestFinding:
     if before_engine is None:
         before_engine = server_e2e_segments(record.budget).get(semconv.SEGMENT_HTTP, 0)
     if before_engine:
-        numbers["http_before_engine_ms"] = _ms(before_engine)
+        numbers["http_before_engine_ms"] = ms_of(before_engine)
         parts.append(
             f"{format_duration(before_engine)} in the API server before the engine (parsing, "
             "chat templating, tokenisation)"
         )
     receive = timeline.http_receive_wait_ns
     if view.clock == semconv.CLOCK_CLIENT and receive:
-        numbers["http_receive_wait_ms"] = _ms(receive)
+        numbers["http_receive_wait_ms"] = ms_of(receive)
         parts.append(
             f"{format_duration(receive)} with the request's bytes waiting in the server's "
             "kernel before the app took them (accept queue, busy event loop)"
@@ -575,7 +577,7 @@ def _http(record: RequestRecord, view: MetricBudget) -> RequestFinding:
         and first_token is not None
         and first_body > first_token
     ):
-        numbers["http_first_token_delivery_ms"] = _ms(first_body - first_token)
+        numbers["http_first_token_delivery_ms"] = ms_of(first_body - first_token)
         parts.append(
             f"{format_duration(first_body - first_token)} delivering the first token after the "
             "engine made it"

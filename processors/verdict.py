@@ -33,8 +33,14 @@ from tokentrace.processors.diagnosis import (
     ranked_segments,
     second_segment,
 )
+from tokentrace.processors.durations import ms_of
 from tokentrace.processors.model import RequestRecord, Verdict
-from tokentrace.processors.wording import format_duration, format_share, plural, segment_label
+from tokentrace.processors.wording import (
+    format_duration,
+    format_share,
+    plural,
+    segment_label,
+)
 
 _MAX_ERROR_CHARS: Final = 160
 """Error descriptions are cut to this length so that the verdict stays one line."""
@@ -120,10 +126,10 @@ def _verdict(
     numbers: dict[str, float | int | str] = {
         "metric": view.metric,
         "clock": view.clock,
-        "value_ms": _ms(value),
-        f"{cited}_ms": _ms(cited_ns),
+        "value_ms": ms_of(value),
+        f"{cited}_ms": ms_of(cited_ns),
         "share": round(share, 4),
-        f"without_{cited}_ms": _ms(value - cited_ns),
+        f"without_{cited}_ms": ms_of(value - cited_ns),
     }
     runner_up = second_segment(ranked, config) if cited == segment else None
     if runner_up is not None:
@@ -133,14 +139,14 @@ def _verdict(
             f"({format_duration(other_ns)})"
         )
         numbers["second_segment"] = other
-        numbers[f"{other}_ms"] = _ms(other_ns)
+        numbers[f"{other}_ms"] = ms_of(other_ns)
     if finding.detail:
         sentence = f"{sentence}: {finding.detail}"
     if unmeasured:
         numbers["network_measured"] = 0
     if segment != cited:
         numbers["dominant_segment"] = segment
-        numbers[f"{segment}_ms"] = _ms(segment_ns)
+        numbers[f"{segment}_ms"] = ms_of(segment_ns)
     numbers.update(finding.numbers)
     cause = finding.cause
     advice = finding.advice or ADVICE[cause]
@@ -186,10 +192,6 @@ def _itl_head(
         f"({format_duration(total)} in all, each {over}) was {segment_label(cited)} "
         f"({format_duration(cited_ns)})"
     )
-
-
-def _ms(ns: int | float) -> float:
-    return round(ns / 1e6, 3)
 
 
 def _one_line(text: str, limit: int) -> str:

@@ -36,6 +36,11 @@ def segment_label(segment: str) -> str:
     return SEGMENT_LABELS.get(segment, segment)
 
 
+def format_ms(ms: float | None) -> str:
+    """``format_duration`` of a figure already in ms."""
+    return format_duration(None if ms is None else ms * 1e6)
+
+
 def format_duration(ns: int | float | None) -> str:
     """``410 ms``, ``41.2 ms``, ``0.412 ms``, ``1.23 s``: three significant digits."""
     if ns is None or not math.isfinite(ns):

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.collector.store.sketch_report import SketchSlice, window_report
+from tokentrace.processors.durations import ms_of
 from tokentrace.processors.sketches import LatencySketch
 from tokentrace.processors.slo import SELECTOR_KEYS, SloTarget
 
@@ -214,7 +215,7 @@ def band_limits(e2e: LatencySketch | None) -> list[BandLimits]:
 
 
 def _ms(value_ns: int | None) -> float | None:
-    return None if value_ns is None else round(value_ns / 1_000) / 1_000
+    return None if value_ns is None else ms_of(value_ns)
 
 
 def band_document(

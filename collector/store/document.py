@@ -67,6 +67,7 @@ from tokentrace.collector.store.row import (
 from tokentrace.processors.budget import inter_token_gaps_ns, metric_budget
 from tokentrace.processors.causes import ADVICE
 from tokentrace.processors.diagnosis import DiagnosisConfig
+from tokentrace.processors.durations import ms_of, whole_us
 from tokentrace.processors.model import RequestRecord
 from tokentrace.processors.stats import nearest_rank
 from tokentrace.processors.verdict import diagnose_request
@@ -301,15 +302,10 @@ def ns_to_ms(value_ns: None) -> None: ...
 @overload
 def ns_to_ms(value_ns: int | None) -> float | None: ...
 def ns_to_ms(value_ns: int | None) -> float | None:
-    """Integer ns -> ms rounded to the microsecond (half up), None stays None."""
+    """Integer ns -> ms rounded to the microsecond (``durations.ms_of``), None stays None."""
     if value_ns is None:
         return None
-    return _round_us(value_ns) / _US_PER_MS
-
-
-def _round_us(value_ns: int) -> int:
-    # Half up on integers: float division would round 0.5 µs either way.
-    return (int(value_ns) + _NS_PER_US // 2) // _NS_PER_US
+    return ms_of(int(value_ns))
 
 
 def finite_or_none(value: _T) -> _T | None:
@@ -334,7 +330,7 @@ def _partition_ms(segments: Mapping[str, int], *, present_only: bool = False) ->
     previous_us = 0
     for name in names:
         cumulative_ns += int(segments.get(name, 0))
-        cumulative_us = _round_us(cumulative_ns)
+        cumulative_us = whole_us(cumulative_ns)
         out[name] = (cumulative_us - previous_us) / _US_PER_MS
         previous_us = cumulative_us
     return out
@@ -423,7 +419,7 @@ def _timeline_doc(
     origin = min(known) if known else start_ns
 
     def offset(value: int) -> float:
-        return _round_us(int(value) - origin) / _US_PER_MS
+        return ms_of(int(value) - origin)
 
     # ``BoundariesDoc``'s keys are ``BOUNDARY_KEYS`` (a test holds them equal).
     boundaries_ms = cast(BoundariesDoc, {name: offset(value) for name, value in present.items()})

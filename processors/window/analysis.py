@@ -29,6 +29,7 @@ from typing import Any, Final
 
 from tokentrace.agent import semconv
 from tokentrace.processors.diagnosis import DiagnosisConfig
+from tokentrace.processors.durations import ms_of
 from tokentrace.processors.model import RequestRecord
 from tokentrace.processors.slo import SloTarget, burn_rate_of, mark_request
 from tokentrace.processors.stats import nearest_rank
@@ -37,7 +38,6 @@ from tokentrace.processors.window.perceived_speed import perceived_speed
 
 DEFAULT_PERCENTILES: Final = (50.0, 90.0, 95.0, 99.0)
 _DEFAULT_DIAGNOSIS: Final = DiagnosisConfig()
-_NS_PER_MS: Final = 1_000_000
 
 
 def analyze_window(
@@ -89,9 +89,9 @@ def summarize_ns(values_ns: Iterable[int], percents: Sequence[float]) -> dict[st
     ordered = sorted(values_ns)
     summary: dict[str, Any] = {"count": len(ordered)}
     if ordered:
-        summary["mean"] = _ms(math.fsum(ordered) / len(ordered))
+        summary["mean"] = ms_of(math.fsum(ordered) / len(ordered))
         for percent in percents:
-            summary[f"p{percent:g}"] = _ms(nearest_rank(ordered, percent))
+            summary[f"p{percent:g}"] = ms_of(nearest_rank(ordered, percent))
     return summary
 
 
@@ -122,7 +122,7 @@ def slo_status(
             "target": target.name,
             "metric": target.metric,
             "percentile": target.percentile,
-            "threshold_ms": _ms(target.threshold_ns),
+            "threshold_ms": ms_of(target.threshold_ns),
             "selector": dict(target.selector),
             "requests": judged,
             "value_ms": None,
@@ -135,7 +135,7 @@ def slo_status(
             value_ns = nearest_rank(pooled, target.percentile)
             compliance = inside / judged
             entry.update(
-                value_ms=_ms(value_ns),
+                value_ms=ms_of(value_ns),
                 met=value_ns <= target.threshold_ns,
                 compliance=round(compliance, 4),
                 burn_rate=round(burn_rate_of(compliance, target.percentile), 3),
@@ -147,7 +147,3 @@ def slo_status(
 def _segment_order(found: dict[str, list[int]]) -> list[str]:
     known = [segment for segment in semconv.SEGMENTS if segment in found]
     return known + sorted(segment for segment in found if segment not in semconv.SEGMENTS)
-
-
-def _ms(value_ns: float) -> float:
-    return round(value_ns / _NS_PER_MS, 3)

@@ -44,10 +44,16 @@ from tokentrace.processors.diagnosis import (
     ranked_segments,
     second_segment,
 )
+from tokentrace.processors.durations import ms_of
 from tokentrace.processors.model import RequestRecord
 from tokentrace.processors.slo import SloTarget
 from tokentrace.processors.stats import nearest_rank
-from tokentrace.processors.wording import SEGMENT_LABELS, format_duration, format_share, plural
+from tokentrace.processors.wording import (
+    SEGMENT_LABELS,
+    format_ms,
+    format_share,
+    plural,
+)
 
 WINDOW_METRICS: Final = (semconv.METRIC_TTFT, semconv.METRIC_TPOT, semconv.METRIC_E2E)
 """The metrics a window is diagnosed by when no target names them."""
@@ -62,7 +68,6 @@ metric and group (``metric_findings``); what ``tokentrace diagnose --json`` and 
 ``diagnosis.RequestFinding``."""
 
 _DEFAULT_CONFIG: Final = DiagnosisConfig()
-_NS_PER_MS: Final = 1_000_000
 _GROUP_FACTS: Final = (
     ("requests_ahead", "requests ahead"),
     ("running_at_arrival", "running at arrival"),
@@ -173,7 +178,7 @@ def target_findings(
             "metric": target.metric,
             "clock": semconv.CLOCK_SERVER,
             "percentile": target.percentile,
-            "threshold_ms": _ms(target.threshold_ns),
+            "threshold_ms": ms_of(target.threshold_ns),
             "met": None,
             "value_ms": None,
             "population": len(units),
@@ -188,7 +193,7 @@ def target_findings(
                 beyond = [unit for unit in units if unit.value_ns >= value]
             finding.update(
                 met=value <= target.threshold_ns,
-                value_ms=_ms(value),
+                value_ms=ms_of(value),
                 **_group_finding(
                     records,
                     units,
@@ -243,9 +248,11 @@ def metric_findings(
                 "percentile": percentile,
                 "threshold_ms": None,
                 "met": None,
-                "value_ms": _ms(nearest_rank(ordered, percentile)),
+                "value_ms": ms_of(nearest_rank(ordered, percentile)),
                 "population": len(units),
-                "range_ms": [_ms(low), _ms(high)] if group == GROUP_TYPICAL else [_ms(tail_from)],
+                "range_ms": [ms_of(low), ms_of(high)]
+                if group == GROUP_TYPICAL
+                else [ms_of(tail_from)],
                 **_group_finding(
                     records,
                     units,
@@ -301,7 +308,7 @@ def _group_finding(
             {
                 "segment": segment,
                 "share": round(ns / value_total, 4) if value_total else 0.0,
-                "mean_ms": _ms(ns / len(members)),
+                "mean_ms": ms_of(ns / len(members)),
             }
             for segment, ns in ranked
         ],
@@ -378,9 +385,9 @@ def _counterfactual(
     halved = sorted(unit.value_ns - unit.segments.get(segment, 0) // 2 for unit in population)
     result: dict[str, Any] = {
         "segment": segment,
-        "value_ms": _ms(nearest_rank(values, percentile)),
-        "without_ms": _ms(nearest_rank(without, percentile)),
-        "halved_ms": _ms(nearest_rank(halved, percentile)),
+        "value_ms": ms_of(nearest_rank(values, percentile)),
+        "without_ms": ms_of(nearest_rank(without, percentile)),
+        "halved_ms": ms_of(nearest_rank(halved, percentile)),
         "met_without": None,
         "met_halved": None,
     }
@@ -395,7 +402,7 @@ def _means(units: Sequence[_Unit]) -> dict[str, float]:
     for unit in units:
         for segment, ns in unit.segments.items():
             sums[segment] = sums.get(segment, 0) + ns
-    return {segment: _ms(ns / len(units)) for segment, ns in sums.items() if ns} if units else {}
+    return {segment: ms_of(ns / len(units)) for segment, ns in sums.items() if ns} if units else {}
 
 
 # --- wording --------------------------------------------------------------------------------------
@@ -410,7 +417,7 @@ def _facts_text(facts: Mapping[str, float]) -> str:
         if value is None:
             continue
         if key.endswith("_ms"):
-            parts.append(f"{label} {format_duration(value * _NS_PER_MS)}")
+            parts.append(f"{label} {format_ms(value)}")
         elif key.endswith("_ratio"):
             parts.append(f"{label} {value:.2f}")
         elif key == "batch_full":
@@ -427,14 +434,14 @@ def _dominance_text(finding: Mapping[str, Any]) -> str:
     means = {entry["segment"]: entry for entry in finding["segments"]}
     text = (
         f"{format_share(finding['share'])} of their {finding['clock']}-seen {label} was "
-        f"{SEGMENT_LABELS.get(segment, segment)} (mean {_ms_text(means[segment]['mean_ms'])})"
+        f"{SEGMENT_LABELS.get(segment, segment)} (mean {format_ms(means[segment]['mean_ms'])})"
     )
     second = finding.get("second_segment")
     if second:
         entry = means[second]
         text += (
             f" and {format_share(entry['share'])} {SEGMENT_LABELS.get(second, second)} "
-            f"(mean {_ms_text(entry['mean_ms'])})"
+            f"(mean {format_ms(entry['mean_ms'])})"
         )
     cause = finding["cause"]
     facts = _facts_text(finding["facts"])
@@ -447,14 +454,14 @@ def _counterfactual_text(finding: Mapping[str, Any]) -> str:
     segment = counterfactual["segment"]
     label = semconv.METRIC_LABELS.get(finding["metric"], finding["metric"])
     named = SEGMENT_LABELS.get(segment, segment)
-    head = f"p{finding['percentile']:g} {label} {_ms_text(counterfactual['value_ms'])} -> "
+    head = f"p{finding['percentile']:g} {label} {format_ms(counterfactual['value_ms'])} -> "
     if segment == semconv.SEGMENT_DECODE:
         # Tokens cannot be free: removing decode is no fix, making it twice as fast is one.
-        text = f"{head}{_ms_text(counterfactual['halved_ms'])} with {named} twice as fast"
+        text = f"{head}{format_ms(counterfactual['halved_ms'])} with {named} twice as fast"
     else:
         text = (
-            f"{head}{_ms_text(counterfactual['without_ms'])} without {named} "
-            f"({_ms_text(counterfactual['halved_ms'])} with it halved)"
+            f"{head}{format_ms(counterfactual['without_ms'])} without {named} "
+            f"({format_ms(counterfactual['halved_ms'])} with it halved)"
         )
     if finding.get("met") is False:
         if counterfactual["met_halved"]:
@@ -472,22 +479,22 @@ def finding_lines(finding: Mapping[str, Any]) -> list[str]:
     if finding.get("target"):
         head = (
             f"{finding['target']} (p{finding['percentile']:g} {label} <= "
-            f"{_ms_text(finding['threshold_ms'])}, server-seen): "
+            f"{format_ms(finding['threshold_ms'])}, server-seen): "
         )
         if finding["met"] is None:
             return [head + "no matching requests"]
-        head += f"{'met' if finding['met'] else 'MISSED'} at {_ms_text(finding['value_ms'])}"
+        head += f"{'met' if finding['met'] else 'MISSED'} at {format_ms(finding['value_ms'])}"
         where = (
-            f"beyond {_ms_text(finding['threshold_ms'])}"
+            f"beyond {format_ms(finding['threshold_ms'])}"
             if finding["group"] == GROUP_BEYOND
             else f"in its tail (>= p{finding['percentile']:g})"
         )
     elif finding["group"] == GROUP_TYPICAL:
         low, high = finding["range_ms"]
-        head = f"typical {label}: {_ms_text(low)}-{_ms_text(high)}, around the median"
+        head = f"typical {label}: {format_ms(low)}-{format_ms(high)}, around the median"
         where = "around the median"
     else:
-        head = f"tail {label}: >= p{finding['percentile']:g}, {_ms_text(finding['range_ms'][0])}"
+        head = f"tail {label}: >= p{finding['percentile']:g}, {format_ms(finding['range_ms'][0])}"
         where = "in the tail"
     if finding.get("segment") is None:
         return [head, "no time recorded in any segment"]
@@ -502,14 +509,6 @@ def finding_lines(finding: Mapping[str, Any]) -> list[str]:
 def _sentence(finding: Mapping[str, Any]) -> str:
     lines = finding_lines(finding)
     return ". ".join(line.rstrip(".") for line in lines[:3]) + "."
-
-
-def _ms_text(value_ms: float | None) -> str:
-    return format_duration(None if value_ms is None else value_ms * _NS_PER_MS)
-
-
-def _ms(value_ns: float) -> float:
-    return round(value_ns / _NS_PER_MS, 3)
 
 
 # --- before and after -----------------------------------------------------------------------------
@@ -573,11 +572,10 @@ def _comparison_sentence(row: Mapping[str, Any]) -> str:
     text = f"{name}: {SEGMENT_LABELS.get(segment, segment)} dominated before"
     if row["direction"] is None:
         return f"{text}; not in the second window"
-    text += (
-        f", mean {_ms_text(row['a_mean_ms'])} -> {_ms_text(row['b_mean_ms'])} ({row['direction']})"
-    )
+    means = f"{format_ms(row['a_mean_ms'])} -> {format_ms(row['b_mean_ms'])}"
+    text += f", mean {means} ({row['direction']})"
     if row["a_value_ms"] is not None and row["b_value_ms"] is not None:
-        text += f"; {label} {_ms_text(row['a_value_ms'])} -> {_ms_text(row['b_value_ms'])}"
+        text += f"; {label} {format_ms(row['a_value_ms'])} -> {format_ms(row['b_value_ms'])}"
     if row["b_met"] is not None:
         text += " (target met)" if row["b_met"] else " (target still missed)"
     after = row["b_segment"]

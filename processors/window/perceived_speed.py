@@ -12,9 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
+from tokentrace.processors.durations import ms_of
 from tokentrace.processors.model import RequestRecord
 from tokentrace.processors.stats import nearest_rank
-from tokentrace.processors.wording import format_duration, format_share
+from tokentrace.processors.wording import (
+    format_duration,
+    format_ms,
+    format_share,
+)
 
 _NS_PER_MS: Final = 1_000_000
 _FIRST_BYTE_HURTS_NS: Final = 100 * _NS_PER_MS
@@ -52,7 +57,7 @@ def perceived_speed(records: Sequence[RequestRecord]) -> dict[str, Any]:
                 "p95_ms": p95,
                 "sentence": (
                     f"{format_share(share)} of requests were not streamed: the user waited for the "
-                    f"whole response (p95 {_ms_text(p95)}) before the first word. Stream them."
+                    f"whole response (p95 {format_ms(p95)}) before the first word. Stream them."
                 ),
             }
         )
@@ -70,8 +75,8 @@ def perceived_speed(records: Sequence[RequestRecord]) -> dict[str, Any]:
                     "kind": "first_byte",
                     "p95_ms": p95,
                     "sentence": (
-                        f"p95 time to the response's first byte is {_ms_text(p95)}, over "
-                        f"{_ms_text(_FIRST_BYTE_HURTS_NS / _NS_PER_MS)}: users see nothing for "
+                        f"p95 time to the response's first byte is {format_ms(p95)}, over "
+                        f"{format_duration(_FIRST_BYTE_HURTS_NS)}: users see nothing for "
                         "that long (the TTFT finding says where that time goes)."
                     ),
                 }
@@ -95,10 +100,10 @@ def perceived_speed(records: Sequence[RequestRecord]) -> dict[str, Any]:
                 {
                     "kind": "new_connections",
                     "share": round(share, 4),
-                    "p95_ms": _ms(p95_setup),
+                    "p95_ms": ms_of(p95_setup),
                     "sentence": (
                         f"a new connection on {format_share(share)} of requests, p95 setup "
-                        f"{_ms_text(_ms(p95_setup))}: reuse connections (keep-alive, a "
+                        f"{format_ms(ms_of(p95_setup))}: reuse connections (keep-alive, a "
                         "connection pool)."
                     ),
                 }
@@ -107,16 +112,8 @@ def perceived_speed(records: Sequence[RequestRecord]) -> dict[str, Any]:
 
 
 def _p_ms(values_ns: Sequence[int], percentile: float) -> float:
-    return _ms(nearest_rank(sorted(values_ns), percentile))
+    return ms_of(nearest_rank(sorted(values_ns), percentile))
 
 
 def _p95_ms(values_ns: Sequence[int]) -> float:
     return _p_ms(values_ns, 95)
-
-
-def _ms_text(value_ms: float | None) -> str:
-    return format_duration(None if value_ms is None else value_ms * _NS_PER_MS)
-
-
-def _ms(value_ns: float) -> float:
-    return round(value_ns / _NS_PER_MS, 3)

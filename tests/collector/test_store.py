@@ -45,7 +45,7 @@ from tokentrace.collector.store import (
     window_report,
 )
 from tokentrace.collector.store.contract import Store, WriteItem
-from tokentrace.collector.store.document import DOC_TOKEN_OFFSETS_CAP, budget_segments
+from tokentrace.collector.store.document import DOC_TOKEN_OFFSETS_CAP, budget_segments, ns_to_ms
 from tokentrace.collector.store.location import is_postgresql, open_store, open_store_readonly
 from tokentrace.collector.store.row import encode_detail
 from tokentrace.processors.budget import compute_metrics
@@ -1109,8 +1109,8 @@ def _views_ms(record: RequestRecord) -> dict[str, dict[str, dict[str, float]]]:
             view = metric_budget(record, metric, clock=clock)
             if view is not None:
                 views.setdefault(metric, {})[clock] = {
-                    name: round(ns / 1e6, 3) for name, ns in view.segments.items() if ns
-                } | {"value": round(view.value_ns / 1e6, 3)}
+                    name: ns_to_ms(ns) for name, ns in view.segments.items() if ns
+                } | {"value": ns_to_ms(view.value_ns)}
     return views
 
 

@@ -77,8 +77,9 @@ def exact_nearest_rank(values: Sequence[int], percent: float) -> int:
     return ordered[-1]
 
 
-def ms(value_ns: float) -> float:
-    return round(value_ns / NS_PER_MS, 3)
+def ms(value_ns: int) -> float:
+    """Whole µs, halves up, in ms: how every ``*_ms`` figure is rounded."""
+    return (value_ns + 500) // 1000 / 1000
 
 
 def metric_values(records: Sequence[RequestRecord], metric: str) -> list[int]:
