@@ -529,6 +529,377 @@ static PyObject *unclean_spans(PyObject *module, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* --- assembled traces written ------------------------------------------------------------ */
+
+/* trace_request(refs: list[SpanRef], appended: dict[bytes, bytes] | None) -> bytes | None
+ *
+ * collector.encoding.encode_trace_request in one pass over sizes and one write: the spans
+ * grouped by their resource and scope objects (identity, in the order each first appears), each
+ * span's ScopeSpans.spans entry as received (SpanRef.wire) with appended[its span id] added to
+ * its end. None where that fast path does not apply (a span without its received bytes, a
+ * resource or scope without theirs, more groups than the tables below hold, input of other
+ * types): the twin answers then. A span's id is read from its bytes as the parser reads it (the
+ * last span_id field; none is b""). */
+
+#define MAX_RESOURCE_GROUPS 16
+#define MAX_SCOPE_GROUPS 64
+#define MAX_LINEAR_APPENDED 8 /* more appended entries than this: one dict look-up per span */
+
+typedef struct {
+    PyObject *resource; /* these four hold references: attribute look-ups could run code */
+    PyObject *wire;
+    Py_ssize_t content; /* the ResourceSpans content size */
+} ResourceGroup;
+
+typedef struct {
+    Py_ssize_t resource; /* index into the resource groups */
+    PyObject *scope;
+    PyObject *wire;
+    Py_ssize_t content; /* the ScopeSpans content size */
+} ScopeGroup;
+
+typedef struct {
+    Py_ssize_t scope; /* index into the scope groups */
+    PyObject *wire;   /* the span's entry */
+    Py_ssize_t body;  /* where the span's own bytes start in the entry */
+    PyObject *extra;  /* bytes to append, or NULL */
+} RefEntry;
+
+typedef struct {
+    RefEntry *entries;
+    Py_ssize_t entry_count;
+    ResourceGroup resources[MAX_RESOURCE_GROUPS];
+    Py_ssize_t resource_count;
+    ScopeGroup scopes[MAX_SCOPE_GROUPS];
+    Py_ssize_t scope_count;
+} TracePlan;
+
+static void release_plan(TracePlan *plan) {
+    for (Py_ssize_t i = 0; i < plan->entry_count; i++) {
+        Py_DECREF(plan->entries[i].wire);
+        Py_XDECREF(plan->entries[i].extra);
+    }
+    for (Py_ssize_t r = 0; r < plan->resource_count; r++) {
+        Py_DECREF(plan->resources[r].resource);
+        Py_DECREF(plan->resources[r].wire);
+    }
+    for (Py_ssize_t s = 0; s < plan->scope_count; s++) {
+        Py_DECREF(plan->scopes[s].scope);
+        Py_DECREF(plan->scopes[s].wire);
+    }
+    PyMem_Free(plan->entries);
+}
+
+static PyObject *name_resource, *name_scope, *name_wire, *name_resource_wire, *name_scope_wire;
+
+static int intern_names(void) {
+    if (name_resource != NULL) {
+        return 1;
+    }
+    name_resource = PyUnicode_InternFromString("resource");
+    name_scope = PyUnicode_InternFromString("scope");
+    name_wire = PyUnicode_InternFromString("wire");
+    name_resource_wire = PyUnicode_InternFromString("resource_wire");
+    name_scope_wire = PyUnicode_InternFromString("scope_wire");
+    return name_resource && name_scope && name_wire && name_resource_wire && name_scope_wire;
+}
+
+/* The span's own bytes in an entry (tag 0x12, length, span): where they start; 0 when the entry
+ * is not one. */
+static Py_ssize_t entry_body(PyObject *entry) {
+    const unsigned char *data = (const unsigned char *)PyBytes_AS_STRING(entry);
+    Py_ssize_t size = PyBytes_GET_SIZE(entry), pos = 1;
+    uint64_t length;
+    if (size < 2 || data[0] != SPAN_ENTRY_TAG || !read_varint(data, size, &pos, &length) ||
+        length != (uint64_t)(size - pos)) {
+        return 0;
+    }
+    return pos;
+}
+
+/* The span id (Span.span_id = 2: the last one, which the parser keeps; none is empty) of the
+ * span bytes [start, stop): 1, or 0 when malformed. */
+static int span_id_of(const unsigned char *data, Py_ssize_t start, Py_ssize_t stop,
+                      Py_ssize_t *id_start, Py_ssize_t *id_size) {
+    Py_ssize_t pos = start, field_start = 0, field_stop = 0;
+    *id_start = start;
+    *id_size = 0;
+    while (pos < stop) {
+        uint32_t number;
+        int wire_type;
+        if (!next_field(data, stop, &pos, &number, &wire_type, &field_start, &field_stop)) {
+            return 0;
+        }
+        if (number == 2 && wire_type == WIRE_LEN) {
+            *id_start = field_start;
+            *id_size = field_stop - field_start;
+        }
+    }
+    return 1;
+}
+
+/* appended[the entry's span id] as a new reference, or NULL: absent (*failed 0), outside the
+ * fast path (*failed 1: a malformed span, a key or value that is not bytes) or an error
+ * (*failed -1). */
+static PyObject *appended_for(PyObject *appended, PyObject *entry, Py_ssize_t body,
+                              int *failed) {
+    const unsigned char *data = (const unsigned char *)PyBytes_AS_STRING(entry);
+    Py_ssize_t id_start, id_size;
+    if (!span_id_of(data, body, PyBytes_GET_SIZE(entry), &id_start, &id_size)) {
+        *failed = 1;
+        return NULL;
+    }
+    PyObject *value = NULL;
+    if (PyDict_GET_SIZE(appended) <= MAX_LINEAR_APPENDED) {
+        Py_ssize_t position = 0;
+        PyObject *key, *candidate;
+        while (PyDict_Next(appended, &position, &key, &candidate)) {
+            if (!PyBytes_CheckExact(key)) {
+                *failed = 1; /* a key that may equal bytes without being bytes: the twin */
+                return NULL;
+            }
+            if (PyBytes_GET_SIZE(key) == id_size &&
+                memcmp(PyBytes_AS_STRING(key), data + id_start, (size_t)id_size) == 0) {
+                value = candidate;
+                break;
+            }
+        }
+    } else {
+        PyObject *key = PyBytes_FromStringAndSize((const char *)data + id_start, id_size);
+        if (key == NULL) {
+            *failed = -1;
+            return NULL;
+        }
+        value = PyDict_GetItemWithError(appended, key);
+        Py_DECREF(key);
+        if (value == NULL && PyErr_Occurred()) {
+            *failed = -1;
+            return NULL;
+        }
+    }
+    if (value == NULL) {
+        return NULL;
+    }
+    if (!PyBytes_CheckExact(value)) {
+        *failed = 1;
+        return NULL;
+    }
+    Py_INCREF(value);
+    return value;
+}
+
+/* A SpanRef attribute that must be bytes: a new reference, or NULL (*failed -1 with the error
+ * set, or 1 when the value is not bytes). */
+static PyObject *bytes_attribute(PyObject *ref, PyObject *name, int *failed) {
+    PyObject *value = PyObject_GetAttr(ref, name);
+    if (value == NULL) {
+        *failed = -1;
+        return NULL;
+    }
+    if (!PyBytes_CheckExact(value)) {
+        Py_DECREF(value);
+        *failed = 1;
+        return NULL;
+    }
+    return value;
+}
+
+/* Where a ref's resource (or scope) group is: its index, -1 when new. */
+static Py_ssize_t resource_group(TracePlan *plan, PyObject *resource) {
+    for (Py_ssize_t r = 0; r < plan->resource_count; r++) {
+        if (plan->resources[r].resource == resource) {
+            return r;
+        }
+    }
+    return -1;
+}
+
+static Py_ssize_t scope_group(TracePlan *plan, Py_ssize_t resource, PyObject *scope) {
+    for (Py_ssize_t s = 0; s < plan->scope_count; s++) {
+        if (plan->scopes[s].resource == resource && plan->scopes[s].scope == scope) {
+            return s;
+        }
+    }
+    return -1;
+}
+
+/* One ref placed in its groups (opened where new) and its entry sized: 1, 0 outside the fast
+ * path, -1 error. */
+static int plan_ref(TracePlan *plan, PyObject *ref, PyObject *appended) {
+    int failed = 0;
+    PyObject *wire = bytes_attribute(ref, name_wire, &failed);
+    if (wire == NULL) {
+        return failed > 0 ? 0 : -1;
+    }
+    Py_ssize_t body = entry_body(wire);
+    PyObject *extra = NULL;
+    if (body != 0 && appended != NULL) {
+        extra = appended_for(appended, wire, body, &failed);
+    }
+    if (body == 0 || failed) {
+        Py_DECREF(wire);
+        return body == 0 || failed > 0 ? 0 : -1;
+    }
+    if (extra != NULL && PyBytes_GET_SIZE(extra) == 0) {
+        Py_CLEAR(extra); /* re-headed with nothing added: the same entry */
+    }
+    RefEntry *entry = &plan->entries[plan->entry_count++];
+    *entry = (RefEntry){-1, wire, body, extra};
+
+    PyObject *resource = PyObject_GetAttr(ref, name_resource);
+    if (resource == NULL) {
+        return -1;
+    }
+    Py_ssize_t r = resource_group(plan, resource);
+    if (r < 0) {
+        PyObject *resource_wire = plan->resource_count == MAX_RESOURCE_GROUPS
+                                      ? NULL
+                                      : bytes_attribute(ref, name_resource_wire, &failed);
+        if (resource_wire == NULL) {
+            Py_DECREF(resource);
+            return failed < 0 ? -1 : 0;
+        }
+        r = plan->resource_count++;
+        plan->resources[r] = (ResourceGroup){resource, resource_wire, 0};
+    } else {
+        Py_DECREF(resource);
+    }
+    PyObject *scope = PyObject_GetAttr(ref, name_scope);
+    if (scope == NULL) {
+        return -1;
+    }
+    Py_ssize_t s = scope_group(plan, r, scope);
+    if (s < 0) {
+        PyObject *scope_wire = plan->scope_count == MAX_SCOPE_GROUPS
+                                   ? NULL
+                                   : bytes_attribute(ref, name_scope_wire, &failed);
+        if (scope_wire == NULL) {
+            Py_DECREF(scope);
+            return failed < 0 ? -1 : 0;
+        }
+        s = plan->scope_count++;
+        plan->scopes[s] = (ScopeGroup){r, scope, scope_wire, 0};
+    } else {
+        Py_DECREF(scope);
+    }
+    entry->scope = s;
+    plan->scopes[s].content +=
+        extra == NULL ? PyBytes_GET_SIZE(wire)
+                      : field_size(PyBytes_GET_SIZE(wire) - body + PyBytes_GET_SIZE(extra));
+    return 1;
+}
+
+/* Groups the refs and sizes every part: 1 done, 0 outside the fast path, -1 error. */
+static int plan_trace(TracePlan *plan, PyObject *refs, Py_ssize_t count, PyObject *appended) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (PyList_GET_SIZE(refs) != count) {
+            return 0; /* changed by a ref's attribute look-up */
+        }
+        PyObject *ref = PyList_GET_ITEM(refs, i);
+        Py_INCREF(ref);
+        int planned = plan_ref(plan, ref, appended);
+        Py_DECREF(ref);
+        if (planned != 1) {
+            return planned;
+        }
+    }
+    for (Py_ssize_t s = 0; s < plan->scope_count; s++) {
+        ScopeGroup *scope = &plan->scopes[s];
+        scope->content += field_size(PyBytes_GET_SIZE(scope->wire)); /* ScopeSpans.scope */
+        plan->resources[scope->resource].content += field_size(scope->content);
+    }
+    for (Py_ssize_t r = 0; r < plan->resource_count; r++) {
+        plan->resources[r].content += field_size(PyBytes_GET_SIZE(plan->resources[r].wire));
+    }
+    return 1;
+}
+
+static unsigned char *put_bytes(unsigned char *out, PyObject *bytes, Py_ssize_t from) {
+    Py_ssize_t size = PyBytes_GET_SIZE(bytes) - from;
+    memcpy(out, PyBytes_AS_STRING(bytes) + from, (size_t)size);
+    return out + size;
+}
+
+/* ExportTraceServiceRequest.resource_spans = 1 { resource = 1, scope_spans = 2 { scope = 1,
+ * spans = 2 } }: each group's spans in their order in the trace. */
+static void write_trace(TracePlan *plan, unsigned char *out) {
+    for (Py_ssize_t r = 0; r < plan->resource_count; r++) {
+        ResourceGroup *resource = &plan->resources[r];
+        out = put_field_head(out, 0x0a, resource->content);
+        out = put_field_head(out, 0x0a, PyBytes_GET_SIZE(resource->wire));
+        out = put_bytes(out, resource->wire, 0);
+        for (Py_ssize_t s = 0; s < plan->scope_count; s++) {
+            ScopeGroup *scope = &plan->scopes[s];
+            if (scope->resource != r) {
+                continue;
+            }
+            out = put_field_head(out, 0x12, scope->content);
+            out = put_field_head(out, 0x0a, PyBytes_GET_SIZE(scope->wire));
+            out = put_bytes(out, scope->wire, 0);
+            for (Py_ssize_t i = 0; i < plan->entry_count; i++) {
+                RefEntry *entry = &plan->entries[i];
+                if (entry->scope != s) {
+                    continue;
+                }
+                if (entry->extra == NULL) {
+                    out = put_bytes(out, entry->wire, 0);
+                    continue;
+                }
+                Py_ssize_t body = PyBytes_GET_SIZE(entry->wire) - entry->body;
+                out = put_field_head(out, SPAN_ENTRY_TAG, body + PyBytes_GET_SIZE(entry->extra));
+                out = put_bytes(out, entry->wire, entry->body);
+                out = put_bytes(out, entry->extra, 0);
+            }
+        }
+    }
+}
+
+static PyObject *trace_request(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "trace_request takes 2 arguments");
+        return NULL;
+    }
+    PyObject *refs = args[0], *appended = args[1];
+    if (!PyList_CheckExact(refs) || (appended != Py_None && !PyDict_CheckExact(appended))) {
+        Py_RETURN_NONE;
+    }
+    if (appended == Py_None || PyDict_GET_SIZE(appended) == 0) {
+        appended = NULL;
+    }
+    if (!intern_names()) {
+        return NULL;
+    }
+    /* Nothing here runs Python code for slotted SpanRefs; for refs whose attribute look-ups
+     * could, every object used is held, and a list that changes leaves the fast path. */
+    Py_INCREF(refs);
+    TracePlan plan;
+    plan.entry_count = plan.resource_count = plan.scope_count = 0;
+    Py_ssize_t count = PyList_GET_SIZE(refs);
+    plan.entries = PyMem_Malloc(sizeof(RefEntry) * (size_t)(count ? count : 1));
+    if (plan.entries == NULL) {
+        Py_DECREF(refs);
+        return PyErr_NoMemory();
+    }
+    PyObject *result = NULL;
+    int planned = plan_trace(&plan, refs, count, appended);
+    if (planned == 1) {
+        Py_ssize_t total = 0;
+        for (Py_ssize_t r = 0; r < plan.resource_count; r++) {
+            total += field_size(plan.resources[r].content);
+        }
+        result = PyBytes_FromStringAndSize(NULL, total);
+        if (result != NULL) {
+            write_trace(&plan, (unsigned char *)PyBytes_AS_STRING(result));
+        }
+    } else if (planned >= 0) {
+        result = Py_NewRef(Py_None);
+    }
+    release_plan(&plan);
+    Py_DECREF(refs);
+    return result;
+}
+
 /* tcp_info(fd) -> (tcpi_last_data_recv in ms, tcpi_rtt in us), or None where the kernel cannot
  * tell: not Linux, not a TCP socket, a closed descriptor, a short answer. */
 static PyObject *tcp_info(PyObject *module, PyObject *arg) {
@@ -561,6 +932,8 @@ static PyMethodDef wire_methods[] = {
     {"unclean_spans", (PyCFunction)(void (*)(void))unclean_spans, METH_FASTCALL,
      "unclean_spans(request: bytes, fast_path_bytes: int, min_time_ns: int, max_time_ns: int)"
      " -> list[tuple[int, int, int]] | None"},
+    {"trace_request", (PyCFunction)(void (*)(void))trace_request, METH_FASTCALL,
+     "trace_request(refs: list[SpanRef], appended: dict[bytes, bytes] | None) -> bytes | None"},
     {"tcp_info", tcp_info, METH_O,
      "tcp_info(fd: int) -> tuple[int, int] | None: (last_data_recv ms, rtt us)"},
     {NULL, NULL, 0, NULL},

@@ -6,15 +6,23 @@ the cost). A span may get extra bytes appended (``appended``): the enrichment's 
 entries (``processors.enrich.enrichment_attributes``), which parse as attributes after its own.
 Every span the receiver kept the bytes of (``SpanRef.wire``) goes out as it came in, its
 enrichment appended to them (a span that had attributes to remove before lost its bytes).
+
+Where every span, resource and scope of a trace has its received bytes (the usual case), C
+writes the request in one pass (``agent/_wire.c``'s ``trace_request``: sizes first, then one
+buffer, where the Python below copies each span's bytes four times over); otherwise, and
+without C, ``encode_trace_request_python`` does, with the same bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Final
+from typing import Any, Final
 
+from tokentrace.agent import compiled
 from tokentrace.agent.span_encoding import length_delimited
 from tokentrace.processors.model import SpanRef
+
+_WIRE: Final[Any] = compiled.load("tokentrace.agent._wire")
 
 _TAG_REQUEST_RESOURCE_SPANS: Final = b"\x0a"  # ExportTraceServiceRequest.resource_spans = 1
 _TAG_RESOURCE: Final = b"\x0a"  # ResourceSpans.resource = 1
@@ -29,6 +37,17 @@ def encode_trace_request(
     """One serialised ExportTraceServiceRequest, grouping spans by their shared Resource and
     InstrumentationScope objects (identity, not content: the receiver shares them), in the order
     each first appears. ``appended``: span id -> bytes to append to that span's serialisation."""
+    if _WIRE is not None:
+        encoded: bytes | None = _WIRE.trace_request(spans, appended)
+        if encoded is not None:
+            return encoded
+    return encode_trace_request_python(spans, appended=appended)
+
+
+def encode_trace_request_python(
+    spans: Sequence[SpanRef], *, appended: Mapping[bytes, bytes] | None = None
+) -> bytes:
+    """``encode_trace_request`` in Python: every input, and the C function's twin."""
     # id(resource) -> (its bytes, id(scope) -> (its bytes, the spans)); the bytes the receiver
     # kept (``SpanRef.resource_wire`` / ``scope_wire``) or, without them, serialised here.
     by_resource: dict[int, tuple[bytes, dict[int, tuple[bytes, list[SpanRef]]]]] = {}
