@@ -13,6 +13,10 @@ where the time goes.
 ``--compression none`` exports upstream uncompressed (default: gzip, the exporter's default,
 which gRPC applies at zlib's level 6; docs/performance.md says what it costs).
 
+``--tail-sampling SHARE`` runs the collector with tail sampling (its default rules, and SHARE as
+``random_share``): only the traces kept are enriched, encoded, stored and exported. The clock
+then stops when every request was derived, the kept ones stored and every queued span exported.
+
 ``--replicas N`` measures N collector processes behind trace-ID routing (the senders split every
 export request by trace id with the node agent's rendezvous hashing) writing one store
 (``--store postgresql``, the default then: a PostgreSQL server this benchmark starts with
@@ -121,10 +125,12 @@ def _collector_config(
     spool_directory: Path | None = None,
     *,
     compression: str = "gzip",
+    tail_sampling: float | None = None,
 ) -> Any:
     from tokentrace.collector.config import parse_config
 
     durability = {} if spool_directory is None else {"directory": str(spool_directory)}
+    sampling = {} if tail_sampling is None else {"tail_sampling": {"random_share": tail_sampling}}
     return parse_config(
         {
             "service": {"durability": durability},
@@ -137,6 +143,7 @@ def _collector_config(
                         {"name": "tpot", "metric": "tpot", "percentile": 99, "threshold": "50ms"},
                     ]
                 },
+                **sampling,
             },
             "exporters": {
                 "store": {"path": str(store_path)},
@@ -152,8 +159,45 @@ def _collector_config(
     )
 
 
+def _done(stats: dict[str, Any], spans: int, requests: int, sampled: bool) -> bool:
+    """Whether the collector is through: every request derived and stored, every span exported.
+    With tail sampling, every request derived, the kept traces' requests stored (the mixed
+    traffic has one request per trace) and the upstream queue empty."""
+    if stats.get("requests", 0) < requests:
+        return False
+    if not sampled:
+        return stats.get("UpstreamSink.traces.sent_spans", 0) >= spans
+    return (
+        stats.get("pending_traces", 0) == 0
+        and stats.get("StoreSink.written_requests", 0) >= _kept_traces(stats)
+        and stats.get("UpstreamSink.traces.queue_len") == 0
+    )
+
+
+def _kept_traces(stats: dict[str, Any]) -> int:
+    """The traces tail sampling kept, whatever the reason."""
+    from tokentrace.agent import semconv
+    from tokentrace.collector.self_telemetry import metric_key
+
+    return sum(
+        stats.get(metric_key(name), 0)
+        for name in (
+            semconv.SELF_METRIC_SAMPLING_KEPT_ALWAYS,
+            semconv.SELF_METRIC_SAMPLING_KEPT_BREACH,
+            semconv.SELF_METRIC_SAMPLING_KEPT_SLOWEST,
+            semconv.SELF_METRIC_SAMPLING_KEPT_RARE,
+            semconv.SELF_METRIC_SAMPLING_KEPT_RANDOM,
+        )
+    )
+
+
 def end_to_end(
-    batches: list[bytes], spans: int, requests: int, *, compression: str
+    batches: list[bytes],
+    spans: int,
+    requests: int,
+    *,
+    compression: str,
+    tail_sampling: float | None = None,
 ) -> dict[str, float]:
     from tokentrace.collector.service import Collector, tune_gc_for_throughput
 
@@ -167,7 +211,12 @@ def end_to_end(
     upstream_port = ready.get(timeout=60)
     with tempfile.TemporaryDirectory(prefix="tokentrace-bench-") as tmp:
         collector = Collector(
-            _collector_config(Path(tmp) / "bench.db", upstream_port, compression=compression)
+            _collector_config(
+                Path(tmp) / "bench.db",
+                upstream_port,
+                compression=compression,
+                tail_sampling=tail_sampling,
+            )
         )
         collector.start()
         tune_gc_for_throughput()  # as `tokentrace collector` does
@@ -177,11 +226,12 @@ def end_to_end(
         try:
             done_at = None
             last_print = 0.0
+            sampled = tail_sampling is not None
             while done_at is None:
                 time.sleep(0.05)
                 stats = collector.stats()
                 exported = stats.get("UpstreamSink.traces.sent_spans", 0)
-                if stats.get("requests", 0) >= requests and exported >= spans:
+                if _done(stats, spans, requests, sampled):
                     done_at = time.perf_counter()
                 elif time.perf_counter() - last_print > 5:
                     last_print = time.perf_counter()
@@ -208,6 +258,7 @@ def end_to_end(
         "send_s": sender["sent_s"],
         "refused": sender["refused"],
         "dropped": stats.get("UpstreamSink.traces.dropped_spans", 0),
+        "kept_share": _kept_traces(stats) / max(1, stats.get("traces", 0)),
     }
 
 
@@ -490,7 +541,17 @@ def main() -> int:
         default="gzip",
         help="of the collector's OTLP/gRPC export upstream (default gzip, the exporter's default)",
     )
+    parser.add_argument(
+        "--tail-sampling",
+        type=float,
+        metavar="SHARE",
+        help="tail sampling on, SHARE its random_share (one collector only)",
+    )
     args = parser.parse_args()
+    if args.tail_sampling is not None and not 0 <= args.tail_sampling <= 1:
+        parser.error("--tail-sampling: a share between 0 and 1")
+    if args.tail_sampling is not None and args.replicas > 1:
+        parser.error("--tail-sampling measures one collector: not with --replicas")
     if args.replicas > 1:
         return _main_replicas(args)
 
@@ -503,15 +564,22 @@ def main() -> int:
     )
 
     results = [
-        end_to_end(batches, spans, requests, compression=args.compression) for _ in range(args.runs)
+        end_to_end(
+            batches, spans, requests, compression=args.compression, tail_sampling=args.tail_sampling
+        )
+        for _ in range(args.runs)
     ]
     rate = statistics.median(r["spans_per_s"] for r in results)
-    print(f"\nend to end, collector pinned to one CPU, upstream export {args.compression}:")
+    sampling = "" if args.tail_sampling is None else f", tail sampling {args.tail_sampling:g}"
+    print(
+        f"\nend to end, collector pinned to one CPU, upstream export {args.compression}{sampling}:"
+    )
     for r in results:
         print(
             f"  {r['spans_per_s']:>9,.0f} spans/s wall ({r['wall_s']:.2f} s), "
             f"{r['spans_per_cpu_s']:>9,.0f} spans per collector CPU-second, "
             f"refused batches retried: {r['refused']}, upstream drops: {r['dropped']}"
+            + ("" if args.tail_sampling is None else f", traces kept: {r['kept_share']:.1%}")
         )
     print(
         f"  median: {rate:,.0f} spans/s ({rate * requests / spans:,.0f} requests/s); "
@@ -530,6 +598,7 @@ def main() -> int:
     print(
         f"\nreproduce: python bench/collector_throughput.py --requests {args.requests} "
         f"--seed {args.seed} --runs {args.runs} --compression {args.compression}"
+        + ("" if args.tail_sampling is None else f" --tail-sampling {args.tail_sampling:g}")
     )
     return 0
 

@@ -20,8 +20,9 @@ pruning, upstream metrics), stays its own business.
 
 Tail sampling (``tail_sampling.py``, when configured) decides after every processor ran on the
 batch: the exporters get the traces it keeps; the other sinks (the admin extension's request
-metrics) still get every trace. A dropped trace is done with as an exported one is (its spool
-segments are released).
+metrics, which read the records only) still get every trace. Only the kept traces' request spans
+are enriched and encoded (``ProcessedTrace.encoded``): a dropped trace costs its derivation and
+no more. A dropped trace is done with as an exported one is (its spool segments are released).
 
 Late spans join their request. A late fragment (spans that came after assembly finished their
 trace) is looked up through the injected ``earlier_spans`` (the collector wires the store's in):
@@ -228,6 +229,9 @@ class ProcessedTrace:
     otlp: bytes = b""
     """The enriched trace as one serialised ExportTraceServiceRequest, encoded once for every
     exporter (serialised requests concatenate into a valid request)."""
+    encoded: bool = True
+    """False while the request spans' enrichment and ``otlp`` wait for tail sampling's decision
+    (``Pipeline._encode``): only the traces the exporters get are enriched and encoded."""
     replaces_stored: list[bytes] = field(default_factory=list)
     """Request span ids of the stored records that ``records`` replace: set when a late
     fragment (``trace``, all that ``otlp`` holds) was derived with its trace's stored spans."""
@@ -545,6 +549,14 @@ class Pipeline:
         """Derive the request records of one trace and enrich its request spans; a late
         fragment joins its trace's stored spans when they are found (module docstring). None
         when it holds only spans the store already has."""
+        processed = self._derived(trace)
+        if processed is not None:
+            self._encode(processed)
+        return processed
+
+    def _derived(self, trace: AssembledTrace) -> ProcessedTrace | None:
+        """``process_trace`` but for the request spans' enrichment and the encoding, which
+        ``_encode`` does (``ProcessedTrace.encoded``)."""
         unique = unique_spans(trace.spans)
         if len(unique) < len(trace.spans):  # both copies of a retried export met in assembly
             self._duplicate_spans.add(len(trace.spans) - len(unique))
@@ -573,8 +585,16 @@ class Pipeline:
             for name, processor in self._processors:
                 self._guarded(name, processor.process, record)
             records.append(record)
-        appended = self._enrichment(trace.spans, records)
-        return ProcessedTrace(trace, records, encode_trace_request(trace.spans, appended=appended))
+        return ProcessedTrace(trace, records, encoded=False)
+
+    def _encode(self, processed: ProcessedTrace) -> None:
+        """Enrich the request spans of a trace ``_derived`` left unencoded, and encode it."""
+        if processed.encoded:
+            return
+        spans = processed.trace.spans
+        appended = self._enrichment(spans, processed.records)
+        processed.otlp = encode_trace_request(spans, appended=appended)
+        processed.encoded = True
 
     def _budgeted(self, trace: AssembledTrace, timeline: RequestTimeline) -> RequestRecord | None:
         try:
@@ -694,7 +714,9 @@ class Pipeline:
             traces = [trace for trace in unstored if trace is not None]
         if self._stored_traces is not None:
             traces = self._joined_with_other_replicas(traces)
-        processed = (self.process_trace(trace) for trace in traces)
+        # With tail sampling, only the traces kept are enriched and encoded (below).
+        derive = self.process_trace if self._sampler is None else self._derived
+        processed = (derive(trace) for trace in traces)
         batch = [item for item in processed if item is not None]
         self._traces.add(len(batch))
         # A re-derived trace's records replace stored ones: only the requests it adds count.
@@ -705,7 +727,11 @@ class Pipeline:
             self._export_or_hold(batch, list(self._sinks), low_seq)
         else:
             # After every processor saw every request (sketches and SLO marks stay exact).
-            self._export_or_hold(self._sampler.sample(batch), self._sampled_sinks, low_seq)
+            kept = self._sampler.sample(batch)
+            for item in kept:
+                self._encode(item)
+            self._export_or_hold(kept, self._sampled_sinks, low_seq)
+            # These read the records only: the dropped traces are neither enriched nor encoded.
             self._export_or_hold(batch, self._unsampled_sinks, low_seq)
         # Every trace popped above is with the exporters now (the store committed it), held,
         # or dropped by tail sampling: done with, as an exported one.

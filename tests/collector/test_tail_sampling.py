@@ -329,6 +329,56 @@ def test_dropped_traces_release_their_spool_and_extensions_still_see_every_trace
     pipeline.shutdown()
 
 
+class _ItemSink(RecordingSink):
+    """Keeps the items it got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items: list[ProcessedTrace] = []
+
+    def export_traces(self, batch: Any) -> None:
+        super().export_traces(batch)
+        self.items.extend(batch)
+
+
+def test_only_kept_traces_are_enriched_and_encoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokentrace.collector import pipeline as pipeline_module
+
+    enriched: list[bytes] = []
+    enrichment = pipeline_module.enrichment_attributes
+
+    def counted(record: RequestRecord) -> bytes:
+        enriched.append(record.timeline.trace_id)
+        return enrichment(record)
+
+    monkeypatch.setattr(pipeline_module, "enrichment_attributes", counted)
+    clock = FakeClock()
+    store, admin = _ItemSink(), _ItemSink()
+    config = parse_config(
+        {
+            "processors": {"tail_sampling": {**_DROP_ALL, "random_share": 0.5}},
+            "extensions": {"admin": {"endpoint": "127.0.0.1:0"}},
+        },
+        environ={},
+    )
+    pipeline = Pipeline(config, sinks={"store": store, "admin": admin}, monotonic=clock)
+    consume(pipeline, range(1, 41))
+    clock.now += 60
+    assert pipeline.process_once() == 40
+    kept = {item.trace.trace_id for item in store.items}
+    assert 0 < len(kept) < 40 and len(admin.items) == 40
+    assert sorted(enriched) == sorted(kept)  # the dropped traces' spans were never enriched
+    unsampled = Pipeline(parse_config({}, environ={}))
+    for item in admin.items:
+        if item.trace.trace_id in kept:
+            assert item.encoded
+            processed = unsampled.process_trace(item.trace)
+            assert processed is not None and item.otlp == processed.otlp  # as without sampling
+        else:
+            assert not item.encoded and item.otlp == b""
+    pipeline.shutdown()
+
+
 def test_the_snapshot_keys_are_what_the_summary_reads() -> None:
     telemetry = SelfTelemetry()
     Pipeline(parse_config({"processors": {"tail_sampling": {}}}, environ={}), telemetry=telemetry)
