@@ -64,12 +64,7 @@ from tokentrace.processors.durations import ms_of
 from tokentrace.processors.model import RequestRecord
 from tokentrace.processors.stats import nearest_rank
 from tokentrace.processors.timeline import DIALECT_VLLM
-from tokentrace.processors.wording import (
-    format_duration,
-    format_share,
-    plural,
-    segment_label,
-)
+from tokentrace.processors.wording import format_duration, format_share, plural, segment_label
 
 _DEFAULT_LONG_PROMPT_TOKENS: Final = 1024
 _DEFAULT_BANDWIDTH_BOUND_RATIO: Final = 0.8

@@ -35,12 +35,7 @@ from tokentrace.processors.diagnosis import (
 )
 from tokentrace.processors.durations import ms_of
 from tokentrace.processors.model import RequestRecord, Verdict
-from tokentrace.processors.wording import (
-    format_duration,
-    format_share,
-    plural,
-    segment_label,
-)
+from tokentrace.processors.wording import format_duration, format_share, plural, segment_label
 
 _MAX_ERROR_CHARS: Final = 160
 """Error descriptions are cut to this length so that the verdict stays one line."""

@@ -48,12 +48,7 @@ from tokentrace.processors.durations import ms_of
 from tokentrace.processors.model import RequestRecord
 from tokentrace.processors.slo import SloTarget
 from tokentrace.processors.stats import nearest_rank
-from tokentrace.processors.wording import (
-    SEGMENT_LABELS,
-    format_ms,
-    format_share,
-    plural,
-)
+from tokentrace.processors.wording import SEGMENT_LABELS, format_ms, format_share, plural
 
 WINDOW_METRICS: Final = (semconv.METRIC_TTFT, semconv.METRIC_TPOT, semconv.METRIC_E2E)
 """The metrics a window is diagnosed by when no target names them."""

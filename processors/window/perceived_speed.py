@@ -15,11 +15,7 @@ from typing import Any, Final
 from tokentrace.processors.durations import ms_of
 from tokentrace.processors.model import RequestRecord
 from tokentrace.processors.stats import nearest_rank
-from tokentrace.processors.wording import (
-    format_duration,
-    format_ms,
-    format_share,
-)
+from tokentrace.processors.wording import format_duration, format_ms, format_share
 
 _NS_PER_MS: Final = 1_000_000
 _FIRST_BYTE_HURTS_NS: Final = 100 * _NS_PER_MS
