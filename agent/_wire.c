@@ -546,8 +546,8 @@ static PyObject *unclean_spans(PyObject *module, PyObject *const *args, Py_ssize
 #define MAX_LINEAR_APPENDED 8 /* more appended entries than this: one dict look-up per span */
 
 typedef struct {
-    PyObject *resource; /* these four hold references: attribute look-ups could run code */
-    PyObject *wire;
+    PyObject *resource; /* the objects in these tables are held (a reference each): a ref's */
+    PyObject *wire;     /* attribute look-up could run code that drops its own */
     Py_ssize_t content; /* the ResourceSpans content size */
 } ResourceGroup;
 
@@ -592,16 +592,22 @@ static void release_plan(TracePlan *plan) {
 
 static PyObject *name_resource, *name_scope, *name_wire, *name_resource_wire, *name_scope_wire;
 
+/* The SpanRef attribute names, made once: 1, or 0 with MemoryError set (tried again next call). */
 static int intern_names(void) {
-    if (name_resource != NULL) {
+    if (name_scope_wire != NULL) { /* the last one made */
         return 1;
     }
-    name_resource = PyUnicode_InternFromString("resource");
-    name_scope = PyUnicode_InternFromString("scope");
-    name_wire = PyUnicode_InternFromString("wire");
-    name_resource_wire = PyUnicode_InternFromString("resource_wire");
+    name_resource = name_resource ? name_resource : PyUnicode_InternFromString("resource");
+    name_scope = name_scope ? name_scope : PyUnicode_InternFromString("scope");
+    name_wire = name_wire ? name_wire : PyUnicode_InternFromString("wire");
+    name_resource_wire =
+        name_resource_wire ? name_resource_wire : PyUnicode_InternFromString("resource_wire");
+    if (name_resource == NULL || name_scope == NULL || name_wire == NULL ||
+        name_resource_wire == NULL) {
+        return 0;
+    }
     name_scope_wire = PyUnicode_InternFromString("scope_wire");
-    return name_resource && name_scope && name_wire && name_resource_wire && name_scope_wire;
+    return name_scope_wire != NULL;
 }
 
 /* The span's own bytes in an entry (tag 0x12, length, span): where they start; 0 when the entry
