@@ -430,6 +430,225 @@ static PyObject *outlier_positions(PyObject *module, PyObject *const *args, Py_s
     return positions;
 }
 
+/* outlier_gap_parts(gaps_ns, offsets_us, first_token, median_rounded, threshold_floor, steps,
+ *                   preempted, with_prefill) -> list[tuple[int, int, int, int, int]] | None
+ *
+ * decode_split.gap_parts with outliers_only, past its median: each gap above threshold_floor
+ * (its outlier gaps, in token order) as (gap, decode, interference, stall, preempted) ns.
+ * `steps`: the request's (start, stop, prefill tokens) engine steps; `preempted`: its sorted
+ * (start, end) preemptions; `with_prefill`: the agent's count of outlier gaps whose steps
+ * prefilled, used without steps (0 for none). None where the twin must answer: a negative count,
+ * inputs that are not int64 buffers of matching lengths or lists of tuples of int64s, arithmetic
+ * past 64 bits, or a step coverage past 2**53 (where the twin's float comparison rounds). */
+
+#define GAP_DECODE 0
+#define GAP_INTERFERENCE 1
+#define GAP_STALL 2
+#define EXACT_LIMIT (((int64_t)1) << 53)
+#define GAP_OUTSIDE (-1)
+
+typedef struct {
+    int64_t gap, preempted, excess;
+    int cause;
+} OutlierGap;
+
+/* A list of `width`-tuples of int64s as a flat array: 1, 0 outside (or error set). */
+static int int_rows(PyObject *list, Py_ssize_t width, int64_t **rows, Py_ssize_t *count) {
+    *rows = NULL;
+    *count = 0;
+    if (!PyList_Check(list)) {
+        return 0;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    int64_t *out = PyMem_Malloc(sizeof(int64_t) * (size_t)(n * width + 1));
+    if (out == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyList_GET_ITEM(list, i);
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != width) {
+            PyMem_Free(out);
+            return 0;
+        }
+        for (Py_ssize_t j = 0; j < width; j++) {
+            PyObject *item = PyTuple_GET_ITEM(row, j);
+            int overflow = 0;
+            long long value = PyLong_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
+            if (!PyLong_Check(item) || overflow || (value == -1 && PyErr_Occurred())) {
+                PyErr_Clear();
+                PyMem_Free(out);
+                return 0;
+            }
+            out[i * width + j] = value;
+        }
+    }
+    *rows = out;
+    *count = n;
+    return 1;
+}
+
+/* ns of [begin, end) the sorted preemptions cover (the twin's _overlap); *ok 0 on overflow. */
+static int64_t preempted_overlap(const int64_t *intervals, Py_ssize_t count, int64_t begin,
+                                 int64_t end, int *ok) {
+    int64_t covered = 0, cursor = begin;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t start = intervals[2 * i], stop = intervals[2 * i + 1], part;
+        if (start >= end) {
+            break;
+        }
+        int64_t low = start > cursor ? start : cursor;
+        int64_t high = stop < end ? stop : end;
+        if (high > low) {
+            if (__builtin_sub_overflow(high, low, &part) ||
+                __builtin_add_overflow(covered, part, &covered)) {
+                *ok = 0;
+                return 0;
+            }
+            cursor = high;
+        }
+    }
+    return covered;
+}
+
+/* What the steps inside the gap say of its excess (the twin's _excess_cause), or GAP_OUTSIDE. */
+static int excess_cause(const int64_t *steps, Py_ssize_t count, int64_t begin, int64_t end) {
+    int64_t covered = 0, overlap;
+    int with_prefill = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t start = steps[3 * i], stop = steps[3 * i + 1];
+        if (__builtin_sub_overflow(stop < end ? stop : end, start > begin ? start : begin,
+                                   &overlap)) {
+            return GAP_OUTSIDE;
+        }
+        if (overlap > 0) {
+            if (__builtin_add_overflow(covered, overlap, &covered)) {
+                return GAP_OUTSIDE;
+            }
+            with_prefill = with_prefill || steps[3 * i + 2] > 0;
+        }
+    }
+    if (with_prefill) {
+        return GAP_INTERFERENCE;
+    }
+    if (covered >= EXACT_LIMIT || end - begin >= EXACT_LIMIT) {
+        return GAP_OUTSIDE; /* the twin compares an int with a rounded float there */
+    }
+    return (double)covered < 0.5 * (double)(end - begin) ? GAP_STALL : GAP_DECODE;
+}
+
+/* One outlier gap (index i) placed and split: 1, or 0 when the twin must answer. */
+static int outlier_gap(int64_t gap, int64_t offset_us, int64_t first_token, int64_t median,
+                       const int64_t *steps, Py_ssize_t step_count, const int64_t *preempted,
+                       Py_ssize_t preempted_count, OutlierGap *part) {
+    int64_t begin, end, excess;
+    int ok = 1;
+    if (__builtin_mul_overflow(offset_us, (int64_t)1000, &begin) ||
+        __builtin_add_overflow(begin, first_token, &begin) ||
+        __builtin_add_overflow(begin, gap, &end)) {
+        return 0;
+    }
+    int64_t overlap =
+        preempted_count ? preempted_overlap(preempted, preempted_count, begin, end, &ok) : 0;
+    int64_t preempted_ns = overlap < gap ? overlap : gap;
+    if (!ok || __builtin_sub_overflow(gap, median, &excess) ||
+        __builtin_sub_overflow(excess, preempted_ns, &excess)) {
+        return 0;
+    }
+    excess = excess > 0 ? excess : 0;
+    int cause = excess && step_count ? excess_cause(steps, step_count, begin, end) : GAP_DECODE;
+    if (cause == GAP_OUTSIDE) {
+        return 0;
+    }
+    *part = (OutlierGap){gap, preempted_ns, excess, cause};
+    return 1;
+}
+
+/* Without steps, the `with_prefill` largest gaps with an excess are interference (equal ones in
+ * token order), as the twin's sort of (-gap, position) takes them. */
+static void mark_largest(OutlierGap *found, Py_ssize_t count, long long with_prefill) {
+    for (long long marked = 0; marked < with_prefill; marked++) {
+        Py_ssize_t best = -1;
+        for (Py_ssize_t j = 0; j < count; j++) {
+            if (found[j].excess && found[j].cause != GAP_INTERFERENCE &&
+                (best < 0 || found[j].gap > found[best].gap)) {
+                best = j;
+            }
+        }
+        if (best < 0) {
+            return;
+        }
+        found[best].cause = GAP_INTERFERENCE;
+    }
+}
+
+static PyObject *outlier_gap_parts(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "outlier_gap_parts takes 8 arguments");
+        return NULL;
+    }
+    long long scalars[4];
+    for (int i = 0; i < 4; i++) { /* first_token, median_rounded, threshold_floor, with_prefill */
+        PyObject *value = args[i == 3 ? 7 : i + 2];
+        int overflow = 0;
+        scalars[i] = PyLong_Check(value) ? PyLong_AsLongLongAndOverflow(value, &overflow) : 0;
+        if (!PyLong_Check(value) || overflow || (scalars[i] == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+    }
+    Py_ssize_t gap_count, offset_count = 0, step_count = 0, preempted_count = 0, kept = 0;
+    int64_t *gaps = int64_buffer(args[0], &gap_count);
+    int64_t *offsets = gaps == NULL ? NULL : int64_buffer(args[1], &offset_count);
+    int64_t *steps = NULL, *preempted = NULL;
+    OutlierGap *found = NULL;
+    PyObject *result = NULL;
+    int fast = scalars[3] >= 0 && offsets != NULL && offset_count == gap_count + 1 &&
+               int_rows(args[5], 3, &steps, &step_count) &&
+               int_rows(args[6], 2, &preempted, &preempted_count) &&
+               (found = PyMem_Malloc(sizeof(OutlierGap) * (size_t)(gap_count + 1))) != NULL;
+    for (Py_ssize_t i = 0; fast && i < gap_count; i++) {
+        if (gaps[i] > scalars[2] && gaps[i] >= 0) {
+            fast = outlier_gap(gaps[i], offsets[i], scalars[0], scalars[1], steps, step_count,
+                               preempted, preempted_count, &found[kept++]);
+        }
+    }
+    if (fast) {
+        if (!step_count && scalars[3] > 0) {
+            mark_largest(found, kept, scalars[3]);
+        }
+        result = PyList_New(kept);
+        for (Py_ssize_t j = 0; result != NULL && j < kept; j++) {
+            OutlierGap *part = &found[j];
+            long long interference = part->cause == GAP_INTERFERENCE ? part->excess : 0;
+            long long stall = part->cause == GAP_STALL ? part->excess : 0;
+            /* decode = gap - preempted - interference - stall: within [0, gap], no overflow */
+            PyObject *row = Py_BuildValue("(LLLLL)", (long long)part->gap,
+                                          (long long)(part->gap - part->preempted) - interference -
+                                              stall,
+                                          interference, stall, (long long)part->preempted);
+            if (row == NULL) {
+                Py_CLEAR(result);
+            } else {
+                PyList_SET_ITEM(result, j, row);
+            }
+        }
+    } else if (found == NULL && gaps != NULL && offsets != NULL && offset_count == gap_count + 1 &&
+               steps != NULL && preempted != NULL && !PyErr_Occurred()) {
+        PyErr_NoMemory(); /* the one allocation that failed without saying so */
+    }
+    PyMem_Free(gaps);
+    PyMem_Free(offsets);
+    PyMem_Free(steps);
+    PyMem_Free(preempted);
+    PyMem_Free(found);
+    if (result == NULL && !PyErr_Occurred()) {
+        Py_RETURN_NONE;
+    }
+    return result;
+}
+
 /* --- span attributes read ------------------------------------------------------------------ */
 
 #define SPAN_ENTRY_TAG 0x12 /* ScopeSpans.spans = 2: SpanRef.wire's head */
@@ -871,6 +1090,9 @@ failed:
 }
 
 static PyMethodDef native_methods[] = {
+    {"outlier_gap_parts", (PyCFunction)(void (*)(void))outlier_gap_parts, METH_FASTCALL,
+     "outlier_gap_parts(gaps_ns, offsets_us, first_token, median_rounded, threshold_floor, "
+     "steps, preempted, with_prefill) -> list[tuple[int, int, int, int, int]] | None"},
     {"int_values", (PyCFunction)(void (*)(void))int_values, METH_FASTCALL,
      "int_values(serialised_array: bytes, count: int) -> list[int] | None"},
     {"gaps_ns", gaps_ns, METH_O, "gaps_ns(offsets_us: list[int]) -> list[int] | None"},

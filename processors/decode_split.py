@@ -61,8 +61,9 @@ def gap_parts(
     first_token = timeline.first_token
     if len(offsets) < 2 or first_token is None:
         return []
-    # Per-token work stays in C (map, the median, the outlier positions): the Python below
-    # runs per outlier gap.
+    # Per-token work stays in C (the median, the outlier positions, and for the pipeline's
+    # outlier gaps the whole split, ``native.outlier_gap_parts``): the Python below is that
+    # split's twin, and the walk over every gap.
     if gaps_ns is None or len(gaps_ns) != len(offsets) - 1:  # not given, or some negative
         gaps_ns = list(
             map(_NS_PER_US.__mul__, map(operator.sub, islice(offsets, 1, None), offsets))
@@ -75,15 +76,28 @@ def gap_parts(
         median_ns = 0
     else:
         threshold_ns = outlier_ratio * median_ns
+    steps = timeline.engine_steps
+    preempted = timeline.preempted
     if outliers_only:
         if highest_ns <= threshold_ns:
             return []  # the usual request: no outlier gap
         # Integer gaps: above the threshold is above its floor (an int compares faster).
-        positions: Iterable[int] = native.outlier_positions(gaps_ns, math.floor(threshold_ns))
+        threshold_floor = math.floor(threshold_ns)
+        found_in_c = native.outlier_gap_parts(
+            gaps_ns,
+            offsets,
+            first_token,
+            round(median_ns),
+            threshold_floor,
+            steps,
+            preempted,
+            timeline.outlier_steps_with_prefill or 0,
+        )
+        if found_in_c is not None:
+            return [GapParts(*part, True) for part in found_in_c]
+        positions: Iterable[int] = native.outlier_positions(gaps_ns, threshold_floor)
     else:
         positions = range(1, len(offsets))
-    steps = timeline.engine_steps
-    preempted = timeline.preempted
     # (gap, preempted part, excess, outlier, the excess's segment) per gap, then the parts.
     found: list[tuple[int, int, int, bool, str]] = []
     for index in positions:

@@ -134,6 +134,34 @@ def outlier_positions(gaps_ns: Sequence[int], threshold_ns: int) -> list[int]:
     return outlier_positions_python(gaps_ns, threshold_ns)
 
 
+def outlier_gap_parts(
+    gaps_ns: Sequence[int],
+    offsets_us: Sequence[int],
+    first_token: int,
+    median_rounded: int,
+    threshold_floor: int,
+    steps: Sequence[tuple[int, int, int]],
+    preempted: Sequence[tuple[int, int]],
+    with_prefill: int,
+) -> list[tuple[int, int, int, int, int]] | None:
+    """``decode_split.gap_parts``' outlier gaps past its median, in C: (gap, decode,
+    interference, stall, preempted) ns per gap above ``threshold_floor``, in token order; None
+    when not built or where the twin must answer (values past 2**53, other types)."""
+    if _NATIVE is None:
+        return None
+    parts: list[tuple[int, int, int, int, int]] | None = _NATIVE.outlier_gap_parts(
+        gaps_ns,
+        offsets_us,
+        first_token,
+        median_rounded,
+        threshold_floor,
+        steps,
+        preempted,
+        with_prefill,
+    )
+    return parts
+
+
 def count_keys_ns(
     durations_ns: Sequence[int], multiplier: float
 ) -> tuple[list[int], list[int], int, int, int] | None:
