@@ -146,7 +146,8 @@ def outlier_gap_parts(
 ) -> list[tuple[int, int, int, int, int]] | None:
     """``decode_split.gap_parts``' outlier gaps past its median, in C: (gap, decode,
     interference, stall, preempted) ns per gap above ``threshold_floor``, in token order; None
-    when not built or where the twin must answer (values past 2**53, other types)."""
+    when not built or where the twin must answer (arithmetic past 64 bits, a step coverage past
+    2**53, a negative ``with_prefill``, other types)."""
     if _NATIVE is None:
         return None
     parts: list[tuple[int, int, int, int, int]] | None = _NATIVE.outlier_gap_parts(
