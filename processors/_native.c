@@ -148,6 +148,21 @@ static PyObject *gaps_ns(PyObject *module, PyObject *arg) {
     return result;
 }
 
+/* An int that fits 64 bits as an int64: 1, or 0 (no exception) for anything else. */
+static int int64_of(PyObject *item, int64_t *value) {
+    if (!PyLong_Check(item)) {
+        return 0;
+    }
+    int overflow = 0;
+    long long number = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow || (number == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    *value = number;
+    return 1;
+}
+
 /* Reads a list of ints, or an int64 buffer (array('q')), into a new int64 buffer; NULL (no
  * exception) when `values` is neither or a list element is not an int that fits 64 bits, NULL
  * with MemoryError set when out of memory. */
@@ -183,15 +198,10 @@ static int64_t *int64_buffer(PyObject *values, Py_ssize_t *count) {
         return NULL;
     }
     for (Py_ssize_t index = 0; index < *count; index++) {
-        PyObject *item = PyList_GET_ITEM(values, index);
-        int overflow = 0;
-        long long value = PyLong_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
-        if (!PyLong_Check(item) || overflow || (value == -1 && PyErr_Occurred())) {
-            PyErr_Clear();
+        if (!int64_of(PyList_GET_ITEM(values, index), &buffer[index])) {
             PyMem_Free(buffer);
             return NULL;
         }
-        buffer[index] = value;
     }
     return buffer;
 }
@@ -401,11 +411,8 @@ static PyObject *outlier_positions(PyObject *module, PyObject *const *args, Py_s
         PyErr_SetString(PyExc_TypeError, "outlier_positions takes 2 arguments");
         return NULL;
     }
-    int overflow = 0;
-    long long threshold = PyLong_Check(args[1]) ? PyLong_AsLongLongAndOverflow(args[1], &overflow)
-                                                : 0;
-    if (!PyLong_Check(args[1]) || overflow || (threshold == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
+    int64_t threshold;
+    if (!int64_of(args[1], &threshold)) {
         Py_RETURN_NONE;
     }
     Py_ssize_t count;
@@ -472,15 +479,10 @@ static int int_rows(PyObject *list, Py_ssize_t width, int64_t **rows, Py_ssize_t
             return 0;
         }
         for (Py_ssize_t j = 0; j < width; j++) {
-            PyObject *item = PyTuple_GET_ITEM(row, j);
-            int overflow = 0;
-            long long value = PyLong_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
-            if (!PyLong_Check(item) || overflow || (value == -1 && PyErr_Occurred())) {
-                PyErr_Clear();
+            if (!int64_of(PyTuple_GET_ITEM(row, j), &out[i * width + j])) {
                 PyMem_Free(out);
                 return 0;
             }
-            out[i * width + j] = value;
         }
     }
     *rows = out;
@@ -566,8 +568,8 @@ static int outlier_gap(int64_t gap, int64_t offset_us, int64_t first_token, int6
 
 /* Without steps, the `with_prefill` largest gaps with an excess are interference (equal ones in
  * token order), as the twin's sort of (-gap, position) takes them. */
-static void mark_largest(OutlierGap *found, Py_ssize_t count, long long with_prefill) {
-    for (long long marked = 0; marked < with_prefill; marked++) {
+static void mark_largest(OutlierGap *found, Py_ssize_t count, int64_t with_prefill) {
+    for (int64_t marked = 0; marked < with_prefill; marked++) {
         Py_ssize_t best = -1;
         for (Py_ssize_t j = 0; j < count; j++) {
             if (found[j].excess && found[j].cause != GAP_INTERFERENCE &&
@@ -588,13 +590,9 @@ static PyObject *outlier_gap_parts(PyObject *module, PyObject *const *args, Py_s
         PyErr_SetString(PyExc_TypeError, "outlier_gap_parts takes 8 arguments");
         return NULL;
     }
-    long long scalars[4];
-    for (int i = 0; i < 4; i++) { /* first_token, median_rounded, threshold_floor, with_prefill */
-        PyObject *value = args[i == 3 ? 7 : i + 2];
-        int overflow = 0;
-        scalars[i] = PyLong_Check(value) ? PyLong_AsLongLongAndOverflow(value, &overflow) : 0;
-        if (!PyLong_Check(value) || overflow || (scalars[i] == -1 && PyErr_Occurred())) {
-            PyErr_Clear();
+    int64_t scalars[4]; /* first_token, median_rounded, threshold_floor, with_prefill */
+    for (int i = 0; i < 4; i++) {
+        if (!int64_of(args[i == 3 ? 7 : i + 2], &scalars[i])) {
             Py_RETURN_NONE;
         }
     }

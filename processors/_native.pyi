@@ -19,3 +19,14 @@ def attribute_slots(
 def has_attribute_key(
     entry: bytes, keys: frozenset[str], prefixes: tuple[str, ...], /
 ) -> bool | None: ...
+def outlier_gap_parts(
+    gaps_ns: object,
+    offsets_us: object,
+    first_token: int,
+    median_rounded: int,
+    threshold_floor: int,
+    steps: object,
+    preempted: object,
+    with_prefill: int,
+    /,
+) -> list[tuple[int, int, int, int, int]] | None: ...
