@@ -545,18 +545,15 @@ static PyObject *unclean_spans(PyObject *module, PyObject *const *args, Py_ssize
 #define MAX_SCOPE_GROUPS 64
 #define MAX_LINEAR_APPENDED 8 /* more appended entries than this: one dict look-up per span */
 
+/* A resource (parent -1) or a scope (parent: its resource's group) and the spans under it. The
+ * objects in these tables are held (a reference each): a ref's attribute look-up could run code
+ * that drops its own. */
 typedef struct {
-    PyObject *resource; /* the objects in these tables are held (a reference each): a ref's */
-    PyObject *wire;     /* attribute look-up could run code that drops its own */
-    Py_ssize_t content; /* the ResourceSpans content size */
-} ResourceGroup;
-
-typedef struct {
-    Py_ssize_t resource; /* index into the resource groups */
-    PyObject *scope;
-    PyObject *wire;
-    Py_ssize_t content; /* the ScopeSpans content size */
-} ScopeGroup;
+    Py_ssize_t parent;
+    PyObject *object; /* identity is the group */
+    PyObject *wire;   /* its serialisation, from the group's first ref */
+    Py_ssize_t content; /* the ResourceSpans / ScopeSpans content size */
+} Group;
 
 typedef struct {
     Py_ssize_t scope; /* index into the scope groups */
@@ -568,25 +565,26 @@ typedef struct {
 typedef struct {
     RefEntry *entries;
     Py_ssize_t entry_count;
-    ResourceGroup resources[MAX_RESOURCE_GROUPS];
+    Group resources[MAX_RESOURCE_GROUPS];
     Py_ssize_t resource_count;
-    ScopeGroup scopes[MAX_SCOPE_GROUPS];
+    Group scopes[MAX_SCOPE_GROUPS];
     Py_ssize_t scope_count;
 } TracePlan;
+
+static void release_groups(Group *groups, Py_ssize_t count) {
+    for (Py_ssize_t g = 0; g < count; g++) {
+        Py_DECREF(groups[g].object);
+        Py_DECREF(groups[g].wire);
+    }
+}
 
 static void release_plan(TracePlan *plan) {
     for (Py_ssize_t i = 0; i < plan->entry_count; i++) {
         Py_DECREF(plan->entries[i].wire);
         Py_XDECREF(plan->entries[i].extra);
     }
-    for (Py_ssize_t r = 0; r < plan->resource_count; r++) {
-        Py_DECREF(plan->resources[r].resource);
-        Py_DECREF(plan->resources[r].wire);
-    }
-    for (Py_ssize_t s = 0; s < plan->scope_count; s++) {
-        Py_DECREF(plan->scopes[s].scope);
-        Py_DECREF(plan->scopes[s].wire);
-    }
+    release_groups(plan->resources, plan->resource_count);
+    release_groups(plan->scopes, plan->scope_count);
     PyMem_Free(plan->entries);
 }
 
@@ -710,23 +708,24 @@ static PyObject *bytes_attribute(PyObject *ref, PyObject *name, int *failed) {
     return value;
 }
 
-/* Where a ref's resource (or scope) group is: its index, -1 when new. */
-static Py_ssize_t resource_group(TracePlan *plan, PyObject *resource) {
-    for (Py_ssize_t r = 0; r < plan->resource_count; r++) {
-        if (plan->resources[r].resource == resource) {
-            return r;
+/* The group of `object` (taken) under `parent` in `groups`: its index, opened with the ref's
+ * `wire_name` bytes when new; -1 outside the fast path (a full table, no bytes), -2 error. */
+static Py_ssize_t group_of(Group *groups, Py_ssize_t *count, Py_ssize_t max, Py_ssize_t parent,
+                           PyObject *object, PyObject *ref, PyObject *wire_name) {
+    for (Py_ssize_t g = 0; g < *count; g++) {
+        if (groups[g].parent == parent && groups[g].object == object) {
+            Py_DECREF(object);
+            return g;
         }
     }
-    return -1;
-}
-
-static Py_ssize_t scope_group(TracePlan *plan, Py_ssize_t resource, PyObject *scope) {
-    for (Py_ssize_t s = 0; s < plan->scope_count; s++) {
-        if (plan->scopes[s].resource == resource && plan->scopes[s].scope == scope) {
-            return s;
-        }
+    int failed = 0;
+    PyObject *wire = *count == max ? NULL : bytes_attribute(ref, wire_name, &failed);
+    if (wire == NULL) {
+        Py_DECREF(object);
+        return failed < 0 ? -2 : -1;
     }
-    return -1;
+    groups[*count] = (Group){parent, object, wire, 0};
+    return (*count)++;
 }
 
 /* One ref placed in its groups (opened where new) and its entry sized: 1, 0 outside the fast
@@ -756,37 +755,19 @@ static int plan_ref(TracePlan *plan, PyObject *ref, PyObject *appended) {
     if (resource == NULL) {
         return -1;
     }
-    Py_ssize_t r = resource_group(plan, resource);
+    Py_ssize_t r = group_of(plan->resources, &plan->resource_count, MAX_RESOURCE_GROUPS, -1,
+                            resource, ref, name_resource_wire);
     if (r < 0) {
-        PyObject *resource_wire = plan->resource_count == MAX_RESOURCE_GROUPS
-                                      ? NULL
-                                      : bytes_attribute(ref, name_resource_wire, &failed);
-        if (resource_wire == NULL) {
-            Py_DECREF(resource);
-            return failed < 0 ? -1 : 0;
-        }
-        r = plan->resource_count++;
-        plan->resources[r] = (ResourceGroup){resource, resource_wire, 0};
-    } else {
-        Py_DECREF(resource);
+        return r == -1 ? 0 : -1;
     }
     PyObject *scope = PyObject_GetAttr(ref, name_scope);
     if (scope == NULL) {
         return -1;
     }
-    Py_ssize_t s = scope_group(plan, r, scope);
+    Py_ssize_t s = group_of(plan->scopes, &plan->scope_count, MAX_SCOPE_GROUPS, r, scope, ref,
+                            name_scope_wire);
     if (s < 0) {
-        PyObject *scope_wire = plan->scope_count == MAX_SCOPE_GROUPS
-                                   ? NULL
-                                   : bytes_attribute(ref, name_scope_wire, &failed);
-        if (scope_wire == NULL) {
-            Py_DECREF(scope);
-            return failed < 0 ? -1 : 0;
-        }
-        s = plan->scope_count++;
-        plan->scopes[s] = (ScopeGroup){r, scope, scope_wire, 0};
-    } else {
-        Py_DECREF(scope);
+        return s == -1 ? 0 : -1;
     }
     entry->scope = s;
     plan->scopes[s].content +=
@@ -810,9 +791,9 @@ static int plan_trace(TracePlan *plan, PyObject *refs, Py_ssize_t count, PyObjec
         }
     }
     for (Py_ssize_t s = 0; s < plan->scope_count; s++) {
-        ScopeGroup *scope = &plan->scopes[s];
+        Group *scope = &plan->scopes[s];
         scope->content += field_size(PyBytes_GET_SIZE(scope->wire)); /* ScopeSpans.scope */
-        plan->resources[scope->resource].content += field_size(scope->content);
+        plan->resources[scope->parent].content += field_size(scope->content);
     }
     for (Py_ssize_t r = 0; r < plan->resource_count; r++) {
         plan->resources[r].content += field_size(PyBytes_GET_SIZE(plan->resources[r].wire));
@@ -830,13 +811,13 @@ static unsigned char *put_bytes(unsigned char *out, PyObject *bytes, Py_ssize_t 
  * spans = 2 } }: each group's spans in their order in the trace. */
 static void write_trace(TracePlan *plan, unsigned char *out) {
     for (Py_ssize_t r = 0; r < plan->resource_count; r++) {
-        ResourceGroup *resource = &plan->resources[r];
+        Group *resource = &plan->resources[r];
         out = put_field_head(out, 0x0a, resource->content);
         out = put_field_head(out, 0x0a, PyBytes_GET_SIZE(resource->wire));
         out = put_bytes(out, resource->wire, 0);
         for (Py_ssize_t s = 0; s < plan->scope_count; s++) {
-            ScopeGroup *scope = &plan->scopes[s];
-            if (scope->resource != r) {
+            Group *scope = &plan->scopes[s];
+            if (scope->parent != r) {
                 continue;
             }
             out = put_field_head(out, 0x12, scope->content);
